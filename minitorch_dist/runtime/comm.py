@@ -1,0 +1,226 @@
+"""Metered collectives: torch.distributed's calls, counted.
+
+Every collective the library runs goes through these wrappers, which have the signatures of
+``torch.distributed`` (tensor forms). Inside ``with comm.meter() as m:`` each call is recorded:
+
+- ``m.calls[op]``: how many times ``op`` ran;
+- ``m.bytes[op]``: the size S of the *full* buffer, summed over calls (the tensor of an
+  all-reduce or broadcast, the unsharded tensor of a reduce-scatter / all-gather, a rank's whole
+  input of an all-to-all, the message of a send);
+- ``m.wire_bytes[op]``: what this rank puts on the wire under the ring model,
+  ``costmodel.bus_bytes(op, S, n)``: all-reduce 2(n-1)/n S, reduce-scatter and all-gather
+  (n-1)/n S, all-to-all (n-1)/n S, broadcast S (the factors of nccl-tests' "bus bandwidth").
+
+The meter counts what was *asked of* the backend under a model of the algorithm; chapter 00's
+``collectives.py`` sends real bytes with send/recv and shows the two counts agree.
+
+Each call also updates a one-line status ("in all_reduce float32[1024] ...", "after ...") that
+``launch`` reads when a rank hangs, so a deadlock is reported as *which op each rank was in*.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..analysis.costmodel import bus_bytes
+
+ReduceOp = dist.ReduceOp
+
+
+@dataclass
+class CommEvent:
+    """One metered call: what ran, on how many ranks, and how many bytes it moved."""
+
+    op: str
+    nbytes: int  # S, the full buffer (see module docstring)
+    wire_bytes: float  # bus_bytes(op, S, n): bytes this rank sends under the ring model
+    group_size: int
+    dtype: str
+    shape: tuple
+    t: float  # time.perf_counter() at launch
+
+
+@dataclass
+class CommMeter:
+    """Counts of the collectives run while the meter is active (one rank's view)."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    wire_bytes: Counter = field(default_factory=Counter)
+    events: list = field(default_factory=list)
+
+    def add(self, ev: CommEvent) -> None:
+        self.calls[ev.op] += 1
+        self.bytes[ev.op] += ev.nbytes
+        self.wire_bytes[ev.op] += ev.wire_bytes
+        self.events.append(ev)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_wire_bytes(self) -> float:
+        return sum(self.wire_bytes.values())
+
+    def ops(self) -> list:
+        """The ops in the order they ran: handy for asserting *which* collectives a step uses."""
+        return [e.op for e in self.events]
+
+    def summary(self) -> dict:
+        """``{op: {"calls", "bytes", "wire_bytes"}}``, plain data (picklable, returnable from a rank)."""
+        return {
+            op: {"calls": self.calls[op], "bytes": self.bytes[op], "wire_bytes": self.wire_bytes[op]}
+            for op in sorted(self.calls)
+        }
+
+    def table(self) -> str:
+        rows = [f"{'op':<16}{'calls':>7}{'bytes':>14}{'wire bytes':>14}"]
+        for op, s in self.summary().items():
+            rows.append(f"{op:<16}{s['calls']:>7}{s['bytes']:>14,}{s['wire_bytes']:>14,.0f}")
+        return "\n".join(rows)
+
+
+# Meters active in this process (nested `with meter()` blocks all see each call), and the
+# status line launch() reads on a hang. A lock because async hooks may call from other threads.
+_active: list = []
+_lock = threading.Lock()
+_status = {"text": "no collective yet", "sink": None}
+
+
+@contextlib.contextmanager
+def meter():
+    """Count every metered call made inside the block (on this rank)."""
+    m = CommMeter()
+    with _lock:
+        _active.append(m)
+    try:
+        yield m
+    finally:
+        with _lock:
+            _active.remove(m)
+
+
+def set_status_sink(sink) -> None:
+    """Mirror the status line into ``sink`` (a shared ``multiprocessing.Array('c')``), for launch()."""
+    _status["sink"] = sink
+
+
+def last_op() -> str:
+    """What this rank last did: ``"in <op> ..."`` while a call blocks, ``"after <op> ..."`` once done."""
+    return _status["text"]
+
+
+def set_status(text: str) -> None:
+    _status["text"] = text
+    sink = _status["sink"]
+    if sink is not None:
+        raw = text.encode("utf-8", "replace")[: len(sink) - 1]
+        sink.value = raw  # no lock: a torn line on a hang report is harmless
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def record(op: str, nbytes: int, n: int, dtype="", shape=()) -> CommEvent:
+    """Register one call of ``op`` on a buffer of ``nbytes`` among ``n`` ranks in every active meter.
+
+    The wrappers below call this; code that moves bytes itself (e.g. a ring all-reduce made of
+    send/recv) may call it too, to be counted as one logical collective.
+    """
+    ev = CommEvent(op, int(nbytes), bus_bytes(op, nbytes, n), n, str(dtype), tuple(shape), time.perf_counter())
+    with _lock:
+        for m in _active:
+            m.add(ev)
+    return ev
+
+
+_calls_so_far = Counter()
+
+
+def _run(op, tensor, nbytes, group, async_op, fn):
+    """Record the call, run it, keep the status line current."""
+    n = _group_size(group)
+    record(op, nbytes, n, tensor.dtype, tensor.shape)
+    _calls_so_far[op] += 1
+    desc = f"{op} {str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {n} ranks (call #{_calls_so_far[op]})"
+    set_status(f"in {desc}")
+    work = fn()
+    set_status(f"launched {desc}" if async_op else f"after {desc}")
+    return work
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --- the wrappers: torch.distributed signatures ---------------------------------------------
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    return _run("all_reduce", tensor, _nbytes(tensor), group, async_op,
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def reduce_scatter(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """``reduce_scatter_tensor``: ``input`` is the full buffer (n x output)."""
+    return _run("reduce_scatter", input, _nbytes(input), group, async_op,
+                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op))
+
+
+def all_gather(output, input, group=None, async_op=False):
+    """``all_gather_into_tensor``: ``output`` is the full buffer (n x input)."""
+    return _run("all_gather", output, _nbytes(output), group, async_op,
+                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op))
+
+
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """``all_to_all_single`` (uneven splits allowed). S is this rank's whole input."""
+    return _run("all_to_all", input, _nbytes(input), group, async_op,
+                lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                               group=group, async_op=async_op))
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    return _run("broadcast", tensor, _nbytes(tensor), group, async_op,
+                lambda: dist.broadcast(tensor, src, group=group, async_op=async_op))
+
+
+def send(tensor, dst, group=None):
+    return _run("send", tensor, _nbytes(tensor), group, False, lambda: dist.send(tensor, dst, group=group))
+
+
+def recv(tensor, src=None, group=None):
+    return _run("recv", tensor, _nbytes(tensor), group, False, lambda: dist.recv(tensor, src, group=group))
+
+
+def isend(tensor, dst, group=None):
+    return _run("send", tensor, _nbytes(tensor), group, True, lambda: dist.isend(tensor, dst, group=group))
+
+
+def irecv(tensor, src=None, group=None):
+    return _run("recv", tensor, _nbytes(tensor), group, True, lambda: dist.irecv(tensor, src, group=group))
+
+
+def batch_isend_irecv(p2p_ops):
+    """Launch a list of ``dist.P2POp`` together; each send / recv is counted on its own."""
+    for p in p2p_ops:
+        name = "send" if p.op in (dist.isend, dist.send) else "recv"
+        record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape)
+    set_status(f"in batch_isend_irecv of {len(p2p_ops)} ops")
+    works = dist.batch_isend_irecv(p2p_ops)
+    set_status(f"launched batch_isend_irecv of {len(p2p_ops)} ops")
+    return works
+
+
+def barrier(group=None):
+    set_status("in barrier")
+    dist.barrier(group=group)
+    set_status("after barrier")
