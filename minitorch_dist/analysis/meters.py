@@ -1,0 +1,339 @@
+"""Measure what a training step costs: bytes by category (``MemoryMeter``) and seconds (``Timer``).
+
+Every memory claim in the course comes from ``MemoryMeter``. It splits a step's memory the way
+the ZeRO paper does (Rajbhandari et al. 2020, §3): *model states* -- parameters, gradients,
+optimizer state -- and *residual states*, chiefly activations.
+
+Activations are the tensors autograd saves for backward: Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", §4) define them as the tensors created in
+the forward pass that back-propagation needs -- not parameters or optimizer state, but e.g. the
+dropout mask. Temporaries that die inside the forward pass are not activations: they are freed before the next
+layer runs. So activation memory is measured exactly where autograd keeps it, with
+``torch.autograd.graph.saved_tensors_hooks``: the pack hook sees every tensor saved for backward,
+and the packed object lives exactly as long as autograd keeps the saved tensor. This works on any
+device, CPU included, with no allocator statistics.
+
+Bytes are counted by *storage*, not by tensor: two views of one buffer (q, k, v split from one
+projection; a ReLU output saved by the ReLU and by the next Linear) are one allocation, and a
+tied embedding/unembedding weight is one parameter. A view keeps its whole storage alive, so
+the whole storage is counted.
+
+On CUDA the meter also reads the caching allocator's high-water mark
+(``torch.cuda.max_memory_allocated``) as ``peak["cuda_peak_allocated"]``: it includes what the
+categories miss (temporaries, workspaces, fragmentation inside blocks), so the gap between it and
+``peak["total"]`` is itself a lesson.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+
+
+def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
+    """(key, nbytes) of the storage behind ``t``; None for an empty or storage-less tensor."""
+    t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2, TP) owns only its local shard
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        n = t.numel() * t.element_size()
+        return ((str(t.device), "id", id(t)), n) if n else None
+    if s.nbytes() == 0:
+        return None
+    return (str(t.device), s.data_ptr()), s.nbytes()
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor inside ``obj`` (a tensor, or lists / tuples / dicts / sets of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
+    """Bytes of the storages behind ``tensors`` not already in ``seen`` (which is updated)."""
+    total = 0
+    for t in tensors:
+        st = _storage(t)
+        if st is not None and st[0] not in seen:
+            seen.add(st[0])
+            total += st[1]
+    return total
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the unique storages behind ``tensors`` (a tensor or a nested list/dict of them).
+
+    Views and tied tensors share a storage and are counted once; a view counts its whole storage,
+    because that is what it keeps alive.
+    """
+    return _unique_bytes(_tensors(tensors), set())
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor while the meter is on.
+
+    It holds a *detached* alias (same storage, same version counter): holding the saved tensor
+    itself would hold its ``grad_fn`` and close a reference cycle through C++ that Python's
+    garbage collector cannot break. When autograd frees the saved tensor (after backward, or when
+    the graph is dropped) this object dies and the meter releases its bytes.
+    """
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple, meter: "MemoryMeter"):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class MemoryMeter:
+    """Peak and current bytes of parameters, gradients, optimizer state and activations.
+
+    >>> meter = MemoryMeter(model, opt)
+    >>> with meter.track():                      # activations are seen only in here
+    ...     model(x).sum().backward(); opt.step()
+    >>> meter.peak["activations"], meter.current()["gradients"]
+    >>> meter.report()                           # a small table in MiB
+
+    ``peak`` holds per-category maxima over samples taken while tracking: at entry, whenever a
+    tensor is saved for backward, a gradient is accumulated or the optimizer steps, and at exit.
+    ``peak["total"]`` is the largest *simultaneous* sum, not the sum of the category peaks. Each storage is counted
+    in one category only (parameters first, then gradients, then optimizer state).
+
+    Parameters saved for backward (a Linear saves its weight) are not activations and are skipped,
+    as are buffers. Without ``model`` and ``optimizer`` the meter still recognises tensors that are
+    ``nn.Parameter``s or views of one.
+
+    Under ``torch.utils.checkpoint`` the segment inputs it keeps are counted and the tensors inside
+    a segment are not -- they are recomputed, which is the point. With ``use_reentrant=True`` the
+    recomputation runs under this meter's hooks, so the peak includes one segment's recomputed
+    activations; with ``use_reentrant=False`` checkpoint stores them itself and the meter misses
+    that bump (the CUDA allocator peak does not).
+    The hooks are thread-local, and autograd carries them into its worker threads (CUDA backward,
+    re-entrant recomputation), so CUDA activations are counted by the same code path; on CUDA the
+    allocator's peak is reported as well (see the module docstring).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 device: torch.device | str | None = None):
+        self.model, self.optimizer = model, optimizer
+        if device is None:
+            first = next(iter(self._params()), None)
+            device = first.device if first is not None else "cpu"
+        self.device = torch.device(device)
+        self.peak: dict[str, int] = dict.fromkeys((*CATEGORIES, "total"), 0)
+        self._live: dict[tuple, list] = {}  # storage key -> [nbytes, number of saved tensors using it]
+        self._live_bytes = 0
+        self._tracking = False
+        self._lock = threading.RLock()  # releases may come from autograd's threads or from __del__
+        self._param_keys: set = set()
+        self._plist: list[torch.Tensor] = []
+        self._cache: dict[str, int] | None = None
+
+    # --- the three model-state categories -------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        ps = list(self.model.parameters()) if self.model is not None else []
+        if self.optimizer is not None:
+            ps += [p for g in self.optimizer.param_groups for p in g["params"]]
+        return list({id(p): p for p in ps}.values())  # the same tensor may come from both
+
+    def _model_states(self) -> dict[str, int]:
+        params, seen = self._params(), set()
+        out = {"parameters": _unique_bytes(params, seen),
+               "gradients": _unique_bytes((p.grad for p in params if p.grad is not None), seen)}
+        state = self.optimizer.state.values() if self.optimizer is not None else ()
+        out["optimizer_state"] = _unique_bytes(_tensors(list(state)), seen)  # step counters included
+        return out
+
+    def current(self) -> dict[str, int]:
+        """Bytes held *now*: model states, live saved activations, their total (and CUDA allocated)."""
+        out = self._model_states()
+        out["activations"] = self._live_bytes
+        out["total"] = sum(out[c] for c in CATEGORIES)
+        if self.device.type == "cuda":
+            out["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+        return out
+
+    @property
+    def live_activation_bytes(self) -> int:
+        """Bytes of saved-for-backward tensors alive right now (returns to 0 after backward)."""
+        return self._live_bytes
+
+    def _sample(self, refresh: bool = False) -> None:
+        """Update the peaks. Memory only grows when a tensor is saved, a gradient accumulated or an
+        optimizer steps, so those are the moments sampled; parameters and optimizer state are
+        re-read only when ``refresh`` (entry, optimizer step, exit), gradients every time."""
+        if not self._tracking:
+            return
+        with self._lock:
+            if refresh or self._cache is None:
+                self._cache = self._model_states()
+            now = dict(self._cache, activations=self._live_bytes)
+            grads = (p.grad for p in self._plist if p.grad is not None)
+            now["gradients"] = _unique_bytes(grads, set(self._param_keys))
+            now["total"] = sum(now[c] for c in CATEGORIES)
+            for k in (*CATEGORIES, "total"):
+                self.peak[k] = max(self.peak[k], now[k])
+
+    # --- activations: saved-tensor hooks ----------------------------------------------------------
+    def _is_param(self, t: torch.Tensor, key: tuple) -> bool:
+        base = t._base if t._base is not None else t
+        return key in self._param_keys or any(isinstance(u, torch.nn.Parameter) for u in (t, base))
+
+    def _pack(self, t: torch.Tensor):
+        st = _storage(t)
+        if st is None or self._is_param(t, st[0]):
+            return t  # not an activation: autograd keeps it as it would without the meter
+        key, nbytes = st
+        with self._lock:
+            entry = self._live.setdefault(key, [nbytes, 0])
+            if entry[1] == 0:
+                self._live_bytes += nbytes
+            entry[1] += 1
+            self._sample()
+        return _Saved(t.detach(), key, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, key: tuple) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:  # a release only lowers memory: no peak to sample
+                del self._live[key]
+                self._live_bytes -= entry[0]
+
+    @contextlib.contextmanager
+    def track(self, reset: bool = True):
+        """Record peaks over the block; activations saved inside it are counted until autograd frees them."""
+        if self._tracking:
+            raise RuntimeError("MemoryMeter.track() is already active; nest two meters, not one meter twice")
+        if reset:
+            self.peak = dict.fromkeys((*CATEGORIES, "total"), 0)
+        self._plist, self._cache = self._params(), None
+        self._param_keys = {st[0] for st in map(_storage, self._plist) if st is not None}
+        if self.model is not None:
+            self._param_keys |= {st[0] for st in map(_storage, self.model.buffers()) if st is not None}
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        # A gradient appearing is a moment memory may peak (activations not yet freed, grads growing).
+        handles = [p.register_post_accumulate_grad_hook(lambda _p: self._sample())
+                   for p in self._plist if p.requires_grad and p.is_leaf]
+        if self.optimizer is not None:
+            handles.append(self.optimizer.register_step_post_hook(lambda *_: self._sample(refresh=True)))
+        self._tracking = True
+        self._sample(refresh=True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            self._sample(refresh=True)
+            self._tracking = False
+            for h in handles:
+                h.remove()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                cuda_peak = torch.cuda.max_memory_allocated(self.device)
+                self.peak["cuda_peak_allocated"] = max(self.peak.get("cuda_peak_allocated", 0), cuda_peak)
+
+    def report(self, unit: str = "MiB") -> str:
+        """A small table of peak and current bytes per category (``unit``: B, KiB, MiB or GiB).
+
+        Returns a string that a notebook displays as the table itself.
+        """
+        if unit not in _UNITS:
+            raise ValueError(f"unit {unit!r} is not one of {list(_UNITS)}")
+        cur, div = self.current(), _UNITS[unit]
+        cell = lambda d, k: f"{d[k] / div:>14.3f}" if k in d else f"{'-':>14}"  # noqa: E731
+        rows = [f"{'category':<20}{'peak ' + unit:>14}{'now ' + unit:>14}"]
+        for k in (*CATEGORIES, "total", "cuda_peak_allocated", "cuda_allocated"):
+            if k in self.peak or k in cur:
+                rows.append(f"{k:<20}{cell(self.peak, k)}{cell(cur, k)}")
+        return _Table("\n".join(rows))
+
+
+_UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+
+
+class _Table(str):
+    """A string that a notebook displays as itself (no quotes, real newlines)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def saved_activation_bytes(fn: Callable, *args, **kwargs) -> int:
+    """Peak bytes of tensors saved for backward while ``fn(*args, **kwargs)`` runs (no model states).
+
+    Parameters are recognised as ``nn.Parameter`` instances (or views of them) and skipped.
+    """
+    meter = MemoryMeter()
+    with meter.track():
+        fn(*args, **kwargs)
+    return meter.peak["activations"]
+
+
+def _sync() -> None:
+    # Kernels run asynchronously on a GPU: without a sync the clock measures the launch, not the work.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """Wall-clock seconds of a block, synchronised with CUDA when CUDA is in use.
+
+    >>> with Timer() as t:
+    ...     step()
+    >>> t.elapsed
+    >>> Timer.measure(step, repeat=5, warmup=1)["median"]
+
+    ``time.perf_counter`` is the highest-resolution monotonic clock; the median of several
+    repeats resists the outliers (a context switch, a page fault) that the mean does not.
+    """
+
+    def __init__(self):
+        self.start: float | None = None
+        self.elapsed: float | None = None
+
+    def __enter__(self) -> "Timer":
+        _sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync()
+        self.elapsed = time.perf_counter() - self.start
+
+    @staticmethod
+    def measure(fn: Callable[[], Any], repeat: int = 5, warmup: int = 1) -> dict:
+        """Run ``fn`` ``warmup`` times untimed, then ``repeat`` times timed: median, min, mean, times (s)."""
+        if repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {repeat}")
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            with Timer() as t:
+                fn()
+            times.append(t.elapsed)
+        return {"median": statistics.median(times), "min": min(times),
+                "mean": statistics.fmean(times), "times": times}
