@@ -32,6 +32,11 @@ from ..analysis.costmodel import bus_bytes
 
 ReduceOp = dist.ReduceOp
 
+# torch 2.13 renamed the tensor forms (reduce_scatter_tensor -> reduce_scatter_single, all_gather_into_tensor
+# -> all_gather_single) and warns on the old names; older releases only have the old ones.
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class CommEvent:
@@ -170,15 +175,15 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
 
 
 def reduce_scatter(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    """``reduce_scatter_tensor``: ``input`` is the full buffer (n x output)."""
+    """``reduce_scatter_tensor`` (``reduce_scatter_single``): ``input`` is the full buffer (n x output)."""
     return _run("reduce_scatter", input, _nbytes(input), group, async_op,
-                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op))
+                lambda: _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op))
 
 
 def all_gather(output, input, group=None, async_op=False):
-    """``all_gather_into_tensor``: ``output`` is the full buffer (n x input)."""
+    """``all_gather_into_tensor`` (``all_gather_single``): ``output`` is the full buffer (n x input)."""
     return _run("all_gather", output, _nbytes(output), group, async_op,
-                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op))
+                lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
 
 
 def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):

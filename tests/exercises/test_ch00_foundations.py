@@ -1,0 +1,170 @@
+"""Chapter 00 exercises, autograded: recursive-doubling all-gather, alpha-beta fit, memory math.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+expected value comes from an independent source: PyTorch's own ``all_gather_into_tensor``, the
+comm meter, and the formulas of ``minitorch_dist.analysis.costmodel``.
+"""
+import random
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from minitorch_dist import comm, launch
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.course.exercises import load
+
+pytestmark = pytest.mark.ch00
+
+# The rank functions below are sent to the ranks by value, so spawned ranks need not import this
+# file (whatever pytest's import mode). The exercise module is registered by value by `load`.
+if __name__ in sys.modules:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch00")
+
+
+# --- 1. recursive_doubling_all_gather ---------------------------------------------------------
+
+
+def _all_gather_on_ranks(impl, shape, dtype):
+    """On each rank: gather a rank-specific chunk with `impl` (metered) and with PyTorch."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1000 + r)
+    chunk = (torch.randn(shape, generator=g) * 1000).to(dtype)
+    expected = chunk.new_empty((n * shape[0], *shape[1:]))
+    dist.all_gather_into_tensor(expected, chunk)  # PyTorch's own, outside the meter
+    with comm.meter() as m:
+        got = impl(chunk)
+    sends = [e.nbytes for e in m.events if e.op == "send"]
+    return got, expected, dict(m.calls), sends, chunk.numel() * chunk.element_size()
+
+
+# A deadlocked exchange (both partners blocking in send) fails after this long, naming each
+# rank's last op, instead of launch's default 300 s.
+TIMEOUT_S = 60
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_recursive_doubling_all_gather_matches_all_gather_into_tensor(ex, n):
+    results = launch(_all_gather_on_ranks, n, ex.recursive_doubling_all_gather, (3, 5), torch.float32,
+                     timeout_s=TIMEOUT_S)
+    for r, (got, expected, *_) in enumerate(results):
+        assert isinstance(got, torch.Tensor), f"rank {r} returned {type(got).__name__}, not a tensor"
+        assert got.shape == expected.shape == (3 * n, 5), f"rank {r}: shape {tuple(got.shape)}"
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"rank {r}: {m}")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_recursive_doubling_all_gather_sends_log2n_messages_of_n_minus_1_over_n_bytes(ex, n):
+    steps = n.bit_length() - 1  # log2(n)
+    results = launch(_all_gather_on_ranks, n, ex.recursive_doubling_all_gather, (7,), torch.int64,
+                     timeout_s=TIMEOUT_S)
+    for r, (got, expected, calls, sends, block) in enumerate(results):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"rank {r}: {m}")
+        assert set(calls) <= {"send", "recv"}, \
+            f"rank {r} ran {dict(calls)}: build it from point-to-point sends and receives only"
+        assert calls.get("send") == steps and calls.get("recv") == steps, \
+            f"rank {r}: {calls.get('send', 0)} sends / {calls.get('recv', 0)} receives through comm, " \
+            f"expected log2({n}) = {steps} of each"
+        # step k swaps the 2**k blocks gathered so far: 1, 2, 4, ... blocks
+        assert sends == [block * 2**k for k in range(steps)], f"rank {r}: message sizes {sends}"
+        S = n * block  # the gathered tensor
+        assert sum(sends) == (n - 1) * S // n == costmodel.bus_bytes("all_gather", S, n)
+
+
+# --- 2. fit_alpha_beta ---------------------------------------------------------------------------
+
+SIZES = 2.0 ** np.arange(10, 27)  # 1 KiB .. 64 MiB, the range of an nccl-tests sweep
+
+
+@pytest.mark.parametrize("alpha,beta", [(20e-6, 1 / 5e9), (3e-6, 1 / 150e9), (1e-3, 1 / 1e8)])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fit_alpha_beta_recovers_exact_parameters(ex, n, alpha, beta):
+    times = [costmodel.allreduce_time(S, n, alpha, beta) for S in SIZES]
+    got = ex.fit_alpha_beta(SIZES, times, n)
+    assert len(got) == 2 and all(isinstance(v, float) for v in got), f"return two floats, got {got!r}"
+    assert got[0] == pytest.approx(alpha, rel=1e-6), "alpha"
+    assert got[1] == pytest.approx(beta, rel=1e-6), "beta"
+
+
+def test_fit_alpha_beta_with_noise_matches_costmodel(ex):
+    n, alpha, beta = 4, 20e-6, 1 / 5e9
+    rng = np.random.default_rng(0)
+    sizes = np.repeat(SIZES, 5)  # 5 repeats per size, 2% multiplicative noise on each
+    times = np.array([costmodel.allreduce_time(S, n, alpha, beta) for S in sizes])
+    times *= 1 + 0.02 * rng.standard_normal(sizes.size)
+    got_alpha, got_beta = ex.fit_alpha_beta(sizes, times, n)
+    ref_alpha, ref_beta = costmodel.fit_alpha_beta(sizes, times, n)  # same model, same objective
+    assert got_alpha == pytest.approx(ref_alpha, rel=1e-6) and got_beta == pytest.approx(ref_beta, rel=1e-6)
+    # and close to the truth: alpha too, which an unweighted fit loses under the large sizes' noise
+    assert got_alpha == pytest.approx(alpha, rel=0.1)
+    assert got_beta == pytest.approx(beta, rel=0.02)
+
+
+# --- 3. training_memory_bytes ----------------------------------------------------------------
+
+KEYS = ("weights", "gradients", "optimizer", "total")
+
+
+def test_training_memory_bytes_mixed_adamw_is_16_bytes_per_param(ex):
+    for N in (1, 1000, 124_439_808, 7_500_000_000):
+        got = ex.training_memory_bytes(N)
+        assert {k: got[k] for k in KEYS} == {"weights": 2 * N, "gradients": 2 * N,
+                                             "optimizer": 12 * N, "total": 16 * N}, f"N={N}"
+
+
+def test_training_memory_bytes_gpt2_1_5b_needs_24_gb(ex):
+    # ZeRO §3.1: 1.5B parameters, mixed-precision Adam -> at least 24 GB of model states
+    assert ex.training_memory_bytes(1.5e9, "adam", "mixed")["total"] == pytest.approx(24 * costmodel.GB)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "sgd_nomomentum"])
+def test_training_memory_bytes_matches_costmodel(ex, optimizer, precision):
+    for N in (1, 3, 1_000_003, 1.5e9):
+        got = ex.training_memory_bytes(N, optimizer=optimizer, precision=precision)
+        ref = costmodel.model_state_bytes(N, precision=precision, optimizer=optimizer)
+        for k in KEYS:
+            assert got[k] == pytest.approx(ref[k]), f"{k} of N={N}, {optimizer}, {precision}"
+
+
+# --- 4. largest_model_that_fits -------------------------------------------------------------
+
+
+def test_largest_model_that_fits_80gb_device_holds_5b_params(ex):
+    N = ex.largest_model_that_fits(80 * costmodel.GB)
+    assert isinstance(N, (int, np.integer)) and not isinstance(N, bool), f"return an int, got {N!r}"
+    assert N == 5_000_000_000
+    # plain DP (ZeRO stage 0) keeps all 16 B/param on every rank, however many ranks there are
+    assert costmodel.zero_memory_bytes(N, dp=64, stage=0) == 80 * costmodel.GB
+    assert ex.largest_model_that_fits(80 * costmodel.GB, activation_bytes=1) == N - 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "sgd_nomomentum"])
+def test_largest_model_that_fits_is_exactly_the_boundary(ex, optimizer, precision):
+    rng = random.Random(f"{optimizer}-{precision}")
+    def fits(k, device, act):
+        return costmodel.model_state_bytes(k, precision, optimizer)["total"] + act <= device
+    for _ in range(200):
+        device = rng.randrange(1, 2 * 10**12)
+        act = rng.choice([0, rng.randrange(0, device + 1)])
+        N = ex.largest_model_that_fits(device, optimizer, precision, activation_bytes=act)
+        assert fits(N, device, act) and not fits(N + 1, device, act), \
+            f"device={device} B, activations={act} B: got N={N}"
+
+
+def test_largest_model_that_fits_nothing_when_activations_fill_the_device(ex):
+    assert ex.largest_model_that_fits(10 * costmodel.GB, activation_bytes=10 * costmodel.GB) == 0
+    assert ex.largest_model_that_fits(10 * costmodel.GB, activation_bytes=12 * costmodel.GB) == 0
+    assert ex.largest_model_that_fits(15) == 0  # less than one parameter's 16 bytes
+    assert ex.largest_model_that_fits(16) == 1
