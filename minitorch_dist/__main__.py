@@ -1,0 +1,137 @@
+"""Command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule}`` (or ``minitorch-dist``).
+
+    tour      run each written chapter's headline experiment; print theory vs measured
+    grade     run the exercise tests; print a per-exercise report (passed / failed / todo / blocked)
+    estimate  model-state memory per device under ZeRO stages 0-3, from analysis.costmodel
+    plan      search DP x TP x PP x ZeRO for a model on a cluster (chapter 12)
+    schedule  print a pipeline schedule (chapter 03)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+#: Published parameter counts for ``estimate --model``.
+MODELS = {
+    "gpt2": (117e6, "GPT-2 small, Radford et al. 2019, Table 2"),
+    "gpt2-medium": (345e6, "Radford et al. 2019, Table 2"),
+    "gpt2-large": (762e6, "Radford et al. 2019, Table 2"),
+    "gpt2-xl": (1542e6, "Radford et al. 2019, Table 2"),
+    "zero-7.5b": (7.5e9, "the worked example of ZeRO, Rajbhandari et al. 2020, Table 1"),
+    "megatron-8.3b": (8.3e9, "Shoeybi et al. 2019 (Megatron-LM), Table 1"),
+    "gpt3-13b": (13.0e9, "Brown et al. 2020, Table 2.1"),
+    "gpt3-175b": (175.0e9, "Brown et al. 2020, Table 2.1"),
+    "llama2-70b": (70e9, "Touvron et al. 2023 (Llama 2), Table 1"),
+}
+
+STAGES = {0: "none (plain data parallel)", 1: "optimizer states (P_os)",
+          2: "+ gradients (P_os+g)", 3: "+ parameters (P_os+g+p)"}
+
+COMING = {"plan": ("chapter 12", "12_putting_it_together"), "schedule": ("chapter 03", "03_pipeline")}
+
+
+def _gb(nbytes: float) -> str:
+    """Decimal GB to three significant figures, the way the ZeRO paper prints them."""
+    v = nbytes / 1e9
+    return f"{v:,.0f} GB" if v >= 1000 else f"{v:.3g} GB"
+
+
+def per_device_bytes(num_params: float, dp: int, stage: int, precision: str, optimizer: str) -> float:
+    """Model-state bytes one device holds under ZeRO `stage` (activations and buffers excluded)."""
+    from .analysis import costmodel
+
+    parts = costmodel.model_state_bytes(num_params, precision, optimizer)
+    if parts["weights"] == 2 * num_params and parts["gradients"] == 2 * num_params:
+        k = parts["optimizer"] / num_params  # the paper's K: 12 for mixed-precision AdamW
+        return costmodel.zero_memory_bytes(num_params, dp, stage, k=k)
+    # Other precisions: each stage shards one more of the three parts over the dp ranks.
+    w, g, o = parts["weights"], parts["gradients"], parts["optimizer"]
+    return {0: w + g + o, 1: w + g + o / dp, 2: w + (g + o) / dp, 3: (w + g + o) / dp}[stage]
+
+
+def estimate(args) -> int:
+    if args.model:
+        num_params, source = MODELS[args.model]
+        what = f"{args.model} ({num_params:.4g} parameters; {source})"
+    else:
+        num_params, what = args.params, f"{args.params:.4g} parameters"
+    if num_params <= 0 or args.dp < 1:
+        print("error: --params must be > 0 and --dp >= 1", file=sys.stderr)
+        return 2
+    try:
+        from .analysis import costmodel
+
+        parts = costmodel.model_state_bytes(num_params, args.precision, args.optimizer)
+        stages = [args.zero] if args.zero is not None else [0, 1, 2, 3]
+        rows = [(s, per_device_bytes(num_params, args.dp, s, args.precision, args.optimizer)) for s in stages]
+    except (ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .course.registry import format_table
+
+    per = {k: parts[k] / num_params for k in ("weights", "gradients", "optimizer")}
+    print(f"Model-state memory per device for {what}, {args.dp} data-parallel ranks")
+    print(f"{args.precision} precision, {args.optimizer}: weights {per['weights']:g} + gradients "
+          f"{per['gradients']:g} + optimizer K={per['optimizer']:g} bytes/parameter "
+          f"(ZeRO, Rajbhandari et al. 2020, §5.1 and Table 1)")
+    print("GB = 1e9 bytes, as in the paper; activations, buffers and fragmentation not included\n")
+    body = [[str(s), STAGES[s], f"{b / num_params:.3g}", _gb(b), "yes" if b <= args.gpu_mem_gb * 1e9 else "no"]
+            for s, b in rows]
+    print(format_table(body, ["stage", "partitions", "bytes/param", "per device", f"fits {args.gpu_mem_gb:g} GB"]))
+    return 0
+
+
+def coming(args) -> int:
+    chapter, slug = COMING[args.command]
+    print(f"`{args.command}` is coming in {chapter} (chapters/{slug}.md); it is not written yet.")
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .course import grade, tour
+
+    p = argparse.ArgumentParser(prog="python -m minitorch_dist", description="minitorch_dist: large-scale training as code you can read "
+                                            "and numbers you can reproduce.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="examples:\n  python -m minitorch_dist tour --smoke\n"
+                                       "  python -m minitorch_dist grade --chapter ch00\n"
+                                       "  python -m minitorch_dist estimate --params 7.5e9 --dp 64\n")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{tour,grade,estimate,plan,schedule}")
+    t = sub.add_parser("tour", help="run each written chapter's headline experiment: theory vs measured",
+                       description=tour.__doc__.split("\n\n")[0])
+    tour.add_arguments(t)
+    t.set_defaults(func=tour.main)
+    g = sub.add_parser("grade", help="run the exercise tests; report passed / failed / todo / blocked per exercise",
+                       description=grade.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    grade.add_arguments(g)
+    g.set_defaults(func=grade.main)
+    e = sub.add_parser("estimate", help="model-state memory per device under ZeRO stages 0-3",
+                       description="Per-device memory of weights, gradients and optimizer states under "
+                                   "ZeRO stage 0-3 (analysis.costmodel). Example, ZeRO's Table 1: "
+                                   "--params 7.5e9 --dp 64 gives 120 / 31.4 / 16.6 / 1.88 GB.")
+    size = e.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
+    size.add_argument("--model", choices=sorted(MODELS), help="a published model size")
+    e.add_argument("--dp", type=int, default=1, help="data-parallel degree N_d (default 1)")
+    e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all four)")
+    e.add_argument("--precision", choices=("mixed", "fp32"), default="mixed", help="default mixed (fp16/bf16)")
+    e.add_argument("--optimizer", default="adamw", help="adamw (default), sgd, ... (see costmodel)")
+    e.add_argument("--gpu-mem-gb", type=float, default=80, help="device memory for the 'fits' column (default 80)")
+    e.set_defaults(func=estimate)
+    for name, helptext in (("plan", "search DP x TP x PP x ZeRO for a model on a cluster (coming in chapter 12)"),
+                           ("schedule", "print a pipeline schedule (coming in chapter 03)")):
+        c = sub.add_parser(name, help=helptext, description=helptext)
+        c.set_defaults(func=coming)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in COMING:  # plan / schedule take any arguments for now
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

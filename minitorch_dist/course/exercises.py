@@ -1,0 +1,266 @@
+"""Exercise stubs, generated from the worked solutions; and loading either one by name.
+
+A solutions file marks the part a student writes::
+
+    def ring_all_reduce(t):
+        \"\"\"Sum `t` over all ranks with the ring algorithm ...\"\"\"
+        # BEGIN SOLUTION
+        ...the worked answer...
+        # END SOLUTION
+
+`strip_solutions` replaces every region, markers included, by one
+``raise NotImplementedError("exercise: ring_all_reduce — see chapters/NN_slug.md")`` at the
+marker's indentation, so the signature and docstring (which sit before the marker) stay.
+``exercises/`` is never edited by hand: ``make exercises`` runs
+``python -m minitorch_dist.course.exercises generate`` and ``check`` lists stale stubs.
+
+`load` imports a chapter's solutions or stubs by file path; ``MTD_IMPL=exercises`` switches the
+exercise tests (and so the grader) from the worked solutions to a student's stubs.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import io
+import os
+import re
+import sys
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from . import registry
+from .registry import Chapter
+
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+_MARKER = re.compile(r"#\s*(BEGIN|END) SOLUTION\s*")
+IMPLS = ("solutions", "exercises")
+
+
+class MarkerError(ValueError):
+    """Solution markers that cannot be turned into stubs (unbalanced, nested, misplaced)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    begin: int  # 1-based line of "# BEGIN SOLUTION"
+    end: int  # 1-based line of "# END SOLUTION"
+    indent: str  # the BEGIN marker's indentation: the stub's `raise` goes there
+    qualname: str  # "ring_all_reduce" or "Ring.forward": the innermost def/class around it
+    exercise: str  # the module-level function or class that holds the region
+
+
+def _marker_lines(source: str, origin: str) -> list[tuple[int, str, str]]:
+    """(line, "BEGIN"/"END", indentation) of each marker comment; comments only, not strings."""
+    found, lines = [], source.splitlines()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type != tokenize.COMMENT or not (m := _MARKER.fullmatch(tok.string)):
+                continue
+            line, col = tok.start
+            prefix = lines[line - 1][:col]
+            if prefix.strip():
+                raise MarkerError(f"{origin}:{line}: '{tok.string.strip()}' must be on a line of its own")
+            found.append((line, m.group(1), prefix))
+    except (tokenize.TokenError, SyntaxError) as e:
+        raise MarkerError(f"{origin}: cannot tokenize: {e}") from e
+    return found
+
+
+def _enclosing(tree: ast.AST, first: int, last: int) -> list[ast.AST]:
+    """The def/class nodes (outermost first) whose lines contain lines first..last."""
+    chain, body = [], getattr(tree, "body", [])
+    while True:
+        inner = [n for n in ast.walk(ast.Module(body=body, type_ignores=[]))
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and n.lineno < first and n.end_lineno >= last]
+        if not inner:
+            return chain
+        node = min(inner, key=lambda n: n.lineno)  # the outermost of those left is the first
+        chain.append(node)
+        body = node.body
+
+
+def regions(source: str, origin: str = "<source>") -> list[Region]:
+    """The solution regions of `source`, checked: balanced, not nested, inside a def or class."""
+    try:
+        tree = ast.parse(source, filename=origin)
+    except SyntaxError as e:
+        raise MarkerError(f"{origin}:{e.lineno}: not valid Python: {e.msg}") from e
+    out, open_at, src = [], None, source.splitlines()
+    for line, kind, indent in _marker_lines(source, origin):
+        if kind == "BEGIN":
+            if open_at is not None:
+                raise MarkerError(f"{origin}:{line}: nested '{BEGIN}' (the region opened at line "
+                                  f"{open_at[0]} has no '{END}' yet)")
+            open_at = (line, indent)
+            continue
+        if open_at is None:
+            raise MarkerError(f"{origin}:{line}: '{END}' without a matching '{BEGIN}'")
+        begin, indent = open_at
+        open_at = None
+        code = [n for n in range(begin + 1, line) if src[n - 1].strip() and not src[n - 1].lstrip().startswith("#")]
+        if not code:
+            raise MarkerError(f"{origin}:{begin}: empty solution region (lines {begin}-{line})")
+        chain = _enclosing(tree, code[0], code[-1])
+        if not chain:
+            raise MarkerError(f"{origin}:{begin}: a solution region must sit inside a function or "
+                              "class body, after its signature and docstring")
+        out.append(Region(begin, line, indent, ".".join(n.name for n in chain), chain[0].name))
+    if open_at is not None:
+        raise MarkerError(f"{origin}:{open_at[0]}: '{BEGIN}' is never closed by '{END}'")
+    return out
+
+
+def header(origin: str) -> str:
+    return f"# generated from {origin}; do not edit — run `make exercises`\n"
+
+
+def strip_solutions(source: str, origin: str = "<source>", prose: str = "the chapter") -> str:
+    """The stub text for solutions `source`: each region becomes a `raise NotImplementedError`."""
+    lines = source.splitlines(keepends=True)
+    out, pos = [header(origin)], 0
+    for r in regions(source, origin):
+        out.extend(lines[pos:r.begin - 1])
+        out.append(f'{r.indent}raise NotImplementedError("exercise: {r.qualname} — see {prose}")\n')
+        pos = r.end
+    out.extend(lines[pos:])
+    text = "".join(out)
+    try:
+        ast.parse(text)
+    except SyntaxError as e:  # e.g. a region that was a whole `if` branch but for its marker
+        raise MarkerError(f"{origin}: the generated stub is not valid Python at line {e.lineno}: {e.msg}") from e
+    return text
+
+
+def exercise_names_in(source: str, origin: str = "<source>") -> list[str]:
+    """Module-level functions/classes that hold a solution region, in file order, once each."""
+    return list(dict.fromkeys(r.exercise for r in regions(source, origin)))
+
+
+def exercise_names(chapter) -> list[str]:
+    """The exercises of a chapter: the names the grader looks for in ``test_<name>...``."""
+    ch = registry.chapter(chapter)
+    return exercise_names_in(ch.solutions.read_text(), ch.rel(ch.solutions))
+
+
+def stub_text(ch: Chapter) -> str:
+    """What ``exercises/chNN_x.py`` must contain for chapter `ch`."""
+    return strip_solutions(ch.solutions.read_text(), ch.rel(ch.solutions), ch.rel(ch.prose))
+
+
+def _chapters(chapter) -> list[Chapter]:
+    return list(registry.CHAPTERS) if chapter is None else [registry.chapter(chapter)]
+
+
+def generate(chapter=None) -> list[Path]:
+    """Write the stubs of `chapter` (default: every chapter with a solutions file); return those changed."""
+    changed = []
+    for ch in _chapters(chapter):
+        if not ch.solutions.exists():
+            if chapter is not None:
+                raise FileNotFoundError(f"{ch.rel(ch.solutions)} does not exist: nothing to generate")
+            continue
+        text = stub_text(ch)
+        if not ch.exercises.exists() or ch.exercises.read_text() != text:
+            ch.exercises.parent.mkdir(parents=True, exist_ok=True)
+            ch.exercises.write_text(text)
+            changed.append(ch.exercises)
+    return changed
+
+
+def check_sync(chapter=None) -> list[Path]:
+    """Stub files that differ from what their solutions generate (or lack a solutions file)."""
+    stale = []
+    for ch in _chapters(chapter):
+        if ch.solutions.exists():
+            if not ch.exercises.exists() or ch.exercises.read_text() != stub_text(ch):
+                stale.append(ch.exercises)
+        elif ch.exercises.exists():
+            stale.append(ch.exercises)  # an orphan: its solutions were removed or renamed
+    return stale
+
+
+def resolve_impl(impl: str | None = None) -> str:
+    """`impl`, else ``$MTD_IMPL``, else "solutions"; checked."""
+    impl = (impl or os.environ.get("MTD_IMPL") or "solutions").strip().lower()
+    if impl not in IMPLS:
+        raise ValueError(f"MTD_IMPL / impl is {impl!r}; use 'solutions' (worked answers) or 'exercises' (stubs)")
+    return impl
+
+
+def load(chapter_key, impl: str | None = None, *, reload: bool = False) -> ModuleType:
+    """Import chapter `chapter_key`'s solutions or exercises (`impl`, default ``$MTD_IMPL``).
+
+    Each (impl, chapter) gets its own module name (``mtd_solutions_ch00_foundations``), so a test
+    can hold both. The module is registered with cloudpickle to be pickled by value, so its
+    functions can be sent to spawned ranks that cannot import it by that name.
+    """
+    ch = registry.chapter(chapter_key)
+    impl = resolve_impl(impl)
+    path = ch.exercises if impl == "exercises" else ch.solutions
+    if not path.exists():
+        fix = "run `make exercises`" if impl == "exercises" and ch.solutions.exists() else \
+            f"chapter {ch.tag} has no worked solutions yet"
+        raise FileNotFoundError(f"{ch.rel(path)} does not exist; {fix}")
+    name = f"mtd_{impl}_{ch.stem}"
+    old = sys.modules.get(name)
+    if old is not None and not reload and getattr(old, "__file__", None) == str(path):
+        return old
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    try:
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(module)
+    except (ImportError, AttributeError, ValueError):  # old cloudpickle: fork-started ranks still work
+        pass
+    return module
+
+
+def _show(path: Path) -> str:
+    try:
+        return str(path.relative_to(registry.REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minitorch_dist.course.exercises",
+                                description="Generate exercises/ from solutions/, or check they are in sync.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="write exercises/chNN_*.py from solutions/chNN_*.py")
+    g.add_argument("--chapter", help="one chapter (ch00, 0 or 00_foundations); default all")
+    c = sub.add_parser("check", help="exit 1 listing stubs out of sync with their solutions")
+    c.add_argument("--chapter", help="one chapter; default all")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            changed = generate(args.chapter)
+            for path in changed:
+                print(f"wrote {_show(path)}")
+            print(f"{len(changed)} exercise file(s) written, the rest already in sync")
+            return 0
+        stale = check_sync(args.chapter)
+    except (MarkerError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if stale:
+        print("exercises out of sync with solutions (run `make exercises`):", file=sys.stderr)
+        for path in stale:
+            print(f"  {_show(path)}", file=sys.stderr)
+        return 1
+    print("exercises/ is in sync with solutions/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

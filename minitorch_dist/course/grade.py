@@ -1,0 +1,197 @@
+"""The grade report: run each chapter's exercise tests and say, per exercise, where it stands.
+
+``python -m minitorch_dist grade`` runs ``pytest tests/exercises/test_chNN_x.py`` for each written
+chapter in a fresh process with ``MTD_IMPL=exercises`` (a student's stubs; ``--impl solutions``
+grades the worked answers), reads its JUnit XML report and maps each test to an exercise by name:
+a test called ``test_<exercise>`` or ``test_<exercise>_<case>`` belongs to ``<exercise>`` (the
+module-level functions and classes holding a ``# BEGIN SOLUTION`` region); a test that maps to
+none is reported under its own name. Each exercise gets one status:
+
+    passed   every test that could run passed
+    failed   a test failed (the first failure's message is shown)
+    todo     a test hit the stub's NotImplementedError: not attempted yet
+    blocked  its tests were skipped because they need a GPU this machine lacks
+    skipped  its tests were skipped for another reason
+    timeout  the chapter's tests ran past --timeout and were killed
+    missing  the chapter has no exercise tests file; "no tests": no test maps to the exercise
+
+The command exits 0 whenever grading ran, whatever the results (the report *is* the result);
+``--strict`` exits 1 if any exercise is not passed, except ``blocked`` ones, which this machine
+cannot run.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import registry
+from .exercises import MarkerError, exercise_names
+
+_ORDER = ("timeout", "missing", "failed", "todo", "passed", "blocked", "skipped", "no tests")
+_TODO = re.compile(r"NotImplementedError\W+exercise:")
+
+
+@dataclass(frozen=True)
+class TestResult:
+    name: str  # the test function's name, parameters included: "test_ring[4]"
+    status: str  # passed / failed / todo / blocked / skipped
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    chapter: str
+    exercise: str
+    status: str
+    tests: str = ""  # "3 passed, 1 blocked"
+    detail: str = ""
+
+
+def parse_junit(path: Path) -> list[TestResult]:
+    """One `TestResult` per ``<testcase>`` of a pytest JUnit XML report."""
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name, status, msg = case.get("name", "?"), "passed", ""
+        for child in case:
+            text = f"{child.get('message', '')}\n{child.text or ''}"
+            if child.tag in ("failure", "error"):
+                status = "todo" if _TODO.search(text) else "failed"
+                msg = child.get("message") or (child.text or "").strip()
+                break
+            if child.tag == "skipped":
+                status = "blocked" if "GPU" in text else "skipped"
+                msg = child.get("message", "")
+        out.append(TestResult(name, status, msg))
+    return out
+
+
+def exercise_for(test_name: str, exercises: list[str]) -> str | None:
+    """The exercise a test belongs to: ``test_<ex>`` or ``test_<ex>_<case>`` (parameters ignored)."""
+    base = test_name.split("[", 1)[0].lower()
+    base = base[len("test_"):] if base.startswith("test_") else base
+    for ex in sorted(exercises, key=len, reverse=True):  # longest first: "ring_all_reduce" before "ring"
+        if base == ex.lower() or base.startswith(ex.lower() + "_"):
+            return ex
+    return None
+
+
+def _first_line(text: str, width: int = 70) -> str:
+    """The first line, joined with the next when it only announces it ("rank 0 failed:")."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()] or [""]
+    line = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def summarize(tag: str, exercises: list[str], results: list[TestResult],
+              gpu_only: tuple[str, ...] = ()) -> list[Row]:
+    """Fold test results into one row per exercise (plus a row per test that maps to none)."""
+    groups: dict[str, list[TestResult]] = {ex: [] for ex in exercises}
+    for r in results:
+        groups.setdefault(exercise_for(r.name, exercises) or r.name, []).append(r)
+    rows = []
+    for ex, rs in groups.items():
+        if not rs:
+            rows.append(Row(tag, ex, "blocked" if ex in gpu_only else "no tests"))
+            continue
+        counts = {s: sum(r.status == s for r in rs) for s in _ORDER if any(r.status == s for r in rs)}
+        if "failed" in counts:
+            status = "failed"
+        elif "todo" in counts:
+            status = "todo"
+        else:
+            status = next(s for s in ("passed", "blocked", "skipped") if s in counts)
+        first = next((r for r in rs if r.status == status and r.message), None)
+        detail = "" if status == "passed" or not first else \
+            "the stub still raises NotImplementedError" if status == "todo" else _first_line(first.message)
+        rows.append(Row(tag, ex, status, ", ".join(f"{n} {s}" for s, n in counts.items()), detail))
+    return rows
+
+
+def run_pytest(test_file: Path, impl: str, timeout: float, cwd: Path) -> tuple[str, list[TestResult], str]:
+    """Run one test file in its own process group; return (outcome, results, output).
+
+    outcome is "ok" (pytest ran: its tests may still have failed), "timeout", or "error".
+    """
+    env = dict(os.environ, MTD_IMPL=impl)
+    with tempfile.TemporaryDirectory(prefix="mtd-grade-") as tmp:
+        report = Path(tmp) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               "-o", "junit_family=xunit2", str(test_file)]
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the tests' own rank processes go with it
+            output, _ = proc.communicate()
+            return "timeout", [], output
+        if not report.exists():
+            return "error", [], output
+        return "ok", parse_junit(report), output
+
+
+def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float = 120,
+                  verbose: bool = False) -> list[Row]:
+    """Grade one chapter: run its exercise tests against `impl` and fold them into rows."""
+    try:
+        exercises = exercise_names(ch) if ch.solutions.exists() else []
+    except MarkerError as e:
+        return [Row(ch.tag, "(solutions)", "failed", detail=_first_line(e))]
+    if not ch.exercise_tests.exists():
+        return [Row(ch.tag, ex, "missing", detail=f"no {ch.rel(ch.exercise_tests)}")
+                for ex in exercises or ["(all)"]]
+    outcome, results, output = run_pytest(ch.exercise_tests, impl, timeout, ch.root)
+    if verbose or outcome == "error":
+        print(output, file=sys.stderr)
+    if outcome == "timeout":
+        return [Row(ch.tag, ex, "timeout", detail=f"tests ran past {timeout:g} s and were killed")
+                for ex in exercises or ["(all)"]]
+    if outcome == "error":
+        return [Row(ch.tag, "(all)", "failed", detail="pytest wrote no report: " + _first_line(output))]
+    return summarize(ch.tag, exercises, results, ch.gpu_only_exercises)
+
+
+def report(rows: list[Row], impl: str) -> str:
+    """The table and the score line."""
+    table = registry.format_table([[r.chapter, r.exercise, r.status, r.tests, r.detail] for r in rows],
+                                  ["chapter", "exercise", "status", "tests", "detail"])
+    counts = {s: sum(r.status == s for r in rows) for s in _ORDER}
+    rest = ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "passed")
+    score = f"score: {counts['passed']}/{len(rows)} exercises passed ({impl})" + (f"; {rest}" if rest else "")
+    return f"{table}\n\n{score}"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--impl", choices=("exercises", "solutions"), default="exercises",
+                   help="grade the stubs in exercises/ (default) or the worked solutions/")
+    p.add_argument("--chapter", help="comma-separated chapters (ch00, 0 or 00_foundations); default: all written")
+    p.add_argument("--timeout", type=float, default=120, help="seconds per chapter before its tests are killed")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any exercise is not passed (blocked excepted)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
+
+
+def main(args) -> int:
+    try:
+        chapters = ([registry.chapter(k) for k in args.chapter.split(",") if k.strip()]
+                    if args.chapter else registry.written_chapters())
+    except KeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not chapters:
+        print("No chapter is written yet: there is nothing to grade. The planned chapters:\n")
+        print(registry.planned_table())
+        return 0
+    rows = []
+    for ch in chapters:
+        print(f"grading {ch.tag} {ch.slug} against {args.impl}/ ...", file=sys.stderr, flush=True)
+        rows += grade_chapter(ch, args.impl, args.timeout, args.verbose)
+    print(report(rows, args.impl))
+    bad = [r for r in rows if r.status not in ("passed", "blocked")]
+    return 1 if args.strict and bad else 0

@@ -1,0 +1,187 @@
+"""The chapter table: the one place that says which chapters exist and where their parts live.
+
+The tour, the grader, the course tests and the README's chapter map all read `CHAPTERS`.
+A chapter is *written* once all five of its parts are committed; `tests/test_course.py` then
+holds it to these conventions (so a chapter author can check their work with
+``pytest tests/test_course.py``):
+
+- prose ``chapters/NN_slug.md`` with headings (``#``, ``##``, ...) that contain, in any order,
+  each keyword of `PROSE_SECTIONS` (case-insensitive): "The problem", "The idea", "The cost",
+  "The code", "Measured", "Pitfalls", "Exercises", "Reading". These are the seven parts of a
+  chapter in DESIGN.md (the last part, exercises and reading list, has two headings);
+- a notebook ``notebooks/NN_slug.ipynb`` committed with its outputs (every code cell executed);
+- worked solutions ``solutions/chNN_name.py`` with ``# BEGIN SOLUTION`` / ``# END SOLUTION``
+  markers, and stubs ``exercises/chNN_name.py`` generated from them (``make exercises``);
+- exercise tests ``tests/exercises/test_chNN_name.py`` named ``test_<exercise>`` or
+  ``test_<exercise>_<case>`` (this is how the grader maps tests to exercises), and the chapter's
+  pytest marker ``pytest.mark.chNN`` on its tests;
+- the library module(s) in `Chapter.modules`, with ``tests/test_<module leaf>.py``;
+- optionally a headline experiment ``package.module:function`` whose function
+  ``headline(smoke: bool) -> dict | list[dict]`` returns rows with keys "chapter",
+  "experiment", "theory", "measured", "ok" for ``python -m minitorch_dist tour``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: The checkout root: the folder that holds the ``minitorch_dist`` package.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Keywords the prose's headings must contain, one per part of a chapter (see module docstring).
+PROSE_SECTIONS = (
+    "The problem", "The idea", "The cost", "The code", "Measured", "Pitfalls", "Exercises", "Reading",
+)
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """One chapter of the course and the paths of its parts (absolute, under `root`)."""
+
+    number: int
+    slug: str  # "00_foundations"
+    title: str
+    modules: tuple[str, ...]  # dotted module names, e.g. ("minitorch_dist.runtime.collectives",)
+    written: bool = False
+    headline: str | None = None  # "package.module:function" run by the tour
+    gpu_only_exercises: tuple[str, ...] = ()  # exercises whose tests need a CUDA GPU
+    root: Path = field(default=REPO_ROOT, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.slug.startswith(f"{self.number:02d}_"):
+            raise ValueError(f"chapter slug {self.slug!r} must start with its number {self.number:02d}_")
+        if self.headline is not None and ":" not in self.headline:
+            raise ValueError(f"headline {self.headline!r} must look like 'package.module:function'")
+
+    @property
+    def tag(self) -> str:
+        """``ch00``: the short key and the pytest marker."""
+        return f"ch{self.number:02d}"
+
+    @property
+    def name(self) -> str:
+        """The slug without its number: ``foundations``."""
+        return self.slug.split("_", 1)[1]
+
+    @property
+    def stem(self) -> str:
+        """``ch00_foundations``: the file stem of the exercises and solutions."""
+        return f"{self.tag}_{self.name}"
+
+    @property
+    def prose(self) -> Path:
+        return self.root / "chapters" / f"{self.slug}.md"
+
+    @property
+    def notebook(self) -> Path:
+        return self.root / "notebooks" / f"{self.slug}.ipynb"
+
+    @property
+    def exercises(self) -> Path:
+        return self.root / "exercises" / f"{self.stem}.py"
+
+    @property
+    def solutions(self) -> Path:
+        return self.root / "solutions" / f"{self.stem}.py"
+
+    @property
+    def exercise_tests(self) -> Path:
+        return self.root / "tests" / "exercises" / f"test_{self.stem}.py"
+
+    @property
+    def library_tests(self) -> tuple[Path, ...]:
+        return tuple(self.root / "tests" / f"test_{m.rsplit('.', 1)[-1]}.py" for m in self.modules)
+
+    @property
+    def module_files(self) -> tuple[Path, ...]:
+        """Source of each module: ``a/b/c.py``, or ``a/b/c/__init__.py`` for a package."""
+        out = []
+        for m in self.modules:
+            base = self.root.joinpath(*m.split("."))
+            out.append(base / "__init__.py" if base.is_dir() else base.with_suffix(".py"))
+        return tuple(out)
+
+    def parts(self) -> dict[str, Path]:
+        """The files a written chapter must have, by name."""
+        return {"prose": self.prose, "notebook": self.notebook, "exercises": self.exercises,
+                "solutions": self.solutions, "exercise tests": self.exercise_tests}
+
+    def rel(self, path: Path) -> str:
+        """`path` relative to the chapter's root, for messages."""
+        try:
+            return str(Path(path).relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+
+_M = "minitorch_dist."
+CHAPTERS: tuple[Chapter, ...] = (
+    Chapter(0, "00_foundations", "Foundations: ranks, collectives and their cost",
+            (_M + "runtime.collectives",), written=True,
+            headline=_M + "runtime.collectives:headline"),
+    Chapter(1, "01_data_parallel", "Data parallelism: all-reduce, buckets, overlap",
+            (_M + "parallelism.data_parallel",)),
+    Chapter(2, "02_parameter_servers", "Parameter servers and HOGWILD!",
+            (_M + "parallelism.parameter_server", _M + "parallelism.hogwild")),
+    Chapter(3, "03_pipeline", "Pipeline parallelism: GPipe, 1F1B, interleaving, zero bubble",
+            (_M + "parallelism.pipeline",)),
+    Chapter(4, "04_tensor_parallel", "Tensor parallelism: Megatron-LM layers",
+            (_M + "parallelism.tensor_parallel",)),
+    Chapter(5, "05_sequence_parallel", "Sequence and context parallelism",
+            (_M + "parallelism.sequence_parallel",)),
+    Chapter(6, "06_zero_fsdp", "ZeRO and fully sharded data parallelism",
+            (_M + "memory.zero",)),
+    Chapter(7, "07_checkpointing", "Activation checkpointing",
+            (_M + "memory.checkpointing",)),
+    Chapter(8, "08_mixed_precision", "Mixed precision training",
+            (_M + "memory.mixed_precision",)),
+    Chapter(9, "09_compression", "Gradient compression",
+            (_M + "communication.compression",)),
+    Chapter(10, "10_moe", "Mixture of experts and expert parallelism",
+            (_M + "sparsity.moe",)),
+    Chapter(11, "11_fused_kernels", "Fused kernels in Triton",
+            (_M + "kernels",)),
+    Chapter(12, "12_putting_it_together", "Putting it together: 3D parallelism and planning",
+            (_M + "parallelism.mesh", _M + "analysis.planner")),
+)
+
+
+class UnknownChapter(KeyError):
+    """No chapter matches the key; the message lists the valid keys."""
+
+    def __str__(self):
+        return str(self.args[0])
+
+
+def chapter(key: int | str | Chapter) -> Chapter:
+    """Look a chapter up by number (``0``, ``"0"``), tag (``"ch00"``), or slug (``"00_foundations"``)."""
+    if isinstance(key, Chapter):
+        return key
+    k = str(key).strip().lower()
+    for ch in CHAPTERS:
+        if k in (ch.tag, ch.slug, ch.stem, ch.name) or (k.isdigit() and int(k) == ch.number):
+            return ch
+    valid = ", ".join(ch.tag for ch in CHAPTERS)
+    raise UnknownChapter(f"no chapter {key!r}; use a number 0-{len(CHAPTERS) - 1}, a tag ({valid}), "
+                   f"or a slug such as {CHAPTERS[0].slug!r}")
+
+
+def written_chapters() -> list[Chapter]:
+    """The chapters whose five parts are committed, in order."""
+    return [ch for ch in CHAPTERS if ch.written]
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    """Plain-text table with fixed-width columns (used by tour, grade and the CLI)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def planned_table(chapters=CHAPTERS) -> str:
+    """The chapter map: tag, title, module(s), and whether it is written."""
+    rows = [[ch.tag, ch.title, ", ".join(m.removeprefix(_M) for m in ch.modules),
+             "written" if ch.written else "planned"] for ch in chapters]
+    return format_table(rows, ["chapter", "title", "module", "status"])

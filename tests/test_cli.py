@@ -1,0 +1,102 @@
+"""The command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule}``.
+
+Two runs go through a real subprocess (the entry point as a user types it); the rest call
+`main(argv)` in-process, which parses the same arguments, to keep the file fast.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from minitorch_dist.__main__ import MODELS, main
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.course.registry import REPO_ROOT
+
+COMMANDS = ("tour", "grade", "estimate", "plan", "schedule")
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minitorch_dist", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+def test_help_lists_every_command():
+    out = cli("--help")
+    assert out.returncode == 0, out.stderr
+    for cmd in COMMANDS:
+        assert cmd in out.stdout
+    assert "chapter 12" in out.stdout and "chapter 03" in out.stdout
+
+
+def test_estimate_reproduces_zero_table_1():
+    """ZeRO (Rajbhandari et al. 2020) Table 1: 7.5B parameters, N_d = 64, K = 12."""
+    out = cli("estimate", "--params", "7.5e9", "--dp", "64")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line[:1].isdigit()}
+    assert set(rows) == {"0", "1", "2", "3"}
+    for stage, figure in [("0", "120 GB"), ("1", "31.4 GB"), ("2", "16.6 GB"), ("3", "1.88 GB")]:
+        assert figure in rows[stage], rows[stage]
+
+
+@pytest.mark.parametrize("cmd", ["tour", "grade", "estimate", "plan", "schedule"])
+def test_each_command_has_help(cmd, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([cmd, "--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd, chapter", [("plan", "chapter 12"), ("schedule", "chapter 03")])
+def test_coming_commands_exit_2(cmd, chapter, capsys):
+    assert main([cmd, "--model", "gpt3-175b"]) == 2
+    assert chapter in capsys.readouterr().out
+
+
+def test_estimate_one_stage_and_fit_column(capsys):
+    assert main(["estimate", "--params", "7.5e9", "--dp", "64", "--zero", "1", "--gpu-mem-gb", "32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 1 and rows[0].startswith("1 ") and rows[0].split()[-1] == "yes"  # 31.4 <= 32
+    assert main(["estimate", "--params", "7.5e9", "--dp", "64", "--zero", "1", "--gpu-mem-gb", "30"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    assert rows[0].split()[-1] == "no"
+
+
+def test_estimate_named_model_matches_costmodel(capsys):
+    n, _ = MODELS["gpt2-xl"]
+    assert main(["estimate", "--model", "gpt2-xl", "--dp", "8", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    expected = costmodel.zero_memory_bytes(n, 8, 3, k=12) / 1e9
+    assert f"{expected:.3g} GB" in out and "Radford" in out
+
+
+def test_estimate_fp32_shards_each_part(capsys):
+    """fp32 SGD-with-momentum: 4 + 4 + 4 bytes per parameter; stage 2 keeps only the weights whole."""
+    assert main(["estimate", "--params", "1e9", "--dp", "4", "--zero", "2", "--precision", "fp32",
+                 "--optimizer", "sgd"]) == 0
+    parts = costmodel.model_state_bytes(1e9, "fp32", "sgd")
+    expected = parts["weights"] + (parts["gradients"] + parts["optimizer"]) / 4
+    assert f"{expected / 1e9:.3g} GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["estimate", "--dp", "64"], "one of the arguments --params --model is required"),
+    (["estimate", "--params", "1e9", "--zero", "4"], "invalid choice: 4"),
+    (["grade", "--impl", "answers"], "invalid choice: 'answers'"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_estimate_rejects_unknown_optimizer(capsys):
+    assert main(["estimate", "--params", "1e9", "--optimizer", "lion"]) == 2
+    assert "unknown optimizer 'lion'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd, flag", [("grade", "--chapter"), ("tour", "--chapters")])
+def test_unknown_chapter_exits_2(cmd, flag, capsys):
+    assert main([cmd, flag, "ch13"]) == 2
+    assert "no chapter 'ch13'" in capsys.readouterr().err

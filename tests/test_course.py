@@ -1,0 +1,497 @@
+"""The course holds together: every written chapter has its parts, stubs match solutions, the
+registry is sound, and the course tools (exercise generation, grader, tour) do what they say.
+
+The chapter checks are plain functions returning a list of problems, so they are run on each
+written chapter *and* on a fake chapter built in a temporary folder (where each part is broken
+in turn, to show the check can fail).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from minitorch_dist.course import exercises as ex
+from minitorch_dist.course import grade, registry, tour
+from minitorch_dist.course.registry import CHAPTERS, PROSE_SECTIONS, REPO_ROOT, Chapter
+
+# --- the checks -------------------------------------------------------------------------------
+
+
+def prose_problems(ch: Chapter) -> list[str]:
+    text, fenced, headings = ch.prose.read_text(), False, []
+    for line in text.splitlines():
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced and (m := re.match(r"#{1,6}\s+(.*)", line)):
+            headings.append(m.group(1).lower())
+    return [f"{ch.rel(ch.prose)} has no heading containing {kw!r}" for kw in PROSE_SECTIONS
+            if not any(kw.lower() in h for h in headings)]
+
+
+def notebook_problems(ch: Chapter) -> list[str]:
+    nb, where = json.loads(ch.notebook.read_text()), ch.rel(ch.notebook)
+    code = [c for c in nb.get("cells", []) if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    problems = [f"{where}: code cell {i} was not executed (run `make notebooks`)"
+                for i, c in enumerate(code) if c.get("execution_count") is None]
+    if not any(c.get("outputs") for c in code):
+        problems.append(f"{where} is committed without outputs (run `make notebooks`)")
+    return problems
+
+
+def marker_problems(ch: Chapter) -> list[str]:
+    mark = re.compile(rf"pytest\.mark\.{ch.tag}\b")
+    if any(mark.search(p.read_text()) for p in (ch.root / "tests").rglob("*.py")):
+        return []
+    return [f"no test under tests/ is marked pytest.mark.{ch.tag}"]
+
+
+def _raises_not_implemented(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Raise) and n.exc is not None:
+            target = n.exc.func if isinstance(n.exc, ast.Call) else n.exc
+            if isinstance(target, ast.Name) and target.id == "NotImplementedError":
+                return True
+    return False
+
+
+def _find(tree: ast.AST, qualname: str):
+    node = tree
+    for part in qualname.split("."):
+        node = next((n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part), None)
+        if node is None:
+            return None
+    return node
+
+
+def stub_problems(ch: Chapter) -> list[str]:
+    """exercises/ matches solutions/, and every function holding a solution raises NotImplementedError."""
+    problems = [f"{ch.rel(p)} is out of sync with solutions/ (run `make exercises`)" for p in ex.check_sync(ch)]
+    tree = ast.parse(ch.exercises.read_text())
+    for r in ex.regions(ch.solutions.read_text(), ch.rel(ch.solutions)):
+        node = _find(tree, r.qualname)
+        if node is None or not _raises_not_implemented(node):
+            problems.append(f"{ch.rel(ch.exercises)}: {r.qualname} does not raise NotImplementedError")
+    try:
+        ex.load(ch, "exercises", reload=True)
+    except Exception as e:  # noqa: BLE001 - any import failure is the problem to report
+        problems.append(f"{ch.rel(ch.exercises)} does not import: {type(e).__name__}: {e}")
+    return problems
+
+
+def chapter_problems(ch: Chapter) -> list[str]:
+    """Everything a written chapter must satisfy; [] when it does."""
+    files = dict(ch.parts(), **{f"module {m}": f for m, f in zip(ch.modules, ch.module_files)},
+                 **{f"library tests of {m}": t for m, t in zip(ch.modules, ch.library_tests)})
+    problems = [f"{name} missing: {ch.rel(path)}" for name, path in files.items() if not path.exists()]
+    if problems:
+        return problems
+    return prose_problems(ch) + notebook_problems(ch) + marker_problems(ch) + stub_problems(ch)
+
+
+# --- every written chapter --------------------------------------------------------------------
+
+by_tag = pytest.mark.parametrize("ch", CHAPTERS, ids=[c.tag for c in CHAPTERS])
+
+
+def _written(ch: Chapter) -> None:
+    if not ch.written:
+        pytest.skip(f"{ch.tag} {ch.slug} is not written yet")
+
+
+@by_tag
+def test_written_chapter_is_complete(ch):
+    _written(ch)
+    assert chapter_problems(ch) == []
+
+
+@by_tag
+def test_written_chapter_headline_resolves(ch):
+    _written(ch)
+    if ch.headline is None:
+        pytest.skip(f"{ch.tag} has no headline experiment")
+    assert callable(tour.resolve(ch.headline))
+
+
+@by_tag
+def test_written_chapter_solutions_define_every_exercise(ch):
+    _written(ch)
+    names = ex.exercise_names(ch)
+    assert names, f"{ch.rel(ch.solutions)} has no # BEGIN SOLUTION region"
+    solved, stubs = ex.load(ch, "solutions"), ex.load(ch, "exercises")
+    assert solved is not stubs
+    for name in names:
+        assert hasattr(solved, name) and hasattr(stubs, name), name
+
+
+# --- the registry -----------------------------------------------------------------------------
+
+DESIGN_SLUGS = ("00_foundations 01_data_parallel 02_parameter_servers 03_pipeline 04_tensor_parallel "
+                "05_sequence_parallel 06_zero_fsdp 07_checkpointing 08_mixed_precision 09_compression "
+                "10_moe 11_fused_kernels 12_putting_it_together").split()
+
+
+def test_registry_has_the_thirteen_chapters_in_order():
+    assert [c.slug for c in CHAPTERS] == DESIGN_SLUGS
+    assert [c.number for c in CHAPTERS] == list(range(13))
+    assert len({c.tag for c in CHAPTERS}) == len({c.stem for c in CHAPTERS}) == 13
+    for c in CHAPTERS:
+        assert c.modules and all(m.startswith("minitorch_dist.") for m in c.modules)
+        assert c.headline is None or re.fullmatch(r"[\w.]+:[\w.]+", c.headline), c.headline
+        if c.solutions.exists():
+            assert set(c.gpu_only_exercises) <= set(ex.exercise_names(c)), c.gpu_only_exercises
+    assert registry.written_chapters() == [c for c in CHAPTERS if c.written]
+
+
+def test_chapter_paths_follow_the_layout():
+    c = registry.chapter("ch06")
+    assert (c.tag, c.name, c.stem) == ("ch06", "zero_fsdp", "ch06_zero_fsdp")
+    rel = {k: c.rel(v) for k, v in c.parts().items()}
+    assert rel == {"prose": "chapters/06_zero_fsdp.md", "notebook": "notebooks/06_zero_fsdp.ipynb",
+                   "exercises": "exercises/ch06_zero_fsdp.py", "solutions": "solutions/ch06_zero_fsdp.py",
+                   "exercise tests": "tests/exercises/test_ch06_zero_fsdp.py"}
+    assert [c.rel(p) for p in registry.chapter(2).library_tests] == ["tests/test_parameter_server.py",
+                                                                    "tests/test_hogwild.py"]
+    assert c.rel(registry.chapter(11).module_files[0]) == "minitorch_dist/kernels/__init__.py"
+    assert REPO_ROOT.joinpath("minitorch_dist", "course", "registry.py").exists()
+
+
+@pytest.mark.parametrize("key", [3, "3", "ch03", "03_pipeline", "CH03"])
+def test_chapter_lookup(key):
+    assert registry.chapter(key).slug == "03_pipeline"
+
+
+def test_unknown_chapter_lists_valid_keys():
+    with pytest.raises(KeyError, match=r"no chapter 'ch13'.*ch00, ch01.*ch12"):
+        registry.chapter("ch13")
+
+
+def test_chapter_markers_declared_in_pyproject():
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    try:
+        import tomllib  # Python >= 3.11
+
+        markers = tomllib.loads(text)["tool"]["pytest"]["ini_options"]["markers"]
+    except ImportError:
+        markers = re.findall(r'^\s*"([^"]+)",?\s*$', text.split("markers", 1)[1].split("]", 1)[0], re.M)
+    declared = {m.split(":", 1)[0].strip() for m in markers}
+    assert {c.tag for c in CHAPTERS} | {"gpu"} <= declared
+
+
+def test_repository_exercises_in_sync():
+    assert ex.check_sync() == []
+
+
+# --- exercise generation ----------------------------------------------------------------------
+
+SOLUTIONS = textwrap.dedent('''\
+    """A fake chapter's solutions."""
+    NOTE = """
+    # BEGIN SOLUTION   (inside a string: not a marker)
+    """
+
+
+    def double(x):
+        """Return 2x."""
+        # BEGIN SOLUTION
+        return 2 * x
+        # END SOLUTION
+
+
+    class Layer:
+        def forward(self, x):
+            """Halve, unless None."""
+            if x is None:
+                return None
+            else:
+                # BEGIN SOLUTION
+                y = x / 2
+                return y
+                # END SOLUTION
+
+
+    def triple(x):
+        # BEGIN SOLUTION
+        return 3 * x
+        # END SOLUTION
+    ''')
+
+
+def test_strip_solutions_replaces_regions_and_keeps_the_rest():
+    out = ex.strip_solutions(SOLUTIONS, "solutions/ch98_fake.py", "chapters/98_fake.md")
+    assert out.startswith("# generated from solutions/ch98_fake.py; do not edit — run `make exercises`\n")
+    assert "2 * x" not in out and "x / 2" not in out and "3 * x" not in out
+    assert '    """Return 2x."""\n    raise NotImplementedError("exercise: double — see chapters/98_fake.md")\n' in out
+    assert ('        else:\n            raise NotImplementedError("exercise: Layer.forward — see '
+            'chapters/98_fake.md")\n') in out
+    assert "# BEGIN SOLUTION   (inside a string" in out  # strings are left alone
+    assert out.count("raise NotImplementedError") == 3
+    ast.parse(out)
+    ns = {}
+    exec(compile(out, "stub", "exec"), ns)
+    with pytest.raises(NotImplementedError, match="exercise: triple"):
+        ns["triple"](1)
+    assert ns["Layer"]().forward(None) is None  # code outside the region still runs
+
+
+def test_exercise_names_are_the_top_level_holders():
+    assert ex.exercise_names_in(SOLUTIONS) == ["double", "Layer", "triple"]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f():\n    # BEGIN SOLUTION\n    return 1\n", r"fake\.py:2: .*never closed"),
+    ("def f():\n    return 1\n    # END SOLUTION\n", r"fake\.py:3: .*without a matching"),
+    ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n",
+     r"fake\.py:3: nested .*line 2"),
+    ("# BEGIN SOLUTION\nX = 1\n# END SOLUTION\n", r"fake\.py:1: .*inside a function or class"),
+    ("def f():\n    # BEGIN SOLUTION\n    # END SOLUTION\n    return 1\n", r"fake\.py:2: empty solution region"),
+    ("def f():\n    return 1  # BEGIN SOLUTION\n", r"fake\.py:2: .*line of its own"),
+    ("def f(:\n    pass\n", r"fake\.py:1: not valid Python"),
+])
+def test_bad_markers_are_clear_errors(source, message):
+    with pytest.raises(ex.MarkerError, match=message):
+        ex.strip_solutions(source, "solutions/fake.py")
+
+
+def test_impl_is_checked(monkeypatch):
+    monkeypatch.setenv("MTD_IMPL", "exercises")
+    assert ex.resolve_impl() == "exercises"
+    assert ex.resolve_impl("solutions") == "solutions"
+    monkeypatch.delenv("MTD_IMPL")
+    assert ex.resolve_impl() == "solutions"
+    with pytest.raises(ValueError, match="'solutions' .* or 'exercises'"):
+        ex.resolve_impl("answers")
+
+
+# --- a fake chapter: the checks pass on it, and fail on each broken part -----------------------
+
+EXERCISE_TESTS = textwrap.dedent('''\
+    import importlib.util, os, time
+    import pytest
+
+    pytestmark = pytest.mark.ch98
+    impl = os.environ.get("MTD_IMPL", "solutions")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", impl, "ch98_fake.py")
+    spec = importlib.util.spec_from_file_location("fake98", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def test_double():
+        assert mod.double(2) == 4
+
+    @pytest.mark.parametrize("x", [-1, 3])
+    def test_double_any(x):
+        assert mod.double(x) == 2 * x
+
+    def test_layer_on_gpu():
+        pytest.skip("needs a CUDA GPU")
+
+    def test_triple():
+        if os.environ.get("FAKE_SLOW"):
+            time.sleep(60)
+        assert mod.triple(2) == 6
+
+    def test_unrelated():
+        assert True
+    ''')
+
+PROSE = "# Fake\n" + "".join(f"\n## {kw}\n\ntext\n" for kw in PROSE_SECTIONS)
+NOTEBOOK = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Fake"]},
+                      {"cell_type": "code", "execution_count": 1, "metadata": {}, "source": ["print(1)"],
+                       "outputs": [{"output_type": "stream", "name": "stdout", "text": ["1\n"]}]}],
+            "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    ch = Chapter(98, "98_fake", "Fake", ("fakepkg.fakemod",), written=True, root=tmp_path)
+    for path, text in [(ch.prose, PROSE), (ch.notebook, json.dumps(NOTEBOOK)), (ch.solutions, SOLUTIONS),
+                       (ch.exercise_tests, EXERCISE_TESTS), (ch.module_files[0], "X = 1\n"),
+                       (ch.library_tests[0], "def test_x():\n    pass\n")]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert ex.generate(ch) == [ch.exercises]
+    return ch
+
+
+def test_generate_then_check_sync(fake):
+    assert ex.generate(fake) == []  # already in sync: nothing rewritten
+    assert ex.check_sync(fake) == []
+    fake.exercises.write_text(fake.exercises.read_text() + "# edited by hand\n")
+    assert ex.check_sync(fake) == [fake.exercises]
+    fake.solutions.unlink()
+    assert ex.check_sync(fake) == [fake.exercises]  # an orphan stub is stale too
+
+
+def test_exercises_command_line(fake, monkeypatch, capsys):
+    monkeypatch.setattr(registry, "CHAPTERS", (fake,))
+    assert ex.main(["check"]) == 0
+    fake.exercises.unlink()
+    assert ex.main(["check"]) == 1
+    assert str(fake.exercises) in capsys.readouterr().err
+    assert ex.main(["generate", "--chapter", "ch98"]) == 0
+    assert f"wrote {fake.exercises}" in capsys.readouterr().out
+    assert ex.main(["check"]) == 0
+    fake.solutions.write_text("def f():\n    # BEGIN SOLUTION\n    return 1\n")
+    assert ex.main(["generate"]) == 2
+    assert "solutions/ch98_fake.py:2: '# BEGIN SOLUTION' is never closed" in capsys.readouterr().err
+
+
+def test_load_both_impls_in_one_process(fake, monkeypatch):
+    sol, stub = ex.load(fake, "solutions"), ex.load(fake, "exercises")
+    assert sol.double(3) == 6
+    with pytest.raises(NotImplementedError, match="exercise: double — see chapters/98_fake.md"):
+        stub.double(3)
+    monkeypatch.setenv("MTD_IMPL", "exercises")
+    assert ex.load(fake) is stub
+    fake.exercises.unlink()
+    with pytest.raises(FileNotFoundError, match="run `make exercises`"):
+        ex.load(fake, "exercises", reload=True)
+
+
+def test_loaded_functions_pickle_by_value(fake):
+    import cloudpickle
+
+    blob = cloudpickle.dumps(ex.load(fake, "solutions").double)
+    code = "import sys, pickle; f = pickle.loads(sys.stdin.buffer.read()); print(f(21))"
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=60, cwd="/")
+    assert out.stdout.decode().strip() == "42", out.stderr.decode()
+
+
+def test_checks_pass_on_a_complete_chapter(fake):
+    assert chapter_problems(fake) == []
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    (lambda ch: ch.notebook.unlink(), "notebook missing: notebooks/98_fake.ipynb"),
+    (lambda ch: ch.module_files[0].unlink(), "module fakepkg.fakemod missing"),
+    (lambda ch: ch.prose.write_text(PROSE.replace("Pitfalls", "Gotchas")), "no heading containing 'Pitfalls'"),
+    (lambda ch: ch.prose.write_text(PROSE.replace("## Reading", "Reading")), "no heading containing 'Reading'"),
+    (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"execution_count": 1', '"execution_count": null')),
+     "code cell 0 was not executed"),
+    (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"outputs": [{', '"x": [{').replace(
+        '"metadata": {}, "source": ["print', '"outputs": [], "metadata": {}, "source": ["print')),
+     "without outputs"),
+    (lambda ch: ch.exercise_tests.write_text(EXERCISE_TESTS.replace("pytest.mark.ch98", "pytest.mark.slow")),
+     "marked pytest.mark.ch98"),
+    (lambda ch: ch.exercises.write_text(ex.stub_text(ch).replace(
+        'raise NotImplementedError("exercise: triple', 'return 3 * x  # ("exercise: triple')),
+     "triple does not raise NotImplementedError"),
+    (lambda ch: ch.solutions.write_text(SOLUTIONS + "\n\ndef extra():\n    # BEGIN SOLUTION\n    pass\n"
+                                                    "    # END SOLUTION\n"), "out of sync"),
+    (lambda ch: ch.exercises.write_text(ex.stub_text(ch) + "import no_such_module_xyz\n"), "does not import"),
+])
+def test_checks_catch_each_broken_part(fake, breakage, expected):
+    breakage(fake)
+    problems = chapter_problems(fake)
+    assert any(expected in p for p in problems), problems
+
+
+# --- the grader -------------------------------------------------------------------------------
+
+
+def test_exercise_for_maps_by_longest_name():
+    names = ["ring", "ring_all_reduce", "Layer"]
+    assert grade.exercise_for("test_ring_all_reduce[4]", names) == "ring_all_reduce"
+    assert grade.exercise_for("test_ring_all_reduce_uneven", names) == "ring_all_reduce"
+    assert grade.exercise_for("test_ring", names) == "ring"
+    assert grade.exercise_for("test_layer_backward", names) == "Layer"
+    assert grade.exercise_for("test_ringside", names) is None
+    assert grade.exercise_for("test_tree", names) is None
+
+
+def test_parse_junit_and_summarize(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="t" name="test_a"/>'
+        '<testcase classname="t" name="test_a_gpu"><skipped type="pytest.skip" message="needs a CUDA GPU"/></testcase>'
+        '<testcase classname="t" name="test_b[2]"><failure message="NotImplementedError: exercise: b — see x">tb'
+        '</failure></testcase>'
+        '<testcase classname="t" name="test_c"><failure message="AssertionError: 3 != 4">tb</failure></testcase>'
+        '<testcase classname="t" name="test_d"><skipped type="pytest.skip" message="needs a CUDA GPU"/></testcase>'
+        '<testcase classname="t" name="test_e"><skipped message="flaky on macOS"/></testcase>'
+        '<testcase classname="t" name="test_zzz"><error message="fixture broke">tb</error></testcase>'
+        '</testsuite></testsuites>')
+    results = grade.parse_junit(xml)
+    assert [r.status for r in results] == ["passed", "blocked", "todo", "failed", "blocked", "skipped", "failed"]
+    rows = {r.exercise: r for r in grade.summarize("ch98", ["a", "b", "c", "d", "e", "f", "g"], results, ("g",))}
+    assert {k: r.status for k, r in rows.items()} == {
+        "a": "passed", "b": "todo", "c": "failed", "d": "blocked", "e": "skipped", "f": "no tests",
+        "g": "blocked", "test_zzz": "failed"}
+    assert rows["a"].tests == "1 passed, 1 blocked"
+    assert rows["c"].detail == "AssertionError: 3 != 4"
+
+
+def test_grade_chapter_end_to_end(fake):
+    solved = {r.exercise: r.status for r in grade.grade_chapter(fake, "solutions", timeout=60)}
+    assert solved == {"double": "passed", "Layer": "blocked", "triple": "passed", "test_unrelated": "passed"}
+    # a student who got double wrong and has not started triple
+    fake.exercises.write_text(ex.stub_text(fake).replace(
+        'raise NotImplementedError("exercise: double — see chapters/98_fake.md")', "return x + 2"))
+    rows = grade.grade_chapter(fake, "exercises", timeout=60)
+    assert {r.exercise: r.status for r in rows} == {
+        "double": "failed", "Layer": "blocked", "triple": "todo", "test_unrelated": "passed"}
+    text = grade.report(rows, "exercises")
+    assert "score: 1/4 exercises passed (exercises); 1 failed, 1 todo, 1 blocked" in text
+
+
+def test_grade_chapter_timeout_kills_the_tests(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW", "1")
+    rows = grade.grade_chapter(fake, "solutions", timeout=4)
+    assert {r.status for r in rows} == {"timeout"} and len(rows) == 3
+
+
+def test_grade_reports_missing_tests(fake):
+    fake.exercise_tests.unlink()
+    assert {r.status for r in grade.grade_chapter(fake)} == {"missing"}
+
+
+# --- the tour ---------------------------------------------------------------------------------
+
+HEADLINES = textwrap.dedent('''\
+    def good(smoke):
+        return {"chapter": "ch97", "experiment": "bytes", "theory": 1.5e6, "measured": 1.5e6, "ok": smoke}
+
+    def many(smoke):
+        return [{"chapter": "ch98", "experiment": f"n={n}", "theory": n, "measured": n, "ok": True} for n in (2, 4)]
+
+    def broken(smoke):
+        raise RuntimeError("boom\\nsecond line")
+
+    def incomplete(smoke):
+        return {"chapter": "ch99", "ok": True}
+    ''')
+
+
+def _tour_chapters(tmp_path, monkeypatch, *names):
+    (tmp_path / "fake_headlines.py").write_text(HEADLINES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return [Chapter(90 + i, f"{90 + i}_x", "x", ("m",), True, f"fake_headlines:{n}") for i, n in enumerate(names)]
+
+
+def test_tour_all_ok(tmp_path, monkeypatch, capsys):
+    assert tour.run(_tour_chapters(tmp_path, monkeypatch, "good", "many"), smoke=True, progress=False) == 0
+    out = capsys.readouterr().out
+    assert "CPU:" in out.splitlines()[0] and "1.5e+06" in out and "n=4" in out
+    assert "3/3 experiments agree with theory" in out
+
+
+def test_tour_reports_failures_and_carries_on(tmp_path, monkeypatch, capsys):
+    chapters = _tour_chapters(tmp_path, monkeypatch, "broken", "incomplete", "good")
+    assert tour.run(chapters, smoke=False, progress=False) == 1
+    out = capsys.readouterr().out
+    assert "RuntimeError: boom" in out and "second line" not in out
+    assert "without keys ['experiment', 'theory', 'measured']" in out
+    assert "0/3 experiments agree with theory; 3 did not" in out  # good() reports ok=smoke=False
+
+
+def test_tour_with_nothing_to_run(capsys):
+    assert tour.run([], progress=False) == 0
+    out = capsys.readouterr().out
+    assert "nothing to run" in out and "ch12" in out and "planned" in out
