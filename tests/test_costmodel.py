@@ -300,3 +300,10 @@ def test_bubble_errors():
         cm.zb_h1_idle_time(4, 1.0, 1.0, 3.0)
     with pytest.raises(ValueError, match="all_reduce"):
         cm.collective_time("allreduce", 1, 2, 1.0, 1.0)
+
+
+def test_ring_crossover_is_where_latency_equals_bandwidth_term():
+    n, alpha, beta = 8, 20e-6, 1 / 10e9
+    S = cm.ring_latency_bandwidth_crossover(n, alpha, beta)
+    latency = cm.allreduce_time(0, n, alpha, beta)
+    assert cm.allreduce_time(S, n, alpha, beta) == pytest.approx(2 * latency)

@@ -132,6 +132,17 @@ def tree_allreduce_time(nbytes, n, alpha, beta):
     return 2 * recursive_doubling_allreduce_time(nbytes, n, alpha, beta)
 
 
+def ring_latency_bandwidth_crossover(n, alpha, beta):
+    """Message size at which the ring all-reduce's latency and bandwidth terms are equal:
+    ``2(n-1)*alpha = 2(n-1)/n * S * beta``  =>  ``S = n * alpha / beta``.
+
+    Below it the 2(n-1) latencies dominate (log-step algorithms such as recursive doubling win);
+    above it the bytes dominate and the ring's minimal traffic wins (Thakur et al. 2005 §4.4).
+    """
+    _check_n(n)
+    return n * alpha / beta
+
+
 def naive_allreduce_time(nbytes, n, alpha, beta):
     """Reduce to a root, then broadcast from it, all messages through the root:
     ``t = 2(n-1) * (alpha + S*beta)``.
