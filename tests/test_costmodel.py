@@ -307,3 +307,80 @@ def test_ring_crossover_is_where_latency_equals_bandwidth_term():
     S = cm.ring_latency_bandwidth_crossover(n, alpha, beta)
     latency = cm.allreduce_time(0, n, alpha, beta)
     assert cm.allreduce_time(S, n, alpha, beta) == pytest.approx(2 * latency)
+
+
+# --- data parallelism (ch01) ---------------------------------------------------------------------
+
+def test_bucket_assignment_worked_examples():
+    # caps: first 4 bytes, then 8; a bucket closes before the parameter that would overflow it
+    assert cm.bucket_assignment([4, 4, 4, 4], 8, 4) == [[0], [1, 2], [3]]
+    assert cm.bucket_sizes([4, 4, 4, 4], 8, 4) == [4, 8, 4]
+    # a parameter bigger than the cap gets a bucket of its own, wherever it falls
+    assert cm.bucket_assignment([2, 100, 3, 3, 100], 8) == [[0], [1], [2, 3], [4]]
+    assert cm.bucket_sizes([2, 100, 3, 3, 100], 8) == [2, 100, 6, 100]
+    # the first cap defaults to the cap; a tiny cap: one parameter per bucket; a huge one: one bucket
+    assert cm.bucket_assignment([1, 1, 1], 2) == [[0, 1], [2]]
+    assert cm.bucket_assignment([5, 6, 7], 1) == [[0], [1], [2]]
+    assert cm.bucket_assignment([5, 6, 7], 10**9, 10**9) == [[0, 1, 2]]
+    # a change of key (dtype) closes the bucket even with room left
+    assert cm.bucket_assignment([4, 4, 2, 2], 100, keys=["f32", "f32", "bf16", "f32"]) == [[0, 1], [2], [3]]
+    assert cm.bucket_assignment([], 8) == []
+
+
+def test_bucket_assignment_is_greedy_and_respects_caps():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        sizes = [int(s) for s in rng.integers(1, 40, size=rng.integers(1, 30))]
+        cap, first = int(rng.integers(1, 60)), int(rng.integers(1, 60))
+        buckets = cm.bucket_assignment(sizes, cap, first)
+        assert [i for b in buckets for i in b] == list(range(len(sizes)))  # order kept, nothing lost
+        for j, b in enumerate(buckets):
+            limit = first if j == 0 else cap
+            total = sum(sizes[i] for i in b)
+            assert len(b) == 1 or total <= limit
+            if j + 1 < len(buckets):  # closed only because the next parameter did not fit
+                assert total + sizes[buckets[j + 1][0]] > limit
+
+
+def test_bucket_assignment_errors():
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        cm.bucket_assignment([1], 0)
+    with pytest.raises(ValueError, match="first bucket cap"):
+        cm.bucket_assignment([1], 8, 0)
+    with pytest.raises(ValueError, match="one key per parameter"):
+        cm.bucket_assignment([1, 2], 8, keys=["a"])
+
+
+def test_ddp_step_time_hand_worked():
+    # alpha-beta with n = 2: allreduce_time(S) = 2*alpha + S*beta; take alpha = 0.5, beta = 1 per byte
+    n, alpha, beta = 2, 0.5, 1.0
+    ar = lambda S: 2 * alpha + S * beta  # noqa: E731  (independent of cm.allreduce_time)
+    tf, tb = 1.0, 4.0
+    # two equal buckets: ready at 1 + 4*1/2 = 3 and at 5; each all-reduce takes 1 + 1 = 2 s
+    sched = cm.ddp_allreduce_schedule(tf, tb, [1, 1], n, alpha, beta)
+    assert sched == [(3.0, 3.0, 5.0), (5.0, 5.0, 7.0)]
+    assert cm.ddp_step_time(tf, tb, [1, 1], n, alpha, beta) == 7.0
+    assert cm.ddp_step_time(tf, tb, [1, 1], n, alpha, beta, overlap=False) == tf + tb + 2 * ar(1)
+    # communication longer than backward: the second bucket queues behind the first
+    sched = cm.ddp_allreduce_schedule(tf, tb, [3, 1], n, alpha, beta)  # ready at 4 and 5
+    assert sched == [(4.0, 4.0, 8.0), (5.0, 8.0, 10.0)]
+    assert cm.ddp_step_time(tf, tb, [3, 1], n, alpha, beta) == 10.0
+    # communication that hides entirely: tiny buckets, free links -> forward + backward
+    assert cm.ddp_step_time(tf, tb, [1, 1, 1], n, 0.0, 0.0) == tf + tb
+    # one rank: nothing to send
+    assert cm.ddp_step_time(tf, tb, [100], 1, alpha, beta) == tf + tb
+
+
+def test_ddp_step_time_overlap_bounds():
+    # overlapped is never slower than serial, never faster than compute or than the last bucket's
+    # all-reduce started at the end of backward
+    n, alpha, beta = 8, 20e-6, 1 / 10e9
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        buckets = [float(b) for b in rng.integers(1, 50_000_000, size=rng.integers(1, 12))]
+        tf, tb = float(rng.uniform(0.01, 0.1)), float(rng.uniform(0.02, 0.2))
+        t_overlap = cm.ddp_step_time(tf, tb, buckets, n, alpha, beta)
+        t_serial = cm.ddp_step_time(tf, tb, buckets, n, alpha, beta, overlap=False)
+        assert t_overlap <= t_serial + 1e-12
+        assert t_overlap >= tf + tb + cm.allreduce_time(buckets[-1], n, alpha, beta) - 1e-12
+        assert t_overlap >= tf + sum(cm.allreduce_time(b, n, alpha, beta) for b in buckets) - 1e-12

@@ -1,0 +1,424 @@
+"""Data parallelism: every rank holds the whole model, takes a slice of the batch, and the ranks
+average their gradients, so every replica takes the same optimizer step.
+
+Chapter 01. Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Training" (VLDB): §3.2.1 the naive solution, §3.2.2 gradient bucketing, §3.2.3 overlapping
+communication with backward (and parameters that get no gradient), §3.2.4 gradient
+accumulation (``no_sync``), §4.2 the reducer (bucket buffers, the bitmap of unused parameters).
+
+**Why averaging is exact.** Let the loss be the mean over a global batch of B rows,
+``L = (1/B) sum_b l_b``, and give each of n ranks B/n rows. Rank r's local loss is
+``L_r = (n/B) sum_{b in r} l_b``, so ::
+
+    grad L = (1/n) sum_r grad L_r
+
+All-reducing (SUM) the local gradients and dividing by n gives every rank the gradient of the
+single-process run; replicas that start equal (rank 0's weights are broadcast at construction)
+and apply the same optimizer to the same gradient stay equal, step after step.
+
+**Two implementations.**
+
+* :class:`NaiveDataParallel` (§3.2.1): after ``backward()`` the training loop calls
+  ``average_gradients()``, one blocking all-reduce per parameter. Correct, but it pays one
+  latency (alpha) per parameter and leaves the network idle during backward.
+* :class:`DistributedDataParallel` (§3.2.2-3.2.4): gradients are packed into a few flat
+  *buckets*; a bucket's all-reduce is launched asynchronously as soon as all its gradients are
+  ready, while backward keeps computing the rest, and everything is waited for when backward
+  ends. Fewer alphas, and communication hidden behind computation:
+  ``costmodel.ddp_step_time`` models the step.
+
+Bytes on the wire per step (ring all-reduce, any bucketing): ``2(n-1)/n * gradient bytes``.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..analysis import costmodel
+from ..runtime import comm
+
+__all__ = ["NaiveDataParallel", "DistributedDataParallel", "launches_during_backward", "headline"]
+
+MiB = 2**20  # torch's bucket_cap_mb is in MiB (distributed.py: _MB_TO_BYTES = 1024 * 1024)
+
+
+def _require_process_group(group) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("data parallelism needs torch.distributed initialised: build the wrapper "
+                           "inside a function run by launch(fn, world_size) (or under torchrun)")
+    if dist.get_rank(group) < 0:
+        raise ValueError("this rank is not a member of `group`; only the group's ranks may wrap the model")
+
+
+def _broadcast_state(module: nn.Module, group) -> None:
+    """Make every replica rank 0's: broadcast each parameter (a tied one once) and buffer."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
+            comm.broadcast(buf, src, group=group)
+            if buf.data_ptr() != t.data_ptr():
+                t.copy_(buf)
+
+
+# --- §3.2.1: the naive solution ---------------------------------------------------------------
+
+
+class NaiveDataParallel(nn.Module):
+    """The tutorial version: broadcast at construction, all-reduce every gradient after backward.
+
+    Usage: ``loss = dp(x).sum(); loss.backward(); dp.average_gradients(); opt.step()``.
+
+    ``average_gradients`` all-reduces (SUM) each parameter's ``.grad`` in registration order,
+    one blocking call per parameter, then divides by the world size. A parameter whose ``.grad``
+    is None is skipped: every rank must agree on which those are (true when all ranks run the same
+    code on batches of the same shape), otherwise the ranks issue different collectives and hang.
+    """
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        _require_process_group(group)
+        self.module, self.group = module, group
+        self.world_size = dist.get_world_size(group)
+        _broadcast_state(module, group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def average_gradients(self) -> None:
+        for p in self.module.parameters():  # a tied parameter once: its .grad holds both uses
+            if p.grad is None:
+                continue
+            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            comm.all_reduce(g, group=self.group)
+            g.div_(self.world_size)
+            if g is not p.grad:
+                p.grad.copy_(g)
+
+
+# --- §3.2.2-3.2.4: buckets, overlap, no_sync ------------------------------------------------------
+
+
+class DistributedDataParallel(nn.Module):
+    """Bucketed data parallelism with communication overlapped with backward; a drop-in for
+    ``torch.nn.parallel.DistributedDataParallel``::
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+        loss = ddp(x).sum(); loss.backward(); opt.step()   # grads are averaged when backward returns
+
+    **Buckets** (:func:`costmodel.bucket_assignment`, the rule lives there). Parameters with
+    ``requires_grad`` are taken in *reverse* registration order (gradients become ready roughly
+    in reverse, §3.2.3), a tied Parameter once under its first name. Bucket 0 holds at most
+    ``first_bucket_mb`` MiB, every later bucket ``bucket_cap_mb`` MiB: a bucket closes when the
+    next parameter would push it past its cap or has another dtype/device, so a parameter larger
+    than the cap gets a bucket of its own. Each bucket owns one flat buffer; ``ddp.buckets`` lists
+    the parameter names per bucket, ``ddp.bucket_bytes`` their sizes, ``ddp.bucket_table()``
+    prints both.
+
+    **Backward.** A ``register_post_accumulate_grad_hook`` on every bucketed parameter copies its
+    fresh ``.grad``, times 1/n, into the bucket's slice and marks it ready (the gradient is
+    copied, not aliased: torch's default ``gradient_as_bucket_view=False``). When a bucket is
+    complete *and* every earlier bucket has been launched, ``comm.all_reduce(flat, async_op=True)``
+    is launched: buckets go out in bucket order on every rank, as collectives must, so a complete
+    later bucket waits for an earlier one. The first hook of a backward queues an autograd
+    engine callback that runs when backward is finished: it waits for every bucket and copies the
+    averaged slices back into ``param.grad``.
+
+    **Averaging: pre-divide.** Each gradient is multiplied by 1/n while it is copied into the
+    bucket (one pass instead of two, as torch's reducer does), so the all-reduce's SUM is already
+    the mean. Summing first then dividing is the same in exact arithmetic; in floating point it
+    is bitwise the same when n is a power of two (barring underflow). Pre-dividing keeps low-precision sums (fp16)
+    from overflowing, at the price of underflowing tiny gradients sooner.
+
+    **no_sync()** (§3.2.4): a forward run inside ``with ddp.no_sync():`` makes its backward skip
+    communication, so gradients just accumulate in ``param.grad``; the first backward of a forward
+    outside the block all-reduces the accumulated sum. Calling backward twice without ``no_sync``
+    and without ``opt.step()`` also works as in torch: the second backward all-reduces
+    ``param.grad`` = (already averaged first gradient, equal on every rank) + (new local gradient),
+    giving the sum of the two averages, at the price of a second round of communication.
+
+    **Unused parameters** (§3.2.3, §4.2). A bucketed parameter that gets no gradient in a backward
+    would leave its bucket incomplete forever. With ``find_unused_parameters=False`` the
+    end-of-backward callback raises a RuntimeError naming it. With ``True`` it counts as ready at
+    the end of backward, contributing its current ``.grad`` (zeros if None), and one extra
+    all-reduce of a 0/1 "has a gradient" bitmap tells every rank which parameters got a gradient
+    on *some* rank: those receive the average, the rest keep ``.grad`` None, so an optimizer
+    skips them exactly as torch's DDP arranges. (torch finds unused parameters by walking the
+    autograd graph after forward, so their buckets can go out early; here they go at the end.)
+
+    **Observability.** ``ddp.order_log``: ``("grad", name)``, ``("launch", i)``, ``("wait", i)`` in
+    the order they happened during the last synchronised backward. With ``timeline=`` (a
+    ``Timeline``): a ``"backward"`` span (from the gradient reaching the forward's outputs to the
+    engine callback) and ``"all_reduce b{i}"`` spans from launch to completion, the completion
+    time taken by a callback on the work's future, i.e. when the backend finished, not when we
+    waited. These spans read the clock without ``cuda_sync``: syncing would destroy the overlap.
+
+    Differences from torch's DDP: buffers are broadcast only at construction (torch also does it
+    before every forward, ``broadcast_buffers=True``); parameters are broadcast one by one, not
+    coalesced; buckets are fixed at construction (torch 2.x starts with a single bucket and
+    rebuilds buckets in the observed gradient order after the first iteration); the bucket rule
+    closes a bucket *before* it overflows (torch's, after); sparse gradients are not supported.
+    Move the model to its device before wrapping it (the buckets live on the parameters' device).
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+                 group=None, find_unused_parameters: bool = False, timeline=None):
+        super().__init__()
+        for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number of MiB, got {v!r} "
+                                 f"(e.g. {name}=25; fractions such as 0.25 are fine)")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied: once
+        if not named:
+            raise ValueError(f"{type(module).__name__} has no parameters with requires_grad=True: "
+                             f"there are no gradients to average; wrap a model that trains")
+        _require_process_group(group)
+        self.module, self.group, self.timeline = module, group, timeline
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.world_size = dist.get_world_size(group)
+        _broadcast_state(module, group)
+
+        named.reverse()  # the order in which backward (roughly) produces the gradients
+        sizes = [p.numel() * p.element_size() for _, p in named]
+        keys = [(p.dtype, p.device) for _, p in named]
+        cap, first = max(1, int(bucket_cap_mb * MiB)), max(1, int(first_bucket_mb * MiB))
+        assignment = costmodel.bucket_assignment(sizes, cap, first, keys)
+        self.buckets = [[named[i][0] for i in b] for b in assignment]
+        self.bucket_bytes = [sum(sizes[i] for i in b) for b in assignment]
+        self._params = [[named[i][1] for i in b] for b in assignment]
+        self._flat = [torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+                      for ps in self._params]
+        self._slot = {}  # id(param) -> (bucket index, this param's slice of the flat buffer, name)
+        self._hooks = []
+        for b, ps in enumerate(self._params):
+            offset = 0
+            for p, name in zip(ps, self.buckets[b]):
+                self._slot[id(p)] = (b, self._flat[b][offset:offset + p.numel()].view_as(p), name)
+                offset += p.numel()
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self._sync_this_backward = True  # what the latest forward saw
+        self.order_log: list[tuple] = []
+        self._reset()
+
+    # --- the public surface ------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        self._sync_this_backward = self.require_backward_grad_sync
+        out = self.module(*args, **kwargs)
+        if self.timeline is not None and torch.is_grad_enabled():
+            self._t_backward_start = None  # set when the gradient first reaches an output
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._mark_backward_start)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward of forwards run inside the block does no communication (gradient accumulation)."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def bucket_table(self) -> str:
+        """One line per bucket: index, bytes, parameter names (in the order they are packed)."""
+        return "\n".join(f"b{i:<3}{nbytes:>10,} B  {', '.join(names)}"
+                         for i, (names, nbytes) in enumerate(zip(self.buckets, self.bucket_bytes)))
+
+    # --- backward: hooks, launches, the end-of-backward callback --------------------------------
+
+    def _now(self) -> float:
+        return self.timeline.clock() - self.timeline.origin  # no cuda_sync: see class docstring
+
+    def _reset(self) -> None:
+        self._in_backward = False
+        self._ready: set[int] = set()
+        self._missing = [len(ps) for ps in self._params]  # gradients each bucket still waits for
+        self._next = 0  # the next bucket to launch
+        self._works: list = []
+        self._t_launch: dict[int, float] = {}
+        self._t_done: dict[int, float] = {}
+        self._t_backward_start = None
+
+    def _mark_backward_start(self, grad):
+        if self._t_backward_start is None:
+            self._t_backward_start = self._now()
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._sync_this_backward:
+            return  # no_sync: the gradient just accumulates in p.grad
+        if not self._in_backward:  # the first gradient of this backward
+            self._in_backward = True
+            self.order_log = []
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        b, view, name = self._slot[id(p)]
+        if id(p) in self._ready or p.grad.is_sparse:
+            self._reset()
+            raise RuntimeError(
+                f"parameter {name} received two gradients in one backward (use "
+                f"torch.utils.checkpoint(..., use_reentrant=False))" if id(p) in self._ready else
+                f"parameter {name} has a sparse gradient; only dense gradients are supported "
+                f"(use nn.Embedding(..., sparse=False))")
+        self._fill(p, view)
+        self._ready.add(id(p))
+        self.order_log.append(("grad", name))
+        self._missing[b] -= 1
+        self._launch_ready_buckets()
+
+    def _fill(self, p, view) -> None:
+        """This rank's contribution: grad / n (pre-divided, so the SUM is the mean), or zeros."""
+        if p.grad is None:
+            view.zero_()
+        else:
+            torch.mul(p.grad, 1.0 / self.world_size, out=view)
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch complete buckets, in bucket order: a complete bucket waits for earlier ones."""
+        while self._next < len(self._flat) and self._missing[self._next] == 0:
+            i = self._next
+            work = comm.all_reduce(self._flat[i], group=self.group, async_op=True)
+            self._works.append(work)
+            self.order_log.append(("launch", i))
+            if self.timeline is not None:
+                self._t_launch[i] = self._now()
+                done = self._t_done  # this backward's dict, even if the callback fires after a reset
+                work.get_future().add_done_callback(lambda _, i=i, d=done: d.__setitem__(i, self._now()))
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        """Runs once backward has produced every gradient: wait, write the averages back."""
+        t_end = self._now() if self.timeline is not None else None
+        try:
+            unready = [p for ps in self._params for p in ps if id(p) not in self._ready]
+            if unready and not self.find_unused_parameters:
+                for work in self._works:  # every rank launched the same buckets: finish them
+                    work.wait()
+                names = ", ".join(self._slot[id(p)][2] for p in unready)
+                raise RuntimeError(
+                    f"DistributedDataParallel: these parameters received no gradient in this "
+                    f"backward: {names}. Their buckets can never complete, and every rank must "
+                    f"all-reduce every bucket. If the model does not use them in every forward, pass "
+                    f"find_unused_parameters=True (or set requires_grad=False on those that never train).")
+            for p in unready:  # find_unused_parameters=True: ready, with whatever this rank holds
+                b, view, _ = self._slot[id(p)]
+                self._fill(p, view)
+                self._missing[b] -= 1
+            self._launch_ready_buckets()
+            used = self._globally_used() if self.find_unused_parameters else None
+            for i, work in enumerate(self._works):
+                work.wait()
+                self.order_log.append(("wait", i))
+            for k, p in enumerate(p for ps in self._params for p in ps):
+                if used is not None and not used[k]:
+                    continue  # no rank produced a gradient: leave .grad as it is (None)
+                view = self._slot[id(p)][1]
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+            if self.timeline is not None:
+                self._record_spans(t_end)
+        finally:
+            self._reset()
+
+    def _globally_used(self) -> list[bool]:
+        """All-reduce a 0/1 bitmap: which parameters have a gradient on at least one rank (§4.2)."""
+        params = [p for ps in self._params for p in ps]
+        local = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                             device=self._flat[0].device)
+        comm.all_reduce(local, group=self.group)
+        return (local > 0).tolist()
+
+    def _record_spans(self, t_end: float) -> None:
+        tl = self.timeline
+        start = self._t_backward_start  # None if no output's gradient was seen: first launch
+        start = min(self._t_launch.values(), default=t_end) if start is None else start
+        tl.add("backward", min(start, t_end), t_end, category="backward")
+        for i in range(len(self._works)):
+            done = self._t_done.get(i, self._now())  # a future without a callback yet: now, after wait
+            tl.add(f"all_reduce b{i}", self._t_launch[i], max(done, self._t_launch[i]),
+                   category="all_reduce", bucket=i, nbytes=self.bucket_bytes[i])
+
+
+def launches_during_backward(order_log) -> int:
+    """How many bucket all-reduces were launched before backward produced its last gradient."""
+    grads = [k for k, (kind, _) in enumerate(order_log) if kind == "grad"]
+    if not grads:
+        return 0
+    return sum(1 for kind, _ in order_log[:grads[-1]] if kind == "launch")
+
+
+# --- the chapter's headline for the tour ---------------------------------------------------------
+
+
+def _train_gpt(cfg, steps, batch, seq, wrap):
+    """SGD with momentum on the tiny GPT, each rank on its rows of the global batch of each step.
+    ``wrap(model)`` returns the model to call (a data-parallel wrapper, or the model itself)."""
+    from ..models.data import MarkovCorpus
+    from ..models.gpt import GPT
+
+    r = dist.get_rank() if dist.is_initialized() else 0
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    torch.manual_seed(r)  # replicas start different: the broadcast must make them rank 0's
+    model = wrap(GPT(cfg))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = MarkovCorpus(cfg.vocab_size, seed=0)
+    wire, during = [], []
+    for step in range(steps):
+        x, y = data.batch(step, batch, seq, r, n)
+        with comm.meter() as m:
+            _, loss = model(x, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        wire.append(m.wire_bytes["all_reduce"])
+        during.append(launches_during_backward(getattr(model, "order_log", [])))
+    inner = getattr(model, "module", model)
+    return {"params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
+            "wire": wire, "during": during, "buckets": len(getattr(model, "buckets", []))}
+
+
+def _headline_rank(cfg, steps, batch, seq, cap_mb):
+    return _train_gpt(cfg, steps, batch, seq,
+                      lambda m: DistributedDataParallel(m, bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb / 4))
+
+
+def headline(smoke: bool = False) -> list[dict]:
+    """Chapter 01's rows for the tour: DDP == one process, 2(n-1)/n bytes, overlap happened."""
+    from ..models.gpt import GPT, GPTConfig
+    from ..runtime.launch import launch
+
+    n, batch, seq = 4, 16, 32
+    steps = 3 if smoke else 10
+    cfg = GPTConfig.tiny()
+    cap_mb = 0.1  # ~100 KiB: the ~0.4 MB tiny GPT splits into several buckets
+    # The single-process reference first, on one thread like a rank: it also imports what the
+    # optimizer pulls in lazily (torch._dynamo, ~2 s), so the forked ranks inherit it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = _train_gpt(cfg, steps, batch, seq, lambda m: m)["params"]
+    finally:
+        torch.set_num_threads(threads)
+    per_rank = launch(_headline_rank, n, cfg, steps, batch, seq, cap_mb)
+    diff = max((per_rank[r]["params"][k] - ref[k]).abs().max().item() for r in range(n) for k in ref)
+    grad_bytes = sum(p.numel() * p.element_size() for p in GPT(cfg).parameters() if p.requires_grad)
+    want = costmodel.bus_bytes("all_reduce", grad_bytes, n)
+    wire = [w for p in per_rank for w in p["wire"]]
+    during = min(d for p in per_rank for d in p["during"])
+    nb = per_rank[0]["buckets"]
+    return [
+        {"chapter": "ch01", "experiment": f"DDP == 1 process after {steps} SGD steps (n={n}), max |Δparam|",
+         "theory": 1e-5, "measured": diff, "ok": diff < 1e-5},
+        {"chapter": "ch01", "experiment": f"all-reduce wire bytes per step = 2(n-1)/n x {grad_bytes:,} B",
+         "theory": want, "measured": float(max(wire)), "ok": all(w == want for w in wire)},
+        {"chapter": "ch01", "experiment": f"bucket all-reduces launched during backward (of {nb})",
+         "theory": ">= 1", "measured": during, "ok": nb >= 2 and during >= 1},
+    ]

@@ -1,0 +1,467 @@
+"""Chapter 01: data parallelism equals one process on the global batch, and torch's own DDP; and
+it works the way Li et al. 2020 describe (buckets in reverse order, all-reduces launched during
+backward, one all-reduce per k micro-batches under no_sync, 2(n-1)/n of the gradient bytes).
+
+One launch per world size runs every case and returns plain data; the tests only inspect it.
+Expected values are computed here, independently of the module: the single-process runs below
+(one thread, like a rank), ``torch.nn.parallel.DistributedDataParallel`` run on the same ranks,
+byte counts from the parameters' sizes, the bucket rule checked through its properties.
+
+Tolerances. A rank's mean loss over B/n rows, averaged over n ranks, is the global mean summed
+in a different order: gradients differ from the single-process ones by a few float32 ulps. After
+five steps the weights differ by at most ~1.2e-7 (SGD with momentum) and ~2.5e-7 (AdamW), and we
+allow atol 1e-6 / rtol 1e-5, far below any real bug (a gradient not averaged, or a micro-batch
+lost, moves weights by ~lr x |g| >= 1e-5). AdamW needs care: it divides by sqrt(v) + eps, so a
+gradient component that nearly cancels (|g| ~ 1e-7, all rounding noise) still takes a step of
+~lr; with the default eps = 1e-8 and lr = 1e-2 that turned ulps into 1.8e-4 of weight, for
+torch's DDP exactly as for ours. lr = 1e-3 and eps = 1e-6 keep such components damped. Against torch's DDP,
+which also multiplies each gradient by 1/n before summing, the only freedom left is the order in
+which the backend adds the n contributions: with n = 2 one addition, a + b == b + a, so the
+results must be bitwise equal; with n = 4 they may differ by ulps (bucket layouts differ).
+"""
+import contextlib
+import functools
+import math
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch.distributed as dist
+from torch import nn
+
+from minitorch_dist.analysis.timeline import Timeline
+from minitorch_dist.models.data import MarkovCorpus
+from minitorch_dist.models.gpt import GPT, GPTConfig
+from minitorch_dist.parallelism import data_parallel as DP
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.launch import RankError, launch
+
+pytestmark = pytest.mark.ch01
+
+CFG = GPTConfig.tiny()
+B, T = 16, 32  # global batch: divisible by n = 2, 4 and by n * K micro-batches
+STEPS, K = 5, 4
+CAP_MB = 0.05  # ~52 KB buckets: the ~0.43 MB tiny GPT splits into ~9
+FIRST_MB = 0.02
+SEED = 100  # rank r initialises with SEED + r; the broadcast must make every replica rank 0's
+ATOL, RTOL = 1e-6, 1e-5
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    # eps=1e-6, not 1e-8: see the module docstring (Adam turns rounding noise in a nearly-zero
+    # gradient into an O(lr) step; the larger eps damps gradients below ~1e-6)
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6, weight_decay=0.1),
+}
+
+
+class GPTWithSpare(nn.Module):
+    """The GPT plus a layer its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT(CFG)
+        self.spare = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.gpt(x, y)
+
+
+class TwoLayers(nn.Module):
+    """`b` is used only when asked: on some ranks, or on none."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return (self.b(h) if use_b else h).square().sum()
+
+
+# --- what runs on the ranks ---------------------------------------------------------------------
+
+
+def _wrap(kind, model, **kw):
+    if kind == "ours":
+        return DP.DistributedDataParallel(model, **{"bucket_cap_mb": CAP_MB, "first_bucket_mb": FIRST_MB, **kw})
+    if kind == "torch":
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, **kw)
+    return DP.NaiveDataParallel(model)
+
+
+def _train(kind, opt_name, steps, accumulate=1, freeze=(), make=lambda: GPT(CFG), **kw):
+    """`steps` optimizer steps, each on this rank's rows of the global batch of that step, split
+    into `accumulate` micro-batches (no_sync on all but the last)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED + r)
+    model = make()
+    for name in freeze:
+        model.get_parameter(name).requires_grad_(False)
+    dp = _wrap(kind, model, **kw)
+    opt = OPTIMIZERS[opt_name](dp.parameters())
+    data = MarkovCorpus(CFG.vocab_size, seed=0)
+    log = []
+    for step in range(steps):
+        x, y = data.batch(step, B, T, r, n)
+        with comm.meter() as m:
+            for i, (xi, yi) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+                last = i == accumulate - 1
+                with contextlib.nullcontext() if last or kind == "naive" else dp.no_sync():
+                    _, loss = dp(xi, yi)
+                    (loss / accumulate).backward()
+            if kind == "naive":
+                dp.average_gradients()
+        log.append({"calls": m.calls["all_reduce"], "bytes": m.bytes["all_reduce"],
+                    "wire": m.wire_bytes["all_reduce"], "order": list(getattr(dp, "order_log", [])),
+                    "none_grads": sorted(k for k, p in model.named_parameters() if p.grad is None)})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "steps": log}
+    if kind == "ours":
+        out.update(buckets=dp.buckets, bucket_bytes=dp.bucket_bytes)
+    return out
+
+
+def _grads_of_two_backwards(kind):
+    """Two backwards (batches of steps 0 and 1) without a step in between: grads accumulate."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED + r)
+    dp = _wrap(kind, GPT(CFG))
+    data = MarkovCorpus(CFG.vocab_size, seed=0)
+    for step in (0, 1):
+        dp(*data.batch(step, B, T, r, n))[1].backward()
+    return {k: p.grad.clone() for k, p in dp.module.named_parameters()}
+
+
+def _partial_use(kind, use_b_on):
+    """TwoLayers with `b` used on ranks `use_b_on` only; find_unused_parameters=True. Grads after one backward."""
+    r = dist.get_rank()
+    torch.manual_seed(SEED + r)
+    model = TwoLayers()
+    cap = 300 / 2**20  # 300 bytes: [b.bias, b.weight] (288 B), then [a.bias, a.weight]
+    kw = {"bucket_cap_mb": cap, "first_bucket_mb": cap} if kind == "ours" else {}
+    dp = (DP.DistributedDataParallel(model, find_unused_parameters=True, **kw) if kind == "ours"
+          else nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(r))
+    with comm.meter() as m:
+        dp(x, r in use_b_on).backward()
+    return {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}, m.calls["all_reduce"]
+
+
+def _with_timeline():
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED + r)
+    tl = Timeline()
+    dp = DP.DistributedDataParallel(GPT(CFG), bucket_cap_mb=CAP_MB, first_bucket_mb=FIRST_MB, timeline=tl)
+    tl.align()
+    x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(0, B, T, r, n)
+    dp(x, y)[1].backward()
+    return [(e.name, e.category, e.t_start, e.t_end) for e in tl.events], len(dp.buckets)
+
+
+def _unused_raises():
+    """find_unused_parameters=False and a parameter the forward skips: a clear error, on every rank."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    dp = DP.DistributedDataParallel(GPTWithSpare(), bucket_cap_mb=CAP_MB, first_bucket_mb=FIRST_MB)
+    x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(0, B, T, r, n)
+    try:
+        dp(x, y)[1].backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _run_every_case():
+    res = {}
+    for opt_name in OPTIMIZERS:
+        for kind in ("ours", "torch"):
+            res[kind, opt_name] = _train(kind, opt_name, STEPS)
+    res["naive", "sgd"] = _train("naive", "sgd", STEPS)
+    for kind in ("ours", "torch"):
+        res[kind, "no_sync"] = _train(kind, "sgd", 3, accumulate=K)
+        res[kind, "twice"] = _grads_of_two_backwards(kind)
+    res["tiny_cap"] = _train("ours", "sgd", 2, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)  # 1 byte
+    res["huge_cap"] = _train("ours", "sgd", 2, bucket_cap_mb=1e4, first_bucket_mb=1e4)
+    res["frozen"] = _train("ours", "sgd", 2, freeze=("wpe.weight",))
+    res["unused_error"] = _unused_raises()
+    res["unused_ok"] = _train("ours", "sgd", 2, make=GPTWithSpare, find_unused_parameters=True)
+    n = dist.get_world_size()
+    for kind in ("ours", "torch"):
+        res[kind, "partial"] = _partial_use(kind, use_b_on={0})
+        res[kind, "nowhere"] = _partial_use(kind, use_b_on=set())
+        res[kind, "all_but_0"] = _partial_use(kind, use_b_on=set(range(1, n)))
+    res["timeline"] = _with_timeline()
+    return res
+
+
+@functools.cache
+def _results(n):
+    return launch(_run_every_case, n, timeout_s=120)
+
+
+# --- single-process references (one thread, like a rank) ------------------------------------------
+
+
+@contextlib.contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@functools.cache
+def _reference(opt_name, steps, freeze=()):
+    with _one_thread():
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        for name in freeze:
+            model.get_parameter(name).requires_grad_(False)
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        data = MarkovCorpus(CFG.vocab_size, seed=0)
+        for step in range(steps):
+            model(*data.batch(step, B, T))[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@functools.cache
+def _reference_two_backwards():
+    with _one_thread():
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        data = MarkovCorpus(CFG.vocab_size, seed=0)
+        for step in (0, 1):
+            model(*data.batch(step, B, T))[1].backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _names():
+    """Registration order, a tied parameter once (its first name), as named_parameters gives it."""
+    return [k for k, _ in GPT(CFG).named_parameters()]
+
+
+def _grad_bytes():
+    return sum(p.numel() * 4 for p in GPT(CFG).parameters())
+
+
+def _assert_params(got, want, where, exact=False):
+    assert got.keys() == want.keys(), where
+    for k in want:
+        if exact:
+            assert torch.equal(got[k], want[k]), f"{where}: {k} differs by {(got[k] - want[k]).abs().max():.3g}"
+        else:
+            torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}, {k}: {m}")
+
+
+# --- results ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_ddp_equals_one_process_and_torch_ddp(n, opt_name):
+    ref = _reference(opt_name, STEPS)
+    per_rank = _results(n)
+    for r, res in enumerate(per_rank):
+        ours, theirs = res["ours", opt_name]["params"], res["torch", opt_name]["params"]
+        _assert_params(ours, ref, f"ours vs one process, {opt_name}, n={n}, rank {r}")
+        _assert_params(ours, theirs, f"ours vs torch DDP, {opt_name}, n={n}, rank {r}", exact=(n == 2))
+        # the replicas are the same bits: every rank applied the same all-reduced gradient
+        _assert_params(ours, per_rank[0]["ours", opt_name]["params"], f"rank {r} vs rank 0", exact=True)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_naive_data_parallel_equals_one_process_with_one_all_reduce_per_parameter(n):
+    ref = _reference("sgd", STEPS)
+    for r, res in enumerate(_results(n)):
+        naive = res["naive", "sgd"]
+        _assert_params(naive["params"], ref, f"naive, n={n}, rank {r}")
+        for s in naive["steps"]:
+            assert s["calls"] == len(_names())  # one per parameter, the tied one once
+            assert s["bytes"] == _grad_bytes()
+
+
+# --- the mechanism: buckets, bytes, overlap ------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_one_all_reduce_per_bucket_carrying_2_n_minus_1_over_n_of_the_gradient(n):
+    grad_bytes = _grad_bytes()
+    for r, res in enumerate(_results(n)):
+        for case in (("ours", "sgd"), ("ours", "adamw"), "tiny_cap", "huge_cap"):
+            run = res[case]
+            assert sum(run["bucket_bytes"]) == grad_bytes, case
+            for s in run["steps"]:
+                assert s["calls"] == len(run["buckets"]), (case, r)
+                assert s["bytes"] == grad_bytes, (case, r)
+                assert s["wire"] == 2 * (n - 1) / n * grad_bytes, (case, r)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_buckets_launch_in_order_during_backward(n):
+    names = _names()
+    for r, res in enumerate(_results(n)):
+        run = res["ours", "sgd"]
+        nb = len(run["buckets"])
+        assert nb >= 2
+        for s in run["steps"]:
+            order = s["order"]
+            assert sorted(name for kind, name in order if kind == "grad") == sorted(names)
+            assert [i for kind, i in order if kind == "launch"] == list(range(nb))
+            assert [i for kind, i in order if kind == "wait"] == list(range(nb))
+            last_grad = max(k for k, (kind, _) in enumerate(order) if kind == "grad")
+            during = sum(kind == "launch" for kind, _ in order[:last_grad])
+            assert during >= 1, f"rank {r}: no all-reduce was launched before backward ended: {order}"
+            assert DP.launches_during_backward(order) == during
+            # a bucket is launched only after each of its gradients arrived
+            seen = set()
+            for kind, x in order:
+                if kind == "grad":
+                    seen.add(x)
+                elif kind == "launch":
+                    assert set(run["buckets"][x]) <= seen, (x, order)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bucket_assignment_follows_reverse_order_and_caps(n):
+    names, sizes = _names(), dict((k, p.numel() * 4) for k, p in GPT(CFG).named_parameters())
+    res = _results(n)[0]
+    tiny, huge, mid = res["tiny_cap"], res["huge_cap"], res["ours", "sgd"]
+    assert tiny["buckets"] == [[k] for k in reversed(names)]  # a 1-byte cap: one parameter each
+    assert huge["buckets"] == [list(reversed(names))]  # a 10 GiB cap: one bucket
+    assert [k for b in mid["buckets"] for k in b] == list(reversed(names))
+    caps = [int(FIRST_MB * 2**20)] + [int(CAP_MB * 2**20)] * (len(mid["buckets"]) - 1)
+    for i, (b, nbytes) in enumerate(zip(mid["buckets"], mid["bucket_bytes"])):
+        assert nbytes == sum(sizes[k] for k in b)
+        assert len(b) == 1 or nbytes <= caps[i], (i, b, nbytes)  # only a lone param may exceed
+        if i + 1 < len(mid["buckets"]):  # closed only because the next parameter did not fit
+            assert nbytes + sizes[mid["buckets"][i + 1][0]] > caps[i], (i, b)
+    for run in (tiny, huge, mid):  # the tied wte / lm_head: bucketed once, under its first name
+        flat = [k for b in run["buckets"] for k in b]
+        assert flat.count("wte.weight") == 1 and "lm_head.weight" not in flat
+    _assert_params(tiny["params"], _reference("sgd", 2), "tiny cap")
+    _assert_params(huge["params"], _reference("sgd", 2), "huge cap")
+
+
+# --- no_sync, accumulation, frozen and unused parameters -------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_no_sync_all_reduces_once_per_k_micro_batches(n):
+    ref = _reference("sgd", 3)
+    for r, res in enumerate(_results(n)):
+        ours = res["ours", "no_sync"]
+        for s in ours["steps"]:  # K backwards per step, one round of bucket all-reduces
+            assert s["calls"] == len(ours["buckets"]) and s["bytes"] == _grad_bytes()
+        _assert_params(ours["params"], ref, f"no_sync vs one step on the whole batch, n={n}, rank {r}")
+        _assert_params(ours["params"], res["torch", "no_sync"]["params"], f"no_sync vs torch, n={n}",
+                       exact=(n == 2))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_two_backwards_without_a_step_accumulate_like_torch(n):
+    ref = _reference_two_backwards()
+    for r, res in enumerate(_results(n)):
+        _assert_params(res["ours", "twice"], ref, f"accumulated grads vs one process, n={n}, rank {r}")
+        _assert_params(res["ours", "twice"], res["torch", "twice"], f"vs torch, n={n}", exact=(n == 2))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_frozen_parameter_is_not_bucketed_and_stays_put(n):
+    ref = _reference("sgd", 2, freeze=("wpe.weight",))
+    for r, res in enumerate(_results(n)):
+        run = res["frozen"]
+        assert "wpe.weight" not in [k for b in run["buckets"] for k in b]
+        assert sum(run["bucket_bytes"]) == _grad_bytes() - CFG.block_size * CFG.n_embd * 4
+        assert all(s["none_grads"] == ["wpe.weight"] for s in run["steps"])
+        _assert_params(run["params"], ref, f"frozen wpe, n={n}, rank {r}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_unused_parameter_raises_a_clear_error_or_is_handled(n):
+    for r, res in enumerate(_results(n)):
+        msg = res["unused_error"]
+        assert msg is not None, f"rank {r}: an unused parameter went unnoticed"
+        assert "spare.weight" in msg and "spare.bias" in msg and "find_unused_parameters=True" in msg
+        ok = res["unused_ok"]
+        want = {"gpt." + k: v for k, v in _reference("sgd", 2).items()}
+        got = {k: v for k, v in ok["params"].items() if k.startswith("gpt.")}
+        _assert_params(got, want, f"find_unused_parameters=True, n={n}, rank {r}")
+        for s in ok["steps"]:
+            assert s["none_grads"] == ["spare.bias", "spare.weight"]  # unused everywhere: grad stays None
+            assert s["calls"] == len(ok["buckets"]) + 1  # + the bitmap of who has a gradient
+        # the spare layer never moved and is rank 0's on every rank (the broadcast)
+        assert torch.equal(ok["params"]["spare.weight"], _results(n)[0]["unused_ok"]["params"]["spare.weight"])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("case", ["partial", "nowhere", "all_but_0"])
+def test_parameters_unused_on_some_ranks_match_torch(n, case):
+    for r, res in enumerate(_results(n)):
+        (ours, calls), (theirs, _) = res["ours", case], res["torch", case]
+        assert ours.keys() == theirs.keys()
+        assert calls == 2 + 1  # two buckets (a, b) and the bitmap
+        for k in ours:
+            if theirs[k] is None:
+                assert ours[k] is None, (case, k)
+            else:
+                torch.testing.assert_close(ours[k], theirs[k], atol=ATOL, rtol=RTOL, msg=lambda m: f"{case} {k}: {m}")
+    if case == "nowhere":
+        assert _results(n)[0]["ours", case][0]["b.weight"] is None
+
+
+# --- the timeline, errors, the tour -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_timeline_shows_all_reduces_overlapping_backward(n):
+    for r, res in enumerate(_results(n)):
+        events, nb = res["timeline"]
+        spans = {name: (t0, t1) for name, _, t0, t1 in events}
+        assert set(spans) == {"backward"} | {f"all_reduce b{i}" for i in range(nb)}
+        b0, b1 = spans["backward"]
+        assert b0 < b1
+        starts = [spans[f"all_reduce b{i}"][0] for i in range(nb)]
+        assert starts == sorted(starts)
+        assert all(t0 <= t1 for name, _, t0, t1 in events)
+        assert starts[0] < b1, f"rank {r}: the first all-reduce started after backward ended"
+
+
+def test_bad_arguments_are_refused_with_the_fix_named():
+    model = GPT(CFG)
+    for bad in (0, -1, "25"):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+            DP.DistributedDataParallel(model, bucket_cap_mb=bad)
+    with pytest.raises(ValueError, match="first_bucket_mb"):
+        DP.DistributedDataParallel(model, first_bucket_mb=0)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters with requires_grad=True"):
+        DP.DistributedDataParallel(frozen)
+    assert not dist.is_initialized()
+    for cls in (DP.DistributedDataParallel, DP.NaiveDataParallel):
+        with pytest.raises(RuntimeError, match="launch"):
+            cls(model)
+
+
+def test_unused_parameter_on_one_rank_only_fails_loudly_not_silently():
+    """Ranks that disagree on which parameters are used cannot all-reduce the same buckets: the
+    rank missing a gradient raises, and launch() reports it instead of hanging."""
+    def fn():
+        torch.manual_seed(0)
+        model = TwoLayers()
+        dp = DP.DistributedDataParallel(model, bucket_cap_mb=1e-4)
+        dp(torch.randn(3, 8), dist.get_rank() == 0).backward()
+
+    with pytest.raises(RankError, match="b.weight.*find_unused_parameters=True"):
+        launch(fn, 2, timeout_s=60)
+
+
+def test_headline_smoke_rows_are_ok():
+    rows = DP.headline(smoke=True)
+    assert len(rows) == 3
+    for row in rows:
+        assert set(row) >= {"chapter", "experiment", "theory", "measured", "ok"}
+        assert row["chapter"] == "ch01" and row["ok"], row
+    assert rows[1]["measured"] == 2 * 3 / 4 * _grad_bytes()
