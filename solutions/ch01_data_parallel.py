@@ -1,0 +1,169 @@
+"""Chapter 01 exercises: data parallelism — gradient buckets, overlapped all-reduce, no_sync.
+
+Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION``; ``exercises/ch01_data_parallel.py`` is generated from this file with each such
+region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
+helpers) is scaffolding the student keeps. Tests: ``pytest -m ch01 tests/exercises``
+(``MTD_IMPL=exercises`` runs them against the stubs).
+
+All three follow Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Training" (VLDB), the design of ``torch.nn.parallel.DistributedDataParallel`` (DDP):
+
+1. :func:`assign_buckets`: group gradients into all-reduce buckets, in the order backward
+   produces them (§3.2.2 "Gradient Bucketing", §3.2.3 on the reverse order).
+2. :func:`install_gradient_averaging_hooks`: all-reduce each gradient the moment backward
+   produces it, so communication overlaps the rest of backward (§3.2.3 "Overlap Computation
+   with Communication"), without buckets.
+3. :func:`accumulate_gradients`: gradient accumulation over micro-batches with DDP's
+   ``no_sync()``, one all-reduce per k micro-batches (§3.2.4 "Gradient Accumulation").
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitorch_dist.runtime import comm
+
+# --- 1. gradient buckets ------------------------------------------------------------------------
+
+
+def assign_buckets(param_sizes_bytes, cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Group parameters into all-reduce buckets; return the parameter indices of each bucket.
+
+    One all-reduce per gradient pays the latency alpha once per tensor (a GPT has hundreds);
+    one all-reduce of everything cannot start until backward has finished. DDP takes the middle
+    road (§3.2.2): gradients are packed into buckets of about ``cap_bytes`` (DDP's
+    ``bucket_cap_mb``, 25 MB by default) and a bucket is all-reduced as soon as all its gradients
+    are ready. Backward produces gradients roughly in *reverse* registration order (the last
+    layer's first), so buckets are filled in that order (§3.2.3), and the first bucket may use a
+    smaller cap, ``first_cap_bytes`` (DDP uses 1 MB), so the first all-reduce starts early.
+
+    ``param_sizes_bytes[i]`` is the gradient size of parameter i, in registration order
+    (``model.parameters()``). The rule, walking the indices n-1, n-2, ..., 0:
+
+    - add the parameter to the open bucket, unless that would take the bucket past its cap:
+      then close the bucket and open a new one with this parameter;
+    - the first bucket's cap is ``first_cap_bytes`` (when given), every later one ``cap_bytes``;
+    - so a parameter larger than the cap ends up in a bucket of its own.
+
+    For sizes ``[1, 2, 3, 4, 5]`` and ``cap_bytes=6``: ``[[4], [3], [2, 1, 0]]`` (5 + 4 > 6,
+    4 + 3 > 6, 3 + 2 + 1 = 6).
+
+    **Your task:** return the buckets, a list of lists of indices, in the order they fill (so
+    the indices, read bucket after bucket, are n-1, n-2, ..., 0). One pass, a running total.
+    """
+    sizes = [int(s) for s in param_sizes_bytes]
+    if cap_bytes <= 0:
+        raise ValueError(f"cap_bytes must be > 0, got {cap_bytes}")
+    if first_cap_bytes is not None and first_cap_bytes <= 0:
+        raise ValueError(f"first_cap_bytes must be > 0 (or None for no special first bucket), got {first_cap_bytes}")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"parameter sizes must be >= 0 bytes, got {sizes}")
+    # BEGIN SOLUTION
+    buckets, bucket, filled = [], [], 0
+    cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    for i in reversed(range(len(sizes))):  # the order backward produces gradients
+        if bucket and filled + sizes[i] > cap:
+            buckets.append(bucket)
+            bucket, filled, cap = [], 0, cap_bytes  # only the first bucket has the small cap
+        bucket.append(i)
+        filled += sizes[i]
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+    # END SOLUTION
+
+
+# --- 2. overlapping the all-reduce with backward ------------------------------------------------
+
+
+def install_gradient_averaging_hooks(model: nn.Module, group=None) -> list:
+    """Make every backward of ``model`` average its gradients over the ranks, as they are produced.
+
+    Data parallelism in its simplest overlapped form: each rank runs forward and backward on its
+    slice of the global batch, and the gradient of the *global* mean loss is the mean over ranks
+    of the local gradients, ``g = (1/n) sum_r g_r``. Instead of all-reducing everything after
+    ``loss.backward()`` (Li et al. §3.2.1, the naive solution), start each parameter's all-reduce
+    the moment autograd has accumulated its gradient, while backward goes on computing the
+    earlier layers' (§3.2.3). DDP does this per bucket (exercise 1); here, one tensor at a time.
+
+    ``Tensor.register_post_accumulate_grad_hook(hook)`` calls ``hook(param)`` right after
+    ``param.grad`` has been written during backward, and returns a handle with ``.remove()``.
+
+    **Your task:** register such a hook on every parameter that requires grad, so that when
+    ``loss.backward()`` returns, each ``param.grad`` is the average over the ranks of ``group``;
+    return the handles. Use ``comm.all_reduce`` (not ``dist.all_reduce``: the tests count calls
+    with ``comm.meter()``), one call per parameter. Hints:
+
+    - the world size is ``dist.get_world_size(group)``; dividing before or after the sum
+      gives the same average;
+    - the simplest correct hook all-reduces synchronously. Truly overlapping launches it with
+      ``async_op=True`` and waits for all the launched works once backward is done: the first
+      hook of a backward can queue that wait with
+      ``torch.autograd.Variable._execution_engine.queue_callback(fn)`` (DDP and FSDP do the same).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("install_gradient_averaging_hooks runs inside ranks: call it from a function "
+                           "started with minitorch_dist.launch(fn, n)")
+    # BEGIN SOLUTION
+    n = dist.get_world_size(group)
+    pending = []  # all-reduces launched in this backward and not yet waited for
+
+    def wait_all():  # runs once the autograd engine has finished this backward
+        for work in pending:
+            work.wait()
+        pending.clear()
+
+    def average(param):
+        if not pending:  # the first gradient of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(wait_all)
+        param.grad.div_(n)
+        pending.append(comm.all_reduce(param.grad, group=group, async_op=True))
+
+    return [p.register_post_accumulate_grad_hook(average) for p in model.parameters() if p.requires_grad]
+    # END SOLUTION
+
+
+# --- 3. gradient accumulation with no_sync --------------------------------------------------------
+
+
+def accumulate_gradients(model: nn.Module, loss_fn, micro_batches, no_sync: bool = True) -> float:
+    """Forward and backward over k micro-batches, accumulating the gradient of their mean loss.
+
+    When the batch that converges well does not fit in memory, split it into k micro-batches
+    and let ``.grad`` accumulate over k backward passes. Under DDP every backward all-reduces
+    the gradients, k all-reduces for one optimizer step, although only the sum is needed.
+    ``with model.no_sync():`` turns the all-reduce off for the forward and backward inside it;
+    the gradients accumulate locally, and the next synchronised backward all-reduces the
+    accumulated sum (Li et al. §3.2.4). So: the first k-1 micro-batches under ``no_sync()``,
+    the last one without, and the gradients are communicated once.
+
+    ``model`` is wrapped in ``torch.nn.parallel.DistributedDataParallel``; ``micro_batches`` is a
+    sequence of ``(inputs, targets)`` of equal sizes; ``loss_fn(model(inputs), targets)`` is the
+    mean loss of one micro-batch. With ``no_sync=False``, synchronise on every micro-batch
+    instead (the same gradients, k times the communication: the baseline the tests compare with).
+
+    **Your task:** run the k micro-batches, backpropagating each loss scaled by 1/k, so the
+    accumulated gradient is that of the mean loss over all k micro-batches (and, after DDP's
+    average, over all ranks: the global batch). Return the mean of the k losses as a float.
+    Do not zero the gradients: the caller does, before. Hint: ``contextlib.nullcontext()``
+    stands in for ``model.no_sync()`` where you want to synchronise.
+    """
+    if len(micro_batches) == 0:
+        raise ValueError("need at least one micro-batch")
+    if no_sync and not hasattr(model, "no_sync"):
+        raise TypeError(f"{type(model).__name__} has no no_sync(); wrap the model in "
+                        "torch.nn.parallel.DistributedDataParallel (or pass no_sync=False)")
+    # BEGIN SOLUTION
+    k, total = len(micro_batches), 0.0
+    for i, (inputs, targets) in enumerate(micro_batches):
+        skip_sync = no_sync and i < k - 1  # only the last backward all-reduces
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            loss = loss_fn(model(inputs), targets)
+            (loss / k).backward()
+        total += loss.item()
+    return total / k
+    # END SOLUTION
