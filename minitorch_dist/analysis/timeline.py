@@ -204,9 +204,28 @@ def bubble_fraction(events, ranks: Iterable[int] | None = None, window: tuple[fl
     return 1.0 - sum(busy) / len(busy)
 
 
+def _rank_of(e) -> Any:
+    return e.rank
+
+
+class _RowOf:
+    """``row[event]`` -> the row index of an event (so the drawing code reads ``row[e]``-like)."""
+
+    def __init__(self, index, key):
+        self.index, self.key = index, key
+
+    def __getitem__(self, e):
+        return self.index[self.key(e)]
+
+
 def plot_gantt(events, ax=None, colors: dict[str, Any] | None = None, title: str | None = None,
-               labels: bool = True, min_label_frac: float = 0.03):
+               labels: bool = True, min_label_frac: float = 0.03, row_of=None):
     """Draw one row per rank (rank 0 on top) and one bar per span, x in milliseconds.
+
+    ``row_of(event)`` picks a span's row instead of its rank, e.g.
+    ``lambda e: (e.rank, e.category == "all_reduce")`` gives each rank a compute lane and a
+    communication lane, so overlapping spans of one rank are seen side by side. Rows are sorted
+    by that key and labelled with it.
 
     Bars are coloured by category (by name when an event has none); ``colors`` maps those keys to
     colours, the rest take the tab10 cycle. Nested spans are drawn thinner, on top of their parent.
@@ -218,11 +237,13 @@ def plot_gantt(events, ax=None, colors: dict[str, Any] | None = None, title: str
 
     events = _as_events(events)
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 1 + 0.6 * max(1, len({e.rank for e in events}))))
+        _, ax = plt.subplots(figsize=(10, 1 + 0.6 * max(1, len({(row_of or _rank_of)(e) for e in events}))))
     if not events:
         return ax
-    ranks = sorted({e.rank for e in events})
-    row = {r: i for i, r in enumerate(ranks)}
+    row_key = row_of or _rank_of
+    ranks = sorted({row_key(e) for e in events})
+    index = {r: i for i, r in enumerate(ranks)}
+    row = _RowOf(index, row_key)
     key = lambda e: e.category if e.category is not None else e.name  # noqa: E731
     palette = plt.get_cmap("tab10").colors
     cmap = dict(colors or {})
@@ -233,18 +254,18 @@ def plot_gantt(events, ax=None, colors: dict[str, Any] | None = None, title: str
 
     spans = [e for e in events if e.duration > 0]
     if spans:
-        ax.barh([row[e.rank] for e in spans], [e.duration * 1e3 for e in spans],
+        ax.barh([row[e] for e in spans], [e.duration * 1e3 for e in spans],
                 left=[(e.t_start - t0) * 1e3 for e in spans], height=[0.8 * 0.7 ** e.depth for e in spans],
                 color=[cmap[key(e)] for e in spans], edgecolor="black", linewidth=0.4)
     for e in spans:
         if labels and e.duration * 1e3 >= min_label_frac * total_ms:
-            ax.text((e.t_start - t0 + e.duration / 2) * 1e3, row[e.rank], e.name,
+            ax.text((e.t_start - t0 + e.duration / 2) * 1e3, row[e], e.name,
                     ha="center", va="center", fontsize=7, clip_on=True)
     for e in events:
         if e.duration <= 0:
-            ax.plot([(e.t_start - t0) * 1e3], [row[e.rank]], marker="|", markersize=14, color=cmap[key(e)])
+            ax.plot([(e.t_start - t0) * 1e3], [row[e]], marker="|", markersize=14, color=cmap[key(e)])
 
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" if row_of is None else str(r) for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlabel("time (ms)")
     present = {key(e) for e in events}

@@ -120,7 +120,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             (_M + "runtime.collectives",), written=True,
             headline=_M + "runtime.collectives:headline"),
     Chapter(1, "01_data_parallel", "Data parallelism: all-reduce, buckets, overlap",
-            (_M + "parallelism.data_parallel", _M + "parallelism.large_batch"),
+            (_M + "parallelism.data_parallel", _M + "parallelism.large_batch"), written=True,
             headline=_M + "parallelism.data_parallel:headline"),
     Chapter(2, "02_parameter_servers", "Parameter servers and HOGWILD!",
             (_M + "parallelism.parameter_server", _M + "parallelism.hogwild")),

@@ -246,6 +246,7 @@ class DistributedDataParallel(nn.Module):
         self._t_launch: dict[int, float] = {}
         self._t_done: dict[int, float] = {}
         self._t_backward_start = None
+        self._t_last_grad = None
 
     def _mark_backward_start(self, grad):
         if self._t_backward_start is None:
@@ -254,6 +255,7 @@ class DistributedDataParallel(nn.Module):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync_this_backward:
             return  # no_sync: the gradient just accumulates in p.grad
+        self._t_last_grad = self._now() if self.timeline is not None else None
         if not self._in_backward:  # the first gradient of this backward
             self._in_backward = True
             self.order_log = []
@@ -340,7 +342,10 @@ class DistributedDataParallel(nn.Module):
         tl = self.timeline
         start = self._t_backward_start  # None if no output's gradient was seen: first launch
         start = min(self._t_launch.values(), default=t_end) if start is None else start
-        tl.add("backward", min(start, t_end), t_end, category="backward")
+        last_grad = max(start, min(self._t_last_grad or t_end, t_end))
+        tl.add("backward", min(start, last_grad), last_grad, category="backward")
+        if t_end > last_grad:  # backward's compute is done; the step waits for the all-reduces
+            tl.add("wait", last_grad, t_end, category="wait")
         for i in range(len(self._works)):
             done = self._t_done.get(i, self._now())  # a future without a callback yet: now, after wait
             tl.add(f"all_reduce b{i}", self._t_launch[i], max(done, self._t_launch[i]),
