@@ -9,6 +9,7 @@ written out below, not from `collectives.chunk_sizes` or `costmodel`.
 """
 import functools
 import math
+import time
 
 import pytest
 import torch
@@ -259,3 +260,17 @@ def test_headline_smoke_rows_are_ok():
         assert set(row) >= {"chapter", "experiment", "theory", "measured", "ok"}
         assert row["chapter"] == "ch00" and row["ok"], row
     assert rows[1]["measured"] == costmodel.bus_bytes("all_reduce", 4 * 2**14, 4)
+
+
+def _sleepy(t):
+    """A 'collective' whose duration is known: 20 ms, once warm (the warm-up call takes 200 ms)."""
+    _sleepy.calls = getattr(_sleepy, "calls", 0) + 1
+    time.sleep(0.2 if _sleepy.calls == 1 else 0.02)
+
+
+def test_time_collective_times_the_call_best_of_repeats_after_a_warm_up():
+    times = launch(C.time_collective, 2, _sleepy, [64, 4096], 3, timeout_s=60)
+    for per_rank in times:
+        assert len(per_rank) == 2
+        for t in per_rank:
+            assert 0.02 <= t < 0.1  # the call, not the warm-up and not the barrier

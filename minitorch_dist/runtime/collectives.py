@@ -58,7 +58,7 @@ from . import comm
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "recursive_doubling_all_reduce", "tree_all_reduce", "naive_all_reduce", "metered",
-           "headline"]
+           "time_collective", "headline"]
 
 
 # --- plumbing: who am I, who are my neighbours, one overlapped exchange ------------------------
@@ -276,6 +276,28 @@ def metered(fn, *args, **kwargs):
     return result, m.bytes["send"], m.calls["send"]
 
 
+def time_collective(fn, sizes_bytes, repeats: int = 5) -> list[float]:
+    """Seconds ``fn(t)`` takes on a float32 tensor of each size, best of ``repeats`` (call inside
+    launch; e.g. ``fn=dist.all_reduce`` or :func:`ring_all_reduce`).
+
+    Every repetition starts from a barrier so the ranks enter together, after one warm-up call
+    (connections, allocations). The best run is the one least disturbed by the OS scheduler.
+    """
+    times = []
+    for nbytes in sizes_bytes:
+        t = torch.ones(max(1, int(nbytes) // 4))
+        fn(t.clone())
+        best = math.inf
+        for _ in range(repeats):
+            x = t.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(x)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    return times
+
+
 def _rank_headline(numel: int, sizes: list[int], reps: int):
     """One rank's part of :func:`headline`: check the ring against torch, count bytes, time sizes."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -287,15 +309,7 @@ def _rank_headline(numel: int, sizes: list[int], reps: int):
     dist.all_reduce(abs_sum)
     tol = 2 * (n - 1) * torch.finfo(x.dtype).eps * abs_sum  # twice the two-orders bound (docstring)
     diff = (ours - expected).abs()
-    times = []
-    for k in sizes:
-        buf = torch.ones(k)
-        dist.all_reduce(buf)  # warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(buf)
-        times.append((time.perf_counter() - t0) / reps)
+    times = time_collective(dist.all_reduce, [4 * k for k in sizes], reps)
     return dict(ok=bool((diff <= tol).all()), diff=diff.max().item(), tol=tol.max().item(),
                 sent=sent, times=times)
 
