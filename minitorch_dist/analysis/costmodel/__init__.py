@@ -1,0 +1,35 @@
+"""The formulas the course quotes, each once, each with its source.
+
+Every notebook plots these (theory) next to a meter (measured). A chapter that needs a new
+formula adds it to the submodule of its kind, with the paper and equation in its docstring;
+this package re-exports every formula, so ``costmodel.allreduce_time`` is the one name to use.
+
+Submodules: :mod:`.collectives` (alpha-beta ring model and its latency-optimal rivals) ·
+:mod:`.compute` (model size and FLOPs) · :mod:`.memory` (model states, ZeRO, activations) ·
+:mod:`.pipeline` (bubbles and stashed activations of each schedule) · :mod:`.data_parallel`
+(DDP buckets and overlap). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
+print, ``GiB`` = 2**30.
+"""
+from __future__ import annotations
+
+GB = 1e9  #: decimal gigabyte: the unit of the ZeRO and Megatron papers
+GiB = 2**30  #: binary gibibyte: what torch.cuda.memory_allocated() / 2**30 prints
+
+from .collectives import (  # noqa: E402
+    BUS_FACTORS, all_gather_time, all_to_all_time, allreduce_time, broadcast_time, bus_bytes,
+    collective_time, fit_alpha_beta, naive_allreduce_time, p2p_time, recursive_doubling_allreduce_time,
+    reduce_scatter_time, ring_latency_bandwidth_crossover, tree_allreduce_time,
+)
+from .compute import (  # noqa: E402
+    megatron_flops_per_step, model_flops_utilization, training_flops, transformer_params,
+    transformer_params_approx,
+)
+from .data_parallel import bucket_assignment, bucket_sizes, ddp_allreduce_schedule, ddp_step_time  # noqa: E402
+from .memory import (  # noqa: E402
+    OPTIMIZER_STATE_BYTES, PRECISIONS, RECOMPUTE, activation_memory_bytes, model_state_bytes,
+    optimizer_bytes_per_param, zero_memory_bytes,
+)
+from .pipeline import (  # noqa: E402
+    SCHEDULES, pipeline_bubble_fraction, pipeline_bubble_ratio, pipeline_p2p_bytes,
+    pipeline_stashed_microbatches, zb_h1_idle_time,
+)

@@ -1,0 +1,114 @@
+"""Memory: model states under mixed precision and ZeRO, and activation memory per layer.
+
+Rajbhandari et al. 2020, ZeRO, §3 and §5; Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", §4.
+"""
+from __future__ import annotations
+
+# --- memory: model states -------------------------------------------------------------------
+
+#: Bytes of optimizer state per parameter, kept in fp32 (Transformer Math 101, EleutherAI 2023).
+#: adafactor is approximate: its factored second moment (row + column sums, O(r+c) per r x c
+#: matrix) is neglected and an fp32 first moment is kept (beta1 > 0, as commonly run); with
+#: beta1 = 0 it is ~0, model that with "sgd_nomomentum". adamw_8bit: two 1-byte states (Dettmers 2022).
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 4, "sgd_nomomentum": 0, "adafactor": 4}
+
+#: (weight bytes, gradient bytes, fp32 master-copy bytes) per parameter for each precision.
+PRECISIONS = {"fp32": (4, 4, 0), "mixed": (2, 2, 4)}
+
+
+def optimizer_bytes_per_param(precision="mixed", optimizer="adamw") -> int:
+    """K of the ZeRO paper: bytes per parameter the optimizer owns (master copy + states).
+    Mixed-precision AdamW: K = 4 + 4 + 4 = 12 (Rajbhandari et al. 2020 §3.1)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATE_BYTES)}")
+    return PRECISIONS[precision][2] + OPTIMIZER_STATE_BYTES[optimizer]
+
+
+def model_state_bytes(num_params, precision="mixed", optimizer="adamw") -> dict:
+    """Bytes of model states (no activations, no buffers) for training ``num_params`` parameters.
+
+    Transformer Math 101 (Anthony, Biderman & Schoelkopf, EleutherAI 2023); ZeRO §3.1.
+
+    * ``"fp32"``:  weights 4 + gradients 4 + optimizer states (AdamW m, v: 8) = 16 B/param;
+    * ``"mixed"`` (fp16 or bf16 compute): weights 2 + gradients 2 + optimizer (fp32 master 4
+      + m 4 + v 4 = 12) = 16 B/param: mixed precision saves compute and activations, not states.
+
+    Returns a dict of bytes: ``weights``, ``gradients``, ``optimizer`` (everything the optimizer
+    owns: the ZeRO paper's K*Psi, master copy included), ``master_weights`` (the part of
+    ``optimizer`` that is the fp32 copy), and ``total = weights + gradients + optimizer``.
+    ``num_params`` may be a float (e.g. 7.5e9).
+    """
+    k = optimizer_bytes_per_param(precision, optimizer)
+    w, g, master = PRECISIONS[precision]
+    parts = {
+        "weights": w * num_params,
+        "gradients": g * num_params,
+        "optimizer": k * num_params,
+        "master_weights": master * num_params,
+    }
+    parts["total"] = parts["weights"] + parts["gradients"] + parts["optimizer"]
+    return parts
+
+
+def zero_memory_bytes(num_params, dp, stage, k=12) -> float:
+    """Model-state bytes per device under ZeRO-DP (Rajbhandari et al. 2020, §5.1 and Figure 1).
+
+    fp16 parameters (2*Psi) and gradients (2*Psi), K*Psi bytes of optimizer state, N = dp ranks::
+
+        stage 0 (plain DP)            (2 + 2 + K) * Psi
+        stage 1 (P_os)                 4*Psi + K*Psi/N
+        stage 2 (P_os+g)               2*Psi + (2 + K)*Psi/N
+        stage 3 (P_os+g+p)            (2 + 2 + K) * Psi / N
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if dp < 1:
+        raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
+    P, N = num_params, dp
+    return {0: (4 + k) * P, 1: 4 * P + k * P / N, 2: 2 * P + (2 + k) * P / N, 3: (4 + k) * P / N}[stage]
+
+
+# --- memory: activations --------------------------------------------------------------------
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def activation_memory_bytes(seq, batch, hidden, heads, layers=1, tp=1,
+                            sequence_parallel=False, recompute="none") -> float:
+    """Activation bytes stored for backward by ``layers`` transformer layers, 16-bit activations
+    (Korthikanti et al. 2022, §4, eq. 1 and Table 2). s = seq, b = batch, h = hidden, a = heads,
+    t = tp. Per layer:
+
+    ====================  ========================================  =====================
+    recompute             tensor parallel only                      tensor + sequence par.
+    ====================  ========================================  =====================
+    "none"                s*b*h*(10 + 24/t + 5*a*s/(h*t))           s*b*h/t*(34 + 5*a*s/h)
+    "selective"           s*b*h*(10 + 24/t)                         34*s*b*h/t
+    "full"                2*s*b*h  (the layer input only)           2*s*b*h/t
+    ====================  ========================================  =====================
+
+    With t = 1 the first row is eq. 1, ``s*b*h*(34 + 5*a*s/h)``: 34sbh from the matmul inputs,
+    norms, GeLU and dropout masks, 5as^2b from the attention scores, softmax and its dropout.
+    The 10sbh that TP alone cannot shard are the LayerNorm and dropout activations, which SP
+    splits along the sequence. Selective recompute drops the 5as/h attention term.
+    Embeddings, the final norm and the output layer (Korthikanti §4.3) are not included.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE}")
+    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
+                    ("layers", layers), ("tp", tp)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        per_layer = 2 * sbh / t if sequence_parallel else 2 * sbh
+    elif sequence_parallel:
+        per_layer = sbh / t * (34 + (5 * a * s / h if recompute == "none" else 0))
+    else:
+        per_layer = sbh * (10 + 24 / t + (5 * a * s / (h * t) if recompute == "none" else 0))
+    return layers * per_layer
+
