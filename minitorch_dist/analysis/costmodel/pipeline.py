@@ -17,8 +17,12 @@ def zb_h1_idle_time(p, t_f, t_b, t_w) -> float:
     t_F = t_B = t_W ZB-H1 idles one third of that, in the same memory as 1F1B."""
     if p < 1:
         raise ValueError(f"pipeline stages p must be >= 1, got {p}")
-    if min(t_f, t_b, t_w) < 0 or t_w > t_f + t_b:
-        raise ValueError("need t_f, t_b, t_w >= 0 and t_w <= t_f + t_b (the schedule's regime)")
+    if min(t_f, t_b, t_w) < 0 or t_w > min(t_f, t_b):
+        # Outside this regime a deferred W no longer fits in the slot it fills: the simulator
+        # (pipeline/simulator.py) then shows more idle, e.g. (t_F, t_B, t_W) = (1, 2, 2), p = 4
+        # idles 8, not 3.
+        raise ValueError(f"the ZB-H1 idle formula holds for t_w <= min(t_f, t_b); got t_f={t_f}, "
+                         f"t_b={t_b}, t_w={t_w}")
     return (p - 1) * (t_f + t_b - t_w)
 
 
@@ -71,8 +75,9 @@ def pipeline_stashed_microbatches(schedule, p, m, stage=0, v=1) -> float:
     * ``"gpipe"``: ``m``; all forwards run before the first backward (Huang et al. 2019 §2.2).
     * ``"1f1b"``: ``min(p - stage, m)``; ``p - stage - 1`` warm-up forwards, then each forward is
       paired with a backward that frees one (Narayanan et al. 2021, PipeDream-2BW §3.1).
-    * ``"zb-h1"``: as 1F1B (Qi et al. 2024 §3.1: ZB-H1 keeps 1F1B's peak memory; a microbatch is
-      stashed until its W, the weight gradient, has run).
+    * ``"zb-h1"``: ``min(p, m)`` on *every* stage. A microbatch is stashed until its W (weight
+      gradient) has run, and stage r defers up to r W's, so every stage reaches 1F1B's stage-0
+      peak: the *maximum over stages* equals 1F1B's (Qi et al. 2024 §3.1), not each stage's.
     * ``"interleaved"``: Megatron-LM runs ``w = 2(p - stage - 1) + (v-1)p`` warm-up chunk
       forwards (schedules.py of Megatron-LM, after Narayanan et al. 2021 §2.2.2), so the peak is
       ``min(w + 1, v*m)`` chunks, i.e. ``min(w + 1, v*m) / v`` microbatches: about
@@ -86,8 +91,10 @@ def pipeline_stashed_microbatches(schedule, p, m, stage=0, v=1) -> float:
         return 1
     if schedule == "gpipe":
         return m
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b" or (schedule == "interleaved" and v == 1):  # v = 1 *is* 1F1B
         return min(p - stage, m)
+    if schedule == "zb-h1":
+        return min(p, m)
     warmup = 2 * (p - stage - 1) + (v - 1) * p
     return min(warmup + 1, v * m) / v
 

@@ -1,0 +1,163 @@
+# generated from solutions/ch03_pipeline.py; do not edit — run `make exercises`
+"""Chapter 03 exercises: pipeline schedules, their bubble, and the zero-bubble trick.
+
+Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION``; ``exercises/ch03_pipeline.py`` is generated from this file with each such
+region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
+helpers) is scaffolding the student keeps. Tests: ``pytest -m ch03 tests/exercises``
+(``MTD_IMPL=exercises`` runs them against the stubs).
+
+A schedule here is plain data: one list of strings per stage, ``"F3"`` the forward of
+microbatch 3, ``"B3"`` its backward, ``"W3"`` its weight-gradient backward when the backward is
+split. ``minitorch_dist.parallelism.pipeline.simulator`` times such lists; the tests use it.
+
+1. :func:`gpipe_schedule`: all forwards, then all backwards (Huang et al. 2019, "GPipe", §2.2,
+   Fig. 2c).
+2. :func:`one_f_one_b_schedule`: 1F1B / PipeDream-Flush, warm-up, one forward one backward,
+   drain (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+   Using Megatron-LM", §2.2.1, Fig. 4 top; PipeDream-2BW §3).
+3. :func:`bubble_from_timeline`: the idle ("bubble") fraction of a recorded or simulated
+   timeline, the number GPipe's (p-1)/(m+p-1) predicts.
+4. :func:`zb_h1_from_1f1b`: ZB-H1 from 1F1B by splitting each backward into B (input gradient)
+   and W (weight gradient) and deferring the W's (Qi et al. 2024, "Zero Bubble Pipeline
+   Parallelism", §3.1, Fig. 3).
+"""
+from __future__ import annotations
+
+
+def _check_pm(p, m) -> None:
+    for name, x in (("p", p), ("m", m)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int (p pipeline stages, m microbatches), got {x!r}")
+
+
+# --- 1. GPipe ---------------------------------------------------------------------------------
+
+
+def gpipe_schedule(p: int, m: int) -> list[list[str]]:
+    """The GPipe schedule for ``p`` stages and ``m`` microbatches: one list of actions per stage.
+
+    GPipe (Huang et al. 2019, §2.2) splits the batch into m microbatches and pipelines their
+    forwards through the p stages; only when every forward is done do the backwards run, in the
+    same microbatch order, and the step ends with one optimizer update ("flush"). Every stage
+    runs the same list; the simulator supplies the waiting. For p = 2, m = 3::
+
+        stage 0 | F0 F1 F2 B0 B1 B2
+        stage 1 | F0 F1 F2 B0 B1 B2
+
+    With equal stage times the pipe idles (p-1)/(m+p-1) of the step (the "bubble"), and each
+    stage holds the activations of all m microbatches at the turn from forward to backward.
+
+    **Your task:** return ``[stage_0, ..., stage_{p-1}]``, each a list of strings ``"F<i>"``
+    and ``"B<i>"``. Give every stage its own list (not p references to one list).
+    """
+    _check_pm(p, m)
+    raise NotImplementedError("exercise: gpipe_schedule — see chapters/03_pipeline.md")
+
+
+# --- 2. 1F1B ----------------------------------------------------------------------------------
+
+
+def one_f_one_b_schedule(p: int, m: int) -> list[list[str]]:
+    """The 1F1B (PipeDream-Flush) schedule: per stage, warm-up, steady state, drain.
+
+    GPipe's stages stash m microbatches of activations. 1F1B (Narayanan et al. 2021, §2.2.1)
+    starts each backward as early as possible instead, so a microbatch's activations are freed
+    soon after they are made. Stage r (0 = first) runs:
+
+    - **warm-up:** ``w = min(p - r - 1, m)`` forwards, F0 .. F(w-1): just enough to fill the
+      pipe below it (the last stage has none);
+    - **steady state:** for i = 0, 1, ..., m - w - 1: ``F(w + i)`` then ``B(i)``;
+    - **drain:** the backwards left, B(m - w) .. B(m - 1).
+
+    For p = 3, m = 4::
+
+        stage 0 | F0 F1 F2 B0 F3 B1 B2 B3
+        stage 1 | F0 F1 B0 F2 B1 F3 B2 B3
+        stage 2 | F0 B0 F1 B1 F2 B2 F3 B3
+
+    The bubble is GPipe's, (p-1)/(m+p-1), but stage r never has more than ``p - r``
+    microbatches between their F and their B, whatever m.
+
+    **Your task:** return the p lists of ``"F<i>"`` / ``"B<i>"`` strings.
+    """
+    _check_pm(p, m)
+    raise NotImplementedError("exercise: one_f_one_b_schedule — see chapters/03_pipeline.md")
+
+
+# --- 3. the bubble of a timeline ----------------------------------------------------------------
+
+
+def bubble_from_timeline(events, p: int) -> float:
+    """The fraction of device-time the ``p`` stages spend idle during the step ``events`` span.
+
+    ``events`` are objects with ``.rank`` (the stage, 0..p-1), ``.t_start`` and ``.t_end``
+    (``minitorch_dist.analysis.timeline.Event``: what ranks record and what the simulator
+    returns). The step runs from the earliest start to the latest end of *all* events, its
+    makespan T. Stage r is busy for ``busy_r``, the total length of the *union* of its
+    intervals (recorded spans can overlap or nest: count each instant once). Then
+
+        bubble = 1 - (busy_0 + ... + busy_{p-1}) / (p * T)
+
+    A stage with no events at all was idle the whole step. Two stages, stage 0 busy [0, 2),
+    stage 1 busy [1, 3): T = 3, busy 2 + 2, bubble 1 - 4/6 = 1/3.
+
+    **Your task:** return the bubble as a float. Hint: sort a stage's intervals by start and
+    sweep, merging an interval into the current run when it starts before the run ends.
+    """
+    events = list(events)
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p must be a positive int (the number of stages), got {p!r}")
+    if not events:
+        raise ValueError("no events: nothing to measure")
+    for e in events:
+        if not 0 <= e.rank < p:
+            raise ValueError(f"event on rank {e.rank} is outside stages 0..{p - 1}; pass the right p")
+        if e.t_end < e.t_start:
+            raise ValueError(f"event on rank {e.rank} ends ({e.t_end}) before it starts ({e.t_start})")
+    if not max(e.t_end for e in events) > min(e.t_start for e in events):
+        raise ValueError("the events span no time (every one is an instant at the same time)")
+    raise NotImplementedError("exercise: bubble_from_timeline — see chapters/03_pipeline.md")
+
+
+# --- 4. ZB-H1 from 1F1B --------------------------------------------------------------------------
+
+
+def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
+    """ZB-H1 (Qi et al. 2024, §3.1): the 1F1B schedule with each backward split and W deferred.
+
+    A backward does two things: B, the gradient with respect to the stage's *input*, which the
+    stage before is waiting for, and W, the gradient with respect to the stage's *weights*,
+    which nobody needs until the optimizer step. Run B first and the backward travels down the
+    pipe faster; run W later, in time the stage would have spent waiting, and the idle time per
+    stage falls from 1F1B's ``(p-1)(t_F + t_B + t_W)`` to ``(p-1)(t_F + t_B - t_W)``: a third
+    when the three are equal (``costmodel.zb_h1_idle_time``).
+
+    How late may W run? A microbatch's activations stay stashed until its W has run. In 1F1B
+    stage r holds at most ``p - r`` microbatches; stage 0 holds p, and that peak is what the
+    devices must have memory for. ZB-H1 lets every stage use it: stage r may keep up to ``r``
+    W's pending (its ``p - r`` plus ``r`` is p). So, walking stage r's 1F1B list in order:
+
+    - copy each F and each B;
+    - after a B, if more than ``r`` W's are pending, run the oldest pending one (W of the
+      lowest microbatch whose B has run);
+    - at the end of the list, run the W's still pending, oldest first.
+
+    The first stage (r = 0) runs every W right after its B; the last stage runs its W's r
+    backwards late, filling the drain. From ``one_f_one_b_schedule(2, 3)``::
+
+        stage 0 | F0 F1 B0 W0 F2 B1 W1 B2 W2
+        stage 1 | F0 B0 F1 B1 W0 F2 B2 W1 W2
+
+    ``stages`` is a 1F1B schedule (one list of ``"F<i>"`` / ``"B<i>"`` strings per stage);
+    p = ``len(stages)``.
+
+    **Your task:** return the ZB-H1 lists, with ``"W<i>"`` added for every ``"B<i>"``.
+    """
+    if not stages:
+        raise ValueError("need at least one stage list")
+    for r, acts in enumerate(stages):
+        bad = [a for a in acts if not (isinstance(a, str) and a[:1] in ("F", "B") and a[1:].isdigit())]
+        if bad:
+            raise ValueError(f"stage {r}: expected 1F1B actions like 'F3' and 'B3' (no W yet), got {bad[:3]}")
+    raise NotImplementedError("exercise: zb_h1_from_1f1b — see chapters/03_pipeline.md")

@@ -1,0 +1,11 @@
+"""Pipeline parallelism (chapter 03) in three layers, each readable alone:
+
+* :mod:`.schedules`: pure functions ``(p, m[, v]) -> Schedule``, who runs which F/B/W when;
+* :mod:`.simulator`: times a schedule from action durations (makespan, bubble, stashed
+  activations) and checks it is a valid dependency order; PipeDream's weight versions;
+* :mod:`.executor`: runs any schedule on real ranks for the tiny GPT cut into stages.
+"""
+from .schedules import (  # noqa: F401
+    SCHEDULES, Action, Schedule, gpipe, interleaved_1f1b, make_schedule, naive, one_f_one_b,
+    validate_structure, zb_h1,
+)

@@ -1,0 +1,203 @@
+"""Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+expected value comes from an independent source: small hand-derived schedules, the library's
+own schedules (``parallelism.pipeline.schedules``), its discrete-event simulator (timing,
+dependency order, stashed activations), ``analysis.timeline.bubble_fraction``, and the formulas
+of ``analysis.costmodel``. Pure Python: no ranks are launched.
+"""
+import random
+
+import pytest
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.timeline import Event, bubble_fraction
+from minitorch_dist.course.exercises import load
+from minitorch_dist.parallelism.pipeline import schedules
+from minitorch_dist.parallelism.pipeline.schedules import Action, Schedule
+from minitorch_dist.parallelism.pipeline.simulator import check_dependencies, simulate
+
+pytestmark = pytest.mark.ch03
+
+SIZES = [(1, 1), (1, 4), (2, 1), (2, 3), (3, 2), (3, 5), (4, 4), (4, 8), (5, 3), (6, 12)]
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch03")
+
+
+def _strings(schedule: Schedule) -> list[list[str]]:
+    return [[str(a) for a in acts] for acts in schedule.stages]
+
+
+def _as_schedule(name: str, stages, m: int) -> Schedule:
+    """A Schedule from per-stage lists of "F3" / "B3" / "W3" strings, checked for their form."""
+    acts = []
+    for r, stage in enumerate(stages):
+        assert isinstance(stage, list), f"stage {r}: return a list per stage, got {type(stage).__name__}"
+        for a in stage:
+            assert isinstance(a, str) and a[:1] in ("F", "B", "W") and a[1:].isdigit(), \
+                f"stage {r}: actions are strings like 'F3', 'B3', 'W3'; got {a!r}"
+        acts.append(tuple(Action(a[0], int(a[1:])) for a in stage))
+    return Schedule(name, len(stages), m, 1, tuple(acts))
+
+
+# --- 1. gpipe_schedule --------------------------------------------------------------------------
+
+
+def test_gpipe_schedule_hand_worked(ex):
+    assert ex.gpipe_schedule(2, 3) == [["F0", "F1", "F2", "B0", "B1", "B2"]] * 2
+    assert ex.gpipe_schedule(1, 1) == [["F0", "B0"]]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_schedule_matches_the_library(ex, p, m):
+    got = ex.gpipe_schedule(p, m)
+    assert len(got) == p, f"one list per stage: {p} lists, got {len(got)}"
+    assert got == _strings(schedules.gpipe(p, m))
+    got[0].append("X")  # stages must not share one list
+    assert all(stage[-1] != "X" for stage in got[1:]), "every stage needs its own list (not p references to one)"
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 4), (4, 8), (3, 7)])
+def test_gpipe_schedule_simulates_to_the_gpipe_bubble(ex, p, m):
+    sim = simulate(_as_schedule("gpipe", ex.gpipe_schedule(p, m), m), t_f=1.0, t_b=2.0, t_w=0.0)
+    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction("gpipe", p, m))
+    assert sim.peak_stashed == [costmodel.pipeline_stashed_microbatches("gpipe", p, m, r) for r in range(p)]
+
+
+# --- 2. one_f_one_b_schedule ----------------------------------------------------------------------
+
+
+def test_one_f_one_b_schedule_hand_worked(ex):
+    assert ex.one_f_one_b_schedule(3, 4) == [
+        ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"],
+        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],
+    ]
+    # fewer microbatches than stages: the warm-up is cut to m forwards
+    assert ex.one_f_one_b_schedule(4, 2) == [
+        ["F0", "F1", "B0", "B1"],
+        ["F0", "F1", "B0", "B1"],
+        ["F0", "F1", "B0", "B1"],
+        ["F0", "B0", "F1", "B1"],
+    ]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_one_f_one_b_schedule_matches_the_library(ex, p, m):
+    assert ex.one_f_one_b_schedule(p, m) == _strings(schedules.one_f_one_b(p, m))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_one_f_one_b_schedule_holds_at_most_p_minus_r_microbatches(ex, p, m):
+    stages = ex.one_f_one_b_schedule(p, m)
+    for r, acts in enumerate(stages):
+        # in list order: microbatches whose F has run and whose B has not
+        in_flight = peak = 0
+        for a in acts:
+            in_flight += 1 if a[0] == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == min(p - r, m) <= p, f"stage {r}: {peak} microbatches in flight, expected min(p-r, m)"
+    sim = simulate(_as_schedule("1f1b", stages, m))  # also: a valid dependency order
+    assert sim.peak_stashed == [costmodel.pipeline_stashed_microbatches("1f1b", p, m, r) for r in range(p)]
+    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction("1f1b", p, m))
+
+
+# --- 3. bubble_from_timeline ----------------------------------------------------------------------
+
+
+def test_bubble_from_timeline_hand_worked(ex):
+    two = [Event(0, "a", None, 0.0, 2.0), Event(1, "b", None, 1.0, 3.0)]
+    assert ex.bubble_from_timeline(two, 2) == pytest.approx(1 / 3)  # T = 3, busy 2 + 2
+    # overlapping and nested spans count once: stage 0 busy [0, 3) = 3, stage 1 [1, 2) + [3, 4) = 2
+    nested = [Event(0, "step", None, 0.0, 3.0), Event(0, "F0", None, 0.5, 1.0), Event(0, "B0", None, 2.0, 3.0),
+              Event(1, "F0", None, 1.0, 2.0), Event(1, "B0", None, 3.0, 4.0), Event(1, "F1", None, 1.5, 1.75)]
+    assert ex.bubble_from_timeline(nested, 2) == pytest.approx(1 - 5 / 8)
+    # a stage with no events idles the whole step; the window starts at the first event, not 0
+    assert ex.bubble_from_timeline([Event(0, "F0", None, 10.0, 12.0)], 3) == pytest.approx(2 / 3)
+
+
+def test_bubble_from_timeline_matches_the_timeline_module_on_random_events(ex):
+    rng = random.Random(3)
+    for _ in range(200):
+        p = rng.randrange(1, 6)
+        events = []
+        for _ in range(rng.randrange(1, 25)):
+            s = rng.uniform(-5, 20)
+            events.append(Event(rng.randrange(p), "x", None, s, s + rng.choice([0.0, rng.uniform(0, 6)])))
+        if max(e.t_end for e in events) <= min(e.t_start for e in events):
+            continue
+        assert ex.bubble_from_timeline(events, p) == pytest.approx(bubble_fraction(events, ranks=range(p)))
+
+
+@pytest.mark.parametrize("name,p,m", [("gpipe", 2, 3), ("gpipe", 4, 8), ("1f1b", 4, 4), ("1f1b", 3, 6)])
+def test_bubble_from_timeline_of_a_simulation_is_the_formula(ex, name, p, m):
+    make = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}[name]
+    sim = simulate(make(p, m), t_f=1.0, t_b=1.5, t_w=0.5)
+    got = ex.bubble_from_timeline(sim.events, p)
+    assert got == pytest.approx(costmodel.pipeline_bubble_fraction(name, p, m))
+    assert got == pytest.approx(sim.bubble_fraction)
+
+
+def test_bubble_from_timeline_with_unequal_stages(ex):
+    # the events as given, not the schedule: with p2p latency the bubble grows beyond the formula
+    sim = simulate(schedules.one_f_one_b(3, 5), t_f=1.0, t_b=2.0, t_w=1.0, p2p=0.25)
+    busy = sum(sim.busy)
+    assert ex.bubble_from_timeline(sim.events, 3) == pytest.approx(1 - busy / (3 * sim.makespan))
+    assert ex.bubble_from_timeline(sim.events, 3) > costmodel.pipeline_bubble_fraction("1f1b", 3, 5)
+
+
+# --- 4. zb_h1_from_1f1b ---------------------------------------------------------------------------
+
+
+def test_zb_h1_from_1f1b_hand_worked(ex):
+    assert ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(2, 3))) == [
+        ["F0", "F1", "B0", "W0", "F2", "B1", "W1", "B2", "W2"],
+        ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "W2"],
+    ]
+    # one stage: nothing to wait for, every W right after its B
+    assert ex.zb_h1_from_1f1b([["F0", "B0", "F1", "B1"]]) == [["F0", "B0", "W0", "F1", "B1", "W1"]]
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if m >= p])  # the library's zb_h1 needs m >= p
+def test_zb_h1_from_1f1b_matches_the_library(ex, p, m):
+    assert ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(p, m))) == _strings(schedules.zb_h1(p, m))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_h1_from_1f1b_keeps_1f1b_and_adds_each_w_after_its_b(ex, p, m):
+    one_f_one_b = _strings(schedules.one_f_one_b(p, m))
+    zb = ex.zb_h1_from_1f1b([list(s) for s in one_f_one_b])
+    assert len(zb) == p
+    for r, (old, new) in enumerate(zip(one_f_one_b, zb)):
+        assert [a for a in new if a[0] != "W"] == old, f"stage {r}: F and B must keep their 1F1B order"
+        ws = [a for a in new if a[0] == "W"]
+        assert ws == [f"W{i}" for i in range(m)], f"stage {r}: one W per microbatch, in microbatch order; got {ws}"
+        for i in range(m):
+            assert new.index(f"W{i}") > new.index(f"B{i}"), f"stage {r}: W{i} must come after B{i}"
+    check_dependencies(_as_schedule("zb-h1", zb, m))  # every stage can run its list: no deadlock
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (5, 9)])
+@pytest.mark.parametrize("t_f,t_b,t_w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.7), (2.0, 1.0, 1.0), (1.0, 1.0, 0.5)])
+def test_zb_h1_from_1f1b_idles_as_the_paper_says(ex, p, m, t_f, t_b, t_w):
+    zb = ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(p, m)))
+    sim = simulate(_as_schedule("zb-h1", zb, m), t_f=t_f, t_b=t_b, t_w=t_w)
+    expected = costmodel.zb_h1_idle_time(p, t_f, t_b, t_w)
+    assert sim.idle == pytest.approx([expected] * p), f"idle per stage {sim.idle}, Qi et al. §3.1: {expected}"
+    # against 1F1B on the same durations (its backward unsplit): (p-1)(t_F+t_B+t_W), less by 2(p-1)t_W
+    base = simulate(schedules.one_f_one_b(p, m), t_f=t_f, t_b=t_b, t_w=t_w)
+    assert [b - z for b, z in zip(base.idle, sim.idle)] == pytest.approx([2 * (p - 1) * t_w] * p)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_h1_from_1f1b_stays_in_the_memory_of_1f1b(ex, p, m):
+    # the peak over the devices is 1F1B's (stage 0 holds p); no stage may hold more
+    zb = ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(p, m)))
+    sim = simulate(_as_schedule("zb-h1", zb, m))
+    base = simulate(schedules.one_f_one_b(p, m))
+    assert max(sim.peak_stashed) == max(base.peak_stashed) == costmodel.pipeline_stashed_microbatches("1f1b", p, m, 0)
