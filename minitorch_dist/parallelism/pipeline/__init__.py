@@ -9,3 +9,5 @@ from .schedules import (  # noqa: F401
     SCHEDULES, Action, Schedule, gpipe, interleaved_1f1b, make_schedule, naive, one_f_one_b,
     validate_structure, zb_h1,
 )
+from .simulator import Simulation, check_dependencies, simulate  # noqa: F401
+from .pipedream import weight_versions  # noqa: F401
