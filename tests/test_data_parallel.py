@@ -29,6 +29,7 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 import torch.distributed as dist
 from torch import nn
 
+from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.analysis.timeline import Timeline
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
@@ -201,19 +202,9 @@ def _results(n):
 # --- single-process references (one thread, like a rank) ------------------------------------------
 
 
-@contextlib.contextmanager
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @functools.cache
 def _reference(opt_name, steps, freeze=()):
-    with _one_thread():
+    with single_thread():
         torch.manual_seed(SEED)
         model = GPT(CFG)
         for name in freeze:
@@ -229,7 +220,7 @@ def _reference(opt_name, steps, freeze=()):
 
 @functools.cache
 def _reference_two_backwards():
-    with _one_thread():
+    with single_thread():
         torch.manual_seed(SEED)
         model = GPT(CFG)
         data = MarkovCorpus(CFG.vocab_size, seed=0)

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..analysis import costmodel
 from ..runtime import comm
+from ..runtime.env import single_thread
 
 __all__ = ["NaiveDataParallel", "DistributedDataParallel", "launches_during_backward", "headline"]
 
@@ -406,12 +407,8 @@ def headline(smoke: bool = False) -> list[dict]:
     cap_mb = 0.1  # ~100 KiB: the ~0.4 MB tiny GPT splits into several buckets
     # The single-process reference first, on one thread like a rank: it also imports what the
     # optimizer pulls in lazily (torch._dynamo, ~2 s), so the forked ranks inherit it.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         ref = _train_gpt(cfg, steps, batch, seq, lambda m: m)["params"]
-    finally:
-        torch.set_num_threads(threads)
     per_rank = launch(_headline_rank, n, cfg, steps, batch, seq, cap_mb)
     diff = max((per_rank[r]["params"][k] - ref[k]).abs().max().item() for r in range(n) for k in ref)
     grad_bytes = sum(p.numel() * p.element_size() for p in GPT(cfg).parameters() if p.requires_grad)

@@ -6,6 +6,7 @@ test suite (and a notebook under nbval) runs in seconds on a 2-core laptop.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
@@ -43,3 +44,15 @@ def hardware_summary() -> str:
     parts.append(f"torch {torch.__version__}, python {platform.python_version()}")
     parts.append(f"default backend: {default_backend(2)}")
     return " | ".join(parts)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run the enclosed code on one intra-op thread, as every CPU rank does under ``launch``:
+    a single-process reference computed this way sums in the same order as the ranks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
