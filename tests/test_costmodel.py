@@ -384,3 +384,13 @@ def test_ddp_step_time_overlap_bounds():
         assert t_overlap <= t_serial + 1e-12
         assert t_overlap >= tf + tb + cm.allreduce_time(buckets[-1], n, alpha, beta) - 1e-12
         assert t_overlap >= tf + sum(cm.allreduce_time(b, n, alpha, beta) for b in buckets) - 1e-12
+
+
+def test_tensor_parallel_bytes_per_layer_is_four_ring_allreduces():
+    b, s, h = 2, 16, 32
+    for t in (1, 2, 4, 8):
+        want = 8 * b * s * h * (t - 1) / t * 2  # Narayanan et al. 2021 §3.2, fp16 elements
+        assert cm.tensor_parallel_bytes_per_layer(b, s, h, t) == pytest.approx(want)
+    assert cm.tensor_parallel_allreduces_per_layer() == {"forward": 2, "backward": 2}
+    with pytest.raises(ValueError, match="t >= 1"):
+        cm.tensor_parallel_bytes_per_layer(b, s, h, 0)

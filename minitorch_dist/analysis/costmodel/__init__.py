@@ -33,3 +33,4 @@ from .pipeline import (  # noqa: E402
     SCHEDULES, pipeline_bubble_fraction, pipeline_bubble_ratio, pipeline_p2p_bytes,
     pipeline_stashed_microbatches, zb_h1_idle_time,
 )
+from .tensor_parallel import tensor_parallel_allreduces_per_layer, tensor_parallel_bytes_per_layer  # noqa: E402
