@@ -1,0 +1,173 @@
+# generated from solutions/ch04_tensor_parallel.py; do not edit — run `make exercises`
+"""Chapter 04 exercises: tensor parallelism — a row-parallel linear, a vocab-parallel loss, SUMMA.
+
+Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION``; ``exercises/ch04_tensor_parallel.py`` is generated from this file with each
+such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
+helpers) is scaffolding the student keeps. Tests: ``pytest -m ch04 tests/exercises``
+(``MTD_IMPL=exercises`` runs them against the stubs).
+
+Every function here runs inside ranks (start it with ``minitorch_dist.launch(fn, t)``) and
+talks through ``minitorch_dist.runtime.comm``, whose meter the tests read.
+
+1. :class:`RowParallelLinear`: ``Y = X W`` with W split along its rows (its input dimension)
+   over t ranks; one all-reduce in forward, none in backward (Shoeybi et al. 2019, "Megatron-LM:
+   Training Multi-Billion Parameter Language Models Using Model Parallelism", §3, Fig. 3a: the
+   second GEMM of the MLP, and the ``g`` operator).
+2. :func:`vocab_parallel_cross_entropy`: the cross-entropy of logits split along the vocabulary,
+   communicating b*s numbers instead of b*s*V (Megatron-LM §3, last paragraphs: "we fuse the
+   output of the parallel GEMM with the cross-entropy loss").
+3. :func:`summa_matmul`: 2D tensor parallelism, ``C = A B`` on a q x q grid of ranks with
+   broadcasts along rows and columns (van de Geijn & Watts 1997, "SUMMA: Scalable Universal
+   Matrix Multiplication Algorithm"; used for transformers by Xu et al. 2021, "An Efficient 2D
+   Method for Training Super-Large Deep Learning Models", Optimus, §3).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from minitorch_dist.runtime import comm
+
+
+def _require_dist(name: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{name} runs inside ranks: call it from a function started with "
+                           "minitorch_dist.launch(fn, t)")
+
+
+# --- 1. the row-parallel linear layer ----------------------------------------------------------
+
+
+class RowParallelLinear(torch.autograd.Function):
+    """``Y = X W + b`` with X split along its columns and W along its rows over the t ranks.
+
+    Convention (the paper's, not ``nn.Linear``'s): ``W`` has shape ``(k, n)``, input features by
+    output features, and ``Y = X @ W``. Split the k input features into t equal slices; rank r
+    holds
+
+    - ``x_r = X[..., r*k/t : (r+1)*k/t]``, shape ``(..., k/t)`` — in Megatron's MLP this is the
+      output of the column-parallel first GEMM, already split this way, so no scatter is needed;
+    - ``w_r = W[r*k/t : (r+1)*k/t, :]``, shape ``(k/t, n)``;
+    - ``bias``, shape ``(n,)`` or None, the *same* full bias on every rank.
+
+    Block matrix multiplication gives ``X W = sum_r x_r w_r``: each rank computes a full-sized
+    partial product, and one all-reduce sums them (Megatron's ``g``: all-reduce in forward,
+    identity in backward). The bias is added once, *after* the sum (added before, it would be
+    counted t times).
+
+    Backward needs no communication: with ``dY`` the (full, replicated) gradient of Y,
+
+        grad x_r = dY w_r^T            (this rank's slice of dX = dY W^T)
+        grad w_r = x_r^T dY            (this rank's rows of dW = X^T dY; leading dims flattened)
+        grad b   = dY summed over all leading dims
+
+    **Your task:** write ``forward`` (save what backward needs with ``ctx.save_for_backward``,
+    one ``comm.all_reduce`` on the partial product) and ``backward`` (return one gradient per
+    input of forward: ``x_r, w_r, bias, group``, None where there is none). Call it through
+    :func:`row_parallel_linear` (``Function.apply`` takes no keyword arguments).
+    """
+
+    @staticmethod
+    def forward(ctx, x_r, w_r, bias, group):
+        raise NotImplementedError("exercise: RowParallelLinear.forward — see chapters/04_tensor_parallel.md")
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        raise NotImplementedError("exercise: RowParallelLinear.backward — see chapters/04_tensor_parallel.md")
+
+
+def row_parallel_linear(x_r: torch.Tensor, w_r: torch.Tensor, bias: torch.Tensor | None = None,
+                        group=None) -> torch.Tensor:
+    """``X W + b`` from this rank's slices (see :class:`RowParallelLinear`), differentiable."""
+    _require_dist("row_parallel_linear")
+    if w_r.dim() != 2:
+        raise ValueError(f"w_r must be 2-D (k/t input features, n output features), got shape {tuple(w_r.shape)}")
+    if x_r.shape[-1] != w_r.shape[0]:
+        raise ValueError(f"x_r has {x_r.shape[-1]} columns but w_r has {w_r.shape[0]} rows: rank r must hold "
+                         "the same slice r*k/t:(r+1)*k/t of X's columns and of W's rows")
+    if bias is not None and tuple(bias.shape) != (w_r.shape[1],):
+        raise ValueError(f"bias must have shape ({w_r.shape[1]},), one per output feature, got {tuple(bias.shape)}")
+    return RowParallelLinear.apply(x_r, w_r, bias, group)
+
+
+# --- 2. the vocab-parallel cross-entropy --------------------------------------------------------
+
+
+def vocab_parallel_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean cross-entropy of logits split along the vocabulary, without gathering them.
+
+    The output layer of a language model maps b*s hidden states to b*s*V logits, V ~ 50k. With
+    the output embedding split column-wise over t ranks, rank r holds the logits of its vocab
+    slice ``[r*V/t, (r+1)*V/t)``: ``logits_r`` of shape ``(..., V/t)``. All-gathering them for
+    the loss would move b*s*V numbers. Megatron (§3) instead reduces each row to a few numbers
+    first. For one row with logits z and target y,
+
+        loss = log sum_v exp(z_v) - z_y
+             = M + log sum_v exp(z_v - M) - z_y,      M = max_v z_v  (no overflow)
+
+    and every term is a reduction over v, so over the ranks:
+
+    - ``M``: the max over ranks of each rank's row max (all-reduce with ``comm.ReduceOp.MAX``);
+    - ``sum_v exp(z_v - M)``: the sum over ranks of each rank's partial sum (all-reduce, SUM);
+    - ``z_y``: the rank whose slice holds y contributes the logit, the others 0 (all-reduce, SUM).
+
+    Three all-reduces of b*s numbers each, whatever V. ``targets`` (shape ``logits_r.shape[:-1]``)
+    holds *global* vocab ids and is the same on every rank; the rank index r is
+    ``dist.get_rank(group)``.
+
+    **Your task:** return the mean over all rows of the loss, a 0-dim float tensor, the same on
+    every rank, using only ``comm.all_reduce``. Compute in float32 (``.float()``); no gradient
+    is asked for (the chapter's module gives this function its backward, ``softmax - onehot``
+    on the rank's own slice).
+    """
+    _require_dist("vocab_parallel_cross_entropy")
+    if tuple(targets.shape) != tuple(logits_r.shape[:-1]):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}; expected logits_r's without its last "
+                         f"(vocab) dimension, {tuple(logits_r.shape[:-1])}")
+    if targets.dtype != torch.long:
+        raise ValueError(f"targets must be int64 vocab ids, got {targets.dtype}")
+    vocab = logits_r.shape[-1] * dist.get_world_size(group)
+    if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < vocab):
+        raise ValueError(f"targets must lie in [0, {vocab}) (V/t = {logits_r.shape[-1]} per rank times "
+                         f"t = {dist.get_world_size(group)} ranks), got [{int(targets.min())}, {int(targets.max())}]")
+    raise NotImplementedError("exercise: vocab_parallel_cross_entropy — see chapters/04_tensor_parallel.md")
+
+
+# --- 3. SUMMA: a 2D-parallel matmul --------------------------------------------------------------
+
+
+def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``C = A B`` on a q x q grid of ranks (SUMMA).
+
+    1D tensor parallelism (exercise 1) all-reduces a full activation in every layer; on a
+    q x q grid each rank sends only along its row and its column, about 1/q of that. A, B and C
+    are cut into q x q blocks; rank ``q*i + j`` (grid row i, column j) holds ``A_ij`` and
+    ``B_ij`` and computes
+
+        C_ij = sum_k A_ik B_kj
+
+    in q steps: at step k the owner of ``A_ik`` (rank ``q*i + k``) broadcasts it along grid row
+    i, the owner of ``B_kj`` (rank ``q*k + j``) broadcasts it along grid column j, and every rank
+    adds ``A_ik @ B_kj`` to its C block. All A blocks have one shape, all B blocks another.
+
+    The row and column groups come from ``dist.new_group(ranks)``. new_group is collective over
+    the *whole* world: every rank must call it for every group, its own or not, in the same
+    order, or the ranks hang. So build all q row groups, then all q column groups, on every
+    rank. ``comm.broadcast(t, src, group=g)`` takes ``src`` as a *global* rank and overwrites
+    ``t`` on the other ranks of g (receive into a fresh buffer: do not overwrite your own block).
+
+    **Your task:** return ``C_ij``, using ``comm.broadcast`` with the row and column groups
+    (2q broadcasts per rank, each among q ranks).
+    """
+    _require_dist("summa_matmul")
+    world = dist.get_world_size()
+    q = math.isqrt(world)
+    if q * q != world:
+        raise ValueError(f"SUMMA needs a square grid of ranks: world size {world} is not q*q; launch 1, 4, 9... ranks")
+    if a_ij.dim() != 2 or b_ij.dim() != 2 or a_ij.shape[1] != b_ij.shape[0]:
+        raise ValueError(f"blocks must be 2-D with A_ij's columns equal to B_ij's rows, got {tuple(a_ij.shape)} "
+                         f"and {tuple(b_ij.shape)}")
+    raise NotImplementedError("exercise: summa_matmul — see chapters/04_tensor_parallel.md")

@@ -1,0 +1,85 @@
+"""The vocabulary-parallel ends of a tensor-parallel language model: the input embedding and the
+loss, split over the vocabulary so that neither the V x h table nor the b·s·V logits is ever whole.
+
+Shoeybi et al. 2019, "Megatron-LM", §3 (last paragraphs: the input embedding E = [E_1, E_2]
+split along the vocabulary with an all-reduce (g) after it; the output layer's parallel GEMM
+fused with the cross-entropy so that only b·s numbers are communicated instead of b·s·V).
+Built on the f / g operators of :mod:`.tensor_parallel`; ``TensorParallelGPT`` there uses both.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .tensor_parallel import _all_reduce, _divide, _tp, reduce_from_tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r·V/t, (r+1)·V/t) of the table. A token outside them looks up zeros, so
+    E[idx] = g(sum_r E_r[idx]): one all-reduce of b·s·h forward, nothing backward."""
+
+    def __init__(self, num_embeddings, embedding_dim, group=None):
+        super().__init__()
+        t, r = _tp(group)
+        n = _divide(num_embeddings, t, "vocab_size")
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.vocab_start, self.vocab_end = r * n, (r + 1) * n
+        self.weight = nn.Parameter(torch.empty(n, embedding_dim))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+    @classmethod
+    def from_dense(cls, emb: nn.Embedding, group=None):
+        m = cls(emb.num_embeddings, emb.embedding_dim, group)
+        with torch.no_grad():
+            m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
+        return m
+
+    def forward(self, idx):
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from logits sharded over the vocabulary (§3: the output layer's
+    parallel GEMM is fused with the loss, so b·s numbers travel instead of b·s·V logits). With
+    z = logits - max_v logits,
+
+        loss = log sum_v exp(z_v) - z_target
+
+    needs only three all-reduces of one number per token: the max (MAX), sum_v exp(z_v) and
+    z_target (SUM, only the rank owning the target contributes it). The gradient is local:
+    dloss/dz_v = softmax_v - [v == target].
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        n_local = logits.size(-1)
+        zmax = _all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        z = logits - zmax.unsqueeze(-1)
+        mine = (target >= vocab_start) & (target < vocab_start + n_local)
+        local_t = (target - vocab_start).masked_fill(~mine, 0)
+        z_target = _all_reduce(z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine, group)
+        exp = z.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), mine, local_t)
+        return sum_exp.log() - z_target
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, mine, local_t = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local, target, group=None):
+    """Mean cross-entropy over every position, from this rank's vocabulary shard of the logits
+    (..., V/t) and the full targets (...). Equals F.cross_entropy on the gathered logits."""
+    start = _tp(group)[1] * logits_local.size(-1)
+    loss = _VocabParallelCrossEntropy.apply(logits_local.reshape(-1, logits_local.size(-1)),
+                                            target.reshape(-1), start, group)
+    return loss.mean()

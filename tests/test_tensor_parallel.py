@@ -1,0 +1,397 @@
+"""Chapter 04: Megatron tensor parallelism computes the dense model, layer by layer and for the whole
+GPT over several optimizer steps, and agrees with torch's DTensor ``parallelize_module``; and it works
+the way Shoeybi et al. 2019 §3 says: 2 all-reduces of b·s·h per layer forward and 2 backward, the
+bytes of Narayanan et al. 2021 §3.2, the loss never gathering the logits, 1/t of the blocks' weights.
+
+One launch per tensor-parallel degree t runs every case and returns plain data; the tests only
+inspect it. Expected values come from elsewhere: the dense layers and GPT in one process (one
+thread, like a rank), sliced here by this file's own rules (the c_attn rows of each rank are its
+heads inside each of q, k and v), ``F.cross_entropy``, torch's DTensor, ``costmodel``'s formulas.
+
+Tolerances. A row-parallel layer adds t partial sums where the dense layer adds in one pass: the
+same sum in another order, float32 ulps apart (measured: <= 2e-6 on layer outputs and gradients of
+size ~10-100, i.e. ~1e-7 relative; <= 3e-8 on the GPT's gradients and 1e-8 on its weights after 3
+steps; 1 ulp, 4.8e-7, on its loss ~4.2; bitwise equal to DTensor). We allow atol 1e-6 / rtol 1e-5
+(2e-6 on losses); a lost all-reduce halves (t = 2) or quarters (t = 4) a whole output or
+gradient, a shard taken from the wrong heads moves it by O(1).
+"""
+import functools
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.models.data import MarkovCorpus
+from minitorch_dist.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from minitorch_dist.parallelism import tensor_parallel as TP
+from minitorch_dist.parallelism import tensor_parallel_vocab as TPV
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.env import single_thread
+from minitorch_dist.runtime.launch import RankError, launch
+
+pytestmark = pytest.mark.ch04
+
+B, T, H, V = 4, 16, 32, 64
+CFG = GPTConfig.tiny(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=H)  # heads, V divisible by 4
+STEPS, LR = 3, 0.1
+SEED = 7
+ATOL, RTOL = 1e-6, 1e-5
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(SEED + 1)
+    return {"x": torch.randn(B, T, H, generator=g), "wide": torch.randn(B, T, 4 * H, generator=g),
+            "G": torch.randn(B, T, 4 * H, generator=g), "logits": torch.randn(B, T, V, generator=g),
+            "idx": torch.randint(0, V, (B, T), generator=g), "target": torch.randint(0, V, (B, T), generator=g)}
+
+
+def _dense_layers():
+    torch.manual_seed(SEED)
+    return {"col": nn.Linear(H, 4 * H), "row": nn.Linear(4 * H, H), "mlp": MLP(CFG),
+            "attn": CausalSelfAttention(CFG), "emb": nn.Embedding(V, H)}
+
+
+# --- what runs on the ranks ---------------------------------------------------------------------
+
+
+def _grads(*tensors):
+    return [None if q.grad is None else q.grad.clone() for q in tensors]
+
+
+def _layers():
+    """Each parallel layer on fixed inputs: its output and the input / weight / bias gradients."""
+    t, r = dist.get_world_size(), dist.get_rank()
+    d, inp, out = _dense_layers(), _inputs(), {}
+    G = inp["G"]
+    for gather in (False, True):
+        m = TP.ColumnParallelLinear.from_dense(d["col"], gather_output=gather)
+        x = inp["x"].clone().requires_grad_(True)
+        y = m(x)
+        (y * (G if gather else G.chunk(t, -1)[r])).sum().backward()
+        out["col", gather] = [y.detach(), *_grads(x, m.weight, m.bias)]
+    for parallel in (True, False):
+        m = TP.RowParallelLinear.from_dense(d["row"], input_is_parallel=parallel)
+        x = (inp["wide"].chunk(t, -1)[r] if parallel else inp["wide"]).clone().requires_grad_(True)
+        y = m(x)
+        (y * G[..., :H]).sum().backward()
+        out["row", parallel] = [y.detach(), *_grads(x, m.weight, m.bias)]
+    for name, cls in (("mlp", TP.ParallelMLP), ("attn", TP.ParallelAttention)):
+        m = cls(d[name])
+        x = inp["x"].clone().requires_grad_(True)
+        y = m(x)
+        (y * G[..., :H]).sum().backward()
+        out[name] = [y.detach(), x.grad.clone(), {k: q.grad.clone() for k, q in m.named_parameters()}]
+    m = TPV.VocabParallelEmbedding.from_dense(d["emb"])
+    y = m(inp["idx"])
+    (y * G[..., :H]).sum().backward()
+    out["emb"] = [y.detach(), m.weight.grad.clone()]
+    logits = inp["logits"].chunk(t, -1)[r].clone().requires_grad_(True)
+    with comm.meter() as cm:
+        loss = TPV.vocab_parallel_cross_entropy(logits, inp["target"])
+    loss.backward()
+    gathered = TP.gather_from_tp(logits.detach())
+    out["loss"] = {"loss": loss.item(), "grad": logits.grad.clone(), "gathered": gathered,
+                   "on_gathered": F.cross_entropy(gathered.reshape(-1, V), inp["target"].reshape(-1)).item(),
+                   "events": [(e.op, e.nbytes) for e in cm.events]}
+    return out
+
+
+def _torch_dtensor():
+    """The same MLP under torch's ColwiseParallel / RowwiseParallel, and ours beside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mlp = _dense_layers()["mlp"]
+    ours = TP.ParallelMLP(mlp)  # copies its shards before parallelize_module turns mlp's weights into DTensors
+    theirs = parallelize_module(mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+    res = {}
+    for name, m in (("ours", ours), ("torch", theirs)):
+        x = _inputs()["x"].clone().requires_grad_(True)
+        y = m(x)
+        (y * _inputs()["G"][..., :H]).sum().backward()
+        grads = {k: (q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad).clone()
+                 for k, q in m.named_parameters()}
+        res[name] = [y.detach(), x.grad.clone(), grads]
+    return res
+
+
+def _gpt():
+    """STEPS SGD steps of the TP GPT; comm meter on the forward and backward of the last one."""
+    torch.manual_seed(SEED)
+    model = TP.parallelize_gpt(GPT(CFG))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data, losses = MarkovCorpus(V, seed=0), []
+    for step in range(STEPS):
+        x, y = data.batch(step, B, T)
+        opt.zero_grad()
+        with comm.meter() as fwd:
+            logits, loss = model(x, y)
+        with comm.meter() as bwd:
+            loss.backward()
+        losses.append(loss.item())
+        if step < STEPS - 1:
+            opt.step()
+    grads = {k: q.grad.clone() for k, q in model.named_parameters()}
+    block = model.blocks[0]  # one transformer layer alone, forward and backward
+    xb = _inputs()["x"].clone().requires_grad_(True)
+    with comm.meter() as bf:
+        yb = block(xb)
+    with comm.meter() as bb:
+        yb.sum().backward()
+    ev = lambda m: [(e.op, e.nbytes, e.wire_bytes) for e in m.events]  # noqa: E731
+    return {"losses": losses, "logits": TP.gather_from_tp(logits.detach()),
+            "grads": grads, "params": {k: q.detach().clone() for k, q in model.named_parameters()},
+            "tied": model.lm_head.weight is model.wte.weight,
+            "events": {"fwd": ev(fwd), "bwd": ev(bwd), "block_fwd": ev(bf), "block_bwd": ev(bb)},
+            "block_params": sum(q.numel() for q in model.blocks.parameters())}
+
+
+def _errors():
+    t, out = dist.get_world_size(), {}
+    bad_heads = 3 if t == 2 else 6
+    cases = {
+        "heads": lambda: TP.parallelize_gpt(GPT(GPTConfig.tiny(n_head=bad_heads, n_embd=8 * bad_heads))),
+        "vocab": lambda: TP.parallelize_gpt(GPT(GPTConfig.tiny(vocab_size=4 * t + 1 + (t == 4)))),
+        "column": lambda: TP.ColumnParallelLinear(8, 2 * t + 1),
+        "row": lambda: TP.RowParallelLinear(2 * t + 1, 8),
+    }
+    for case, call in cases.items():
+        try:
+            call()
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def _run_every_case():
+    return {"layers": _layers(), "torch": _torch_dtensor(), "gpt": _gpt(), "errors": _errors()}
+
+
+@functools.cache
+def _results(t):
+    return launch(_run_every_case, t, timeout_s=120)
+
+
+# --- the dense references (one process, one thread, like a rank) and this file's slicing rules ----------
+
+
+def _cols(w, t, r):  # column-parallel: a contiguous block of output rows
+    return w.chunk(t, 0)[r]
+
+
+def _rows(w, t, r):  # row-parallel: a contiguous block of input columns
+    return w.chunk(t, 1)[r]
+
+
+def _qkv(w, t, r):  # fused q|k|v: rank r's heads inside each of q, k, v (heads are contiguous in each)
+    return w.reshape(3, t, -1, *w.shape[1:])[:, r].reshape(-1, *w.shape[1:])
+
+
+def _shard(name, w, t, r):
+    """Rank r's part of the dense tensor ``w`` named ``name`` (a GPT / MLP / attention parameter)."""
+    if "c_attn" in name:
+        return _qkv(w, t, r)
+    if name.endswith(("c_fc.weight", "c_fc.bias", "wte.weight", "lm_head.weight")):
+        return _cols(w, t, r)
+    if name.endswith("c_proj.weight"):
+        return _rows(w, t, r)
+    return w  # LayerNorms, wpe, row-parallel biases: replicated
+
+
+@functools.cache
+def _dense_layer_refs():
+    with single_thread():
+        d, inp, ref = _dense_layers(), _inputs(), {}
+        G = inp["G"]
+        for name, xin, g in (("col", inp["x"], G), ("row", inp["wide"], G[..., :H]),
+                             ("mlp", inp["x"], G[..., :H]), ("attn", inp["x"], G[..., :H])):
+            x = xin.clone().requires_grad_(True)
+            y = d[name](x)
+            (y * g).sum().backward()
+            ref[name] = [y.detach(), x.grad, {k: q.grad for k, q in d[name].named_parameters()}]
+        y = d["emb"](inp["idx"])
+        (y * G[..., :H]).sum().backward()
+        ref["emb"] = [y.detach(), d["emb"].weight.grad]
+        logits = inp["logits"].clone().requires_grad_(True)
+        loss = F.cross_entropy(logits.reshape(-1, V), inp["target"].reshape(-1))
+        loss.backward()
+        ref["loss"] = [loss.item(), logits.grad]
+        return ref
+
+
+@functools.cache
+def _dense_gpt():
+    with single_thread():
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        data, losses = MarkovCorpus(V, seed=0), []
+        for step in range(STEPS):
+            opt.zero_grad()
+            logits, loss = model(*data.batch(step, B, T))
+            loss.backward()
+            losses.append(loss.item())
+            if step < STEPS - 1:
+                opt.step()
+        return {"losses": losses, "logits": logits.detach(),
+                "grads": {k: q.grad for k, q in model.named_parameters()},
+                "params": {k: q.detach().clone() for k, q in model.named_parameters()}}
+
+
+def _close(got, want, where):
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda s: f"{where}: {s}")
+
+
+# --- every layer equals the dense one ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_column_and_row_parallel_linear_equal_the_dense_linear(t):
+    ref = _dense_layer_refs()
+    for r, res in enumerate(_results(t)):
+        (y, dx, dense_p) = ref["col"]
+        for gather in (False, True):
+            got = res["layers"]["col", gather]
+            _close(got[0], y if gather else y.chunk(t, -1)[r], f"column out gather={gather} r={r}")
+            _close(got[1], dx, f"column dX (f's all-reduce) r={r}")
+            _close(got[2], _cols(dense_p["weight"], t, r), f"column dW r={r}")
+            _close(got[3], _cols(dense_p["bias"], t, r), f"column db r={r}")
+        (y, dx, dense_p) = ref["row"]
+        for parallel in (True, False):
+            got = res["layers"]["row", parallel]
+            _close(got[0], y, f"row out input_is_parallel={parallel} r={r}")
+            _close(got[1], dx.chunk(t, -1)[r] if parallel else dx, f"row dX r={r}")
+            _close(got[2], _rows(dense_p["weight"], t, r), f"row dW r={r}")
+            _close(got[3], dense_p["bias"], f"row db r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "attn"])
+def test_parallel_mlp_and_attention_equal_the_dense_blocks(t, name):
+    y, dx, dense_p = _dense_layer_refs()[name]
+    for r, res in enumerate(_results(t)):
+        got_y, got_dx, got_p = res["layers"][name]
+        _close(got_y, y, f"{name} out r={r}")
+        _close(got_dx, dx, f"{name} dX r={r}")
+        assert got_p.keys() == dense_p.keys()
+        for k in dense_p:
+            _close(got_p[k], _shard(k, dense_p[k], t, r), f"{name}.{k} grad r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_embedding_and_loss_equal_the_dense_ones(t):
+    ref = _dense_layer_refs()
+    full_logits = _inputs()["logits"]
+    for r, res in enumerate(_results(t)):
+        y, dw = res["layers"]["emb"]
+        _close(y, ref["emb"][0], f"embedding out r={r}")
+        _close(dw, _cols(ref["emb"][1], t, r), f"embedding dW r={r}")
+        lo = res["layers"]["loss"]
+        assert torch.equal(lo["gathered"], full_logits)
+        assert lo["loss"] == pytest.approx(lo["on_gathered"], abs=2e-6)  # F.cross_entropy on gathered logits
+        assert lo["loss"] == pytest.approx(ref["loss"][0], abs=2e-6)
+        _close(lo["grad"], ref["loss"][1].chunk(t, -1)[r], f"loss dlogits r={r}")
+        # three all-reduces of one number per token; the b·s·V logits never travel
+        n_tok = B * T * 4
+        assert lo["events"] == [("all_reduce", n_tok)] * 3, lo["events"]
+
+
+# --- the whole GPT equals the dense GPT over several steps ---------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_gpt_loss_and_gradients_equal_the_dense_gpt_after_several_steps(t):
+    ref = _dense_gpt()
+    for r, res in enumerate(_results(t)):
+        g = res["gpt"]
+        assert g["tied"]
+        assert g["losses"] == pytest.approx(ref["losses"], abs=2e-6)
+        _close(g["logits"], ref["logits"], f"gathered logits r={r}")
+        assert g["grads"].keys() == ref["grads"].keys()
+        for k in ref["grads"]:
+            _close(g["grads"][k], _shard(k, ref["grads"][k], t, r), f"grad {k} r={r}")
+            _close(g["params"][k], _shard(k, ref["params"][k], t, r), f"param {k} r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_equals_torch_dtensor_parallelize_module(t):
+    for r, res in enumerate(_results(t)):
+        ours, theirs = res["torch"]["ours"], res["torch"]["torch"]
+        _close(ours[0], theirs[0], f"MLP out r={r}")
+        _close(ours[1], theirs[1], f"MLP dX r={r}")
+        assert ours[2].keys() == theirs[2].keys()
+        for k in ours[2]:
+            _close(ours[2][k], theirs[2][k], f"{k} grad vs DTensor r={r}")
+
+
+# --- the mechanism: the collectives and their bytes ----------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_one_layer_costs_two_all_reduces_forward_and_two_backward(t):
+    want = costmodel.tensor_parallel_allreduces_per_layer()
+    bsh = B * T * H * 4
+    for res in _results(t):
+        ev = res["gpt"]["events"]
+        assert ev["block_fwd"] == [("all_reduce", bsh, costmodel.bus_bytes("all_reduce", bsh, t))] * want["forward"]
+        assert ev["block_bwd"] == [("all_reduce", bsh, costmodel.bus_bytes("all_reduce", bsh, t))] * want["backward"]
+        wire = sum(w for _, _, w in ev["block_fwd"] + ev["block_bwd"])
+        assert wire == pytest.approx(costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, bytes_per_element=4),
+                                     rel=1e-12)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_whole_gpt_adds_only_the_embedding_and_loss_collectives(t):
+    """Forward: 2 per layer + 1 (the embedding's g) of b·s·h, + 3 of b·s for the loss.
+    Backward: 2 per layer + 1 (the output layer's f). Nothing of size V ever moves."""
+    want = costmodel.tensor_parallel_allreduces_per_layer()
+    bsh, bs, L = B * T * H * 4, B * T * 4, CFG.n_layer
+    for res in _results(t):
+        ev = res["gpt"]["events"]
+        fwd = sorted((op, n) for op, n, _ in ev["fwd"])
+        bwd = sorted((op, n) for op, n, _ in ev["bwd"])
+        assert fwd == sorted([("all_reduce", bsh)] * (want["forward"] * L + 1) + [("all_reduce", bs)] * 3)
+        assert bwd == [("all_reduce", bsh)] * (want["backward"] * L + 1)
+        wire = sum(w for _, _, w in ev["fwd"] + ev["bwd"])
+        extra = 2 * costmodel.bus_bytes("all_reduce", bsh, t) + 3 * costmodel.bus_bytes("all_reduce", bs, t)
+        assert wire == pytest.approx(L * costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, 4) + extra, rel=1e-12)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_block_parameters_per_rank_fall_as_one_over_t(t):
+    dense = GPT(CFG)
+    total = sum(q.numel() for q in dense.blocks.parameters())
+    replicated = sum(q.numel() for k, q in dense.blocks.named_parameters()
+                     if ".ln_" in k or k.endswith("c_proj.bias"))  # LayerNorms, biases added after g
+    for res in _results(t):
+        assert res["gpt"]["block_params"] == (total - replicated) // t + replicated
+        assert (total - replicated) % t == 0
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_bad_divisibility_is_a_clear_error(t):
+    bad_heads = 3 if t == 2 else 6
+    for res in _results(t):
+        err = res["errors"]
+        assert f"n_head {bad_heads} is not divisible by tp={t}" in err["heads"]
+        assert f"vocab_size {4 * t + 1 + (t == 4)} is not divisible by tp={t}" in err["vocab"]
+        assert f"out_features {2 * t + 1} is not divisible by tp={t}" in err["column"]
+        assert f"in_features {2 * t + 1} is not divisible by tp={t}" in err["row"]
+
+
+def test_outside_a_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="launch"):
+        TP.parallelize_gpt(GPT(CFG))
+
+
+def test_dropout_is_refused_with_a_reason():
+    with pytest.raises(RankError, match="ValueError: dropout 0.1 is not supported"):
+        launch(lambda: TP.parallelize_gpt(GPT(GPTConfig.tiny(dropout=0.1))), 2)
