@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist.models.gpt import GPT, GPTConfig
 
 
 # --- collectives ------------------------------------------------------------------------------
@@ -394,3 +395,38 @@ def test_tensor_parallel_bytes_per_layer_is_four_ring_allreduces():
     assert cm.tensor_parallel_allreduces_per_layer() == {"forward": 2, "backward": 2}
     with pytest.raises(ValueError, match="t >= 1"):
         cm.tensor_parallel_bytes_per_layer(b, s, h, 0)
+
+
+def test_tensor_parallel_comm_time_is_four_ring_allreduces_on_the_critical_path():
+    b, s, h, alpha, beta = 1, 2048, 12288, 5e-6, 1 / 100e9  # a GPT-3 layer, fp16; beta in s/byte
+    n = b * s * h * 2
+    for t in (2, 4, 8):
+        ring = 2 * (t - 1) * alpha + 2 * (t - 1) / t * n * beta  # Patarasuk & Yuan 2009
+        assert cm.tensor_parallel_comm_time_per_layer(b, s, h, t, alpha, beta) == pytest.approx(4 * ring)
+    assert cm.tensor_parallel_comm_time_per_layer(b, s, h, 1, alpha, beta) == 0.0
+
+
+@pytest.mark.parametrize("tied,bias", [(True, True), (False, False)])
+def test_tensor_parallel_params_per_rank_counts_the_gpt_shards(tied, bias):
+    cfg = GPTConfig.tiny(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32, tie_embeddings=tied, bias=bias)
+    model = GPT(cfg)
+    assert cm.tensor_parallel_params_per_rank(cfg, 1) == sum(q.numel() for q in model.parameters())
+    # by hand from the model: 2-D weights of attn/mlp and the embedding tables split, the rest replicated
+    for t in (2, 4):
+        want = 0
+        for name, q in model.named_parameters():
+            split = ("c_attn" in name or "c_fc" in name or name.endswith("c_proj.weight")
+                     or name in ("wte.weight", "lm_head.weight"))
+            want += q.numel() // t if split else q.numel()
+        assert cm.tensor_parallel_params_per_rank(cfg, t) == want
+    with pytest.raises(ValueError, match="n_head 4 is not divisible by tp=3"):
+        cm.tensor_parallel_params_per_rank(cfg, 3)
+
+
+def test_vocab_parallel_logits_bytes():
+    got = cm.vocab_parallel_logits_bytes(8, 1024, 50304, 4)
+    assert got["gathered"] == 8 * 1024 * 50304 * 4
+    assert got["vocab_parallel"] * 4 == got["gathered"]
+    assert got["saved"] == got["gathered"] - got["vocab_parallel"]
+    with pytest.raises(ValueError, match="vocab_size 50257 is not divisible by tp=4"):
+        cm.vocab_parallel_logits_bytes(8, 1024, 50257, 4)

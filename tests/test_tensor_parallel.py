@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from minitorch_dist.parallelism import tensor_parallel as TP
@@ -97,6 +98,25 @@ def _layers():
     out["loss"] = {"loss": loss.item(), "grad": logits.grad.clone(), "gathered": gathered,
                    "on_gathered": F.cross_entropy(gathered.reshape(-1, V), inp["target"].reshape(-1)).item(),
                    "events": [(e.op, e.nbytes) for e in cm.events]}
+    out["loss_memory"] = _loss_memory(inp["logits"].chunk(t, -1)[r], inp["target"])
+    return out
+
+
+def _loss_memory(logits_local, target):
+    """Activation bytes the loss keeps for backward (MemoryMeter): gather-then-F.cross_entropy
+    against the vocab-parallel cross-entropy."""
+    out = {}
+    for name in ("gathered", "vocab_parallel"):
+        z = logits_local.clone().requires_grad_(True)
+        meter = MemoryMeter()
+        with meter.track():
+            if name == "gathered":
+                full = TP.gather_from_tp(z)
+                loss = F.cross_entropy(full.reshape(-1, V), target.reshape(-1))
+            else:
+                loss = TPV.vocab_parallel_cross_entropy(z, target)
+            loss.backward()
+        out[name] = meter.peak["activations"]
     return out
 
 
@@ -147,7 +167,8 @@ def _gpt():
             "grads": grads, "params": {k: q.detach().clone() for k, q in model.named_parameters()},
             "tied": model.lm_head.weight is model.wte.weight,
             "events": {"fwd": ev(fwd), "bwd": ev(bwd), "block_fwd": ev(bf), "block_bwd": ev(bb)},
-            "block_params": sum(q.numel() for q in model.blocks.parameters())}
+            "block_params": sum(q.numel() for q in model.blocks.parameters()),
+            "n_params": sum(q.numel() for q in model.parameters())}
 
 
 def _errors():
@@ -371,6 +392,23 @@ def test_block_parameters_per_rank_fall_as_one_over_t(t):
     for res in _results(t):
         assert res["gpt"]["block_params"] == (total - replicated) // t + replicated
         assert (total - replicated) % t == 0
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_parameters_per_rank_match_the_formula(t):
+    for res in _results(t):
+        assert res["gpt"]["n_params"] == costmodel.tensor_parallel_params_per_rank(CFG, t)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_loss_keeps_one_t_th_of_the_logits(t):
+    """MemoryMeter on the loss's saved tensors: the gathered path saves the full log-softmax
+    (b·s·V), the vocab-parallel one its softmax shard (b·s·V/t) plus two b·s index tensors."""
+    want = costmodel.vocab_parallel_logits_bytes(B, T, V, t, bytes_per_element=4)
+    for res in _results(t):
+        got = res["layers"]["loss_memory"]
+        assert want["gathered"] <= got["gathered"] <= want["gathered"] + 2 * B * T * 8
+        assert want["vocab_parallel"] <= got["vocab_parallel"] <= want["vocab_parallel"] + 2 * B * T * 8
 
 
 # --- errors ------------------------------------------------------------------------------------------------
