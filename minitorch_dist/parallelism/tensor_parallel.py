@@ -1,8 +1,9 @@
 """Tensor (intra-layer) model parallelism: Megatron-LM's f / g operators and the layers built on them.
 
 Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
-Parallelism", §3 (Fig. 3: the MLP and self-attention split; Fig. 4: the f and g operators; the
-vocab-parallel embedding and the cross-entropy fused with the output layer). Narayanan et al.
+Parallelism", §3 (Fig. 3: the MLP and self-attention split with the f and g operators; Fig. 4:
+a layer's four communication operations; the vocab-parallel embedding and the cross-entropy
+fused with the output layer). Narayanan et al.
 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §3.2
 (tensor parallelism costs four all-reduces of b·s·h per layer per step, forward and backward).
 
@@ -13,7 +14,7 @@ A linear layer Y = X A splits two ways over t ranks:
 
 An MLP is column-then-row: GeLU(X A_i) is elementwise, so it runs on the column slice with no
 communication, and the row-parallel B_i finishes with one all-reduce. Attention is the same with
-heads as the columns. Two conjugate operators carry all the communication (Fig. 4):
+heads as the columns. Two conjugate operators carry all the communication (Fig. 3):
 
     f: forward identity,   backward all-reduce   (before a column-parallel layer: dL/dX = sum_i dL/dX_i)
     g: forward all-reduce, backward identity     (after a row-parallel layer:   Y = sum_i Y_i)
@@ -314,6 +315,20 @@ def parallelize_gpt(model, group=None) -> TensorParallelGPT:
     return TensorParallelGPT(model, group)
 
 
+def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
+    """This rank's shards of per-parameter dense tensors (weights, gradients, Adam moments), keyed
+    by the dense GPT's parameter names, in ``TensorParallelGPT``'s layout: loaded into a dense GPT
+    as its weights, which :func:`parallelize_gpt` then splits. Compare a TP model against a dense
+    reference with ``shard_dense_tensors({k: p.grad ...}, cfg)``."""
+    from ..models.gpt import GPT
+
+    holder = GPT(cfg)
+    with torch.no_grad():
+        for k, q in holder.named_parameters():
+            q.copy_(tensors[k])
+    return {k: q.detach() for k, q in parallelize_gpt(holder, group).named_parameters()}
+
+
 # --- the tour's rows ---------------------------------------------------------------------------
 
 
@@ -339,11 +354,7 @@ def _headline_rank(cfg, steps, batch, seq, ref_grads):
     torch.manual_seed(0)
     model = parallelize_gpt(GPT(cfg))
     fwd, bwd = _train(model, cfg, steps, batch, seq)
-    holder = GPT(cfg)  # this rank's slices of the dense gradients: load them as weights, then shard
-    with torch.no_grad():
-        for k, q in holder.named_parameters():
-            q.copy_(ref_grads[k])
-    want = dict(parallelize_gpt(holder).named_parameters())
+    want = shard_dense_tensors(ref_grads, cfg)  # this rank's slices of the dense gradients
     diff = max((q.grad - want[k]).abs().max().item() for k, q in model.named_parameters())
     bsh = batch * seq * cfg.n_embd * 4
     counts = [sum(e.op == "all_reduce" and e.nbytes == bsh for e in m.events) for m in (fwd, bwd)]

@@ -16,7 +16,7 @@ GB = 1e9  #: decimal gigabyte: the unit of the ZeRO and Megatron papers
 GiB = 2**30  #: binary gibibyte: what torch.cuda.memory_allocated() / 2**30 prints
 
 from .collectives import (  # noqa: E402
-    BUS_FACTORS, all_gather_time, all_to_all_time, allreduce_time, broadcast_time, bus_bytes,
+    BUS_FACTORS, LINKS, all_gather_time, all_to_all_time, allreduce_time, broadcast_time, bus_bytes,
     collective_time, fit_alpha_beta, naive_allreduce_time, p2p_time, recursive_doubling_allreduce_time,
     reduce_scatter_time, ring_latency_bandwidth_crossover, tree_allreduce_time,
 )

@@ -25,6 +25,18 @@ BUS_FACTORS = {
 }
 
 
+#: (alpha in s, beta in s/byte) of links the notebooks use for what-if predictions. beta is
+#: 1 / the nominal per-direction bandwidth of one device from the vendor's specification (H100
+#: SXM: 900 GB/s of NVLink 4 in both directions together; PCIe 4.0 x16: ~32 GB/s; InfiniBand
+#: NDR: 400 Gb/s; 100 Gb/s Ethernet); alpha is a typical per-message latency, an order of
+#: magnitude, not a measurement. Real collectives reach a fraction of these bandwidths.
+LINKS = {
+    "NVLink 4 (H100 SXM, in a node)": (2e-6, 1 / 450e9),
+    "PCIe 4.0 x16": (5e-6, 1 / 32e9),
+    "InfiniBand NDR 400 Gb/s": (5e-6, 1 / 50e9),
+    "Ethernet 100 Gb/s": (20e-6, 1 / 12.5e9),
+}
+
 def bus_bytes(op: str, nbytes: int, n: int) -> float:
     """Bytes one rank puts on the wire for collective ``op`` on a buffer of ``nbytes`` over ``n`` ranks.
 
