@@ -290,3 +290,28 @@ def test_tiny_gpt_reaches_the_entropy_floor():
         assert elapsed < BUDGET_S, f"training took {elapsed:.1f} s, budget {BUDGET_S} s"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_train_steps_keeps_the_last_gradients_and_skips_the_last_update():
+    from minitorch_dist.models.train import train_steps
+
+    cfg = GPTConfig.tiny(block_size=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    before = {k: q.detach().clone() for k, q in model.named_parameters()}
+    run = train_steps(model, 1, 4, 16)  # one step: a backward and no update
+    assert len(run.losses) == 1 and run.logits.shape == (4, 16, cfg.vocab_size)
+    assert all(torch.equal(q, before[k]) for k, q in model.named_parameters())
+    assert all(q.grad is not None for q in model.parameters())
+    # by hand: the same batch, the same loss and gradients
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, 4, 16)
+    loss = ref(x, y)[1]
+    loss.backward()
+    assert run.losses[0] == loss.item()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    run3 = train_steps(model, 3, 4, 16)  # now two updates happen
+    assert len(run3.losses) == 3 and not torch.equal(model.wte.weight, before["wte.weight"])
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        train_steps(model, 0, 4, 16)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minitorch_dist.analysis import costmodel
-from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from minitorch_dist.models.train import train_steps
 from minitorch_dist.parallelism import tensor_parallel as TP
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
@@ -110,18 +110,8 @@ def _gpt():
     """STEPS SGD steps of the TP GPT; comm meter on the forward and backward of the last one."""
     torch.manual_seed(SEED)
     model = TP.parallelize_gpt(GPT(CFG))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    data, losses = MarkovCorpus(V, seed=0), []
-    for step in range(STEPS):
-        x, y = data.batch(step, B, T)
-        opt.zero_grad()
-        with comm.meter() as fwd:
-            logits, loss = model(x, y)
-        with comm.meter() as bwd:
-            loss.backward()
-        losses.append(loss.item())
-        if step < STEPS - 1:
-            opt.step()
+    run = train_steps(model, STEPS, B, T, lr=LR, momentum=0.9)
+    losses, logits, (fwd, bwd) = run.losses, run.logits, run.meters
     grads = {k: q.grad.clone() for k, q in model.named_parameters()}
     block = model.blocks[0]  # one transformer layer alone, forward and backward
     xb = _inputs()["x"].clone().requires_grad_(True)
@@ -210,16 +200,8 @@ def _dense_gpt():
     with single_thread():
         torch.manual_seed(SEED)
         model = GPT(CFG)
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        data, losses = MarkovCorpus(V, seed=0), []
-        for step in range(STEPS):
-            opt.zero_grad()
-            logits, loss = model(*data.batch(step, B, T))
-            loss.backward()
-            losses.append(loss.item())
-            if step < STEPS - 1:
-                opt.step()
-        return {"losses": losses, "logits": logits.detach(),
+        run = train_steps(model, STEPS, B, T, lr=LR, momentum=0.9)
+        return {"losses": run.losses, "logits": run.logits,
                 "grads": {k: q.grad for k, q in model.named_parameters()},
                 "params": {k: q.detach().clone() for k, q in model.named_parameters()}}
 

@@ -332,28 +332,13 @@ def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
 # --- the tour's rows ---------------------------------------------------------------------------
 
 
-def _train(model, cfg, steps, batch, seq):
-    """``steps`` SGD steps (no update after the last: its gradients stay); comm meters of the last."""
-    from ..models.data import MarkovCorpus
-
-    opt, data = torch.optim.SGD(model.parameters(), lr=0.1), MarkovCorpus(cfg.vocab_size, seed=0)
-    for step in range(steps):
-        opt.zero_grad()
-        with comm.meter() as fwd:
-            loss = model(*data.batch(step, batch, seq))[1]
-        with comm.meter() as bwd:
-            loss.backward()
-        if step < steps - 1:
-            opt.step()
-    return fwd, bwd
-
-
 def _headline_rank(cfg, steps, batch, seq, ref_grads):
     from ..models.gpt import GPT
+    from ..models.train import train_steps
 
     torch.manual_seed(0)
     model = parallelize_gpt(GPT(cfg))
-    fwd, bwd = _train(model, cfg, steps, batch, seq)
+    fwd, bwd = train_steps(model, steps, batch, seq).meters
     want = shard_dense_tensors(ref_grads, cfg)  # this rank's slices of the dense gradients
     diff = max((q.grad - want[k]).abs().max().item() for k, q in model.named_parameters())
     bsh = batch * seq * cfg.n_embd * 4
@@ -367,6 +352,7 @@ def headline(smoke: bool = False) -> list[dict]:
     """Chapter 04's rows for the tour: TP GPT == dense, 2 + 2 all-reduces per layer, the bytes."""
     from ..analysis import costmodel
     from ..models.gpt import GPT, GPTConfig
+    from ..models.train import train_steps
     from ..runtime.env import single_thread
     from ..runtime.launch import launch
 
@@ -376,7 +362,7 @@ def headline(smoke: bool = False) -> list[dict]:
     with single_thread():  # the dense reference, one thread like a rank
         torch.manual_seed(0)
         dense = GPT(cfg)
-        _train(dense, cfg, steps, batch, seq)
+        train_steps(dense, steps, batch, seq)
     per_rank = launch(_headline_rank, t, cfg, steps, batch, seq, {k: q.grad for k, q in dense.named_parameters()})
     diff = max(p["diff"] for p in per_rank)
     # whole model: the embedding adds one forward all-reduce of b·s·h, the output layer's f one backward
