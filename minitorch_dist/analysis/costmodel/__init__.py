@@ -7,7 +7,8 @@ this package re-exports every formula, so ``costmodel.allreduce_time`` is the on
 Submodules: :mod:`.collectives` (alpha-beta ring model and its latency-optimal rivals) ·
 :mod:`.compute` (model size and FLOPs) · :mod:`.memory` (model states, ZeRO, activations) ·
 :mod:`.pipeline` (bubbles and stashed activations of each schedule) · :mod:`.data_parallel`
-(DDP buckets and overlap) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
+(DDP buckets and overlap) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards) ·
+:mod:`.sequence_parallel` (Megatron-SP, Ulysses and ring attention bytes). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
 print, ``GiB`` = 2**30.
 """
 from __future__ import annotations
@@ -36,4 +37,9 @@ from .pipeline import (  # noqa: E402
 from .tensor_parallel import (  # noqa: E402
     tensor_parallel_allreduces_per_layer, tensor_parallel_bytes_per_layer, tensor_parallel_comm_time_per_layer,
     tensor_parallel_params_per_rank, vocab_parallel_logits_bytes,
+)
+from .sequence_parallel import (  # noqa: E402
+    naive_attention_activation_bytes, ring_attention_activation_bytes, ring_attention_bytes_per_layer,
+    sequence_parallel_bytes_per_layer, sequence_parallel_collectives_per_layer,
+    sequence_parallel_comparison, ulysses_all_to_alls_per_layer, ulysses_bytes_per_layer, ulysses_max_degree,
 )

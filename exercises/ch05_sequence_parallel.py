@@ -1,0 +1,247 @@
+# generated from solutions/ch05_sequence_parallel.py; do not edit — run `make exercises`
+"""Chapter 05 exercises: sequence / context parallelism — the attention merge, zigzag sharding, Ulysses.
+
+Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION``; ``exercises/ch05_sequence_parallel.py`` is generated from this file with each
+such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
+helpers) is scaffolding the student keeps. Tests: ``pytest -m ch05 tests/exercises``
+(``MTD_IMPL=exercises`` runs them against the stubs).
+
+1. :func:`merge_attention`: combine two partial attention results, each over a disjoint set of
+   keys, using their log-sum-exps — the online-softmax merge (Milakov & Gimelshein 2018, "Online
+   normalizer calculation for softmax", §3) that ring attention applies once per arriving K/V
+   block (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+   Context", §3). The merge is associative and commutative, so the blocks may also be combined
+   by a tree, like an all-reduce (Shyam et al. 2024, "Tree Attention", §3).
+2. :func:`zigzag_shard` / :func:`zigzag_unshard` / :func:`causal_work`: the load-balanced layout
+   of causal ring attention (context parallelism): cut the sequence into 2t chunks and give rank r
+   chunks r and 2t-1-r, so every rank does the same causal work (Brandon et al. 2023, "Striped
+   Attention", §3, for the problem; the zigzag layout is the one of Megatron-LM's context parallelism
+   and of ring-flash-attention).
+3. :func:`ulysses_seq_to_heads` / :func:`ulysses_heads_to_seq`: DeepSpeed-Ulysses's layout
+   change around attention, one all-to-all from sequence-sharded to head-sharded and one back
+   (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme
+   Long Sequence Transformer Models", §3.1, Fig. 2). These run inside ranks (start them with
+   ``minitorch_dist.launch(fn, t)``) and talk through ``minitorch_dist.runtime.comm``, whose
+   meter the tests read.
+4. :func:`activation_bytes_per_layer`: the activation memory of one layer, tensor by tensor, under
+   tensor parallelism alone and with sequence parallelism (Korthikanti et al. 2022, "Reducing
+   Activation Recomputation in Large Transformer Models", §4, eq. 1-5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minitorch_dist.runtime import comm
+
+
+def _require_dist(name: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{name} runs inside ranks: call it from a function started with "
+                           "minitorch_dist.launch(fn, t)")
+
+
+# --- 1. merging two partial attention results -------------------------------------------------
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the keys of A and B together, from attention over each alone.
+
+    For one query row with scores ``s_j = q . k_j / sqrt(d)`` over a key set A, attention gives
+
+        out_A = sum_{j in A} exp(s_j - lse_A) v_j,        lse_A = log sum_{j in A} exp(s_j)
+
+    (``lse`` is the log of the softmax's denominator). For disjoint key sets A and B the
+    denominator of A u B is the sum of theirs, and its softmax re-weights each part:
+
+        lse = log(exp(lse_A) + exp(lse_B))
+        out = exp(lse_A - lse) out_A + exp(lse_B - lse) out_B
+
+    This is how ring attention adds one K/V block at a time without ever holding all the scores.
+    Computed as written it overflows: with scores of a few hundred, ``exp(lse_A)`` is inf in
+    float32. Subtract ``m = max(lse_A, lse_B)`` first (the weights then lie in [0, 1]).
+
+    A row of a block that saw no key (every key masked, e.g. a causal block entirely in the
+    future of the query) has ``lse = -inf``; its ``out`` row is meaningless (SDPA and
+    ``softmax`` return NaN there) and must not reach the result: such a block has weight 0. A
+    row that saw no key in *either* block gets ``out = 0`` and ``lse = -inf`` (so that merging
+    it later with a third block still works). Beware ``-inf - -inf = nan``, and ``0 * nan = nan``.
+
+    Shapes: ``out_*`` is ``(B, H, S, d)`` (batch, heads, queries, head dim), ``lse_*`` is
+    ``(B, H, S)``. **Your task:** return ``(out, lse)`` with those shapes, ``out`` in
+    ``out_a``'s dtype, free of NaN, and differentiable (torch ops only, no in-place writes into
+    the inputs).
+    """
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have the same shape "
+                         "(B, H, S, d): both blocks attend from the same queries")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if lse.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name} has shape {tuple(lse.shape)}; expected out's without its last (head dim) "
+                             f"dimension, {tuple(out_a.shape[:-1])}: one log-sum-exp per query row")
+    raise NotImplementedError("exercise: merge_attention — see chapters/05_sequence_parallel.md")
+
+
+# --- 2. zigzag sharding for causal load balance -----------------------------------------------
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def zigzag_shard(x: torch.Tensor, t: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s part of ``x`` along its sequence dimension ``dim``, in the zigzag layout.
+
+    With a causal mask, query i attends to keys 0..i: late queries do more work than early
+    ones. Cut into t contiguous pieces, the last rank would do about 2t-1 times the work of the
+    first (the ring waits for the slowest). Instead cut the sequence into 2t equal chunks
+    ``c_0 .. c_{2t-1}`` and give rank r the pair
+
+        (c_r, c_{2t-1-r})     concatenated in that order along ``dim``
+
+    an early chunk and its mirror image from the end: every rank then gets the same number of
+    (query, key) pairs under the mask (see :func:`causal_work`). With t = 2 and 8 positions:
+    rank 0 holds positions 0 1 6 7, rank 1 holds 2 3 4 5.
+
+    **Your task:** return that shard (``torch.cat`` of two slices, or ``index_select``). If the
+    sequence length S is not a multiple of 2t, raise
+    ``ValueError("sequence length 30 is not divisible by 2*t=8 (zigzag cuts it into 2t chunks); pad it")``
+    (with the actual numbers), before anything else.
+    """
+    if t < 1 or not 0 <= rank < t:
+        raise ValueError(f"need t >= 1 and 0 <= rank < t, got t={t}, rank={rank}")
+    raise NotImplementedError("exercise: zigzag_shard — see chapters/05_sequence_parallel.md")
+
+
+def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequence from the t zigzag shards ``shards[r] = zigzag_shard(x, t, r, dim)``.
+
+    Each shard is two chunks, ``(c_r, c_{2t-1-r})``; put chunk j back at position j.
+
+    **Your task:** return ``x``, so that ``zigzag_unshard([zigzag_shard(x, t, r) for r in
+    range(t)]) == x``.
+    """
+    if not shards:
+        raise ValueError("zigzag_unshard needs the t shards, got none")
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"every zigzag shard has the same shape, got {[tuple(s.shape) for s in shards]}")
+    if shards[0].shape[dim] % 2:
+        raise ValueError(f"a zigzag shard holds two equal chunks, but its length along dim {dim} is "
+                         f"{shards[0].shape[dim]}, odd")
+    raise NotImplementedError("exercise: zigzag_unshard — see chapters/05_sequence_parallel.md")
+
+
+def causal_work(seq_len: int, t: int, layout: str = "zigzag") -> list[int]:
+    """How many (query, key) pairs each rank scores in causal attention over ``seq_len`` tokens.
+
+    In ring attention every rank keeps its own queries and sees every key block go by; under the
+    causal mask query i scores the ``i + 1`` keys ``0..i`` (blocks wholly in the future are
+    skipped). So rank r's work is the sum of ``i + 1`` over the positions i of its queries:
+
+    - ``"contiguous"``: rank r holds positions ``[r*S/t, (r+1)*S/t)``;
+    - ``"zigzag"``: rank r holds chunks r and 2t-1-r of 2t (:func:`zigzag_shard`).
+
+    The total is always ``S (S + 1) / 2``. **Your task:** return the t counts, rank order,
+    as Python ints. Hint: shard ``torch.arange(seq_len)`` and sum. Raise a ``ValueError``
+    naming the choices for any other ``layout``.
+    """
+    if seq_len < 1 or t < 1:
+        raise ValueError(f"need seq_len >= 1 and t >= 1, got seq_len={seq_len}, t={t}")
+    raise NotImplementedError("exercise: causal_work — see chapters/05_sequence_parallel.md")
+
+
+# --- 3. the Ulysses all-to-all ------------------------------------------------------------------
+
+
+def ulysses_seq_to_heads(x_r: torch.Tensor, group=None) -> torch.Tensor:
+    """From sequence-sharded to head-sharded: ``(B, S/t, H, d)`` -> ``(B, S, H/t, d)``.
+
+    Outside attention, DeepSpeed-Ulysses splits every activation along the sequence: rank r
+    holds positions ``[r*S/t, (r+1)*S/t)`` of q (or k, or v), all H heads. Attention needs the
+    whole sequence, but each head is independent, so before attention one all-to-all makes rank
+    r hold *all* positions of heads ``[r*H/t, (r+1)*H/t)``. Rank r sends rank j its positions
+    of j's heads, and receives from rank j j's positions of r's heads: each rank sends (t-1)/t
+    of its input, whatever the number of ranks (the paper's constant-communication argument).
+
+    ``comm.all_to_all(out, inp, group=group)`` is ``all_to_all_single``: ``inp`` is cut along
+    dimension 0 into t equal pieces, piece j goes to rank j; ``out``'s piece j along dimension 0
+    comes from rank j. Both must be contiguous. So lay the input out as
+    ``(t, B, S/t, H/t, d)`` (piece j = this rank's positions of j's heads), exchange, and
+    rearrange what arrives (piece j = rank j's positions of this rank's heads) into
+    ``(B, S, H/t, d)``.
+
+    **Your task:** return this rank's head-sharded tensor using exactly one ``comm.all_to_all``.
+    If H is not a multiple of t raise ``ValueError("n_head 6 is not divisible by t=4")`` (with
+    the actual numbers) before communicating.
+    """
+    _require_dist("ulysses_seq_to_heads")
+    if x_r.dim() != 4:
+        raise ValueError(f"x_r must be (B, S/t, n_head, head_dim), got shape {tuple(x_r.shape)}")
+    t = dist.get_world_size(group)
+    raise NotImplementedError("exercise: ulysses_seq_to_heads — see chapters/05_sequence_parallel.md")
+
+
+def ulysses_heads_to_seq(y_r: torch.Tensor, group=None) -> torch.Tensor:
+    """The inverse, after attention: ``(B, S, H/t, d)`` -> ``(B, S/t, H, d)``.
+
+    Rank r holds all positions of heads ``[r*H/t, (r+1)*H/t)`` (attention's output); afterwards
+    it holds positions ``[r*S/t, (r+1)*S/t)`` of all H heads, ready for the output projection.
+    It is also the backward of :func:`ulysses_seq_to_heads` (the all-to-all is a permutation of
+    the ranks' data; its gradient is the inverse permutation).
+
+    **Your task:** return this rank's sequence-sharded tensor using exactly one
+    ``comm.all_to_all``. If S is not a multiple of t raise ``ValueError("sequence length 30 is
+    not divisible by t=4")`` (with the actual numbers) before communicating.
+    """
+    _require_dist("ulysses_heads_to_seq")
+    if y_r.dim() != 4:
+        raise ValueError(f"y_r must be (B, S, n_head/t, head_dim), got shape {tuple(y_r.shape)}")
+    t = dist.get_world_size(group)
+    raise NotImplementedError("exercise: ulysses_heads_to_seq — see chapters/05_sequence_parallel.md")
+
+
+# --- 4. activation memory per layer: TP vs TP + SP ----------------------------------------------
+
+#: The tensors one transformer layer saves for backward (Korthikanti et al. 2022, "Reducing
+#: Activation Recomputation in Large Transformer Models", §4.1), in the paper's order, with 16-bit
+#: activations and 1-byte dropout masks; s = seq, b = batch, h = hidden, a = heads.
+SAVED_TENSORS = (
+    "ln1_input",             # 2sbh   LayerNorm before attention
+    "qkv_input",             # 2sbh   the input of the QKV projection
+    "qk_input",              # 4sbh   Q and K, for Q K^T
+    "softmax_output",        # 2as^2b
+    "softmax_dropout_mask",  # as^2b
+    "av_input",              # 2as^2b + 2sbh   the dropped-out softmax and V
+    "out_proj_input",        # 2sbh   the input of attention's output projection
+    "attn_dropout_mask",     # sbh    dropout after attention
+    "ln2_input",             # 2sbh   LayerNorm before the MLP
+    "fc1_input",             # 2sbh   the input of the MLP's first linear layer
+    "gelu_input",            # 8sbh   the 4h-wide input of GeLU
+    "fc2_input",             # 8sbh   GeLU's output, the input of the second linear layer
+    "mlp_dropout_mask",      # sbh    dropout after the MLP
+)
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, t: int = 1,
+                               sequence_parallel: bool = False) -> dict[str, float]:
+    """Bytes each rank stores for backward, per saved tensor of one layer (no recomputation).
+
+    The sizes above add up to ``sbh (34 + 5 a s / h)`` (the paper's eq. 1). With tensor
+    parallelism over t ranks (chapter 04) the tensors *inside* the column-parallel / row-parallel
+    pairs are split by heads or by the 4h hidden units and shrink by t: Q and K, the softmax and
+    its mask, the dropped-out softmax and V, the output projection's input, GeLU's input and
+    output (24 sbh + 5 as^2 b in all). The rest — the two LayerNorm inputs, the inputs of the QKV
+    projection and of the first MLP layer, the two dropout masks, 10 sbh — sit between an
+    all-reduce and the next layer and are replicated on every rank. Sequence parallelism splits
+    exactly those along the sequence, so they shrink by t too (Korthikanti §4.2.2, eq. 4-5):
+
+        TP:       sbh (10 + 24/t + 5as/(ht))
+        TP + SP:  sbh/t (34 + 5as/h)
+
+    **Your task:** return ``{name: bytes per rank}`` with one entry for each name of
+    :data:`SAVED_TENSORS` (floats; divisions need not be exact).
+    """
+    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads), ("t", t)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    raise NotImplementedError("exercise: activation_bytes_per_layer — see chapters/05_sequence_parallel.md")

@@ -1,0 +1,330 @@
+"""Megatron sequence parallelism: the regions tensor parallelism leaves replicated, split along the sequence.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.2.2
+(Fig. 5: the layer with tensor + sequence parallelism; Fig. 6: the MLP with the conjugate
+operators g and ḡ) and §4.1 / Table 2 (activation memory per layer). Built on chapter 04's
+column- and row-parallel layers (:mod:`..tensor_parallel`, Shoeybi et al. 2019 §3).
+
+Tensor parallelism (TP) shards attention and the MLP over t ranks, but the LayerNorms, the
+dropouts and the residual adds between them run on the whole (b, s, h) activation on every rank:
+10·s·b·h of the 34·s·b·h bytes a layer stores (16-bit) are not divided by t. These ops are
+independent along the sequence, so sequence parallelism (SP) runs them on s/t positions per rank.
+The two regions meet at the layers' edges, where TP's f / g become (sequence is dim 1 of (b, s, h)):
+
+    g: forward all-gather  along s  (Y_1^s ... Y_t^s -> Y),   backward reduce-scatter  (replaces f)
+    ḡ: forward reduce-scatter along s (sum_i W_i -> W_r^s),   backward all-gather      (replaces g)
+
+so a layer is  Y^s = LN(X^s);  Z_i = ColumnLinear(g(Y^s));  W_r^s = ḡ(RowLinear(Z_i)) + bias;
+residual  X^s + W^s  — all on the slice. An all-reduce *is* a reduce-scatter followed by an
+all-gather, each moving (t-1)/t of the buffer on a ring: 2 all-gathers + 2 reduce-scatters per
+layer forward (and backward) send exactly the bytes of TP's 2 + 2 all-reduces, while every
+activation outside attention/MLP shrinks by t. Per layer (16-bit, selective recompute):
+
+    TP:       s·b·h·(10 + 24/t)        TP + SP:  34·s·b·h / t
+
+The 34/t needs one more trick (§4.2.2): the column-parallel layer's weight
+gradient needs the gathered input Y, so instead of storing Y (2·s·b·h, *not* divided by t) it
+stores Y^s and all-gathers it again in backward (``regather=True``, Megatron's choice: one extra
+all-gather per column layer in backward, overlappable with the input-gradient matmul). With
+``regather=False`` the gathered input is saved: backward moves exactly TP's bytes, and activations
+are s·b·h·(4 + 30/t).
+
+Parameters whose input is the sequence slice — LayerNorm weight / bias, the row-parallel bias
+added after ḡ (and ln_f, wpe in the whole model) — get only the gradient of this rank's s/t
+positions: dL/dγ = sum over positions of the slice. Their full gradient is the sum over the t
+ranks, so :func:`allreduce_sequence_parallel_grads` all-reduces them (Megatron does the same,
+flagging them ``sequence_parallel``) before the optimizer steps.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ...runtime import comm
+from ..tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear,
+                               _divide, _tp, head_rows)
+from ..tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+SP_ATTR = "sequence_parallel"  # set on parameters whose gradient is a per-slice partial sum
+
+
+def _check_seq(s: int, group) -> int:
+    return _divide(s, _tp(group)[0], "sequence length")
+
+
+def _all_gather_seq(x, group):
+    """(b, s/t, h) slices -> (b, s, h), rank r's slice at positions [r·s/t, (r+1)·s/t).
+    all_gather_into_tensor stacks along dim 0, so the sequence is moved first and back (Megatron
+    keeps activations as (s, b, h) to skip these copies; our GPT is batch-first)."""
+    t, _ = _tp(group)
+    inp = x.transpose(0, 1).contiguous()
+    out = torch.empty((t * inp.size(0), *inp.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, inp, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x, group):
+    """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum over the group."""
+    t, _ = _tp(group)
+    inp = x.transpose(0, 1).contiguous()
+    out = torch.empty((_check_seq(inp.size(0), group), *inp.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _my_slice_seq(x, group):
+    _, r = _tp(group)
+    n = _check_seq(x.size(1), group)
+    return x[:, r * n:(r + 1) * n].contiguous()
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """g: all-gather along s forward; reduce-scatter of dL/dY backward (each rank used all of Y)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """ḡ: reduce-scatter along s forward; all-gather of dL/dW^s backward (dL/dW_i = dL/dW)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """This rank's s/t positions forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _my_slice_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """Z_i = g(Y^s) A_i^T + b_i storing only Y^s (§4.2.2): backward all-gathers Y again for
+    dL/dA_i = dZ_i^T Y, and reduce-scatters dL/dY = dZ_i A_i (summed over ranks, sliced)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_all_gather_seq(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = _all_gather_seq(x, ctx.group)  # the extra all-gather: memory traded for bandwidth
+        dx = _reduce_scatter_seq(grad.matmul(weight), ctx.group)
+        g2 = grad.reshape(-1, grad.size(-1))
+        dw = g2.t().matmul(full.reshape(-1, full.size(-1)))
+        return dx, dw, g2.sum(0) if ctx.has_bias else None, None
+
+
+def gather_from_sequence(x, group=None):
+    """g: (b, s/t, h) -> (b, s, h) by all-gather; backward reduce-scatter."""
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x, group=None):
+    """ḡ: (b, s, h) partial sums -> (b, s/t, h) slice of the sum; backward all-gather."""
+    return _ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence(x, group=None):
+    """This rank's (b, s/t, h) positions of a replicated (b, s, h); backward all-gather."""
+    return _ScatterToSequence.apply(x, group)
+
+
+def _mark(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        setattr(p, SP_ATTR, True)
+    return module
+
+
+# --- layers: chapter 04's, with f / g replaced by g / ḡ -------------------------------------------
+
+
+class SequenceParallelColumnLinear(ColumnParallelLinear):
+    """Column-parallel linear whose input is the sequence slice: Z_i = g(Y^s) A_i^T + b_i.
+    Same weights as :class:`ColumnParallelLinear` (``from_dense(..., regather=)``)."""
+
+    regather = True
+
+    @classmethod
+    def from_dense(cls, linear, group=None, rows=None, regather=True):
+        m = super().from_dense(linear, group, gather_output=False, rows=rows)
+        m.regather = regather
+        return m
+
+    def forward(self, x):
+        if self.regather:
+            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(gather_from_sequence(x, self.group), self.weight, self.bias)
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """Row-parallel linear ending on the sequence slice: W^s = ḡ(Z_i B_i^T) + b. The bias is added
+    once, on the slice, so its gradient is partial (flagged for the all-reduce)."""
+
+    @classmethod
+    def from_dense(cls, linear, group=None):
+        m = super().from_dense(linear, group, input_is_parallel=True)
+        if m.bias is not None:
+            setattr(m.bias, SP_ATTR, True)
+        return m
+
+    def forward(self, x):
+        y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class SequenceParallelAttention(ParallelAttention):
+    """Chapter 04's attention (n_head/t heads per rank) between g and ḡ: (b, s/t, h) -> (b, s/t, h).
+    Attention itself sees the whole sequence (after g) for this rank's heads."""
+
+    def __init__(self, attn, group=None, regather=True):
+        super().__init__(attn, group)  # checks n_head % t, keeps head_dim / dropout / resid_dropout
+        t, r = _tp(group)
+        rows = head_rows(attn.c_attn.in_features // attn.head_dim, attn.head_dim, t, r)
+        self.c_attn = SequenceParallelColumnLinear.from_dense(attn.c_attn, group, rows=rows, regather=regather)
+        self.c_proj = SequenceParallelRowLinear.from_dense(attn.c_proj, group)
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # (b, s, 3h/t): the full sequence, this rank's heads
+        B, T, _ = qkv.shape
+        q, k, v = (u.view(B, T, -1, self.head_dim).transpose(1, 2) for u in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+
+class SequenceParallelMLP(ParallelMLP):
+    """Chapter 04's MLP between g and ḡ (§4.2.2, Fig. 6): GeLU on the (b, s, 4h/t) column slice."""
+
+    def __init__(self, mlp, group=None, regather=True):
+        super().__init__(mlp, group)
+        self.c_fc = SequenceParallelColumnLinear.from_dense(mlp.c_fc, group, regather=regather)
+        self.c_proj = SequenceParallelRowLinear.from_dense(mlp.c_proj, group)
+
+
+def _refuse_dropout(p):
+    if p:
+        raise ValueError(f"dropout {p} is not supported here: sequence-parallel dropout needs a different "
+                         f"mask per sequence slice and the same mask inside the tensor-parallel region "
+                         f"(Megatron's two RNG streams); use GPTConfig(dropout=0.0)")
+
+
+class SequenceParallelBlock(nn.Module):
+    """Pre-LN block on the sequence slice (Fig. 5): x^s + ḡ(attn(g(ln_1(x^s)))), then the MLP alike.
+    LayerNorms and residual adds run on s/t positions; LayerNorm parameters are flagged for
+    :func:`allreduce_sequence_parallel_grads`."""
+
+    def __init__(self, block, group=None, regather=True):
+        super().__init__()
+        _refuse_dropout(block.attn.dropout)
+        self.group = group
+        self.ln_1, self.ln_2 = _mark(copy.deepcopy(block.ln_1)), _mark(copy.deepcopy(block.ln_2))
+        self.attn = SequenceParallelAttention(block.attn, group, regather)
+        self.mlp = SequenceParallelMLP(block.mlp, group, regather)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def sequence_parallel_block(block, group=None, regather=True) -> SequenceParallelBlock:
+    """This rank's sequence-parallel copy of a dense ``Block`` (same weights; ``block`` unchanged).
+    Input and output are this rank's (b, s/t, h) slice (:func:`scatter_to_sequence` makes one)."""
+    return SequenceParallelBlock(block, group, regather)
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
+    """Sum over the group the gradients of the parameters flagged ``sequence_parallel`` (their
+    inputs were sequence slices, so each rank holds a partial sum): one coalesced all-reduce."""
+    params = [p for p in module.parameters() if getattr(p, SP_ATTR, False) and p.grad is not None]
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    comm.all_reduce(flat, group=group)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
+
+
+# --- the whole GPT ---------------------------------------------------------------------------------
+
+
+class _SequenceParallelEmbedding(VocabParallelEmbedding):
+    """Vocab-parallel lookup whose g (all-reduce) becomes ḡ: each rank's partial lookups are
+    reduce-scattered straight onto the sequence slice (Megatron does the same)."""
+
+    def forward(self, idx):
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sequence(out, self.group)
+
+
+class SequenceParallelGPT(nn.Module):
+    """The GPT with TP + SP: ``model(idx, targets) -> (logits_local, loss)`` with ``logits_local``
+    this rank's (b, s, V/t) vocabulary shard over the whole sequence, as in ``TensorParallelGPT``.
+
+    h^s = ḡ(wte_r[idx]) + wpe[positions of the slice]; blocks on the slice; ln_f on the slice;
+    g before the vocab-parallel lm_head, the loss fused with it. Parameter names are the dense
+    model's. Call :func:`allreduce_sequence_parallel_grads` after backward (LayerNorms, row
+    biases, wpe and ln_f hold partial gradients until then)."""
+
+    def __init__(self, dense, group=None, regather=True):
+        super().__init__()
+        cfg = dense.cfg
+        t, _ = _tp(group)
+        _divide(cfg.n_head, t, "n_head")
+        _divide(cfg.vocab_size, t, "vocab_size")
+        _refuse_dropout(cfg.dropout)
+        self.cfg, self.group = cfg, group
+        self.wte = _SequenceParallelEmbedding.from_dense(dense.wte, group)
+        self.wpe, self.ln_f = _mark(copy.deepcopy(dense.wpe)), _mark(copy.deepcopy(dense.ln_f))
+        self.blocks = nn.ModuleList(SequenceParallelBlock(b, group, regather) for b in dense.blocks)
+        self.lm_head = SequenceParallelColumnLinear.from_dense(dense.lm_head, group, regather=regather)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        n = _check_seq(idx.size(1), self.group)
+        r = _tp(self.group)[1]
+        h = self.wte(idx) + self.wpe(torch.arange(r * n, (r + 1) * n, device=idx.device))
+        for block in self.blocks:
+            h = block(h)
+        logits = self.lm_head(self.ln_f(h))  # (b, s, V/t)
+        return logits, None if targets is None else vocab_parallel_cross_entropy(logits, targets, self.group)
+
+
+def parallelize_gpt_sp(model, group=None, regather=True) -> SequenceParallelGPT:
+    """A dense ``GPT`` as TP + SP with the same weights (``model`` unchanged; same weights on every rank)."""
+    return SequenceParallelGPT(model, group, regather)
+
+
+__all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence",
+           "SequenceParallelColumnLinear", "SequenceParallelRowLinear", "SequenceParallelAttention",
+           "SequenceParallelMLP", "SequenceParallelBlock", "sequence_parallel_block",
+           "allreduce_sequence_parallel_grads", "SequenceParallelGPT", "parallelize_gpt_sp"]

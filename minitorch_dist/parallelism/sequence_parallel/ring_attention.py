@@ -1,0 +1,351 @@
+"""Ring attention: exact attention over a sequence split across t ranks, K/V blocks passed round a ring.
+
+Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
+(arXiv:2310.01889), §3. Each of t ranks holds S/t consecutive tokens' q, k, v. Attention needs
+every query against every key, so the K/V blocks travel round a ring: in step s rank r holds the
+block that rank r-s owns, attends its own queries to it, and meanwhile passes it on to rank r+1.
+After t steps every query has seen every key, and no rank ever held more than two K/V blocks or
+built more than one (S/t) x (S/t) block of scores -- the S x S matrix is never materialised.
+
+The blocks are combined with the online softmax (Milakov & Gimelshein 2018, "Online normalizer
+calculation for softmax"; FlashAttention, Dao et al. 2022, §3.1). Attention of query rows against
+one key block j is (out_j, lse_j): ``lse_j = log sum_k exp(s_k)``, ``out_j = sum_k softmax_j(s)_k v_k``.
+Two blocks merge exactly::
+
+    lse = logaddexp(lse_a, lse_b),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+an associative, commutative operation, so the ring may visit blocks in any order.
+
+Backward (FlashAttention §3.1 and Appendix B.2): nothing of size S x S is saved; per block the
+probabilities are recomputed from the saved q, k, v and the final lse, ``P = exp(qk^T·scale - lse)``,
+and with ``D = rowsum(dO ∘ O)``::
+
+    dV = P^T dO,   dP = dO V^T,   dS = P ∘ (dP - D),   dQ = dS K · scale,   dK = dS^T Q · scale
+
+dQ stays on the query's rank. dK, dV of a block belong to the block's owner: the owner starts an
+accumulator, every rank that holds the block adds its part and passes the accumulator one hop on
+(behind the K/V it goes with), and after t hops it is home. Per rank, with ``blk = B·n_head·(S/t)·head_dim``
+elements: the forward sends t-1 K/V pairs, ``2(t-1)·blk``; the backward sends the same t-1 K/V pairs
+plus t dK/dV pairs, ``(4t-2)·blk`` (dK/dV in the accumulation dtype: float32 for half inputs).
+
+Causal attention and load balance. With the *contiguous* layout rank r holds tokens
+[r S/t, (r+1) S/t): it attends fully to the r blocks before it, to its own block under a lower
+triangular mask, and skips the t-1-r blocks after it -- rank t-1 does t times the work of rank 0.
+The *zigzag* layout splits the sequence into 2t chunks and gives rank r chunks r and 2t-1-r, an
+early and a late one, so every rank computes the same 2t+1 chunk pairs (the layout of
+zhuzilin/ring-flash-attention's "zigzag" ring attention, and, as we read it, of the 2×CP chunks
+of Llama 3's context parallelism, Dubey et al. 2024 §3.3.2, which gathers K/V with an all-gather
+rather than a ring; Brandon et al. 2023, "Striped Attention", balance the same work by striping
+tokens round-robin instead). Both layouts apply one rule per (query chunk a,
+key chunk b) of the global chunk order: b < a full, b == a diagonal mask, b > a skipped.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ...runtime import comm
+
+LAYOUTS = ("contiguous", "zigzag")
+
+# --- one block: attention of a query block to a key block, and the merge ------------------------------
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision inputs accumulate in float32, as FlashAttention does on chip.
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a row that saw no key) replaced by 0, so ``x - lse`` is never -inf - -inf = NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def attention_block(q, k, v, causal_mask=None, scale=None):
+    """Attention of query block q (..., Sq, d) to one key block k, v (..., Sk, d): ``(out, lse)``.
+
+    ``s = q k^T · scale``, masked where ``causal_mask`` (bool, broadcastable to (Sq, Sk), True =
+    attend) is False; ``lse = logsumexp_k s`` (..., Sq), -inf for a row that sees no key of this
+    block; ``out = softmax(s) v``, 0 for such a row. Only this (Sq, Sk) block of scores exists.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal_mask is not None:
+        s = s.masked_fill(~causal_mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse)[..., None])  # exp(-inf) = 0 on masked entries
+    _count("forward", q, k)
+    return p @ v, lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combine the attention of the same queries to two disjoint key sets: ``(out, lse)``.
+
+    ``lse = logaddexp(lse_a, lse_b)``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``.
+    Associative and commutative; a side with lse = -inf (it saw no key) has weight 0, and when
+    both do the row stays (0, -inf) -- no NaN.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = _finite(lse)
+    w_a = torch.exp(lse_a - safe)[..., None]
+    w_b = torch.exp(lse_b - safe)[..., None]
+    return w_a * out_a + w_b * out_b, lse
+
+
+def attention_block_backward(q, k, v, causal_mask, scale, dout, lse, delta):
+    """Gradients of one block, recomputed FlashAttention-style: ``(dq, dk, dv)``.
+
+    ``lse`` is the *final* log-sum-exp of each query row over all keys and ``delta = rowsum(dO ∘ O)``
+    with the final O, so ``P = exp(s - lse)`` is this block's slice of the full softmax and
+    ``dS = P ∘ (dO V^T - delta)`` its slice of the softmax's Jacobian-vector product.
+    """
+    s = (q @ k.transpose(-2, -1)) * scale
+    if causal_mask is not None:
+        s = s.masked_fill(~causal_mask, float("-inf"))
+    p = torch.exp(s - _finite(lse)[..., None])
+    dv = p.transpose(-2, -1) @ dout
+    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
+    _count("backward", q, k)
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+# --- counting block work (for the load-balance and memory checks) ---------------------------------------
+
+
+@dataclass
+class BlockWork:
+    """Blocks of scores computed on this rank: ``blocks[pass]`` lists (Sq, Sk); ``flops[pass]`` sums
+    4·B·h·Sq·Sk·d forward (two matmuls) and 10·B·h·Sq·Sk·d backward (five)."""
+
+    blocks: dict = field(default_factory=lambda: {"forward": [], "backward": []})
+    flops: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+
+    def score_entries(self, which="forward") -> int:
+        return sum(a * b for a, b in self.blocks[which])
+
+    def largest_block(self, which="forward") -> int:
+        return max((a * b for a, b in self.blocks[which]), default=0)
+
+
+_counters: list = []
+
+
+def _count(which, q, k):
+    if _counters:
+        sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        batch = q.numel() // (sq * d)
+        for c in _counters:
+            c.blocks[which].append((sq, sk))
+            c.flops[which] += (4 if which == "forward" else 10) * batch * sq * sk * d
+
+
+@contextlib.contextmanager
+def count_block_work():
+    """``with count_block_work() as w:`` records every score block computed inside (this rank)."""
+    w = BlockWork()
+    _counters.append(w)
+    try:
+        yield w
+    finally:
+        _counters.remove(w)
+
+
+# --- the layouts: which chunks of the sequence a rank holds ---------------------------------------------
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+
+
+def sequence_chunks(rank: int, t: int, layout: str = "contiguous") -> list:
+    """Global chunk indices rank ``rank`` holds, in order: [r] of t chunks, or [r, 2t-1-r] of 2t (zigzag)."""
+    _check_layout(layout)
+    return [rank] if layout == "contiguous" else [rank, 2 * t - 1 - rank]
+
+
+def _check_divisible(n, t, layout):
+    parts = t if layout == "contiguous" else 2 * t
+    if n % parts:
+        what = f"t={t}" if layout == "contiguous" else f"2*t={parts}"
+        raise ValueError(f"sequence length {n} is not divisible by {what} for the {layout} layout")
+    return n // parts
+
+
+def shard_sequence(x, t: int, rank: int, dim: int = -2, layout: str = "contiguous"):
+    """Rank ``rank``'s part of the full sequence ``x`` along ``dim`` under ``layout``."""
+    _check_layout(layout)
+    _check_divisible(x.shape[dim], t, layout)
+    parts = x.chunk(t if layout == "contiguous" else 2 * t, dim)
+    return torch.cat([parts[c] for c in sequence_chunks(rank, t, layout)], dim)
+
+
+def unshard_sequence(shards, dim: int = -2, layout: str = "contiguous"):
+    """The full sequence from the list of every rank's shard (rank order): inverse of shard_sequence."""
+    _check_layout(layout)
+    t = len(shards)
+    chunks = [None] * (t if layout == "contiguous" else 2 * t)
+    for r, s in enumerate(shards):
+        for c, piece in zip(sequence_chunks(r, t, layout), s.chunk(len(sequence_chunks(r, t, layout)), dim)):
+            chunks[c] = piece
+    return torch.cat(chunks, dim)
+
+
+def zigzag_shard(x, t, rank, dim=-2):
+    """Chunks ``rank`` and ``2t-1-rank`` of ``x`` cut into 2t along ``dim``, concatenated."""
+    return shard_sequence(x, t, rank, dim, "zigzag")
+
+
+def zigzag_unshard(shards, dim=-2):
+    return unshard_sequence(shards, dim, "zigzag")
+
+
+def contiguous_shard(x, t, rank, dim=-2):
+    return shard_sequence(x, t, rank, dim, "contiguous")
+
+
+def contiguous_unshard(shards, dim=-2):
+    return unshard_sequence(shards, dim, "contiguous")
+
+
+def sequence_positions(seq_len: int, t: int, rank: int, layout: str = "contiguous") -> torch.Tensor:
+    """Global token positions of rank ``rank``'s shard (e.g. for position embeddings)."""
+    return shard_sequence(torch.arange(seq_len), t, rank, 0, layout)
+
+
+def _block_plan(r, j, t, s_local, causal, layout):
+    """(query slice, key slice, diagonal?) pieces of rank r's queries against rank j's keys.
+
+    Non-causal: the whole block. Causal: per (query chunk a, key chunk b) in global chunk order,
+    b < a attends fully, b == a under the lower-triangular mask, b > a (the future) is skipped.
+    """
+    if not causal:
+        return [(slice(None), slice(None), False)]
+    qc, kc = sequence_chunks(r, t, layout), sequence_chunks(j, t, layout)
+    c = s_local // len(qc)
+    pieces = []
+    for ai, a in enumerate(qc):
+        for bi, b in enumerate(kc):
+            if b <= a:
+                pieces.append((slice(ai * c, (ai + 1) * c), slice(bi * c, (bi + 1) * c), b == a))
+    return pieces
+
+
+# --- the ring ---------------------------------------------------------------------------------------------
+
+
+def _ring_peers(group):
+    """(t, this rank's index in the ring, global rank of the next, of the previous)."""
+    if not dist.is_initialized():
+        raise RuntimeError("ring attention needs a process group: run this inside launch(fn, t)")
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    glob = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
+    return t, r, glob((r + 1) % t), glob((r - 1) % t)
+
+
+def _pass_on(tensors, nxt, prv, group):
+    """Send ``tensors`` to the next rank, receive same-shaped ones from the previous: (received, works)."""
+    received = [torch.empty_like(x) for x in tensors]
+    ops = [dist.P2POp(dist.isend, x, nxt, group) for x in tensors]
+    ops += [dist.P2POp(dist.irecv, y, prv, group) for y in received]
+    return received, comm.batch_isend_irecv(ops)
+
+
+def _wait(works):
+    for w in works:
+        w.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """softmax(q k^T · scale [+ causal mask]) v over the whole sequence, with q, k, v sharded by rank."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, layout, scale):
+        t, r, nxt, prv = _ring_peers(group)
+        acc = _acc_dtype(q.dtype)
+        B, h, n, d = q.shape
+        plans = [_block_plan(r, (r - s) % t, t, n, causal, layout) for s in range(t)]
+        tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        out = torch.zeros(B, h, n, d, dtype=acc, device=q.device)
+        lse = torch.full((B, h, n), float("-inf"), dtype=acc, device=q.device)
+        qa, k_cur, v_cur = q.to(acc), k, v
+        for s in range(t):
+            if s < t - 1:  # start passing the block on; the transfer overlaps the block's compute
+                (k_nxt, v_nxt), works = _pass_on([k_cur, v_cur], nxt, prv, group)
+            for qs, ks, diag in plans[s]:
+                nq, nk = qa[..., qs, :].shape[-2], k_cur[..., ks, :].shape[-2]
+                o, l = attention_block(qa[..., qs, :], k_cur[..., ks, :].to(acc), v_cur[..., ks, :].to(acc),
+                                       tril[:nq, :nk] if diag else None, scale)
+                out[..., qs, :], lse[..., qs] = merge_attention(out[..., qs, :], lse[..., qs], o, l)
+            if s < t - 1:
+                _wait(works)
+                k_cur, v_cur = k_nxt, v_nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.plans, ctx.scale = group, plans, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        t, r, nxt, prv = _ring_peers(ctx.group)
+        acc, scale = _acc_dtype(q.dtype), ctx.scale
+        n = q.shape[-2]
+        tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        qa, do = q.to(acc), dout.to(acc)
+        delta = (do * out.to(acc)).sum(-1)  # D = rowsum(dO ∘ O)
+        dq = torch.zeros_like(qa)
+        k_cur, v_cur, dkv_in, dkv_works = k, v, None, None
+        for s in range(t):
+            if s < t - 1:
+                (k_nxt, v_nxt), kv_works = _pass_on([k_cur, v_cur], nxt, prv, ctx.group)
+            dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_blk = torch.zeros_like(dk_blk)
+            for qs, ks, diag in ctx.plans[s]:
+                nq, nk = qa[..., qs, :].shape[-2], k_cur[..., ks, :].shape[-2]
+                g_q, g_k, g_v = attention_block_backward(
+                    qa[..., qs, :], k_cur[..., ks, :].to(acc), v_cur[..., ks, :].to(acc),
+                    tril[:nq, :nk] if diag else None, scale, do[..., qs, :], lse[..., qs], delta[..., qs])
+                dq[..., qs, :] += g_q
+                dk_blk[..., ks, :] += g_k
+                dv_blk[..., ks, :] += g_v
+            if s > 0:  # add what the ranks before us accumulated for this block, then pass it on
+                _wait(dkv_works)
+                dk_blk += dkv_in[0]
+                dv_blk += dkv_in[1]
+            if t > 1:
+                dkv_in, dkv_works = _pass_on([dk_blk, dv_blk], nxt, prv, ctx.group)
+            if s < t - 1:
+                _wait(kv_works)
+                k_cur, v_cur = k_nxt, v_nxt
+        if t > 1:  # the t-th hop brings our own block's dK, dV home
+            _wait(dkv_works)
+            dk_blk, dv_blk = dkv_in
+        return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale=None):
+    """Exact attention of this rank's shard of the sequence to the whole sequence, over a ring.
+
+    q, k, v: this rank's shard, (B, n_head, S/t, head_dim), cut from the full sequence by
+    ``shard_sequence(x, t, rank, -2, layout)``; the result is this rank's shard of
+    ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)``.
+    Every rank of ``group`` must call it with same-shaped shards.
+    """
+    _check_layout(layout)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (B, n_head, S/t, head_dim); got dims {q.dim()}, {k.dim()}, {v.dim()}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head_dim of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ")
+    if q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(f"q, k, v shards must have the same shape (self-attention); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if layout == "zigzag" and q.shape[-2] % 2:
+        raise ValueError(f"local sequence length {q.shape[-2]} is odd: a zigzag shard holds two equal "
+                         f"chunks, so the sequence length must be divisible by 2*t")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return RingAttention.apply(q, k, v, group, causal, layout, scale)

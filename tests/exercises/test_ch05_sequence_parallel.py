@@ -1,0 +1,423 @@
+"""Chapter 05 exercises, autograded: the attention merge, zigzag sharding, the Ulysses all-to-all.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+expected value comes from an independent source: softmax attention over the full key set in
+float64 (and its autograd gradients), index lists built position by position, the causal mask
+counted entry by entry, slices of the global tensor, the comm meter (which collectives ran,
+on how many ranks, how many bytes) and ``costmodel.activation_memory_bytes`` (Korthikanti's formulas).
+
+The merge, zigzag and activation-memory exercises are pure functions, tested in this process. The Ulysses
+exercises run on ranks: one launch on 2 ranks and one on 4 run every case, each guarded so that
+an unfinished exercise fails only its own tests.
+
+Tolerances: float64 comparisons use torch's defaults (1e-7 relative); the large-logit case runs
+in float32 against a float64 reference, and a merge rounds each weight once, hence 1e-5.
+"""
+import math
+import sys
+import traceback
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from minitorch_dist import comm, launch
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.course.exercises import load, resolve_impl
+
+pytestmark = pytest.mark.ch05
+
+# The rank functions below are sent to the ranks by value, so spawned ranks need not import this
+# file (whatever pytest's import mode). The exercise module is registered by value by `load`.
+if __name__ in sys.modules:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# A rank stuck in a collective its peers never call fails after this long, naming each rank's
+# last op, instead of launch's default 300 s.
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch05")
+
+
+# --- 1. merge_attention -------------------------------------------------------------------------
+
+B, H, S, D, NK = 2, 3, 5, 4, 12  # batch, heads, queries, head dim, keys
+
+
+def _qkv(seed, dtype=torch.float64, scale=1.0, n_keys=NK, n_queries=S):
+    g = torch.Generator().manual_seed(seed)
+    q = scale * torch.randn(B, H, n_queries, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, n_keys, D, generator=g, dtype=dtype)
+    v = torch.randn(B, H, n_keys, D, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _attend(q, k, v, keys, allowed=None):
+    """Softmax attention of every query over the keys `keys` (a list of indices), and its lse.
+
+    `allowed` (queries x all keys, bool) masks scores; a row with no allowed key gets lse -inf
+    and out NaN, as softmax (and SDPA) give.
+    """
+    idx = torch.as_tensor(keys, dtype=torch.long)
+    scores = q @ k[..., idx, :].transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, idx], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v[..., idx, :], torch.logsumexp(scores, dim=-1)
+
+
+def _split(n, parts, seed):
+    """A random partition of range(n) into `parts` non-empty disjoint sets (not contiguous)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    cuts = sorted(torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed + 99))[:parts - 1].add(1)
+                  .tolist())
+    return [sorted(perm[a:b]) for a, b in zip([0] + cuts, cuts + [n])]
+
+
+def _check_merged(got, ref_out, ref_lse, what, **tol):
+    assert isinstance(got, tuple) and len(got) == 2, f"{what}: return the pair (out, lse), got {type(got).__name__}"
+    out, lse = got
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, \
+        f"{what}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected {tuple(ref_out.shape)}, " \
+        f"{tuple(ref_lse.shape)}"
+    assert not out.isnan().any() and not lse.isnan().any(), f"{what}: the result holds NaN"
+    torch.testing.assert_close(out, ref_out, msg=lambda m: f"{what}, out: {m}", **tol)
+    torch.testing.assert_close(lse, ref_lse, msg=lambda m: f"{what}, lse: {m}", **tol)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merge_attention_matches_softmax_over_all_keys(ex, seed):
+    q, k, v = _qkv(seed)
+    a, b = _split(NK, 2, seed)
+    out_a, lse_a = _attend(q, k, v, a)
+    out_b, lse_b = _attend(q, k, v, b)
+    ref_out, ref_lse = _attend(q, k, v, range(NK))
+    _check_merged(ex.merge_attention(out_a, lse_a, out_b, lse_b), ref_out, ref_lse,
+                  f"keys split {a} | {b}")
+
+
+def test_merge_attention_is_associative_and_commutative(ex):
+    q, k, v = _qkv(10)
+    parts = [_attend(q, k, v, keys) for keys in _split(NK, 4, 10)]
+    ref_out, ref_lse = _attend(q, k, v, range(NK))
+    m = ex.merge_attention
+    (a, la), (b, lb), (c, lc), (d, ld) = parts
+    ring = m(*m(*m(a, la, b, lb), c, lc), d, ld)  # one block at a time, as ring attention does
+    tree = m(*m(a, la, b, lb), *m(c, lc, d, ld))  # pairwise, as tree attention does
+    reverse = m(*m(d, ld, c, lc), *m(b, lb, a, la))
+    _check_merged(ring, ref_out, ref_lse, "merged left to right (a ring)")
+    _check_merged(tree, ref_out, ref_lse, "merged as a tree ((a b)(c d))")
+    _check_merged(reverse, ref_out, ref_lse, "merged in reverse order ((d c)(b a))")
+    _check_merged(m(b, lb, a, la), *m(a, la, b, lb), "merge(b, a) vs merge(a, b)")
+
+
+def test_merge_attention_fully_masked_block(ex):
+    q, k, v = _qkv(20, n_keys=S)  # causal self-attention: query i sees keys 0..i
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    early, late = list(range(2)), list(range(2, S))
+    out_e, lse_e = _attend(q, k, v, early, causal)
+    out_l, lse_l = _attend(q, k, v, late, causal)  # queries 0, 1 see none of these keys
+    assert torch.isneginf(lse_l[..., :2]).all() and out_l[..., :2, :].isnan().all()  # the setting is as described
+    ref_out, ref_lse = _attend(q, k, v, range(S), causal)
+    _check_merged(ex.merge_attention(out_e, lse_e, out_l, lse_l), ref_out, ref_lse,
+                  "causal: keys 2.. are all in the future of queries 0 and 1 (lse -inf, out NaN)")
+    _check_merged(ex.merge_attention(out_l, lse_l, out_e, lse_e), ref_out, ref_lse,
+                  "the same, masked block first")
+
+    # a block no query sees at all: merging it changes nothing
+    nothing = torch.zeros(S, S, dtype=torch.bool)
+    out_0, lse_0 = _attend(q, k, v, late, nothing)
+    _check_merged(ex.merge_attention(out_e, lse_e, out_0, lse_0), out_e, lse_e, "merge with an empty block")
+    # two empty blocks: out 0, lse -inf, and still mergeable with a third
+    out, lse = ex.merge_attention(out_0, lse_0, out_0.clone(), lse_0.clone())
+    assert not out.isnan().any() and (out == 0).all(), "a row empty in both blocks must get out = 0"
+    assert torch.isneginf(lse).all(), "a row empty in both blocks must get lse = -inf"
+    _check_merged(ex.merge_attention(out, lse, out_e, lse_e), out_e, lse_e, "an empty merge result merged with a block")
+
+
+@pytest.mark.parametrize("scale", [200.0, 3000.0])
+def test_merge_attention_large_logits_float32(ex, scale):
+    q, k, v = _qkv(30, dtype=torch.float32, scale=scale)  # scores of hundreds to thousands: exp overflows
+    a, b = _split(NK, 2, 30)
+    out_a, lse_a = _attend(q, k, v, a)
+    out_b, lse_b = _attend(q, k, v, b)
+    ref_out, ref_lse = _attend(q.double(), k.double(), v.double(), range(NK))
+    got = ex.merge_attention(out_a, lse_a, out_b, lse_b)
+    assert got[0].dtype == torch.float32, f"out must keep out_a's dtype float32, got {got[0].dtype}"
+    _check_merged((got[0].double(), got[1].double()), ref_out, ref_lse,
+                  f"float32, scores scaled by {scale}: subtract max(lse_a, lse_b) before exp", rtol=1e-5, atol=1e-5)
+
+
+def test_merge_attention_gradients(ex):
+    q, k, v = (x.requires_grad_() for x in _qkv(40))
+    a, b = _split(NK, 2, 40)
+    g = torch.Generator().manual_seed(41)
+    d_out, d_lse = torch.randn(B, H, S, D, generator=g, dtype=torch.float64), torch.randn(B, H, S, generator=g,
+                                                                                          dtype=torch.float64)
+    out, lse = ex.merge_attention(*_attend(q, k, v, a), *_attend(q, k, v, b))
+    got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))
+    ref_out, ref_lse = _attend(q, k, v, range(NK))
+    ref = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), (q, k, v))
+    for name, gg, rr in zip("qkv", got, ref):
+        torch.testing.assert_close(gg, rr, msg=lambda m: f"grad of {name} through the merge: {m}")
+
+
+def test_merge_attention_shapes_and_bad_input(ex):
+    out_a, lse_a = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7)
+    out, lse = ex.merge_attention(out_a, lse_a, torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7))
+    assert tuple(out.shape) == (2, 3, 7, 8) and tuple(lse.shape) == (2, 3, 7), \
+        f"got out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected (B, H, S, d) and (B, H, S)"
+    with pytest.raises(ValueError, match="lse_b has shape"):
+        ex.merge_attention(out_a, lse_a, out_a, lse_a[..., :1])
+
+
+# --- 2. zigzag_shard, zigzag_unshard, causal_work ---------------------------------------------
+
+
+def _zigzag_index(seq, t, r):
+    """The positions rank r holds, listed one by one (an independent construction)."""
+    c = seq // (2 * t)
+    return [i for i in range(seq) if i // c == r] + [i for i in range(seq) if i // c == 2 * t - 1 - r]
+
+
+def _causal_pairs(rows):
+    """(query, key) pairs with key <= query for the query positions `rows`: count the mask's entries."""
+    rows = list(rows)
+    n = max(rows) + 1
+    return int(torch.ones(n, n, dtype=torch.bool).tril()[rows].sum())
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_zigzag_shard_matches_index_construction(ex, t, dim):
+    seq = 4 * t
+    shape = [3, 5, 2]
+    shape[dim] = seq
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(t))
+    for r in range(t):
+        got = ex.zigzag_shard(x, t, r, dim=dim)
+        want = x.index_select(dim, torch.tensor(_zigzag_index(seq, t, r)))
+        assert torch.equal(got, want), f"t={t}, rank {r}, dim {dim}: expected positions {_zigzag_index(seq, t, r)}"
+
+
+def test_zigzag_shard_hand_worked(ex):
+    x = torch.arange(8)[None]  # (1, 8)
+    assert ex.zigzag_shard(x, 2, 0).tolist() == [[0, 1, 6, 7]]
+    assert ex.zigzag_shard(x, 2, 1).tolist() == [[2, 3, 4, 5]]
+
+
+def test_zigzag_shard_rejects_indivisible_length(ex):
+    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 2\*t=8"):
+        ex.zigzag_shard(torch.zeros(2, 30, 4), 4, 0)
+    with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2\*t=4"):
+        ex.zigzag_shard(torch.zeros(6, 3), 2, 1, dim=0)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_zigzag_unshard_round_trip(ex, t):
+    x = torch.randn(2, 6 * t, 3, generator=torch.Generator().manual_seed(t))
+    shards = [x.index_select(1, torch.tensor(_zigzag_index(6 * t, t, r))) for r in range(t)]  # built independently
+    assert torch.equal(ex.zigzag_unshard(shards), x), f"t={t}: unshard of the zigzag shards is not x"
+    y = torch.randn(6 * t, 5, generator=torch.Generator().manual_seed(t + 10))
+    got = ex.zigzag_unshard([ex.zigzag_shard(y, t, r, dim=0) for r in range(t)], dim=0)
+    assert torch.equal(got, y), f"t={t}, dim 0: unshard(shard(y)) != y"
+
+
+@pytest.mark.parametrize("seq,t", [(8, 2), (16, 4), (24, 3), (64, 8)])
+def test_causal_work_zigzag_is_balanced(ex, seq, t):
+    got = ex.causal_work(seq, t, "zigzag")
+    want = [_causal_pairs(_zigzag_index(seq, t, r)) for r in range(t)]
+    assert got == want, f"S={seq}, t={t}: got {got}, counted from the mask {want}"
+    assert all(isinstance(w, int) for w in got), f"return Python ints, got {[type(w).__name__ for w in got]}"
+    assert len(set(got)) == 1, f"zigzag should give every rank the same work, got {got}"
+    assert sum(got) == seq * (seq + 1) // 2
+
+
+@pytest.mark.parametrize("seq,t", [(8, 2), (16, 4), (24, 3), (64, 8)])
+def test_causal_work_contiguous_is_unbalanced(ex, seq, t):
+    got = ex.causal_work(seq, t, "contiguous")
+    c = seq // t
+    want = [_causal_pairs(range(r * c, (r + 1) * c)) for r in range(t)]
+    assert got == want, f"S={seq}, t={t}: got {got}, counted from the mask {want}"
+    assert all(a < b for a, b in zip(got, got[1:])), f"later ranks do more causal work: {got}"
+    # the last rank's share over the first's: 1 + 2(t-1) c/(c+1), which tends to 2t-1 as S grows
+    assert got[-1] / got[0] == pytest.approx(1 + 2 * (t - 1) * c / (c + 1)), f"last/first = {got[-1] / got[0]:.2f}"
+    with pytest.raises(ValueError, match="layout"):
+        ex.causal_work(seq, t, "striped")
+
+
+# --- 3. ulysses_seq_to_heads, ulysses_heads_to_seq (on ranks) ----------------------------------
+
+UB, US, UH, UD = 2, 8, 4, 3  # batch, sequence, heads, head dim
+
+
+def _global_x(n_head=UH, seed=50):
+    return torch.randn(UB, US, n_head, UD, generator=torch.Generator().manual_seed(seed))
+
+
+def _seq_slice(x, t, r):
+    return x[:, r * US // t:(r + 1) * US // t]
+
+
+def _head_slice(x, t, r):
+    h = x.shape[2]
+    return x[:, :, r * h // t:(r + 1) * h // t]
+
+
+def _guarded(fn, *args):
+    """Run one exercise; an exception becomes a result, so the next exercise still runs."""
+    try:
+        return {"ok": fn(*args)}
+    except Exception:  # noqa: BLE001  (reported by the test of that exercise)
+        return {"error": traceback.format_exc()}
+
+
+def _events(m):
+    return [(e.op, e.nbytes, e.group_size) for e in m.events]
+
+
+def _seq_to_heads(ex):
+    r, t = dist.get_rank(), dist.get_world_size()
+    x_r = _seq_slice(_global_x(), t, r).clone()
+    before = x_r.clone()
+    with comm.meter() as m:
+        y = ex.ulysses_seq_to_heads(x_r)
+    return {"y": y, "events": _events(m), "unchanged": torch.equal(x_r, before)}
+
+
+def _heads_to_seq(ex):
+    r, t = dist.get_rank(), dist.get_world_size()
+    y_r = _head_slice(_global_x(seed=51), t, r).clone()
+    with comm.meter() as m:
+        x = ex.ulysses_heads_to_seq(y_r)
+    # round trip on data that is not the exercise's own output format's global slicing
+    z_r = torch.randn(UB, US // t, UH, UD, generator=torch.Generator().manual_seed(60 + r))
+    back = ex.ulysses_heads_to_seq(ex.ulysses_seq_to_heads(z_r))
+    return {"x": x, "events": _events(m), "round_trip": torch.equal(back, z_r)}
+
+
+def _bad_heads(ex):
+    r, t = dist.get_rank(), dist.get_world_size()
+    n_head = {2: 3, 4: 6}[t]
+    try:
+        ex.ulysses_seq_to_heads(torch.zeros(UB, US // t, n_head, UD))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _all_on_ranks(impl):
+    # each rank imports the chapter by its path (a module object cannot be pickled)
+    ex = load("ch05", impl)
+    return {"seq_to_heads": _guarded(_seq_to_heads, ex), "heads_to_seq": _guarded(_heads_to_seq, ex),
+            "bad_heads": _guarded(_bad_heads, ex)}
+
+
+@pytest.fixture(scope="module")
+def ranks(ex):
+    """`run(t)`: the per-rank results of _all_on_ranks on t ranks, launched once per t."""
+    cache = {}
+
+    def run(t):
+        if t not in cache:
+            cache[t] = launch(_all_on_ranks, t, resolve_impl(), timeout_s=TIMEOUT_S)
+        return cache[t]
+    return run
+
+
+def _results(ranks, t, part):
+    out = []
+    for r, res in enumerate(ranks(t)):
+        got = res[part]
+        assert "error" not in got, f"rank {r} of {t} raised:\n{got['error']}"
+        out.append(got["ok"])
+    return out
+
+
+def _check_one_all_to_all(events, what, nbytes, t):
+    assert [e[0] for e in events] == ["all_to_all"], \
+        f"{what}: ran {[e[0] for e in events]}; expected exactly one comm.all_to_all"
+    assert events[0][1] == nbytes, f"{what}: all-to-all of {events[0][1]} B; expected this rank's whole " \
+                                   f"input, {nbytes} B"
+    assert events[0][2] == t, f"{what}: all-to-all among {events[0][2]} ranks; expected all {t}"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_ulysses_seq_to_heads_matches_slicing(ranks, t):
+    x = _global_x()
+    for r, res in enumerate(_results(ranks, t, "seq_to_heads")):
+        want = _head_slice(x, t, r)
+        assert tuple(res["y"].shape) == tuple(want.shape), \
+            f"rank {r} of {t}: shape {tuple(res['y'].shape)}; expected (B, S, n_head/t, d) = {tuple(want.shape)}"
+        assert torch.equal(res["y"], want), f"rank {r} of {t}: not heads {r * UH // t}..{(r + 1) * UH // t - 1} " \
+                                            "of the global tensor, all positions"
+        assert res["unchanged"], f"rank {r} of {t}: the input x_r was modified in place"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_ulysses_seq_to_heads_one_all_to_all(ranks, t):
+    for r, res in enumerate(_results(ranks, t, "seq_to_heads")):
+        _check_one_all_to_all(res["events"], f"rank {r} of {t}", UB * US // t * UH * UD * 4, t)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_ulysses_seq_to_heads_rejects_indivisible_heads(ranks, t):
+    n_head = {2: 3, 4: 6}[t]
+    for r, msg in enumerate(_results(ranks, t, "bad_heads")):
+        assert msg is not None and f"n_head {n_head} is not divisible by t={t}" in msg, \
+            f"rank {r} of {t}: expected ValueError 'n_head {n_head} is not divisible by t={t}', got {msg!r}"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_ulysses_heads_to_seq_matches_slicing(ranks, t):
+    y = _global_x(seed=51)
+    for r, res in enumerate(_results(ranks, t, "heads_to_seq")):
+        want = _seq_slice(y, t, r)
+        assert tuple(res["x"].shape) == tuple(want.shape), \
+            f"rank {r} of {t}: shape {tuple(res['x'].shape)}; expected (B, S/t, n_head, d) = {tuple(want.shape)}"
+        assert torch.equal(res["x"], want), f"rank {r} of {t}: not positions {r * US // t}..{(r + 1) * US // t - 1} " \
+                                            "of the global tensor, all heads"
+        _check_one_all_to_all(res["events"], f"rank {r} of {t}", UB * US * (UH // t) * UD * 4, t)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_ulysses_heads_to_seq_round_trip(ranks, t):
+    for r, res in enumerate(_results(ranks, t, "heads_to_seq")):
+        assert res["round_trip"], f"rank {r} of {t}: heads_to_seq(seq_to_heads(x_r)) != x_r"
+
+
+# --- 4. activation_bytes_per_layer --------------------------------------------------------------
+
+SHAPES = [(2048, 1, 4096, 32), (512, 4, 1024, 16), (8, 2, 12, 3)]  # (s, b, h, a)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("s,b,h,a", SHAPES)
+def test_activation_bytes_per_layer_matches_korthikanti(ex, s, b, h, a, t, sp):
+    got = ex.activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=sp)
+    names = set(ex.SAVED_TENSORS)
+    assert set(got) == names, f"one entry per saved tensor: missing {names - set(got)}, extra {set(got) - names}"
+    want = costmodel.activation_memory_bytes(s, b, h, a, layers=1, tp=t, sequence_parallel=sp)
+    assert sum(got.values()) == pytest.approx(want), f"t={t}, sequence_parallel={sp}: total {sum(got.values())}"
+
+
+def test_activation_bytes_per_layer_what_sp_shards(ex):
+    s, b, h, a, t = 512, 2, 256, 8, 4
+    sbh = s * b * h
+    tp = ex.activation_bytes_per_layer(s, b, h, a, t=t)
+    sp = ex.activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=True)
+    one = ex.activation_bytes_per_layer(s, b, h, a)
+    assert sum(one.values()) == pytest.approx(sbh * (34 + 5 * a * s / h)), "t = 1 is the paper's eq. 1"
+    assert one["softmax_output"] == pytest.approx(2 * a * s * s * b) and one["gelu_input"] == pytest.approx(8 * sbh)
+    replicated = [n for n in tp if tp[n] == pytest.approx(one[n])]  # what TP alone leaves whole on every rank
+    assert sum(one[n] for n in replicated) == pytest.approx(10 * sbh), \
+        f"TP leaves {replicated} replicated; the paper's 10sbh are the LayerNorm inputs, the inputs of the " \
+        "QKV and first MLP projections and the two dropout masks"
+    for n in sp:
+        assert sp[n] == pytest.approx(one[n] / t), f"with SP every saved tensor is split t ways, {n} is not"

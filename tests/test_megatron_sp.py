@@ -1,0 +1,317 @@
+"""Chapter 05: Megatron sequence parallelism (Korthikanti et al. 2022, §4.2.2) computes the dense
+block and the tensor-parallel block, and the whole GPT over several optimizer steps; and it works
+the way the paper says: g / ḡ are 2 all-gathers + 2 reduce-scatters per layer forward (and
+backward) moving exactly the bytes of TP's 4 all-reduces, and the activations a rank stores fall
+as 34·s·b·h/t (TP alone: s·b·h·(10 + 24/t)), measured with ``MemoryMeter``.
+
+One launch per degree t runs every case and returns plain data; the tests only inspect it.
+Expected values come from elsewhere: the dense ``Block`` / ``GPT`` in one process (one thread,
+like a rank), sliced here by this file's own rules (sequence slice r = positions [r·s/t, (r+1)·s/t);
+c_attn rows = rank r's heads inside each of q, k, v), chapter 04's TP block, ``costmodel``.
+
+Tolerances. As in chapter 04 (row-parallel partial sums in another order: float32 ulps, <= 2e-6
+on values of size ~10-100): atol 1e-6 / rtol 1e-5. A lost reduce-scatter or all-reduce divides
+an output or gradient by t, a slice from the wrong positions moves it by O(1).
+
+Memory (fp32, so the 16-bit formula x 2, and ``recompute="selective"`` because SDPA keeps q, k, v,
+its output and a log-sum-exp, never the a·s² scores). Measured on this block: 65·s·b·h/t bytes
+with SP, vs 2 x 34 = 68 by the formula: the formula's two dropout masks (1 byte each x 2) are
+absent at dropout 0 (-4), the LayerNorms' mean / rstd and SDPA's log-sum-exp are not in it (+1 at
+h = 32, a = 4). TP alone: 16.5 + 48.5/t vs 20 + 48/t. Both within ±15%. ``regather=False`` keeps
+the two column layers' gathered inputs whole: exactly 2·(1 - 1/t)·s·b·h·4 bytes more.
+"""
+import copy
+import functools
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch.distributed as dist
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.meters import MemoryMeter
+from minitorch_dist.models.gpt import GPT, Block, GPTConfig
+from minitorch_dist.models.train import train_steps
+from minitorch_dist.parallelism import tensor_parallel as TP
+from minitorch_dist.parallelism.sequence_parallel import megatron_sp as SP
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.env import single_thread
+from minitorch_dist.runtime.launch import launch
+
+pytestmark = pytest.mark.ch05
+
+B, T, H, V, A = 4, 16, 32, 64, 4
+CFG = GPTConfig.tiny(vocab_size=V, block_size=T, n_layer=2, n_head=A, n_embd=H)
+STEPS, LR, SEED = 3, 0.1, 7
+ATOL, RTOL = 1e-6, 1e-5
+BSH = B * T * H * 4  # bytes of one fp32 (b, s, h) activation
+
+
+def _dense_block():
+    torch.manual_seed(SEED)
+    return Block(CFG)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(SEED + 1)
+    return torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
+
+
+def _seq(x, t, r):  # this file's rule: rank r holds positions [r·s/t, (r+1)·s/t)
+    return x.chunk(t, dim=1)[r]
+
+
+# --- what runs on the ranks ---------------------------------------------------------------------
+
+
+def _ev(m):
+    return [(e.op, e.nbytes, e.wire_bytes) for e in m.events]
+
+
+def _activations(module, x):
+    """Peak bytes saved for backward by one forward of ``module`` (MemoryMeter, saved-tensor hooks)."""
+    meter = MemoryMeter(module)
+    with meter.track():
+        module(x)
+        return meter.peak["activations"]
+
+
+def _block_cases():
+    t, r = dist.get_world_size(), dist.get_rank()
+    dense, (x_full, G) = _dense_block(), _inputs()
+    out = {}
+    for regather in (True, False):
+        sp = SP.sequence_parallel_block(dense, regather=regather)
+        x = _seq(x_full, t, r).clone().requires_grad_(True)
+        with comm.meter() as fwd:
+            y = sp(x)
+        with comm.meter() as bwd:
+            (y * _seq(G, t, r)).sum().backward()
+        partial = {k: q.grad.clone() for k, q in sp.named_parameters()}
+        with comm.meter() as ar:
+            SP.allreduce_sequence_parallel_grads(sp)
+        out["sp", regather] = {
+            "y": y.detach(), "dx": x.grad.clone(), "partial": partial,
+            "grads": {k: q.grad.clone() for k, q in sp.named_parameters()},
+            "events": {"fwd": _ev(fwd), "bwd": _ev(bwd), "allreduce": _ev(ar)},
+            "activations": _activations(sp, _seq(x_full, t, r).clone().requires_grad_(True))}
+    tp = copy.deepcopy(dense)  # chapter 04's block: TP attention and MLP, LayerNorms replicated
+    tp.attn, tp.mlp = TP.ParallelAttention(dense.attn), TP.ParallelMLP(dense.mlp)
+    x = x_full.clone().requires_grad_(True)
+    with comm.meter() as fwd:
+        y = tp(x)
+    with comm.meter() as bwd:
+        (y * G).sum().backward()
+    out["tp"] = {"y": y.detach(), "dx": x.grad.clone(), "grads": {k: q.grad.clone() for k, q in tp.named_parameters()},
+                 "events": {"fwd": _ev(fwd), "bwd": _ev(bwd)},
+                 "activations": _activations(tp, x_full.clone().requires_grad_(True))}
+    return out
+
+
+def _gpt():
+    """STEPS SGD steps of the TP + SP GPT, the sequence-parallel gradients all-reduced each step."""
+    torch.manual_seed(SEED)
+    model = SP.parallelize_gpt_sp(GPT(CFG))
+    run = train_steps(model, STEPS, B, T, lr=LR, momentum=0.9,
+                      after_backward=lambda: SP.allreduce_sequence_parallel_grads(model))
+    fwd, bwd = run.meters
+    return {"losses": run.losses, "logits": run.logits, "tied": model.lm_head.weight is model.wte.weight,
+            "grads": {k: q.grad.clone() for k, q in model.named_parameters()},
+            "params": {k: q.detach().clone() for k, q in model.named_parameters()},
+            "events": {"fwd": _ev(fwd), "bwd": _ev(bwd)}}
+
+
+def _errors():
+    t, out = dist.get_world_size(), {}
+    cases = {
+        "split": lambda: SP.scatter_to_sequence(torch.zeros(2, 15 if t == 2 else 30, H)),
+        "gpt": lambda: SP.parallelize_gpt_sp(GPT(CFG))(torch.zeros(2, 4 * t - 1, dtype=torch.long)),
+        "dropout": lambda: SP.sequence_parallel_block(Block(GPTConfig.tiny(dropout=0.1))),
+    }
+    for case, call in cases.items():
+        try:
+            call()
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def _run_every_case():
+    return {"block": _block_cases(), "gpt": _gpt(), "errors": _errors()}
+
+
+@functools.cache
+def _results(t):
+    return launch(_run_every_case, t, timeout_s=120)
+
+
+# --- the dense references (one process, one thread, like a rank) and this file's slicing rules ----------
+
+
+def _shard(name, w, t, r):
+    """Rank r's part of the dense tensor ``w`` named ``name`` (a Block or GPT parameter)."""
+    if "c_attn" in name:  # fused q|k|v: rank r's heads inside each of q, k, v
+        return w.reshape(3, t, -1, *w.shape[1:])[:, r].reshape(-1, *w.shape[1:])
+    if name.endswith(("c_fc.weight", "c_fc.bias", "wte.weight", "lm_head.weight")):
+        return w.chunk(t, 0)[r]
+    if name.endswith("c_proj.weight"):
+        return w.chunk(t, 1)[r]
+    return w  # LayerNorms, wpe, row-parallel biases: whole on every rank
+
+
+@functools.cache
+def _dense_block_ref():
+    with single_thread():
+        block, (x, G) = _dense_block(), _inputs()
+        x.requires_grad_(True)
+        y = block(x)
+        (y * G).sum().backward()
+        act = _activations(block, _inputs()[0].requires_grad_(True))
+        return {"y": y.detach(), "dx": x.grad, "grads": {k: q.grad for k, q in block.named_parameters()},
+                "activations": act}
+
+
+@functools.cache
+def _dense_gpt():
+    with single_thread():
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        run = train_steps(model, STEPS, B, T, lr=LR, momentum=0.9)
+        return {"losses": run.losses, "logits": run.logits,
+                "grads": {k: q.grad for k, q in model.named_parameters()},
+                "params": {k: q.detach().clone() for k, q in model.named_parameters()}}
+
+
+def _close(got, want, where):
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda s: f"{where}: {s}")
+
+
+# --- the block equals the TP block and the dense block ------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("regather", [True, False])
+def test_sp_block_equals_the_dense_and_the_tp_block(t, regather):
+    ref, res = _dense_block_ref(), _results(t)
+    sp = [p["block"]["sp", regather] for p in res]
+    _close(torch.cat([p["y"] for p in sp], dim=1), ref["y"], "SP outputs concatenated along the sequence")
+    for r, p in enumerate(res):
+        tp = p["block"]["tp"]
+        _close(tp["y"], ref["y"], f"TP out r={r}")
+        _close(sp[r]["dx"], _seq(ref["dx"], t, r), f"SP dX (slice) r={r}")
+        _close(sp[r]["dx"], _seq(tp["dx"], t, r), f"SP dX vs TP r={r}")
+        assert sp[r]["grads"].keys() == ref["grads"].keys() == tp["grads"].keys()
+        for k in ref["grads"]:
+            _close(sp[r]["grads"][k], _shard(k, ref["grads"][k], t, r), f"SP grad {k} r={r}")
+            _close(sp[r]["grads"][k], tp["grads"][k], f"SP grad {k} vs TP r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_layernorm_and_row_bias_grads_are_partial_until_all_reduced(t):
+    """Before the all-reduce rank r holds dL/dγ summed over its s/t positions only: the ranks' partial
+    gradients add up to the dense one and none of them equals it."""
+    ref, res = _dense_block_ref(), _results(t)
+    for k in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias"):
+        parts = [p["block"]["sp", True]["partial"][k] for p in res]
+        _close(sum(parts), ref["grads"][k], f"sum of partial {k}")
+        assert all(not torch.allclose(q, ref["grads"][k], atol=1e-3) for q in parts), k
+    for p in res:  # one coalesced all-reduce of the 6h flagged numbers (2 LayerNorms, 2 biases)
+        assert p["block"]["sp", True]["events"]["allreduce"] == [
+            ("all_reduce", 6 * H * 4, costmodel.bus_bytes("all_reduce", 6 * H * 4, t))]
+
+
+# --- the whole GPT -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sp_gpt_loss_and_gradients_equal_the_dense_gpt_after_several_steps(t):
+    ref, res = _dense_gpt(), _results(t)
+    _close(torch.cat([p["gpt"]["logits"] for p in res], dim=-1), ref["logits"], "logits gathered over the vocabulary")
+    for r, p in enumerate(res):
+        g = p["gpt"]
+        assert g["tied"]
+        assert g["losses"] == pytest.approx(ref["losses"], abs=2e-6)
+        assert g["grads"].keys() == ref["grads"].keys()
+        for k in ref["grads"]:
+            _close(g["grads"][k], _shard(k, ref["grads"][k], t, r), f"grad {k} r={r}")
+            _close(g["params"][k], _shard(k, ref["params"][k], t, r), f"param {k} r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sp_gpt_collectives(t):
+    """Forward: per layer AG, RS, AG, RS of b·s·h; the embedding's ḡ (RS), lm_head's g (AG), the
+    loss's 3 all-reduces of b·s. Backward (regather): per layer 4 AG + 2 RS, lm_head AG + RS,
+    the embedding's AG."""
+    L = CFG.n_layer
+    for p in _results(t):
+        ev = p["gpt"]["events"]
+        fwd = sorted((op, n) for op, n, _ in ev["fwd"])
+        assert fwd == sorted([("all_gather", BSH)] * (2 * L + 1) + [("reduce_scatter", BSH)] * (2 * L + 1)
+                             + [("all_reduce", B * T * 4)] * 3)
+        bwd = sorted((op, n) for op, n, _ in ev["bwd"])
+        assert bwd == sorted([("all_gather", BSH)] * (4 * L + 2) + [("reduce_scatter", BSH)] * (2 * L + 1))
+
+
+# --- the mechanism: collectives and bytes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sp_replaces_tp_all_reduces_by_all_gathers_and_reduce_scatters_with_the_same_bytes(t):
+    ag = ("all_gather", BSH, costmodel.bus_bytes("all_gather", BSH, t))
+    rs = ("reduce_scatter", BSH, costmodel.bus_bytes("reduce_scatter", BSH, t))
+    want = costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, bytes_per_element=4)
+    for p in _results(t):
+        tp = p["block"]["tp"]["events"]
+        tp_wire = sum(w for _, _, w in tp["fwd"] + tp["bwd"])
+        assert tp_wire == pytest.approx(want, rel=1e-12)
+        for regather in (True, False):
+            ev = p["block"]["sp", regather]["events"]
+            assert ev["fwd"] == [ag, rs, ag, rs]  # g before c_attn, ḡ after c_proj, the same for the MLP
+            assert sorted(ev["bwd"]) == sorted([ag] * (4 if regather else 2) + [rs] * 2)
+            wire = sum(w for _, _, w in ev["fwd"] + ev["bwd"])
+            # regather: the 2 extra backward all-gathers (memory traded for bandwidth, §4.2.2) add 2/8
+            assert wire == pytest.approx(want * (1.25 if regather else 1.0), rel=1e-12)
+            assert all(op != "all_reduce" for op, _, _ in ev["fwd"] + ev["bwd"])
+
+
+# --- activation memory per rank vs Korthikanti et al. 2022, Table 2 -----------------------------------------
+
+
+def _formula(t, sp):
+    return 2 * costmodel.activation_memory_bytes(T, B, H, A, tp=t, sequence_parallel=sp, recompute="selective")
+
+
+def test_dense_block_activations_match_the_formula():
+    assert _dense_block_ref()["activations"] == pytest.approx(_formula(1, False), rel=0.15)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_activation_memory_per_rank_falls_with_t_as_the_formula_says(t):
+    dense = _dense_block_ref()["activations"]
+    for p in _results(t):
+        sp, tp = p["block"]["sp", True]["activations"], p["block"]["tp"]["activations"]
+        assert sp == pytest.approx(_formula(t, True), rel=0.15)
+        assert tp == pytest.approx(_formula(t, False), rel=0.15)
+        assert sp / tp == pytest.approx(_formula(t, True) / _formula(t, False), rel=0.15)
+        assert sp * t == dense  # every tensor the block saves is split t ways, nothing is replicated
+        # without the backward re-gather, the gathered inputs of c_attn and c_fc stay whole
+        gathered = p["block"]["sp", False]["activations"]
+        assert gathered - sp == 2 * (1 - 1 / t) * BSH
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_bad_input_is_a_clear_error(t):
+    for p in _results(t):
+        err = p["errors"]
+        assert f"sequence length {15 if t == 2 else 30} is not divisible by tp={t}" in err["split"]
+        assert f"sequence length {4 * t - 1} is not divisible by tp={t}" in err["gpt"]
+        assert "dropout 0.1 is not supported" in err["dropout"]
+
+
+def test_outside_a_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="launch"):
+        SP.sequence_parallel_block(Block(CFG))

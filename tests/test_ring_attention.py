@@ -1,0 +1,344 @@
+"""Chapter 05: ring attention (Liu et al. 2023) computes full attention -- forward and backward,
+causal or not, contiguous or zigzag layout -- and works the way §3 says: t-1 K/V block pairs sent
+per rank forward, only O(S/t) tensors saved for backward, no block of scores larger than
+(S/t) x (S/t); and zigzag sharding balances causal work where the contiguous layout does not.
+
+One launch per ring size t runs every case and returns plain data; the tests only inspect it.
+Expected values come from elsewhere: ``F.scaled_dot_product_attention`` on the full sequence in
+one process (one thread, like a rank), cut into shards by ``shard_sequence`` (itself checked
+against the layouts' definitions, written out here), byte counts from B·h·(S/t)·d written out
+here, block counts from the causal rule counted by hand.
+
+Tolerances. The main cases run in float64: ring attention sums the softmax over t blocks and
+merges them with logaddexp where SDPA sums in one pass, so the two differ by rounding only
+(measured <= 3e-15 on values and gradients of size <= 3). We allow atol 1e-12 / rtol 1e-10; a
+missing block, a wrong mask or a gradient left on the wrong rank moves entries by O(0.1). One
+float32 case checks the production dtype at atol 1e-5 / rtol 1e-4 (measured <= 1.3e-6, a few
+ulps of entries of size ~3). A bfloat16 case (blocks computed in float32, results rounded to
+bfloat16) is compared with float64 SDPA of the same rounded inputs at atol 3e-2 / rtol 2e-2:
+bfloat16 keeps 8 significant bits: half an ulp is 7.8e-3 on entries in [2, 4) (measured <= 7.1e-3).
+"""
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.meters import MemoryMeter
+from minitorch_dist.parallelism.sequence_parallel import ring_attention as RA
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.env import single_thread
+from minitorch_dist.runtime.launch import launch
+
+pytestmark = pytest.mark.ch05
+
+B, H, S, D = 2, 3, 32, 8
+SEED = 11
+CASES = [(causal, layout) for causal in (False, True) for layout in RA.LAYOUTS]
+TOL = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 2e-2)}
+MEM_S, MEM_B, MEM_H, MEM_D = (256, 512), 1, 2, 8
+
+
+def _full(seq=S, dtype=torch.float64, seed=SEED, b=B, h=H, d=D):
+    """Full-sequence q, k, v and an upstream gradient G, (b, h, seq, d)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, seq, d, generator=g, dtype=torch.float64).to(dtype) for _ in range(4)]
+
+
+# --- what runs on the ranks ---------------------------------------------------------------------
+
+
+def _ring(t, r, causal, layout, dtype=torch.float64, scale=None, group=None, seed=SEED):
+    """Ring attention of this rank's shard: output and the three gradients, plus the comm meters."""
+    Q, K, V, G = _full(dtype=dtype, seed=seed)
+    q, k, v = (RA.shard_sequence(x, t, r, -2, layout).requires_grad_(True) for x in (Q, K, V))
+    with comm.meter() as fwd:
+        out = RA.ring_attention(q, k, v, group=group, causal=causal, layout=layout, scale=scale)
+    with comm.meter() as bwd:
+        (out * RA.shard_sequence(G, t, r, -2, layout)).sum().backward()
+    ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]  # noqa: E731
+    return {"grads": [out.detach(), q.grad, k.grad, v.grad], "fwd": ev(fwd), "bwd": ev(bwd)}
+
+
+def _equivalence():
+    t, r = dist.get_world_size(), dist.get_rank()
+    res = {(c, lay): _ring(t, r, c, lay) for c, lay in CASES}
+    res["float32"] = _ring(t, r, True, "zigzag", dtype=torch.float32)
+    res["scale"] = _ring(t, r, True, "contiguous", scale=0.3)
+    res["bfloat16"] = _ring(t, r, True, "zigzag", dtype=torch.bfloat16)
+    if t == 4:  # two rings of 2 inside the 4 ranks: peers must be the group's, not the world's
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        res["subgroup"] = _ring(2, r % 2, True, "zigzag", group=groups[r // 2], seed=SEED + r // 2)
+    return res
+
+
+def _memory():
+    """Per S: the meter's peak saved-for-backward bytes, every saved shape, the largest score block."""
+    t, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for seq in MEM_S:
+        Q, K, V, _ = _full(seq, torch.float32, b=MEM_B, h=MEM_H, d=MEM_D)
+        q, k, v = (RA.shard_sequence(x, t, r, -2, "zigzag").requires_grad_(True) for x in (Q, K, V))
+        meter = MemoryMeter()
+        with RA.count_block_work() as work, meter.track():
+            RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
+        shapes = []  # a second forward lists every saved tensor (only the innermost hooks see them)
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x, lambda x: x):
+            RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
+        out[seq] = {"activations": meter.peak["activations"], "shapes": shapes,
+                    "largest": {p: work.largest_block(p) for p in ("forward", "backward")}}
+    return out
+
+
+def _work():
+    """Forward and backward FLOPs of the score blocks on this rank, causal, per layout."""
+    t, r = dist.get_world_size(), dist.get_rank()
+    Q, K, V, _ = _full()
+    out = {}
+    for layout in RA.LAYOUTS:
+        q, k, v = (RA.shard_sequence(x, t, r, -2, layout).requires_grad_(True) for x in (Q, K, V))
+        with RA.count_block_work() as w:
+            RA.ring_attention(q, k, v, causal=True, layout=layout).sum().backward()
+        out[layout] = dict(w.flops)
+    return out
+
+
+def _run_every_case():
+    return {"eq": _equivalence(), "memory": _memory(), "work": _work()}
+
+
+@functools.cache
+def _results(t):
+    return launch(_run_every_case, t, timeout_s=120)
+
+
+# --- the dense reference -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _dense(causal, dtype=torch.float64, scale=None, seed=SEED):
+    """SDPA on the full sequence, computed in float64 for bfloat16 inputs (rounded to bfloat16 first)."""
+    with single_thread():
+        Q, K, V, G = (x.double().requires_grad_(True) if dtype == torch.bfloat16 else x.requires_grad_(True)
+                      for x in _full(dtype=dtype, seed=seed))
+        out = F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)
+        (out * G).sum().backward()
+        return [out.detach(), Q.grad, K.grad, V.grad]
+
+
+def _check(per_rank, ref, layout, dtype, where):
+    atol, rtol = TOL[dtype]
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = RA.unshard_sequence([res[i] for res in per_rank], -2, layout)
+        assert got.dtype == dtype
+        got = got.to(ref[i].dtype)
+        torch.testing.assert_close(got, ref[i], atol=atol, rtol=rtol, msg=lambda s: f"{where} {name}: {s}")
+
+
+# --- ring attention equals full attention ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("causal,layout", CASES)
+def test_ring_attention_equals_full_attention_forward_and_backward(t, causal, layout):
+    per_rank = [res["eq"][causal, layout]["grads"] for res in _results(t)]
+    _check(per_rank, _dense(causal), layout, torch.float64, f"t={t} causal={causal} {layout}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_float32_and_a_custom_scale(t):
+    res = _results(t)
+    _check([x["eq"]["float32"]["grads"] for x in res], _dense(True, torch.float32), "zigzag", torch.float32,
+           "float32")
+    _check([x["eq"]["scale"]["grads"] for x in res], _dense(True, scale=0.3), "contiguous", torch.float64,
+           "scale=0.3")
+    _check([x["eq"]["bfloat16"]["grads"] for x in res], _dense(True, torch.bfloat16), "zigzag", torch.bfloat16,
+           "bfloat16")
+
+
+def test_rings_inside_a_larger_world_use_their_group():
+    res = _results(4)
+    for g in range(2):  # ranks 2g, 2g+1 form ring g on the data of seed SEED+g
+        per_rank = [res[2 * g + i]["eq"]["subgroup"]["grads"] for i in range(2)]
+        _check(per_rank, _dense(True, seed=SEED + g), "zigzag", torch.float64, f"subgroup {g}")
+        assert {n for ev in ("fwd", "bwd") for *_, n in res[2 * g]["eq"]["subgroup"][ev]} == {2}
+
+
+# --- the mechanism: bytes on the ring ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("case", [(False, "contiguous"), (True, "zigzag"), "float32", "bfloat16"])
+def test_forward_sends_t_minus_1_kv_pairs_backward_adds_t_dkv_pairs(t, case):
+    """Forward: t-1 steps, each sends k and v, (S/t)-blocks: 2(t-1)·B·h·(S/t)·d·elem bytes.
+    Backward: the same t-1 K/V pairs, and t dK/dV pairs (the accumulator's last hop takes it home),
+    the accumulators in float32 for bfloat16 inputs."""
+    elem, acc = {"float32": (4, 4), "bfloat16": (2, 4)}.get(case, (8, 8))
+    blk = B * H * (S // t) * D
+    for res in _results(t):
+        ev = res["eq"][case]
+        for which in ("fwd", "bwd"):
+            assert {n for _, _, n in ev[which]} == {t}
+        assert {nb for _, nb, _ in ev["fwd"]} == {blk * elem}  # every message is one (S/t)-block
+        assert {nb for _, nb, _ in ev["bwd"]} == {blk * elem, blk * acc}
+        sends = lambda which: [nb for op, nb, _ in ev[which] if op == "send"]  # noqa: E731
+        recvs = lambda which: [nb for op, nb, _ in ev[which] if op == "recv"]  # noqa: E731
+        assert len(sends("fwd")) == 2 * (t - 1) and sum(sends("fwd")) == 2 * (t - 1) * blk * elem
+        assert len(sends("bwd")) == 2 * (t - 1) + 2 * t
+        assert sum(sends("bwd")) == 2 * (t - 1) * blk * elem + 2 * t * blk * acc
+        assert sends("fwd") == recvs("fwd") and sends("bwd") == recvs("bwd")  # a ring: what leaves arrives
+        want = costmodel.ring_attention_bytes_per_layer(B, S, H * D, t, elem, acc)
+        assert (sum(sends("fwd")), sum(sends("bwd"))) == (want["forward"], want["backward"])
+
+
+# --- memory: O(S/t) saved, (S/t)-sized score blocks -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_saved_activations_are_linear_in_s_over_t_and_no_score_matrix_exists(t):
+    for res in _results(t):
+        mem = res["memory"]
+        for seq in MEM_S:
+            n = seq // t
+            qkvo = MEM_B * MEM_H * n * MEM_D * 4
+            assert mem[seq]["activations"] == 4 * qkvo + MEM_B * MEM_H * n * 4  # q, k, v, out + lse
+            assert max(math.prod(s) for s in mem[seq]["shapes"]) == MEM_B * MEM_H * n * MEM_D
+            # causal zigzag computes chunk pairs: (S/2t) x (S/2t) scores at most, forward and backward
+            assert mem[seq]["largest"] == {"forward": (n // 2) ** 2, "backward": (n // 2) ** 2}
+        a, b = (mem[s]["activations"] for s in MEM_S)
+        assert b == 2 * a  # S doubled: saved bytes double, where naive attention's quadruple
+
+
+def test_naive_attention_saves_the_s_by_s_scores_that_ring_attention_avoids():
+    """The comparison the memory test rests on: softmax(q k^T) v saves S x S probabilities."""
+    peaks = []
+    for seq in MEM_S:
+        q, k, v = (x.requires_grad_(True) for x in _full(seq, torch.float32, b=MEM_B, h=MEM_H, d=MEM_D)[:3])
+        meter = MemoryMeter()
+        with meter.track():
+            ((q @ k.transpose(-2, -1)) * D ** -0.5).softmax(-1) @ v
+        peaks.append(meter.peak["activations"])
+        assert meter.peak["activations"] >= MEM_B * MEM_H * seq * seq * 4
+    assert peaks[1] > 3.5 * peaks[0]
+
+
+# --- load balance of causal attention -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_zigzag_balances_causal_work_and_contiguous_does_not(t):
+    """Counted by hand. Contiguous: rank r computes r full (S/t)^2 blocks and its diagonal block.
+    Zigzag, chunks c = S/2t: its two diagonal chunks, (late, early) of its own, and two chunk pairs
+    against every other rank -- 2t+1 chunk pairs on every rank."""
+    n, c = S // t, S // (2 * t)
+    for r, res in enumerate(_results(t)):
+        w = res["work"]
+        assert w["contiguous"]["forward"] == 4 * B * H * D * (r + 1) * n * n
+        assert w["zigzag"]["forward"] == 4 * B * H * D * (2 * t + 1) * c * c
+        for layout in RA.LAYOUTS:  # the backward recomputes exactly the forward's blocks
+            assert w[layout]["backward"] * 4 == w[layout]["forward"] * 10
+    work = [res["work"] for res in _results(t)]
+    contiguous = [w["contiguous"]["forward"] for w in work]
+    assert contiguous[-1] == t * contiguous[0]  # the last rank does t times the first one's work
+    assert len({w["zigzag"]["forward"] for w in work}) == 1
+
+
+# --- the block algebra, in one process --------------------------------------------------------------------------
+
+
+def _softmax_attention(q, k, v, mask=None):
+    s = q @ k.transpose(-2, -1) * D ** -0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s.softmax(-1) @ v, torch.logsumexp(s, -1)
+
+
+def attention_block_of(q, k, v, mask=None):
+    return RA.attention_block(q, k, v, mask, D ** -0.5)
+
+
+def test_merge_is_associative_and_equals_softmax_over_the_concatenated_keys():
+    q, k, v, _ = _full(12)
+    parts = [attention_block_of(q, k[..., sl, :], v[..., sl, :]) for sl in (slice(0, 3), slice(3, 8), slice(8, 12))]
+    a, b, c = parts
+    left = RA.merge_attention(*RA.merge_attention(*a, *b), *c)
+    right = RA.merge_attention(*a, *RA.merge_attention(*b, *c))
+    swapped = RA.merge_attention(*RA.merge_attention(*c, *a), *b)
+    full = _softmax_attention(q, k, v)
+    for got in (left, right, swapped):
+        torch.testing.assert_close(got[0], full[0], atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(got[1], full[1], atol=1e-12, rtol=1e-10)
+
+
+def test_fully_masked_rows_merge_without_nans():
+    q, k, v, _ = _full(6)
+    none = torch.zeros(6, 3, dtype=torch.bool)
+    half = torch.ones(6, 3, dtype=torch.bool)
+    half[:2] = False  # rows 0, 1 see nothing in block b either
+    a = attention_block_of(q, k[..., :3, :], v[..., :3, :], none)
+    b = attention_block_of(q, k[..., 3:, :], v[..., 3:, :], half)
+    assert torch.isneginf(a[1]).all() and (a[0] == 0).all()
+    out, lse = RA.merge_attention(*a, *b)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out, b[0]) and torch.equal(lse, b[1])  # an empty side has weight exactly 0
+    assert (out[..., :2, :] == 0).all() and torch.isneginf(lse[..., :2]).all()
+    mask = torch.cat([none, half], 1)
+    ref = _softmax_attention(q[..., 2:, :], k, v, mask[2:])
+    torch.testing.assert_close(out[..., 2:, :], ref[0], atol=1e-12, rtol=1e-10)
+
+
+def test_block_backward_equals_autograd():
+    q, k, v, g = (x.requires_grad_(True) for x in _full(10))
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    out, lse = _softmax_attention(q, k, v, mask)
+    (out * g).sum().backward()
+    delta = (g * out).sum(-1)
+    got = RA.attention_block_backward(q.detach(), k.detach(), v.detach(), mask, D ** -0.5, g.detach(),
+                                      lse.detach(), delta.detach())
+    for x, want in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(x, want, atol=1e-12, rtol=1e-10)
+
+
+# --- layouts and errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("layout", RA.LAYOUTS)
+def test_shard_and_unshard_are_inverse_and_zigzag_pairs_early_with_late(t, layout):
+    x = torch.arange(2 * 8 * 3).reshape(2, 8, 3).float()
+    shards = [RA.shard_sequence(x, t, r, 1, layout) for r in range(t)]
+    assert torch.equal(RA.unshard_sequence(shards, 1, layout), x)
+    for r in range(t):
+        pos = RA.sequence_positions(8, t, r, layout)
+        assert torch.equal(shards[r], x[:, pos])
+        if layout == "zigzag":  # 2t chunks of c: chunk r, then chunk 2t-1-r (whose positions mirror r's)
+            c = 8 // (2 * t)
+            assert pos.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * t - 1 - r) * c, (2 * t - r) * c))
+            assert sorted(pos.tolist()) == sorted((7 - pos).tolist())
+        else:
+            assert pos.tolist() == list(range(r * 8 // t, (r + 1) * 8 // t))
+    assert torch.equal(RA.zigzag_unshard([RA.zigzag_shard(x, 2, r, 1) for r in range(2)], 1), x)
+    assert torch.equal(RA.contiguous_unshard([RA.contiguous_shard(x, 2, r, 1) for r in range(2)], 1), x)
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 2\*t=4 for the zigzag layout"):
+        RA.zigzag_shard(torch.zeros(1, 1, 30, 4), 2, 0)
+    with pytest.raises(ValueError, match="sequence length 30 is not divisible by t=4 for the contiguous layout"):
+        RA.contiguous_shard(torch.zeros(1, 1, 30, 4), 4, 0)
+    with pytest.raises(ValueError, match="layout 'striped' is not one of"):
+        RA.shard_sequence(torch.zeros(8), 2, 0, 0, "striped")
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"head_dim of q \(4\) and k \(8\) differ"):
+        RA.ring_attention(q, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8))
+    with pytest.raises(ValueError, match="same shape"):
+        RA.ring_attention(q, torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4))
+    with pytest.raises(ValueError, match=r"must be \(B, n_head, S/t, head_dim\)"):
+        RA.ring_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="local sequence length 7 is odd"):
+        RA.ring_attention(*[torch.zeros(1, 2, 7, 4)] * 3, layout="zigzag")
+    with pytest.raises(RuntimeError, match="launch"):
+        RA.ring_attention(q, q, q)

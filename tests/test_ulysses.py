@@ -1,0 +1,252 @@
+"""Chapter 05: DeepSpeed-Ulysses attention on sequence shards equals attention on the full sequence,
+forward and backward, causal or not, and works the way Jacobs et al. 2023 §3 says: one all-to-all
+per tensor (q, k, v in, the output back), the inverse all-to-alls backward, each of
+B·n_head·(S/t)·d elements with (t-1)/t of it on the wire.
+
+One launch per degree t runs every case and returns plain data; the tests only inspect it. The
+expected values come from elsewhere: ``F.scaled_dot_product_attention`` and the dense
+``CausalSelfAttention`` on the whole sequence in one process (one thread, like a rank), sliced
+here by this file's own rule (rank r: tokens [r·S/t, (r+1)·S/t), heads [r·n/t, (r+1)·n/t)).
+
+Tolerances. The all-to-alls only move numbers, and each head's attention is the same SDPA call
+on the same full-sequence rows, so outputs and q/k/v gradients agree to float32 rounding
+(measured: bitwise equal here; a kernel may block a batch of fewer heads differently elsewhere);
+the replicated weights' gradients are t partial sums added by an all-reduce instead of one sum:
+ulps apart (measured <= 1.7e-6 absolute, inside rtol 1e-5). We allow atol 1e-6 / rtol 1e-5; a
+wrong permutation moves values by O(1), a missing all-reduce shrinks a weight gradient to ~1/t
+of itself, a gradient scaled by 1 + 1e-4 already fails.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.models.gpt import CausalSelfAttention, GPTConfig
+from minitorch_dist.parallelism.sequence_parallel import ulysses as U
+from minitorch_dist.parallelism.sequence_parallel.ring_attention import shard_sequence
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.env import single_thread
+from minitorch_dist.runtime.launch import launch
+
+pytestmark = pytest.mark.ch05
+
+B, NH, S, D = 2, 4, 16, 8  # n_head divisible by 2 and 4; S by 2 and 4
+H = NH * D
+CFG = GPTConfig.tiny(vocab_size=32, block_size=S, n_layer=1, n_head=NH, n_embd=H)
+SEED = 11
+ATOL, RTOL = 1e-6, 1e-5
+
+
+def _shard(x, dim):
+    """This rank's S/t consecutive tokens along ``dim`` (the contiguous layout)."""
+    return shard_sequence(x, dist.get_world_size(), dist.get_rank(), dim)
+
+
+def _qkvg():
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randn(B, NH, S, D, generator=g) for _ in range(4)]  # q, k, v, and dL/dout
+
+
+def _module_inputs():
+    g = torch.Generator().manual_seed(SEED + 1)
+    return torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
+
+
+def _dense_attn():
+    torch.manual_seed(SEED)
+    return CausalSelfAttention(CFG)
+
+
+def _events(m):
+    return [(e.op, e.nbytes, e.wire_bytes, e.group_size) for e in m.events]
+
+
+# --- what runs on the ranks ---------------------------------------------------------------------
+
+
+def _attention():
+    out = {}
+    for causal in (False, True):
+        q, k, v, G = (_shard(x, 2) for x in _qkvg())
+        q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+        with comm.meter() as fwd:
+            y = U.ulysses_attention(q, k, v, causal=causal)
+        with comm.meter() as bwd:
+            (y * G).sum().backward()
+        out[causal] = {"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                       "fwd": _events(fwd), "bwd": _events(bwd)}
+    return out
+
+
+def _layout():
+    full = _qkvg()[0]
+    x = _shard(full, 2)
+    heads = U.seq_to_heads(x)
+    return {"heads": heads, "round_trip": U.heads_to_seq(heads), "x": x}
+
+
+def _module():
+    x_full, G_full = _module_inputs()
+    m = U.UlyssesAttention.from_dense(_dense_attn())
+    x = _shard(x_full, 1).requires_grad_(True)
+    with comm.meter() as fwd:
+        y = m(x)
+    with comm.meter() as bwd:
+        (y * _shard(G_full, 1)).sum().backward()
+    with comm.meter() as sync:
+        m.allreduce_gradients()
+    return {"y": y.detach(), "dx": x.grad, "grads": {k: p.grad.clone() for k, p in m.named_parameters()},
+            "fwd": _events(fwd), "bwd": _events(bwd), "sync": _events(sync)}
+
+
+def _errors():
+    t, out = dist.get_world_size(), {}
+    bad_heads, bad_seq = (3 if t == 2 else 6), 4 * t + 1
+    cases = {
+        "heads": lambda: U.ulysses_attention(*[torch.randn(1, bad_heads, 4, 2)] * 3),
+        "seq_to_heads": lambda: U.seq_to_heads(torch.randn(1, bad_heads, 4, 2)),
+        "shard": lambda: U.heads_to_seq(torch.randn(1, 1, bad_seq, 8)),
+        "heads_to_seq": lambda: U.heads_to_seq(torch.randn(1, 2, bad_seq, 2)),
+        "shapes": lambda: U.ulysses_attention(torch.randn(1, 4, 4, 2), torch.randn(1, 4, 4, 2),
+                                              torch.randn(1, 4, 2, 2)),
+        "rank": lambda: U.ulysses_attention(*[torch.randn(4, 4, 2)] * 3),
+        "module": lambda: U.UlyssesAttention.from_dense(CausalSelfAttention(
+            GPTConfig.tiny(n_head=bad_heads, n_embd=4 * bad_heads))),
+        "dropout": lambda: U.UlyssesAttention.from_dense(CausalSelfAttention(GPTConfig.tiny(dropout=0.1))),
+    }
+    for case, call in cases.items():
+        try:
+            call()
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def _run_every_case():
+    return {"attention": _attention(), "layout": _layout(), "module": _module(), "errors": _errors()}
+
+
+@functools.cache
+def _results(t):
+    return launch(_run_every_case, t, timeout_s=120)
+
+
+# --- the dense references (one process, one thread) -------------------------------------------------
+
+
+@functools.cache
+def _dense_attention(causal):
+    with single_thread():
+        q, k, v, G = _qkvg()
+        q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        (y * G).sum().backward()
+        return {"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@functools.cache
+def _dense_module():
+    with single_thread():
+        x_full, G_full = _module_inputs()
+        attn = _dense_attn()
+        x = x_full.clone().requires_grad_(True)
+        y = attn(x)
+        (y * G_full).sum().backward()
+        return {"y": y.detach(), "dx": x.grad,
+                "grads": {k: p.grad for k, p in attn.named_parameters() if k.startswith(("c_attn", "c_proj"))}}
+
+
+def _tokens(x, t, r, dim):  # this file's rule: rank r holds the r-th of t equal chunks of the sequence
+    return x.chunk(t, dim)[r]
+
+
+def _close(got, want, where):
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda s: f"{where}: {s}")
+
+
+# --- equals full attention ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_attention_equals_full_attention_forward_and_backward(t, causal):
+    ref = _dense_attention(causal)
+    for r, res in enumerate(_results(t)):
+        got = res["attention"][causal]
+        for key in ("y", "dq", "dk", "dv"):
+            _close(got[key], _tokens(ref[key], t, r, 2), f"{key} causal={causal} r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_wrapped_dense_attention_equals_it_on_the_full_sequence(t):
+    """Outputs and input gradients on each rank's tokens; weight gradients after the all-reduce."""
+    ref = _dense_module()
+    for r, res in enumerate(_results(t)):
+        got = res["module"]
+        _close(got["y"], _tokens(ref["y"], t, r, 1), f"out r={r}")
+        _close(got["dx"], _tokens(ref["dx"], t, r, 1), f"dX r={r}")
+        assert got["grads"].keys() == ref["grads"].keys()
+        for k in ref["grads"]:
+            _close(got["grads"][k], ref["grads"][k], f"{k} grad r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_layout_transform_gathers_the_sequence_of_this_ranks_heads_and_round_trips(t):
+    full, per = _qkvg()[0], NH // t
+    for r, res in enumerate(_results(t)):
+        lay = res["layout"]
+        assert lay["heads"].shape == (B, per, S, D)
+        assert torch.equal(lay["heads"], full[:, r * per:(r + 1) * per])  # pure data movement: bitwise
+        assert torch.equal(lay["round_trip"], lay["x"])
+
+
+# --- the mechanism: the all-to-alls and their bytes ----------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_four_all_to_alls_forward_and_four_backward_of_one_shard_each(t):
+    """q, k, v to heads and the output back; backward the inverse of each. Bytes per call: a rank's
+    whole (B, n_head, S/t, d) shard; wire (t-1)/t of it; total = costmodel.ulysses_bytes_per_layer."""
+    shard = B * NH * (S // t) * D * 4
+    call = ("all_to_all", shard, shard * (t - 1) / t, t)
+    for res in _results(t):
+        for causal in (False, True):
+            ev = res["attention"][causal]
+            assert ev["fwd"] == [call] * 4
+            assert ev["bwd"] == [call] * 4
+        mod = res["module"]
+        assert mod["fwd"] == [call] * 4 and mod["bwd"] == [call] * 4  # the projections add nothing
+        wire = sum(e[2] for e in mod["fwd"] + mod["bwd"])
+        assert wire == pytest.approx(costmodel.ulysses_bytes_per_layer(B, S, H, t, bytes_per_element=4), rel=1e-12)
+        n_par = sum(p.numel() for p in _dense_attn().parameters())
+        assert sorted(e[1] for e in mod["sync"]) == sorted(p.numel() * 4 for p in _dense_attn().parameters())
+        assert sum(e[1] for e in mod["sync"]) == n_par * 4
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_bad_shapes_are_clear_errors(t):
+    bad_heads, bad_seq = (3 if t == 2 else 6), 4 * t + 1
+    for res in _results(t):
+        err = res["errors"]
+        heads = f"n_head {bad_heads} is not divisible by the sequence-parallel degree {t}: Ulysses splits heads"
+        for case in ("heads", "seq_to_heads", "module"):
+            assert err[case] is not None and heads in err[case], case
+        seq = f"sequence length {bad_seq} is not divisible by the sequence-parallel degree {t}"
+        for case in ("shard", "heads_to_seq"):
+            assert err[case] is not None and seq in err[case], case
+        assert "q, k, v must have the same shape" in err["shapes"]
+        assert "must be (batch, n_head, seq_shard, head_dim)" in err["rank"]
+        assert "dropout 0.1 is not supported" in err["dropout"]
+
+
+def test_outside_a_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="launch"):
+        U.ulysses_attention(*[torch.randn(1, 2, 4, 2)] * 3)
+
