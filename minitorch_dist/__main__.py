@@ -41,12 +41,8 @@ def per_device_bytes(num_params: float, dp: int, stage: int, precision: str, opt
     from .analysis import costmodel
 
     parts = costmodel.model_state_bytes(num_params, precision, optimizer)
-    if parts["weights"] == 2 * num_params and parts["gradients"] == 2 * num_params:
-        k = parts["optimizer"] / num_params  # the paper's K: 12 for mixed-precision AdamW
-        return costmodel.zero_memory_bytes(num_params, dp, stage, k=k)
-    # Other precisions: each stage shards one more of the three parts over the dp ranks.
-    w, g, o = parts["weights"], parts["gradients"], parts["optimizer"]
-    return {0: w + g + o, 1: w + g + o / dp, 2: w + (g + o) / dp, 3: (w + g + o) / dp}[stage]
+    w, g, o = (parts[k] / num_params for k in ("weights", "gradients", "optimizer"))  # bytes per parameter
+    return costmodel.zero_memory_bytes(num_params, dp, stage, k=o, param_bytes=w, grad_bytes=g)
 
 
 def estimate(args) -> int:

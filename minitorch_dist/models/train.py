@@ -35,7 +35,11 @@ def train_steps(model, steps: int, batch: int, seq: int, *, optimizer=None, lr: 
         raise ValueError(f"steps must be >= 1, got {steps}")
     params = list(model.parameters())
     opt = optimizer(params) if optimizer else torch.optim.SGD(params, lr=lr, momentum=momentum)
-    data = data or MarkovCorpus(model.cfg.vocab_size, seed=0)
+    if data is None:
+        cfg = getattr(model, "cfg", None) or getattr(getattr(model, "module", None), "cfg", None)  # a wrapper's model
+        if cfg is None:
+            raise ValueError(f"{type(model).__name__} has no .cfg (nor .module.cfg) to size the corpus: pass data=")
+        data = MarkovCorpus(cfg.vocab_size, seed=0)
     out = TrainResult()
     for step in range(steps):
         opt.zero_grad()

@@ -5,7 +5,8 @@ formula adds it to the submodule of its kind, with the paper and equation in its
 this package re-exports every formula, so ``costmodel.allreduce_time`` is the one name to use.
 
 Submodules: :mod:`.collectives` (alpha-beta ring model and its latency-optimal rivals) ·
-:mod:`.compute` (model size and FLOPs) · :mod:`.memory` (model states, ZeRO, activations) ·
+:mod:`.compute` (model size and FLOPs) · :mod:`.memory` (model states, ZeRO, Adam vs Adafactor
+states, activations) · :mod:`.zero` (ZeRO's bytes on the wire per stage, its Table 1, offload traffic) ·
 :mod:`.pipeline` (bubbles and stashed activations of each schedule) · :mod:`.data_parallel`
 (DDP buckets and overlap) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards) ·
 :mod:`.sequence_parallel` (Megatron-SP, Ulysses and ring attention bytes). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
@@ -27,8 +28,11 @@ from .compute import (  # noqa: E402
 )
 from .data_parallel import bucket_assignment, bucket_sizes, ddp_allreduce_schedule, ddp_step_time  # noqa: E402
 from .memory import (  # noqa: E402
-    OPTIMIZER_STATE_BYTES, PRECISIONS, RECOMPUTE, activation_memory_bytes, model_state_bytes,
-    optimizer_bytes_per_param, zero_memory_bytes,
+    OPTIMIZER_STATE_BYTES, PRECISIONS, RECOMPUTE, activation_memory_bytes, adafactor_state_bytes,
+    adam_state_bytes, model_state_bytes, optimizer_bytes_per_param, zero_memory_bytes,
+)
+from .zero import (  # noqa: E402
+    OFFLOAD_TIERS, TABLE1_DP, TABLE1_MODELS, offload_bytes_per_step, zero_comm_bytes, zero_table1,
 )
 from .pipeline import (  # noqa: E402
     SCHEDULES, pipeline_bubble_fraction, pipeline_bubble_ratio, pipeline_p2p_bytes,

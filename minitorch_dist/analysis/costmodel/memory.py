@@ -53,22 +53,77 @@ def model_state_bytes(num_params, precision="mixed", optimizer="adamw") -> dict:
     return parts
 
 
-def zero_memory_bytes(num_params, dp, stage, k=12) -> float:
+def zero_memory_bytes(num_params, dp, stage, k=12, param_bytes=2, grad_bytes=2) -> float:
     """Model-state bytes per device under ZeRO-DP (Rajbhandari et al. 2020, §5.1 and Figure 1).
 
-    fp16 parameters (2*Psi) and gradients (2*Psi), K*Psi bytes of optimizer state, N = dp ranks::
+    Psi parameters of ``param_bytes`` each, gradients of ``grad_bytes`` each, K*Psi bytes of
+    optimizer state (everything the optimizer owns, fp32 master copy included), N = dp ranks::
 
-        stage 0 (plain DP)            (2 + 2 + K) * Psi
-        stage 1 (P_os)                 4*Psi + K*Psi/N
-        stage 2 (P_os+g)               2*Psi + (2 + K)*Psi/N
-        stage 3 (P_os+g+p)            (2 + 2 + K) * Psi / N
+        stage 0 (plain DP)            (p + g + K) * Psi
+        stage 1 (P_os)                (p + g) * Psi + K*Psi/N
+        stage 2 (P_os+g)               p * Psi + (g + K)*Psi/N
+        stage 3 (P_os+g+p)            (p + g + K) * Psi / N
+
+    The defaults are the paper's: fp16 parameters and gradients (p = g = 2) and mixed-precision
+    Adam, K = 12 (fp32 master 4 + momentum 4 + variance 4), so stage 1 is 4*Psi + K*Psi/N.
+    fp32 AdamW with no master copy is ``zero_memory_bytes(P, N, stage, k=8, param_bytes=4,
+    grad_bytes=4)``: 16*Psi at stage 0.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     if dp < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
-    P, N = num_params, dp
-    return {0: (4 + k) * P, 1: 4 * P + k * P / N, 2: 2 * P + (2 + k) * P / N, 3: (4 + k) * P / N}[stage]
+    P, N, p, g = num_params, dp, param_bytes, grad_bytes
+    return {0: (p + g + k) * P, 1: (p + g) * P + k * P / N, 2: p * P + (g + k) * P / N,
+            3: (p + g + k) * P / N}[stage]
+
+
+# --- memory: optimizer states of Adam and Adafactor -----------------------------------------
+
+def _shape_tuple(shape) -> tuple:
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"a shape cannot have negative sizes, got {shape}")
+    return shape
+
+
+def adam_state_bytes(shapes, bytes_per_element=4, step_bytes=0) -> int:
+    """Bytes of Adam's (and AdamW's) state for parameters of the given ``shapes``.
+
+    Kingma & Ba 2015, Algorithm 1: a first moment m and a second moment v, each the size of
+    the parameter, so 2 * numel * ``bytes_per_element`` per tensor -- 2*r*c for an r x c matrix.
+    ``step_bytes`` adds a per-tensor step counter (``torch.optim.Adam`` keeps a 0-d fp32 tensor:
+    4 bytes; the meter counts it).
+    """
+    total = 0
+    for shape in shapes:
+        numel = 1
+        for d in _shape_tuple(shape):
+            numel *= d
+        total += 2 * numel * bytes_per_element + step_bytes
+    return total
+
+
+def adafactor_state_bytes(shapes, bytes_per_element=4, step_bytes=0) -> int:
+    """Bytes of Adafactor's state (no first moment) for parameters of the given ``shapes``.
+
+    Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", §3:
+    for an r x c matrix the second moment V is replaced by its row sums R (r numbers) and
+    column sums C (c numbers), V-hat = R C^T / (1^T R) -- O(r + c) memory instead of O(r c).
+    A tensor of rank >= 2 is factored over its last two dims, one (R, C) pair per leading
+    index: prod(leading) * (r + c); a vector (or scalar) keeps the full second moment, numel.
+    §4 drops the first moment (beta1 = 0), so that is all. ``step_bytes`` as in
+    :func:`adam_state_bytes`.
+    """
+    total = 0
+    for shape in shapes:
+        shape = _shape_tuple(shape)
+        lead = 1
+        for d in shape[:-2]:
+            lead *= d
+        n = lead * (shape[-2] + shape[-1]) if len(shape) >= 2 else (shape[0] if shape else 1)
+        total += n * bytes_per_element + step_bytes
+    return total
 
 
 # --- memory: activations --------------------------------------------------------------------
