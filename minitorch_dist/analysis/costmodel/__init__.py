@@ -9,7 +9,9 @@ Submodules: :mod:`.collectives` (alpha-beta ring model and its latency-optimal r
 states, activations) · :mod:`.zero` (ZeRO's bytes on the wire per stage, its Table 1, offload traffic) ·
 :mod:`.pipeline` (bubbles and stashed activations of each schedule) · :mod:`.data_parallel`
 (DDP buckets and overlap) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards) ·
-:mod:`.sequence_parallel` (Megatron-SP, Ulysses and ring attention bytes). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
+:mod:`.sequence_parallel` (Megatron-SP, Ulysses and ring attention bytes) ·
+:mod:`.checkpointing` (saved bytes with k checkpoints, the √n optimum, recompute FLOPs, offload bytes) ·
+:mod:`.precision` (fp32 / fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
 print, ``GiB`` = 2**30.
 """
 from __future__ import annotations
@@ -46,4 +48,12 @@ from .sequence_parallel import (  # noqa: E402
     naive_attention_activation_bytes, ring_attention_activation_bytes, ring_attention_bytes_per_layer,
     sequence_parallel_bytes_per_layer, sequence_parallel_collectives_per_layer,
     sequence_parallel_comparison, ulysses_all_to_alls_per_layer, ulysses_bytes_per_layer, ulysses_max_degree,
+)
+from .checkpointing import (  # noqa: E402
+    activation_offload_bytes, checkpoint_saved_bytes, log_checkpoint_forwards,
+    log_checkpoint_saved_bytes, optimal_segments, recompute_overhead, segment_peak_bytes, segment_sizes,
+)
+from .precision import (  # noqa: E402
+    FORMATS, NumberFormat, format_info, format_name, loss_scale_needed, loss_scale_range, round_to_format, ulp,
+    underflow_fractions, update_lost,
 )
