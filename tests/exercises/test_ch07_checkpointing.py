@@ -1,0 +1,396 @@
+"""Chapter 07 exercises, autograded: the √n segment count, an RNG-preserving checkpoint, selective attention.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+expected value comes from an independent source: a brute-force search over every segment count,
+``√n`` itself, the un-checkpointed forward and backward by autograd (same seed, same dropout),
+``F.scaled_dot_product_attention`` and ``torch.autograd.gradcheck``, and a
+``saved_tensors_hooks`` counter that sees every tensor kept for backward. Each check that a
+test can fail is shown failing on a deliberately wrong variant (a checkpoint that does not
+restore the RNG, attention that keeps its scores).
+
+Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minitorch_dist.course.exercises import load
+
+pytestmark = pytest.mark.ch07
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch07")
+
+
+class SavedTensors:
+    """Every tensor autograd keeps for backward while active: ``.shapes`` and ``.numel``."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def __enter__(self):
+        def pack(t):
+            self.shapes.append(tuple(t.shape))
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+    @property
+    def numel(self):
+        return sum(math.prod(s) for s in self.shapes)
+
+
+# --- 1. optimal_segments ---------------------------------------------------------------------------
+
+
+def _peaks(n, layer, boundary):
+    """{k: peak saved bytes} for every k, written out independently: boundaries + the largest segment."""
+    out = {}
+    for k in range(1, n + 1):
+        largest = -(-n // k)  # ceil(n / k) layers
+        out[k] = k * boundary + largest * layer
+    return out
+
+
+CASES = [(1, 10, 10), (2, 10, 10), (10, 10, 10), (12, 7, 3), (30, 1, 9), (64, 40, 10), (100, 5, 5),
+         (97, 13, 2), (50, 3, 1000)]
+
+
+@pytest.mark.parametrize("n, layer, boundary", CASES)
+def test_optimal_segments_brute_force_least_peak(ex, n, layer, boundary):
+    peaks = _peaks(n, layer, boundary)
+    least = min(peaks.values())
+    expected = min(k for k, p in peaks.items() if p == least)
+    got = ex.optimal_segments(n, layer, boundary)
+    assert isinstance(got, int) and 1 <= got <= n, f"n={n}: got {got!r}; expected an int k in 1..{n}"
+    assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B: k={got} has peak {peaks.get(got)} B; "
+                             f"the least peak is {least} B, first at k={expected}")
+
+
+@pytest.mark.parametrize("n, layer, boundary", CASES)
+def test_optimal_segments_brute_force_budget(ex, n, layer, boundary):
+    peaks = _peaks(n, layer, boundary)
+    for budget in sorted(set(peaks.values())) + [max(peaks.values()) + 1, 10 ** 9]:
+        expected = min(k for k, p in peaks.items() if p <= budget)
+        got = ex.optimal_segments(n, layer, boundary, budget_bytes=budget)
+        assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B, budget {budget} B: got k={got} "
+                                 f"(peak {peaks.get(got)} B); the fewest segments that fit are k={expected} "
+                                 f"(peak {peaks[expected]} B)")
+
+
+@pytest.mark.parametrize("n", [4, 16, 25, 64, 144, 400, 1024])
+def test_optimal_segments_sqrt_n_for_equal_sizes(ex, n):
+    root = math.isqrt(n)
+    assert root * root == n
+    assert ex.optimal_segments(n, 1000, 1000) == root, f"n={n} equal layers and boundaries: expected k = √n = {root}"
+
+
+def test_optimal_segments_sqrt_of_n_times_ratio(ex):
+    # peak ≈ b k + L n / k, least at k = √(n L / b): n=64, L = 4b -> k = 16
+    assert ex.optimal_segments(64, 4000, 1000) == 16
+    # and the other way: boundaries 4x a layer -> k = √(64/4) = 4
+    assert ex.optimal_segments(64, 1000, 4000) == 4
+
+
+def test_optimal_segments_grows_like_sqrt_n(ex):
+    ks = {n: ex.optimal_segments(n, 1, 1) for n in (100, 400, 1600)}
+    assert ks == {100: 10, 400: 20, 1600: 40}, f"k for n = 100, 400, 1600: {ks}; √n doubles when n quadruples"
+    # the peak itself, O(√n): 2√n for equal sizes
+    for n, k in ks.items():
+        assert _peaks(n, 1, 1)[k] == 2 * math.isqrt(n)
+
+
+def test_optimal_segments_everything_fits_is_no_checkpointing(ex):
+    assert ex.optimal_segments(12, 10, 10, budget_bytes=10 ** 6) == 1, "a budget that holds everything: k = 1"
+
+
+def test_optimal_segments_impossible_budget(ex):
+    ex.optimal_segments(16, 10, 10, budget_bytes=80)  # a valid call first: 4 * 10 + 4 * 10 fits
+    with pytest.raises(ValueError, match="no number of segments fits") as info:
+        ex.optimal_segments(16, 10, 10, budget_bytes=79)
+    assert "80" in str(info.value) and "k = 4" in str(info.value), \
+        f"the error should name the least peak (80 bytes) and its k (k = 4): {info.value}"
+
+
+def test_optimal_segments_rejects_bad_input(ex):
+    ex.optimal_segments(4, 1, 1)  # a valid call first
+    with pytest.raises(ValueError, match="n_layers"):
+        ex.optimal_segments(0, 1, 1)
+    with pytest.raises(ValueError, match="layer_bytes"):
+        ex.optimal_segments(4, 0, 1)
+    with pytest.raises(ValueError, match="budget_bytes must be > 0"):
+        ex.optimal_segments(4, 1, 1, budget_bytes=0)
+
+
+# --- 2. RNGCheckpoint ----------------------------------------------------------------------------
+
+D = 16
+
+
+class Block(nn.Module):
+    """Linear -> GELU -> dropout -> Linear -> dropout, counting its forward calls."""
+
+    def __init__(self, p=0.5, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.p, self.calls = p, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = F.dropout(F.gelu(self.fc1(x)), self.p, training=True)
+        return F.dropout(self.fc2(h), self.p, training=True)
+
+
+def _x(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, D, generator=g, dtype=torch.float32).requires_grad_()
+
+
+def _run(block, call, x, seed=123, between=False):
+    """Seeded forward and backward through ``call(block, x)``; the output, x's and the parameters' grads.
+
+    ``between`` draws random numbers between forward and backward (as the rest of a model would).
+    """
+    block.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    y = call(block, x)
+    weights = torch.rand(y.shape) if between else torch.ones(y.shape)
+    (y * weights).sum().backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+def _plain(block, x):
+    return block(x)
+
+
+class NoRestore(torch.autograd.Function):
+    """A checkpoint that forgets the RNG: backward's dropout draws a fresh mask."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        torch.autograd.backward(y, grad_y)
+        return None, x.grad
+
+
+def _assert_same_grads(got, ref, what):
+    y, gx, gp = got
+    y0, gx0, gp0 = ref
+    torch.testing.assert_close(y, y0, msg=lambda m: f"{what}: forward output differs: {m}")
+    torch.testing.assert_close(gx, gx0, msg=lambda m: f"{what}: x.grad differs: {m}")
+    for name in gp0:
+        torch.testing.assert_close(gp[name], gp0[name], msg=lambda m: f"{what}: {name}.grad differs: {m}")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_RNGCheckpoint_gradients_equal_uncheckpointed_with_dropout(ex, seed):
+    block, x = Block(seed=seed), _x(seed)
+    ref = _run(block, _plain, x, seed=100 + seed)
+    got = _run(block, lambda b, t: ex.rng_checkpoint(b, t), x, seed=100 + seed)
+    _assert_same_grads(got, ref, f"dropout p=0.5, seed {seed}")
+
+
+def test_RNGCheckpoint_restoring_the_rng_is_what_makes_it_right(ex):
+    block, x = Block(), _x()
+    ref = _run(block, _plain, x)
+    wrong = _run(block, lambda b, t: NoRestore.apply(b, t), x)
+    # the test can fail: without the restore, the recomputed dropout mask differs
+    assert not torch.allclose(wrong[1], ref[1]), "a checkpoint without the RNG restore should give other gradients"
+    _assert_same_grads(_run(block, lambda b, t: ex.rng_checkpoint(b, t), x), ref, "with the RNG restored")
+
+
+def test_RNGCheckpoint_runs_fn_exactly_twice(ex):
+    block, x = Block(), _x()
+    torch.manual_seed(0)
+    y = ex.rng_checkpoint(block, x)
+    assert block.calls == 1, f"forward ran fn {block.calls} times; once"
+    y.sum().backward()
+    assert block.calls == 2, f"forward + backward ran fn {block.calls} times; twice (the recomputation)"
+    block.calls = 0
+    block(x).sum().backward()
+    assert block.calls == 1, "without the checkpoint fn runs once"
+
+
+def test_RNGCheckpoint_leaves_the_outer_rng_stream_alone(ex):
+    block, x = Block(), _x()
+    _run(block, _plain, x, seed=7, between=True)
+    after_plain = torch.rand(16)
+    got = _run(block, lambda b, t: ex.rng_checkpoint(b, t), x, seed=7, between=True)
+    after_ckpt = torch.rand(16)
+    assert torch.equal(after_ckpt, after_plain), \
+        "the random numbers drawn after backward differ: backward rewound the caller's RNG (use fork_rng)"
+    # and random numbers drawn between forward and backward did not disturb the recomputation
+    _assert_same_grads(got, _run(block, _plain, x, seed=7, between=True), "random draws between fwd and bwd")
+
+
+def test_RNGCheckpoint_saves_only_its_input(ex):
+    block, x = Block(), _x()
+    with SavedTensors() as plain:
+        block(x)
+    assert plain.numel > 4 * x.numel(), "sanity: the plain block keeps its activations"
+    with SavedTensors() as ckpt:
+        y = ex.rng_checkpoint(block, x)
+    assert ckpt.shapes == [tuple(x.shape)], \
+        f"the checkpoint kept tensors of shapes {ckpt.shapes}; it must keep only x, {tuple(x.shape)}"
+    y.sum().backward()  # and backward still works
+
+
+def test_RNGCheckpoint_parameters_inside_fn_get_gradients(ex):
+    block = Block(p=0.0)  # no dropout: compare against the plain gradients straight away
+    x = _x()
+    ref = _run(block, _plain, x)
+    got = _run(block, lambda b, t: ex.rng_checkpoint(b, t), x)
+    assert all(g is not None and torch.count_nonzero(g) > 0 for g in got[2].values()), "some parameter got no grad"
+    _assert_same_grads(got, ref, "no dropout")
+
+
+def test_RNGCheckpoint_stacked_blocks(ex):
+    blocks = nn.ModuleList(Block(seed=s) for s in range(3))
+
+    def plain(_, x):
+        for b in blocks:
+            x = b(x)
+        return x
+
+    def ckpt(_, x):
+        for b in blocks:
+            x = ex.rng_checkpoint(b, x)
+        return x
+
+    x = _x()
+    ref = _run(blocks, plain, x, seed=11, between=True)
+    got = _run(blocks, ckpt, x, seed=11, between=True)
+    _assert_same_grads(got, ref, "three checkpointed blocks in a row")
+
+
+def test_RNGCheckpoint_rejects_bad_input(ex):
+    block, x = Block(), _x()
+    ex.rng_checkpoint(block, x).sum().backward()  # a valid call first
+    with pytest.raises(TypeError, match="callable"):
+        ex.rng_checkpoint("block", x)
+    with pytest.raises(ValueError, match="requires_grad_"):
+        ex.rng_checkpoint(block, x.detach())
+    with torch.no_grad():
+        assert ex.rng_checkpoint(block, x.detach()).shape == x.shape, "under no_grad it just runs fn"
+
+
+# --- 3. SelectiveAttention --------------------------------------------------------------------------
+
+SHAPE = (2, 3, 12, 4)  # batch, heads, s, d: s != d, so an s x s tensor is recognisable
+
+
+def _qkv(seed=0, dtype=torch.float64, shape=SHAPE, dv=None):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(shape, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(*shape[:-1], dv or shape[-1], generator=g, dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _grads(fn, q, k, v, seed=9):
+    out = fn(q, k, v)
+    g = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dv", [None, 6])
+def test_SelectiveAttention_matches_sdpa(ex, causal, dv):
+    q, k, v = _qkv(seed=1, dv=dv)
+    out, grads = _grads(lambda *t: ex.selective_attention(*t, causal=causal), q, k, v)
+    out0, grads0 = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal), q, k, v)
+    torch.testing.assert_close(out, out0, msg=lambda m: f"causal={causal}: output differs from SDPA: {m}")
+    for name, g, g0 in zip("qkv", grads, grads0):
+        torch.testing.assert_close(g, g0, msg=lambda m: f"causal={causal}: d{name} differs from SDPA's: {m}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_SelectiveAttention_gradcheck(ex, causal):
+    q, k, v = _qkv(seed=2, shape=(1, 2, 5, 3))
+    assert torch.autograd.gradcheck(lambda *t: ex.selective_attention(*t, causal=causal), (q, k, v))
+
+
+def test_SelectiveAttention_float32_and_unbatched(ex):
+    q, k, v = _qkv(seed=3, dtype=torch.float32, shape=(10, 8))
+    out, grads = _grads(ex.selective_attention, q, k, v)
+    out0, grads0 = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v)
+    torch.testing.assert_close(out, out0)
+    for g, g0 in zip(grads, grads0):
+        torch.testing.assert_close(g, g0)
+
+
+def test_SelectiveAttention_keeps_no_s_by_s_tensor(ex):
+    s = SHAPE[-2]
+    q, k, v = _qkv(seed=4)
+
+    def plain(q, k, v):  # the textbook attention: keeps its scores and probabilities
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        return scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v
+
+    with SavedTensors() as full:
+        plain(q, k, v)
+    assert any(sh[-2:] == (s, s) for sh in full.shapes), "sanity: plain attention keeps s x s tensors"
+    with SavedTensors() as sel:
+        out = ex.selective_attention(q, k, v)
+    square = [sh for sh in sel.shapes if sh[-2:] == (s, s)]
+    assert not square, f"selective attention kept s x s tensors {square}; keep only q, k, v (and maybe the output)"
+    allowed = {tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(out.shape)}
+    assert sel.shapes and all(sh in allowed for sh in sel.shapes) and len(sel.shapes) <= 4, \
+        f"kept tensors of shapes {sel.shapes}; expected only q, k, v (and maybe the output), {sorted(allowed)}"
+    assert sel.numel < full.numel, "selective attention should keep less than plain attention"
+
+
+def test_SelectiveAttention_causal_masking(ex):
+    s, t = SHAPE[-2], 5
+    q, k, v = _qkv(seed=5)
+    out = ex.selective_attention(q, k, v, causal=True)
+    # positions < t see only keys < t: changing the future leaves them alone
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[..., t:, :] += 3.0
+    v2[..., t:, :] -= 2.0
+    out2 = ex.selective_attention(q, k2, v2, causal=True)
+    torch.testing.assert_close(out2[..., :t, :], out[..., :t, :],
+                               msg=lambda m: f"outputs before position {t} depend on later keys/values: {m}")
+    assert not torch.allclose(out2[..., t:, :], out[..., t:, :]), "later positions should see the change"
+    # and no gradient flows from early outputs to future keys and values
+    dq, dk, dv = torch.autograd.grad(out[..., :t, :].sum(), (q, k, v))
+    assert torch.count_nonzero(dk[..., t:, :]) == 0 and torch.count_nonzero(dv[..., t:, :]) == 0, \
+        "the first positions' outputs have a gradient with respect to future keys or values"
+    # the first position attends only to itself: its output is v[0]
+    torch.testing.assert_close(out[..., 0, :], v[..., 0, :].detach())
+    assert s > t
+
+
+def test_SelectiveAttention_rejects_bad_shapes(ex):
+    q, k, v = _qkv(seed=6)
+    ex.selective_attention(q, k, v)  # a valid call first
+    with pytest.raises(ValueError, match="same shape"):
+        ex.selective_attention(q, k[..., :-1, :], v)
+    with pytest.raises(ValueError, match="one value per key"):
+        ex.selective_attention(q, k, v[..., :-1, :])
+    with pytest.raises(ValueError, match="at least 2-D"):
+        ex.selective_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
