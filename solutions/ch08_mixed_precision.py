@@ -1,0 +1,199 @@
+"""Chapter 08 exercises: mixed precision — the loss scaler's rule, stochastic rounding, a Kahan-compensated bf16 update.
+
+Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION``; ``exercises/ch08_mixed_precision.py`` is generated from this file with each
+such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
+helpers) is scaffolding the student keeps. Tests: ``pytest -m ch08 tests/exercises``
+(``MTD_IMPL=exercises`` runs them against the stubs).
+
+Nothing here needs ranks: number formats are a single-process matter.
+
+1. :func:`scaler_update`: the dynamic loss-scale rule (Micikevicius et al. 2018, "Mixed Precision
+   Training", §3.2; the rule ``torch.amp.GradScaler.update`` applies): halve the scale and skip the
+   step when a gradient overflowed, double it after ``growth_interval`` clean steps in a row.
+2. :func:`stochastic_round_to_bf16`: fp32 -> bf16 rounding that goes up or down at random, with the
+   probability that makes it unbiased, ``E[round(x)] = x`` (Gupta et al. 2015, "Deep Learning with
+   Limited Numerical Precision", §3): tiny updates to a bf16 weight then survive *on average*,
+   where round-to-nearest drops every one of them.
+3. :func:`kahan_bf16_update`: ``w += u`` for a bf16 weight that keeps a second bf16 tensor, the
+   *compensation*, holding what rounding took away (Kahan 1965, "Further Remarks on Reducing
+   Truncation Errors"; used for bf16 optimizers by Zamirai et al. 2020, "Revisiting BFloat16
+   Training", §4): the weight tracks the exact sum to within a rounding, deterministically, for
+   4 bytes per parameter instead of an fp32 master copy's 6.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+# --- 1. the loss scaler's update rule --------------------------------------------------------------
+
+
+def _fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 number (``inf`` beyond fp32's range), as a Python float.
+
+    GradScaler keeps its scale in a one-element fp32 tensor, so every new scale is an fp32 number.
+    """
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # struct refuses what rounds past fp32's largest finite number
+        return math.copysign(math.inf, x)
+
+
+def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_factor: float = 2.0,
+                  backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
+    """The loss scale and growth tracker after one step: ``(new_scale, new_growth_tracker)``.
+
+    fp16 flushes gradients below 2^-24 to zero. Multiplying the loss by a scale ``S`` multiplies
+    every gradient by ``S`` (backward is linear), lifting small gradients into fp16's range; the
+    optimizer divides by ``S`` again in fp32 before the update (Micikevicius et al. §3.2). Too large
+    an ``S`` overflows some gradient to ``inf`` (or makes a ``NaN``) instead. Nobody knows the right
+    ``S`` in advance, and it drifts as gradients shrink through training, so it is found online:
+
+    - if this step's gradients held an inf or a NaN (``found_inf``): the step is skipped (the
+      optimizer does not run, the weights stay), the scale shrinks, ``S <- S * backoff_factor``,
+      and the count of clean steps starts again: ``growth_tracker <- 0``;
+    - otherwise one more clean step: ``growth_tracker + 1``. When that reaches ``growth_interval``
+      the scale grows, ``S <- S * growth_factor``, and the count restarts at 0; else the scale
+      stays and the tracker keeps the new count.
+
+    The scale lives in fp32 (GradScaler's ``_scale`` is a one-element fp32 tensor): round every
+    new scale to fp32 with ``_fp32`` (given). A scale that would grow past fp32's largest number
+    (``_fp32`` gives ``inf``) is not grown: it stays as it was, though the tracker still restarts
+    at 0 — GradScaler's kernel does the same, so the scale can never become ``inf``.
+
+    **Your task:** return ``(new_scale, new_growth_tracker)`` (a float and an int) by the rule
+    above. The arguments are already checked.
+    """
+    if isinstance(found_inf, torch.Tensor):
+        found_inf = bool(found_inf.item())  # GradScaler's found_inf is a one-element tensor
+    scale, growth_factor, backoff_factor = float(scale), float(growth_factor), float(backoff_factor)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if not growth_factor > 1.0:
+        raise ValueError(f"growth_factor must be > 1 (the scale grows after clean steps), got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks on overflow), got {backoff_factor}")
+    if int(growth_interval) != growth_interval or growth_interval < 1:
+        raise ValueError(f"growth_interval must be a whole number >= 1, got {growth_interval}")
+    if int(growth_tracker) != growth_tracker or not 0 <= growth_tracker < growth_interval:
+        raise ValueError(f"growth_tracker must be a whole number in [0, growth_interval = {growth_interval}), "
+                         f"got {growth_tracker}: it counts the clean steps since the scale last changed")
+    growth_tracker, growth_interval = int(growth_tracker), int(growth_interval)
+    # BEGIN SOLUTION
+    if found_inf:  # overflow: shrink, and count the clean steps from zero again
+        return _fp32(scale * backoff_factor), 0
+    clean = growth_tracker + 1
+    if clean < growth_interval:
+        return scale, clean
+    grown = _fp32(scale * growth_factor)
+    return (grown if math.isfinite(grown) else scale), 0  # never grow into inf
+    # END SOLUTION
+
+
+# --- 2. stochastic rounding to bf16 ----------------------------------------------------------------
+
+_LOW_BITS = 16  # bf16 is fp32 with the low 16 bits of the mantissa cut off
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (fp32) rounded to bf16, up or down at random so that the result is right on average.
+
+    bf16 is the top half of an fp32: the same sign bit and 8 exponent bits, 7 of the 23 mantissa
+    bits. Every fp32 ``x`` lies between two neighbouring bf16 numbers ``lo <= x < hi`` (towards
+    zero and away from it). Round-to-nearest always picks the closer one; *stochastic rounding*
+    picks ``hi`` with probability ``(x - lo) / (hi - lo)`` and ``lo`` otherwise, so that
+
+        E[round(x)] = lo + (x - lo) / (hi - lo) * (hi - lo) = x.
+
+    Why it matters (Gupta et al. §3): a weight ``w`` that receives updates smaller than half its
+    ulp (the gap between neighbouring bf16 numbers, ``2^-7`` at 1.0) never moves under
+    round-to-nearest — each ``w + u`` rounds back to ``w`` — but moves by ``u`` *in expectation*
+    under stochastic rounding, so the updates add up over many steps with no fp32 copy.
+
+    On the bits it is one integer addition. Read the fp32's 32 bits as an integer (``x.view(
+    torch.int32)``): the 16 low bits are exactly the position of ``x`` between ``lo`` and ``hi``,
+    in units of ``(hi - lo) / 2^16`` (within one binade fp32 numbers are evenly spaced). Add a
+    uniform random integer ``r`` in ``[0, 2^16)``: it carries into bit 16 — rounding the magnitude up
+    to ``hi`` — exactly when ``r >= 2^16 - low bits``, with probability ``low bits / 2^16``. Then
+    clear the 16 low bits (``& ~0xFFFF``, i.e. ``& -65536``) and read the result back as fp32: it
+    is a bf16 number, and ``.to(torch.bfloat16)`` is exact. The sign bit sits apart from the
+    magnitude, so negative numbers round just as well, and a carry out of the largest mantissa
+    moves into the next binade (or to ``inf`` past bf16's largest number), which is right. ``±inf``
+    come through unchanged (the 16 low bits of inf are 0, so no carry), but a NaN could become
+    inf: keep NaNs as they are.
+
+    **Your task:** return the bf16 tensor of ``x``'s shape. Draw the random bits from
+    ``generator`` only (``torch.randint(..., generator=generator, device=x.device)``), so a seeded
+    generator makes the rounding reproducible and the global random stream is untouched.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x must be a float32 tensor, got {got}; call x.float() first")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)), "
+                        f"got {type(generator).__name__}")
+    if generator.device.type != x.device.type:
+        raise ValueError(f"generator is on {generator.device} but x is on {x.device}; "
+                         f"make the generator with torch.Generator(device=x.device)")
+    # BEGIN SOLUTION
+    bits = x.contiguous().view(torch.int32)
+    r = torch.randint(0, 1 << _LOW_BITS, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+    rounded = ((bits + r) & -(1 << _LOW_BITS)).view(torch.float32)  # carry into bit 16, then truncate
+    rounded = torch.where(torch.isnan(x), x, rounded)  # a NaN's carry could make it inf
+    return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
+    # END SOLUTION
+
+
+# --- 3. a Kahan-compensated bf16 update ------------------------------------------------------------
+
+
+def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
+                      update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight + update`` for a bf16 weight, keeping what rounding lost in ``compensation``.
+
+    ``bf16(w + u)`` loses everything of ``u`` below half of ``w``'s ulp: at ``w = 1`` an update of
+    ``10^-3`` vanishes outright (the ulp is ``2^-7 ≈ 7.8e-3``), so a pure-bf16 optimizer with a
+    small learning rate stops learning. Kahan summation (Kahan 1965) keeps a second number ``c``
+    beside each weight: the part of the sum the weight could not hold, so that ``w + c`` is the
+    true running sum. Each step adds ``c`` back before adding to the weight and measures what was
+    lost this time:
+
+        y     = u + c                 the update, plus what earlier steps lost     (in fp32)
+        w'    = bf16(w + y)           the new weight                               (w + y in fp32)
+        c'    = bf16(y - (w' - w))    what this step lost: asked for y, got w' - w (in fp32)
+
+    ``w' - w`` is exact in fp32 (both are bf16, close together), so ``c'`` misses only its own
+    bf16 rounding — a relative ``2^-9`` of a number below half an ulp of ``w``. Once the lost
+    pieces add up to half an ulp, ``w + y`` rounds up and the weight moves; the weight stays
+    within about half an ulp of the exact sum however many tiny updates it receives, where the
+    plain bf16 weight does not move at all (Zamirai et al. 2020, §4, use this for bf16 training
+    with no fp32 master weights: 2 + 2 bytes per weight instead of 2 + 4).
+
+    **Your task:** return ``(new_weight, new_compensation)``, new tensors in the dtypes of
+    ``weight`` and ``compensation`` (bf16), leaving the inputs unchanged. ``update`` is already
+    fp32 and the shapes are checked.
+    """
+    for name, t in (("weight", weight), ("compensation", compensation), ("update", update)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if weight.dtype != torch.bfloat16 or compensation.dtype != torch.bfloat16:
+        raise TypeError(f"weight ({weight.dtype}) and compensation ({compensation.dtype}) must be bfloat16; "
+                        "start the compensation as torch.zeros_like(weight)")
+    if not update.is_floating_point():
+        raise TypeError(f"update must be a floating-point tensor, got {update.dtype}")
+    if compensation.shape != weight.shape:
+        raise ValueError(f"compensation shape {tuple(compensation.shape)} does not match weight shape "
+                         f"{tuple(weight.shape)}: one compensation per weight")
+    if update.shape != weight.shape:
+        raise ValueError(f"update shape {tuple(update.shape)} does not match weight shape {tuple(weight.shape)}")
+    update = update.float()
+    # BEGIN SOLUTION
+    w = weight.float()
+    y = update + compensation.float()  # add back what earlier steps lost
+    new_w = (w + y).to(weight.dtype)
+    new_c = (y - (new_w.float() - w)).to(compensation.dtype)  # what this step lost
+    return new_w, new_c
+    # END SOLUTION

@@ -1,0 +1,363 @@
+"""Chapter 08 exercises, autograded: the loss scaler's rule, stochastic rounding to bf16, a Kahan bf16 update.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+expected value comes from an independent source: ``torch.amp.GradScaler`` driven by real
+finite / inf / NaN gradients and its kernel ``torch._amp_update_scale_``; bf16 neighbours and
+ulps computed in float64 from ``log2``; the sample mean of many roundings against its standard
+error; float64 running sums. Each statistical check is shown failing on a deliberately wrong
+variant (round-to-nearest, an uncompensated bf16 weight).
+
+Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+"""
+import math
+
+import pytest
+import torch
+
+from minitorch_dist.course.exercises import load
+
+pytestmark = pytest.mark.ch08
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch08")
+
+
+# --- 1. scaler_update ------------------------------------------------------------------------------
+
+INF, NAN = float("inf"), float("nan")
+# one gradient entry per step: finite, a huge finite one (1e34 overflows once scaled by >= 2^16,
+# not at 2^15), or a non-finite one; the other entry is always 1.0
+SCRIPT = [1.0, 1.0, 1.0, 1e34, 1e34, 1e34, NAN, 1.0, 1.0, 1.0, INF, 2.0, -INF, 1.0, 1.0, 1e34, 1.0, 1.0,
+          1.0, 1.0, NAN, NAN, 1.0]
+
+
+def _grad_scaler_run(script, init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=3):
+    """Drive torch.amp.GradScaler through ``script``; per step: (found_inf, skipped, scale, tracker)."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
+                                  backoff_factor=backoff_factor, growth_interval=growth_interval)
+    out = []
+    for g in script:
+        opt.zero_grad()
+        loss = (p * torch.tensor([g, 1.0])).sum()  # d loss / d p = [g, 1]
+        scaler.scale(loss).backward()
+        found_inf = not bool(torch.isfinite(p.grad).all())  # the *scaled* gradient, as GradScaler sees it
+        before = p.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        skipped = torch.equal(before, p.detach())
+        out.append((found_inf, skipped, scaler.get_scale(), int(scaler._growth_tracker.item())))
+    return out
+
+
+def _replay(ex, found, init_scale, **kw):
+    scale, tracker, out = init_scale, 0, []
+    for f in found:
+        scale, tracker = ex.scaler_update(scale, tracker, f, **kw)
+        out.append((scale, tracker))
+    return out
+
+
+def test_scaler_update_matches_GradScaler_on_a_scripted_run(ex):
+    ref = _grad_scaler_run(SCRIPT, init_scale=2.0 ** 16)
+    found = [f for f, _, _, _ in ref]
+    # sanity of the script: the optimizer skipped exactly the steps with an inf/NaN gradient, and
+    # these include overflows of a *finite* gradient by a too-large scale
+    assert [s for _, s, _, _ in ref] == found
+    assert any(f for g, (f, *_) in zip(SCRIPT, ref) if math.isfinite(g))
+    assert any(not f for g, (f, *_) in zip(SCRIPT, ref) if g == 1e34)
+    got = _replay(ex, found, 2.0 ** 16, growth_interval=3)
+    for step, ((s, t), (f, _, s0, t0)) in enumerate(zip(got, ref)):
+        assert (s, t) == (s0, t0), (f"step {step} (gradient {SCRIPT[step]}, found_inf={f}): got scale {s}, "
+                                    f"tracker {t}; GradScaler has scale {s0}, tracker {t0}")
+    assert all(isinstance(s, float) and isinstance(t, int) for s, t in got), "return (float, int)"
+
+
+def test_scaler_update_matches_GradScaler_with_other_factors(ex):
+    # factors that are not powers of two: the scale must be rounded to fp32 as GradScaler's is
+    script = [INF, NAN, INF, 1.0, 1.0, INF, 1.0, 1.0, 1e34, 1.0, 1.0, 1.0, 1.0, NAN, 1.0]
+    kw = dict(growth_factor=3.0, backoff_factor=0.3, growth_interval=2)
+    ref = _grad_scaler_run(script, init_scale=1000.0, **kw)
+    got = _replay(ex, [f for f, *_ in ref], 1000.0, **kw)
+    assert got == [(s, t) for _, _, s, t in ref], f"got {got}\nGradScaler {[(s, t) for _, _, s, t in ref]}"
+
+
+def _kernel(scale, tracker, found, growth_factor, backoff_factor, interval):
+    """One step of GradScaler's own kernel."""
+    s = torch.tensor([scale], dtype=torch.float32)
+    t = torch.tensor([tracker], dtype=torch.int32)
+    torch._amp_update_scale_(s, t, torch.tensor([float(found)]), growth_factor, backoff_factor, interval)
+    return s.item(), int(t.item())
+
+
+@pytest.mark.parametrize("interval", [1, 2, 5])
+def test_scaler_update_random_sequences_match_the_kernel(ex, interval):
+    g = torch.Generator().manual_seed(interval)
+    found = (torch.rand(300, generator=g) < 0.15).tolist()
+    scale, tracker, ref = 2.0 ** 10, 0, []
+    for f in found:
+        scale, tracker = _kernel(scale, tracker, f, 2.0, 0.5, interval)
+        ref.append((scale, tracker))
+    assert _replay(ex, found, 2.0 ** 10, growth_interval=interval) == ref
+
+
+def test_scaler_update_edge_cases(ex):
+    # the growth step: only when the clean count reaches the interval
+    assert ex.scaler_update(8.0, 0, False, growth_interval=3) == (8.0, 1)
+    assert ex.scaler_update(8.0, 2, False, growth_interval=3) == (16.0, 0)
+    assert ex.scaler_update(8.0, 0, False, growth_interval=1) == (16.0, 0), "interval 1: grow after every clean step"
+    # an overflow resets the count, even one step short of growing
+    assert ex.scaler_update(8.0, 2, True, growth_interval=3) == (4.0, 0)
+    assert ex.scaler_update(8.0, 0, True, backoff_factor=0.25) == (2.0, 0)
+    # the default interval is GradScaler's 2000
+    assert ex.scaler_update(2.0 ** 16, 1998, False) == (2.0 ** 16, 1999)
+    assert ex.scaler_update(2.0 ** 16, 1999, False) == (2.0 ** 17, 0)
+    # a scale that would grow past fp32's largest number stays; the count still restarts
+    big = torch.finfo(torch.float32).max
+    for scale in (2.0 ** 127, big, 3.0e38):
+        scale = torch.tensor(scale, dtype=torch.float32).item()  # an fp32 number
+        expected = _kernel(scale, 0, False, 2.0, 0.5, 1)
+        assert expected == (scale, 0), "sanity: the kernel keeps a scale that would overflow"
+        got = ex.scaler_update(scale, 0, False, growth_interval=1)
+        assert got == expected and math.isfinite(got[0]), f"scale {scale} grown: got {got}, expected {expected}"
+    # ... but one that lands on fp32's largest number grows: 2 * (2^127 - 2^103) = max
+    scale = 2.0 ** 127 - 2.0 ** 103
+    assert _kernel(scale, 0, False, 2.0, 0.5, 1) == (big, 0)
+    assert ex.scaler_update(scale, 0, False, growth_interval=1) == (big, 0)
+    # tiny scales shrink further (GradScaler does not stop at 1)
+    assert ex.scaler_update(1.0, 0, True) == (0.5, 0)
+
+
+def test_scaler_update_accepts_a_found_inf_tensor(ex):
+    assert ex.scaler_update(8.0, 0, torch.tensor([1.0]), growth_interval=3) == (4.0, 0)
+    assert ex.scaler_update(8.0, 2, torch.tensor([0.0]), growth_interval=3) == (16.0, 0)
+
+
+def test_scaler_update_rejects_bad_input(ex):
+    ex.scaler_update(8.0, 0, False)  # a valid call first
+    with pytest.raises(ValueError, match="scale must be"):
+        ex.scaler_update(0.0, 0, False)
+    with pytest.raises(ValueError, match="scale must be"):
+        ex.scaler_update(INF, 0, False)
+    with pytest.raises(ValueError, match="growth_factor"):
+        ex.scaler_update(8.0, 0, False, growth_factor=1.0)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        ex.scaler_update(8.0, 0, False, backoff_factor=1.0)
+    with pytest.raises(ValueError, match="growth_interval"):
+        ex.scaler_update(8.0, 0, False, growth_interval=0)
+    with pytest.raises(ValueError, match="growth_tracker"):
+        ex.scaler_update(8.0, 3, False, growth_interval=3)
+
+
+# --- 2. stochastic_round_to_bf16 -------------------------------------------------------------------
+
+BF16_MANTISSA = 7
+BF16_MIN_NORMAL_EXP = -126  # bf16 has fp32's exponent range
+
+
+def _neighbours(x):
+    """float64 (lo, hi): the bf16 numbers around fp32 ``x``, towards zero and away from it."""
+    x = x.double()
+    a = x.abs()
+    exp = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a)))).clamp(min=BF16_MIN_NORMAL_EXP)
+    ulp = torch.exp2(exp - BF16_MANTISSA)
+    lo = torch.floor(a / ulp) * ulp
+    return torch.sign(x) * lo, torch.sign(x) * (lo + ulp), ulp
+
+
+def _values(seed=0):
+    """fp32 values over many binades and both signs, mostly not bf16-representable; and a few subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    mant = 1 + torch.rand(48, generator=g)
+    exps = torch.randint(-20, 20, (48,), generator=g).double()
+    signs = torch.where(torch.rand(48, generator=g) < 0.5, -1.0, 1.0).double()
+    x = (signs * mant.double() * torch.exp2(exps)).float()
+    tiny = torch.tensor([3.3e-39, -1.7e-39, 2.0e-40, 1.1e-38], dtype=torch.float32)  # below 2^-126
+    return torch.cat([x, tiny])
+
+
+def _round_to_nearest(x, generator):
+    return x.to(torch.bfloat16)
+
+
+def _bias_in_standard_errors(round_fn, x, n, seed):
+    """|mean of n roundings - x| in standard errors of the mean, per element (0 where x is representable)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = round_fn(x.expand(n, -1).contiguous(), g).double()
+    lo, hi, ulp = _neighbours(x)
+    p = ((x.double() - lo) / (hi - lo)).abs()  # P(away from zero)
+    se = torch.sqrt(p * (1 - p)) * ulp / math.sqrt(n)
+    err = (samples.mean(0) - x.double()).abs()
+    return torch.where(se > 0, err / se.clamp(min=1e-300), err * math.inf)
+
+
+def test_stochastic_round_to_bf16_is_unbiased(ex):
+    x = _values()
+    z = _bias_in_standard_errors(ex.stochastic_round_to_bf16, x, n=4000, seed=1)
+    worst = int(z.argmax())
+    assert z.max() < 5, (f"the mean of 4000 roundings of x = {x[worst].item()!r} is {z[worst].item():.1f} "
+                         "standard errors from x; stochastic rounding must satisfy E[round(x)] = x")
+    # the check can fail: round-to-nearest is biased by many standard errors
+    assert _bias_in_standard_errors(_round_to_nearest, x, n=4000, seed=1).max() > 50
+
+
+def test_stochastic_round_to_bf16_gives_a_neighbour(ex):
+    x = _values(seed=2)
+    out = ex.stochastic_round_to_bf16(x.expand(200, -1).contiguous(), torch.Generator().manual_seed(3))
+    assert out.dtype == torch.bfloat16 and out.shape == (200, x.numel())
+    lo, hi, _ = _neighbours(x)
+    o = out.double()
+    ok = (o == lo) | (o == hi)
+    assert ok.all(), (f"x = {x[(~ok).any(0)][0].item()!r} rounded to a number that is not one of its two bf16 "
+                      "neighbours")
+    # both neighbours occur (x is not representable): the rounding is random, not a fixed direction
+    assert ((o == lo).any(0) & (o == hi).any(0)).float().mean() > 0.9
+
+
+def test_stochastic_round_to_bf16_keeps_representable_values(ex):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(1000, generator=g) * 10.0 ** torch.randint(-8, 8, (1000,), generator=g)).to(torch.bfloat16)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -2.0, 2.0 ** -133, torch.finfo(torch.bfloat16).max],
+                                   dtype=torch.bfloat16)]).float()
+    for seed in range(5):
+        out = ex.stochastic_round_to_bf16(x, torch.Generator().manual_seed(seed))
+        assert torch.equal(out.float(), x), "a value bf16 already holds must come back unchanged"
+    assert torch.equal(torch.signbit(out), torch.signbit(x)), "the sign of zero is kept"
+
+
+def test_stochastic_round_to_bf16_special_values(ex):
+    x = torch.tensor([INF, -INF, NAN, -NAN], dtype=torch.float32)
+    # NaNs whose mantissa has only low bits set: truncating those bits alone would make them inf
+    low_nans = torch.tensor([0x7F800001, 0x7F800100, -0x007FFFFF, -0x007FF000], dtype=torch.int32)  # last two negative
+    x = torch.cat([x, low_nans.view(torch.float32)])
+    assert torch.isnan(x[2:]).all()
+    for seed in range(20):
+        out = ex.stochastic_round_to_bf16(x, torch.Generator().manual_seed(seed))
+        assert out[0] == INF and out[1] == -INF, f"infinities must stay: {out}"
+        assert torch.isnan(out[2:]).all(), f"NaNs must stay NaN: {out}"
+
+
+def test_stochastic_round_to_bf16_uses_only_the_generator(ex):
+    x = _values(seed=5)
+    state = torch.get_rng_state()
+    a = ex.stochastic_round_to_bf16(x, torch.Generator().manual_seed(7))
+    assert torch.equal(torch.get_rng_state(), state), "the global random stream was used; draw from `generator`"
+    torch.manual_seed(123)
+    b = ex.stochastic_round_to_bf16(x, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b), "the same generator seed must give the same rounding"
+    c = ex.stochastic_round_to_bf16(x.expand(50, -1).contiguous(), torch.Generator().manual_seed(8))
+    assert not all(torch.equal(a, row) for row in c), "different random bits should round differently"
+
+
+def test_stochastic_round_to_bf16_lets_tiny_updates_add_up(ex):
+    # w = 1 in bf16 has ulp 2^-7; an update of 1e-3 is below half of it (Gupta et al. §3)
+    u, steps, n = 1e-3, 500, 256
+    ulp = 2.0 ** -7
+    assert u < ulp / 2
+    g = torch.Generator().manual_seed(9)
+    w_sr = torch.ones(n, dtype=torch.bfloat16)
+    w_rn = torch.ones(n, dtype=torch.bfloat16)
+    for _ in range(steps):
+        w_sr = ex.stochastic_round_to_bf16(w_sr.float() + u, g)
+        w_rn = (w_rn.float() + u).to(torch.bfloat16)
+    assert torch.equal(w_rn, torch.ones(n, dtype=torch.bfloat16)), "sanity: round-to-nearest never moves"
+    target = 1.0 + steps * u
+    # each step adds variance at most ulp^2/4 (ulp <= 2^-7 below 2); the mean over n weights
+    se = math.sqrt(steps * (ulp ** 2) / 4 / n)
+    mean = w_sr.double().mean().item()
+    assert abs(mean - target) < 5 * se, (f"after {steps} updates of {u}, stochastically rounded weights average "
+                                         f"{mean:.4f}; expected {target} (within {5 * se:.4f})")
+    assert w_sr.dtype == torch.bfloat16
+
+
+def test_stochastic_round_to_bf16_rejects_bad_input(ex):
+    g = torch.Generator().manual_seed(0)
+    ex.stochastic_round_to_bf16(torch.ones(3), g)  # a valid call first
+    with pytest.raises(TypeError, match="float32"):
+        ex.stochastic_round_to_bf16(torch.ones(3, dtype=torch.float16), g)
+    with pytest.raises(TypeError, match="float32"):
+        ex.stochastic_round_to_bf16([1.0, 2.0], g)
+    with pytest.raises(TypeError, match="torch.Generator"):
+        ex.stochastic_round_to_bf16(torch.ones(3), 0)
+
+
+# --- 3. kahan_bf16_update --------------------------------------------------------------------------
+
+
+def _bf16_ulp(x):
+    """float64 gap between neighbouring bf16 numbers at |x| (normal range)."""
+    return torch.exp2(torch.floor(torch.log2(x.double().abs())) - BF16_MANTISSA)
+
+
+def test_kahan_bf16_update_single_steps(ex):
+    bf = torch.bfloat16
+    w, c = torch.tensor([1.0, 1.0, 1.0, 4.0], dtype=bf), torch.zeros(4, dtype=bf)
+    u = torch.tensor([0.5, 1e-3, 0.0, -2.0 ** -6])
+    new_w, new_c = ex.kahan_bf16_update(w, c, u)
+    assert new_w.dtype == bf and new_c.dtype == bf
+    # representable sums: exact, nothing lost; a tiny update: the weight stays, the compensation holds it
+    torch.testing.assert_close(new_w.double(), torch.tensor([1.5, 1.0, 1.0, 4.0 - 2.0 ** -6], dtype=torch.float64),
+                               rtol=0, atol=0)
+    assert new_c[0] == 0 and new_c[2] == 0 and new_c[3] == 0
+    assert new_c[1] == torch.tensor(1e-3).to(bf), f"the lost 1e-3 should be in the compensation, got {new_c[1]}"
+    # the inputs are left alone
+    assert torch.equal(w, torch.tensor([1.0, 1.0, 1.0, 4.0], dtype=bf)) and torch.equal(c, torch.zeros(4, dtype=bf))
+
+
+def test_kahan_bf16_update_tracks_the_exact_sum_of_tiny_updates(ex):
+    u, steps = 1e-4, 3000  # 1e-4 is 1/78 of an ulp at 1.0
+    w, c = torch.ones(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
+    plain = torch.ones(1, dtype=torch.bfloat16)
+    ref = torch.ones(1, dtype=torch.float32)  # the fp32 master weight
+    upd = torch.full((1,), u)
+    for _ in range(steps):
+        w, c = ex.kahan_bf16_update(w, c, upd)
+        plain = (plain.float() + upd).to(torch.bfloat16)
+        ref = ref + upd
+    assert plain.item() == 1.0, "sanity: plain bf16 never moves"
+    err = (w.double() - ref.double()).abs() / _bf16_ulp(ref)
+    assert err.item() <= 1.0, (f"after {steps} updates of {u} the weight is {w.item()}, the fp32 sum "
+                               f"{ref.item():.5f}: {err.item():.2f} ulp apart (at most 1)")
+    assert w.item() > 1.25, f"the compensated weight should have moved to about {ref.item():.3f}, is {w.item()}"
+
+
+def test_kahan_bf16_update_random_updates_against_float64(ex):
+    g = torch.Generator().manual_seed(11)
+    n, steps = 64, 1500
+    w0 = (1 + torch.rand(n, generator=g)) * torch.exp2(torch.randint(-3, 3, (n,), generator=g).float())
+    w, c = w0.to(torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    plain = w.clone()
+    ref = w.double()
+    for _ in range(steps):
+        # updates of 1e-4..1e-3 relative to the weight, both signs: each below half an ulp
+        sign = torch.where(torch.rand(n, generator=g) < 0.3, -1.0, 1.0)
+        u = sign * w0 * 1e-4 * (1 + 9 * torch.rand(n, generator=g))
+        w, c = ex.kahan_bf16_update(w, c, u)
+        plain = (plain.float() + u).to(torch.bfloat16)
+        ref += u.double()
+    ulp = _bf16_ulp(ref)
+    err = ((w.double() - ref).abs() / ulp).max().item()
+    assert err <= 1.0, f"the Kahan-compensated weights drifted {err:.2f} ulp from the float64 sum (at most 1)"
+    # the check can fail: the uncompensated weights are far off
+    assert ((plain.double() - ref).abs() / ulp).max().item() > 10
+
+
+def test_kahan_bf16_update_rejects_bad_input(ex):
+    bf = torch.bfloat16
+    w, c, u = torch.ones(4, dtype=bf), torch.zeros(4, dtype=bf), torch.full((4,), 1e-3)
+    ex.kahan_bf16_update(w, c, u)  # a valid call first
+    with pytest.raises(ValueError, match="compensation shape"):
+        ex.kahan_bf16_update(w, torch.zeros(3, dtype=bf), u)
+    with pytest.raises(ValueError, match="update shape"):
+        ex.kahan_bf16_update(w, c, torch.zeros(2, 2))
+    with pytest.raises(TypeError, match="bfloat16"):
+        ex.kahan_bf16_update(w.float(), c, u)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ex.kahan_bf16_update(w, c.float(), u)
+    with pytest.raises(TypeError, match="floating-point"):
+        ex.kahan_bf16_update(w, c, torch.zeros(4, dtype=torch.int64))
