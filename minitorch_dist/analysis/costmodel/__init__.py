@@ -8,7 +8,8 @@ Submodules: :mod:`.collectives` (alpha-beta ring model and its latency-optimal r
 :mod:`.compute` (model size and FLOPs) · :mod:`.memory` (model states, ZeRO, Adam vs Adafactor
 states, activations) · :mod:`.zero` (ZeRO's bytes on the wire per stage, its Table 1, offload traffic) ·
 :mod:`.pipeline` (bubbles and stashed activations of each schedule) · :mod:`.data_parallel`
-(DDP buckets and overlap) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards) ·
+(DDP buckets and overlap) · :mod:`.parameter_server` (PS push/pull bytes and time vs all-reduce,
+BytePS's optimum, HOGWILD!'s sparsity Ω, Δ, ρ) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards) ·
 :mod:`.sequence_parallel` (Megatron-SP, Ulysses and ring attention bytes) ·
 :mod:`.checkpointing` (saved bytes with k checkpoints, the √n optimum, recompute FLOPs, offload bytes) ·
 :mod:`.precision` (fp32 / fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
@@ -29,6 +30,9 @@ from .compute import (  # noqa: E402
     transformer_params_approx,
 )
 from .data_parallel import bucket_assignment, bucket_sizes, ddp_allreduce_schedule, ddp_step_time  # noqa: E402
+from .parameter_server import (  # noqa: E402
+    byteps_optimal_bytes, hogwild_conflict_probability, hogwild_sparsity, ps_bytes_per_step, ps_step_time,
+)
 from .memory import (  # noqa: E402
     OPTIMIZER_STATE_BYTES, PRECISIONS, RECOMPUTE, activation_memory_bytes, adafactor_state_bytes,
     adam_state_bytes, model_state_bytes, optimizer_bytes_per_param, zero_memory_bytes,
