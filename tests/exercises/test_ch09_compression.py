@@ -1,0 +1,306 @@
+"""Chapter 09 exercises, autograded: top-k with error feedback, QSGD, one PowerSGD step, 1-bit Adam.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
+come from independent sources: sorting for the top-k set; the sample mean of many quantisations
+against its standard error and the paper's variance bound (QSGD Lemma 3.1); matrices built from a
+chosen SVD, so the best rank-r error (Eckart-Young) is known without calling an SVD routine; for 1-bit Adam,
+Adam without bias correction written out in the test, and a quadratic whose optimum is known.
+
+Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+"""
+import math
+
+import pytest
+import torch
+
+from minitorch_dist.course.exercises import load
+
+pytestmark = pytest.mark.ch09
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch09")
+
+
+def _dense(values, indices, shape):
+    out = torch.zeros(math.prod(shape), dtype=values.dtype)
+    out[indices] = values
+    return out.view(shape)
+
+
+# --- 1. topk_with_error_feedback ---------------------------------------------------------------------
+
+def test_topk_with_error_feedback_sends_the_k_largest_of_the_corrected_gradient(ex):
+    g = torch.Generator().manual_seed(0)
+    grad, residual = torch.randn(6, 7, generator=g), torch.randn(6, 7, generator=g)
+    grad0, residual0 = grad.clone(), residual.clone()
+    values, indices, new_residual = ex.topk_with_error_feedback(grad, residual, 5)
+    assert torch.equal(grad, grad0) and torch.equal(residual, residual0), "inputs must not change"
+    c = (grad + residual).flatten()
+    want = sorted(range(c.numel()), key=lambda i: -abs(c[i].item()))[:5]  # no ties in random floats
+    assert sorted(indices.tolist()) == sorted(want)
+    assert torch.equal(values, c[indices])
+    assert new_residual.shape == grad.shape
+
+
+def test_topk_with_error_feedback_residual_carries_exactly_what_was_not_sent(ex):
+    g = torch.Generator().manual_seed(1)
+    shape, k = (10, 9), 7
+    residual = torch.zeros(shape)
+    sent_total = torch.zeros(shape, dtype=torch.float64)
+    grad_total = torch.zeros(shape, dtype=torch.float64)
+    for step in range(40):
+        grad = torch.randn(shape, generator=g)
+        values, indices, new_residual = ex.topk_with_error_feedback(grad, residual, k)
+        sent = _dense(values, indices, shape)
+        # exact, bitwise: every entry of grad + residual is either sent or kept
+        assert torch.equal(sent + new_residual, grad + residual), f"step {step}: sent + residual != corrected"
+        assert int((new_residual.flatten()[indices] != 0).sum()) == 0, "sent entries must leave the residual"
+        sent_total += sent.double()
+        grad_total += grad.double()
+        residual = new_residual
+    # over many steps nothing is lost: what was sent plus what is still held is every gradient
+    torch.testing.assert_close(sent_total + residual.double(), grad_total, rtol=0, atol=1e-4)
+
+
+def test_topk_with_error_feedback_rejects_bad_input(ex):
+    grad = torch.randn(4, 4)
+    ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 3)  # a valid call first
+    with pytest.raises(ValueError, match="residual shape"):
+        ex.topk_with_error_feedback(grad, torch.zeros(16), 3)
+    with pytest.raises(ValueError, match="k must be"):
+        ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 17)
+    with pytest.raises(ValueError, match="k must be"):
+        ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 0)
+
+
+# --- 2. QSGD ------------------------------------------------------------------------------------------
+
+def test_qsgd_quantize_values_lie_on_the_grid(ex):
+    v = torch.randn(500, generator=torch.Generator().manual_seed(2))
+    for s in (1, 4, 15):
+        norm, q = ex.qsgd_quantize(v, s, torch.Generator().manual_seed(s))
+        assert not q.is_floating_point() and q.shape == v.shape
+        assert q.abs().max().item() <= s
+        torch.testing.assert_close(norm, torch.linalg.vector_norm(v))
+        # each |q_i| is one of the two levels around |v_i| / ||v|| * s, with v's sign (or 0)
+        a = (v.abs() / v.norm() * s).double()
+        lvl = q.abs().double()
+        assert bool(((lvl == a.floor()) | (lvl == a.floor() + 1)).all()), f"s={s}: a level is not a neighbour"
+        assert bool(((q == 0) | (torch.sign(q.double()) == torch.sign(v.double()))).all())
+        deq = ex.qsgd_dequantize(norm, q, s)
+        torch.testing.assert_close(deq, norm * q.float() / s)
+
+
+def test_qsgd_dequantize_scales_levels_by_norm_over_s(ex):
+    norm, q = torch.tensor(6.0), torch.tensor([-3, 0, 1, 2], dtype=torch.int8)
+    out = ex.qsgd_dequantize(norm, q, 3)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.tensor([-6.0, 0.0, 2.0, 4.0]))
+    out64 = ex.qsgd_dequantize(torch.tensor(1.0), torch.tensor([1], dtype=torch.int32), 3, dtype=torch.float64)
+    assert out64.dtype == torch.float64 and out64.item() == 1 / 3
+    with pytest.raises(ValueError, match="levels"):
+        ex.qsgd_dequantize(norm, q, 0)
+
+
+def test_qsgd_quantize_is_unbiased(ex):
+    s, n, draws = 2, 64, 4000
+    v = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    samples = torch.stack([ex.qsgd_dequantize(*ex.qsgd_quantize(v, s, gen), s) for _ in range(draws)]).double()
+    mean, se = samples.mean(0), samples.std(0) / math.sqrt(draws)
+    z = ((mean - v.double()).abs() / se.clamp_min(1e-12)).max().item()
+    # 64 coordinates: the largest |z| of 64 standard normals exceeds 4.5 with probability ~4e-4
+    assert z < 4.5, f"the mean of {draws} quantisations is {z:.1f} standard errors from v: biased"
+    # the paper's variance bound, Lemma 3.1: E||Q(v) - v||^2 <= min(n / s^2, sqrt(n) / s) ||v||^2
+    var = ((samples - v.double()) ** 2).sum(1).mean().item()
+    assert var <= min(n / s ** 2, math.sqrt(n) / s) * v.double().square().sum().item()
+    # the check can fail: deterministic rounding to the nearest level is biased
+    nearest = (v.abs() / v.norm() * s).round() * torch.sign(v) * v.norm() / s
+    assert ((nearest.double() - v.double()).abs() / se.clamp_min(1e-12)).max().item() > 4.5
+
+
+def test_qsgd_quantize_zero_vector_and_determinism(ex):
+    norm, q = ex.qsgd_quantize(torch.zeros(10), 4, torch.Generator().manual_seed(0))
+    assert norm.item() == 0 and torch.equal(ex.qsgd_dequantize(norm, q, 4), torch.zeros(10))
+    v = torch.randn(30)
+    a = ex.qsgd_quantize(v, 3, torch.Generator().manual_seed(9))
+    b = ex.qsgd_quantize(v, 3, torch.Generator().manual_seed(9))
+    assert torch.equal(a[1], b[1]), "the same generator seed must give the same quantisation"
+
+
+def test_qsgd_quantize_rejects_bad_input(ex):
+    ex.qsgd_quantize(torch.randn(5), 2)  # a valid call first
+    with pytest.raises(ValueError, match="levels"):
+        ex.qsgd_quantize(torch.randn(5), 0)
+    with pytest.raises(TypeError, match="floating-point"):
+        ex.qsgd_quantize(torch.arange(5), 2)
+
+
+# --- 3. powersgd_step ------------------------------------------------------------------------------
+
+def _orthonormal(n, r, g):
+    return torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64)).Q
+
+
+def _with_spectrum(n, m, sigma, g):
+    """U diag(sigma) V^T with random orthonormal U, V: its singular values are ``sigma``."""
+    k = len(sigma)
+    return _orthonormal(n, k, g) @ torch.diag(torch.tensor(sigma, dtype=torch.float64)) @ _orthonormal(m, k, g).T
+
+
+def test_powersgd_step_reproduces_a_rank_r_matrix_in_one_step(ex):
+    g = torch.Generator().manual_seed(5)
+    n, m, r = 30, 20, 3
+    M = _with_spectrum(n, m, [5.0, 2.0, 0.5], g)
+    Q = torch.randn(m, r, generator=g, dtype=torch.float64)  # a generic start is a good one
+    P, Q_new, M_hat = ex.powersgd_step(M, Q)
+    assert P.shape == (n, r) and Q_new.shape == (m, r) and M_hat.shape == (n, m)
+    torch.testing.assert_close(P.T @ P, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-10)
+    torch.testing.assert_close(Q_new, M.T @ P, rtol=0, atol=1e-10)
+    torch.testing.assert_close(M_hat, M, rtol=0, atol=1e-10)
+
+
+def test_powersgd_step_error_decreases_toward_the_best_rank_r_error(ex):
+    g = torch.Generator().manual_seed(6)
+    n, m, r = 40, 25, 2
+    sigma = [10.0, 6.0, 2.0, 1.5, 1.0, 0.5, 0.25]
+    M = _with_spectrum(n, m, sigma, g)
+    best = math.sqrt(sum(s * s for s in sigma[r:]))  # Eckart-Young: the tail of the spectrum
+    Q = torch.randn(m, r, generator=g, dtype=torch.float64)
+    errors = []
+    for _ in range(25):
+        P, Q, M_hat = ex.powersgd_step(M, Q)  # warm start: feed Q_new back
+        errors.append(torch.linalg.matrix_norm(M - M_hat).item())
+    assert all(e >= best * (1 - 1e-9) for e in errors), "no rank-r matrix beats the truncated SVD"
+    assert errors[0] > best * 1.01, f"sanity: one step from a random start is not optimal ({errors[0]} vs {best})"
+    assert errors[-1] <= best * (1 + 1e-6), f"after 25 power iterations: {errors[-1]}, best {best}"
+    assert errors[4] < errors[0] and errors[-1] < errors[4]
+    # single precision works too, with M's dtype kept
+    P, Q32, M_hat = ex.powersgd_step(M.float(), torch.randn(m, r, generator=g))
+    assert M_hat.dtype == torch.float32
+
+
+def test_powersgd_step_rejects_bad_input(ex):
+    M = torch.randn(6, 5)
+    ex.powersgd_step(M, torch.randn(5, 2))  # a valid call first
+    with pytest.raises(ValueError, match="rows"):
+        ex.powersgd_step(M, torch.randn(6, 2))
+    with pytest.raises(ValueError, match="matrices"):
+        ex.powersgd_step(torch.randn(2, 3, 4), torch.randn(4, 2))
+    with pytest.raises(ValueError, match="exceeds"):
+        ex.powersgd_step(M, torch.randn(5, 6))
+
+
+# --- 4. onebit_adam_step ---------------------------------------------------------------------------
+
+def _adam_no_bias_correction(param, grad, m, v, lr, betas, eps):
+    """Reference Adam step without bias correction, written independently of the exercise."""
+    b1, b2 = betas
+    m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m.tolist(), grad.tolist())]
+    v = [b2 * vi + (1 - b2) * gi * gi for vi, gi in zip(v.tolist(), grad.tolist())]
+    p = [pi - lr * mi / (math.sqrt(vi) + eps) for pi, mi, vi in zip(param.tolist(), m, v)]
+    return (torch.tensor(p, dtype=torch.float64), torch.tensor(m, dtype=torch.float64),
+            torch.tensor(v, dtype=torch.float64))
+
+
+def test_onebit_adam_step_warmup_is_adam_without_bias_correction(ex):
+    g = torch.Generator().manual_seed(7)
+    n, lr, betas, eps = 12, 0.05, (0.8, 0.95), 1e-6
+    p = torch.randn(n, generator=g, dtype=torch.float64)
+    m, v, e = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
+    for step in range(5):  # all 5 steps are warm-up
+        grad = torch.randn(n, generator=g, dtype=torch.float64)
+        p, m, v, e, sent = ex.onebit_adam_step(p, grad, m, v, e, step, 5, lr, betas, eps)
+        p_ref, m_ref, v_ref = _adam_no_bias_correction(p_ref, grad, m_ref, v_ref, lr, betas, eps)
+        torch.testing.assert_close(m, m_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(p, p_ref, rtol=0, atol=1e-12)
+        assert torch.equal(sent, m), f"step {step}: during warm-up the full-precision momentum is sent"
+        assert torch.equal(e, torch.zeros(n, dtype=torch.float64)), "no compression, no error during warm-up"
+
+
+def test_onebit_adam_step_freezes_v_and_sends_plus_or_minus_scale(ex):
+    g = torch.Generator().manual_seed(8)
+    n, lr, warmup = 50, 0.01, 3
+    p = torch.randn(n, generator=g)
+    m, v, e = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    for step in range(15):
+        grad = torch.randn(n, generator=g)
+        inputs = [t.clone() for t in (p, grad, m, v, e)]
+        p2, m2, v2, e2, sent = ex.onebit_adam_step(p, grad, m, v, e, step, warmup, lr)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (p, grad, m, v, e))), "inputs must not change"
+        torch.testing.assert_close(m2, 0.9 * m + 0.1 * grad)  # momentum is updated in both phases
+        if step == warmup - 1:
+            v_frozen = v2.clone()
+        if step >= warmup:
+            assert torch.equal(v2, v_frozen), f"step {step}: v must stay frozen after warm-up"
+            c = m2 + e
+            scale = c.abs().mean()
+            assert set(sent.tolist()) <= {scale.item(), -scale.item()}, "sent must take only the values ±scale"
+            torch.testing.assert_close(sent, torch.where(c >= 0, scale, -scale))
+            # the update uses the compressed momentum and the frozen variance
+            torch.testing.assert_close(p2, p - lr * sent / (v_frozen.sqrt() + 1e-8))
+        p, m, v, e = p2, m2, v2, e2
+    assert v_frozen.abs().sum() > 0, "sanity: warm-up filled v"
+
+
+def test_onebit_adam_step_error_feedback_carries_exactly_the_residual(ex):
+    # dyadic inputs (multiples of 1/16) and betas of 1/2, 64 entries: every operation is exact in
+    # float64, so the identity must hold bit for bit
+    g = torch.Generator().manual_seed(9)
+    n = 64
+    dyadic = lambda: torch.randint(-64, 65, (n,), generator=g).double() / 16
+    p, m, v, e = dyadic(), dyadic(), dyadic().abs() + 1, dyadic()
+    grad = dyadic()
+    _, m2, _, e2, sent = ex.onebit_adam_step(p, grad, m, v, e, 4, 2, 0.1, betas=(0.5, 0.5))
+    assert torch.equal(sent + e2, m2 + e), "sent + new_error must be exactly m_new + error"
+    # over many steps with random float32 data nothing is lost either: the sum of what was sent plus
+    # the error still held is the sum of the momenta (the paper's error-feedback telescoping)
+    p, m, v, e = torch.randn(n, generator=g), torch.zeros(n), torch.rand(n, generator=g) + 0.5, torch.zeros(n)
+    sent_total, m_total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for step in range(30):
+        p, m, v, e, sent = ex.onebit_adam_step(p, torch.randn(n, generator=g), m, v, e, step, 0, 0.01)
+        assert len(set(sent.abs().tolist())) == 1
+        sent_total += sent.double()
+        m_total += m.double()
+    torch.testing.assert_close(sent_total + e.double(), m_total, rtol=0, atol=1e-4)
+    assert e.abs().sum() > 0, "sanity: the sign dropped something"
+
+
+def test_onebit_adam_step_converges_on_a_quadratic(ex):
+    # f(x) = 1/2 sum_i a_i (x_i - x*_i)^2, optimum x*, |x*_i| in [1, 2] so warm-up gradients fill v
+    n, lr, warmup, steps = 16, 0.01, 20, 1000
+    a = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x_star = (1 + torch.rand(n, generator=g, dtype=torch.float64)) * torch.randn(n, generator=g,
+                                                                                      dtype=torch.float64).sign()
+        x = torch.zeros(n, dtype=torch.float64)
+        m, v, e = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+        for step in range(steps):
+            x, m, v, e, sent = ex.onebit_adam_step(x, a * (x - x_star), m, v, e, step, warmup, lr)
+        err = (x - x_star).abs().max().item()
+        assert err < 1e-6, f"seed {seed}: 1-bit Adam ended {err:.2e} from the optimum (tolerance 1e-6)"
+
+
+def test_onebit_adam_step_rejects_bad_input(ex):
+    z = torch.zeros(4)
+    ex.onebit_adam_step(z, z, z, z, z, 0, 1, 0.1)  # a valid call first
+    with pytest.raises(ValueError, match="v shape"):
+        ex.onebit_adam_step(z, z, z, torch.zeros(5), z, 0, 1, 0.1)
+    with pytest.raises(ValueError, match="error shape"):
+        ex.onebit_adam_step(z, z, z, z, torch.zeros(2, 2), 0, 1, 0.1)
+    with pytest.raises(ValueError, match="step must be"):
+        ex.onebit_adam_step(z, z, z, z, z, -1, 1, 0.1)
+    with pytest.raises(ValueError, match="warmup_steps must be"):
+        ex.onebit_adam_step(z, z, z, z, z, 0, 1.5, 0.1)
+    with pytest.raises(ValueError, match="lr must be"):
+        ex.onebit_adam_step(z, z, z, z, z, 0, 1, 0.0)
+    with pytest.raises(ValueError, match="betas"):
+        ex.onebit_adam_step(z, z, z, z, z, 0, 1, 0.1, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="eps"):
+        ex.onebit_adam_step(z, z, z, z, z, 0, 1, 0.1, eps=0)
