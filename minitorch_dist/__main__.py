@@ -27,7 +27,6 @@ MODELS = {
 STAGES = {0: "none (plain data parallel)", 1: "optimizer states (P_os)",
           2: "+ gradients (P_os+g)", 3: "+ parameters (P_os+g+p)"}
 
-COMING = {"plan": ("chapter 12", "12_putting_it_together"), "schedule": ("chapter 03", "03_pipeline")}
 
 
 def _gb(nbytes: float) -> str:
@@ -77,12 +76,6 @@ def estimate(args) -> int:
     return 0
 
 
-def coming(args) -> int:
-    chapter, slug = COMING[args.command]
-    print(f"`{args.command}` is coming in {chapter} (chapters/{slug}.md); it is not written yet.")
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .course import grade, tour
 
@@ -114,18 +107,60 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--optimizer", default="adamw", help="adamw (default), sgd, ... (see costmodel)")
     e.add_argument("--gpu-mem-gb", type=float, default=80, help="device memory for the 'fits' column (default 80)")
     e.set_defaults(func=estimate)
-    for name, helptext in (("plan", "search DP x TP x PP x ZeRO for a model on a cluster (coming in chapter 12)"),
-                           ("schedule", "print a pipeline schedule (coming in chapter 03)")):
-        c = sub.add_parser(name, help=helptext, description=helptext)
-        c.set_defaults(func=coming)
+    from .analysis import planner
+
+    pl = sub.add_parser("plan", help="search DP x TP x PP x ZeRO x recompute for a model on a cluster (chapter 12)",
+                        description=planner.__doc__.split("\n\n")[0] + " Example: --model gpt3-175b --gpus 1024 "
+                                    "--gpu a100 (Narayanan et al. 2021's cluster).")
+    planner.add_arguments(pl)
+    pl.set_defaults(func=planner.main)
+    sc = sub.add_parser("schedule", help="print a pipeline schedule as a text Gantt chart (chapter 03)",
+                        description="Each stage's actions (F forward, B backward, W weight gradient; "
+                                    "microbatch.chunk) on a time axis, replayed by the chapter 03 simulator with "
+                                    "unit times, then its bubble and peak stashed activations. "
+                                    "Example: --name 1f1b -p 4 -m 8")
+    sc.add_argument("--name", default="1f1b", help="gpipe, 1f1b (default), interleaved, zb-h1")
+    sc.add_argument("-p", type=int, default=4, help="pipeline stages (default 4)")
+    sc.add_argument("-m", type=int, default=8, help="microbatches per step (default 8)")
+    sc.add_argument("-v", type=int, default=1, help="model chunks per stage, interleaved only (default 1)")
+    sc.set_defaults(func=schedule)
     return p
+
+
+def schedule(args) -> int:
+    """Print ``make_schedule(name, p, m, v)`` as one row of time slots per stage (t_F = t_B = t_W = 1,
+    so a slot is 1/v and an unsplit backward B takes two)."""
+    from .analysis import costmodel
+    from .parallelism.pipeline.schedules import make_schedule
+    from .parallelism.pipeline.simulator import simulate
+
+    try:
+        sched = make_schedule(args.name, args.p, args.m, args.v)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sim = simulate(sched)
+    slots = round(sim.makespan * sched.v)
+    width = max(len(e.name) for e in sim.events) + 1
+    print(f"{sched.name}: p={sched.p} stages, m={sched.m} microbatches, v={sched.v}; one slot = 1/{sched.v} of "
+          f"t_F (t_F = t_B = t_W)")
+    for r in range(sched.p):
+        row = ["." * (width - 1)] * slots
+        for e in sim.stage_events(r):
+            a, b = round(e.t_start * sched.v), round(e.t_end * sched.v)
+            row[a:b] = [e.name] + ["-" * (width - 1)] * (b - a - 1)
+        print(f"stage {r}: " + " ".join(c.ljust(width - 1) for c in row))
+    print(f"bubble fraction {sim.bubble_fraction:.3f}; peak stashed microbatches per stage {sim.peak_stashed}")
+    if args.name in costmodel.SCHEDULES:
+        formula = costmodel.pipeline_bubble_fraction(args.name, args.p, args.m, args.v) \
+            if args.name == "interleaved" else costmodel.pipeline_bubble_fraction(args.name, args.p, args.m)
+        print(f"costmodel.pipeline_bubble_fraction: {formula:.3f}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in COMING:  # plan / schedule take any arguments for now
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

@@ -147,12 +147,15 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(9, "09_compression", "Gradient compression: top-k, 1-bit, QSGD, PowerSGD, error feedback; Gist",
             (_M + "communication.compression", _M + "communication.activation_compression"), written=True,
             headline=_M + "communication:headline"),
-    Chapter(10, "10_moe", "Mixture of experts and expert parallelism",
-            (_M + "sparsity.moe",)),
-    Chapter(11, "11_fused_kernels", "Fused kernels in Triton",
-            (_M + "kernels",)),
+    Chapter(10, "10_moe", "Mixture of experts: routers, capacity, load balancing, expert parallelism",
+            (_M + "sparsity.moe", _M + "sparsity.expert_parallel", _M + "sparsity.moe_gpt"), written=True,
+            headline=_M + "sparsity:headline"),
+    Chapter(11, "11_fused_kernels", "Fused kernels in Triton: softmax, LayerNorm, AdamW, cross-entropy; the roofline",
+            (_M + "kernels",), written=True,
+            headline=_M + "kernels:headline"),
     Chapter(12, "12_putting_it_together", "Putting it together: 3D parallelism and planning",
-            (_M + "parallelism.mesh", _M + "analysis.planner")),
+            (_M + "parallelism.mesh", _M + "parallelism.three_d", _M + "analysis.planner"), written=True,
+            headline=_M + "parallelism.three_d:headline"),
 )
 
 

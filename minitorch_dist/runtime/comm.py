@@ -49,6 +49,7 @@ class CommEvent:
     dtype: str
     shape: tuple
     t: float  # time.perf_counter() at launch
+    ranks: tuple = ()  # global ranks of the group it ran on: tells a 3D run's TP, DP and PP calls apart
 
 
 @dataclass
@@ -134,13 +135,19 @@ def _group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def record(op: str, nbytes: int, n: int, dtype="", shape=()) -> CommEvent:
+def _group_ranks(group) -> tuple:
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) if dist.is_initialized() else ()
+
+
+def record(op: str, nbytes: int, n: int, dtype="", shape=(), ranks=()) -> CommEvent:
     """Register one call of ``op`` on a buffer of ``nbytes`` among ``n`` ranks in every active meter.
 
-    The wrappers below call this; code that moves bytes itself (e.g. a ring all-reduce made of
+    ``ranks``: the global ranks of the group it ran on (the wrappers fill it in). The wrappers
+    below call this; code that moves bytes itself (e.g. a ring all-reduce made of
     send/recv) may call it too, to be counted as one logical collective.
     """
-    ev = CommEvent(op, int(nbytes), bus_bytes(op, nbytes, n), n, str(dtype), tuple(shape), time.perf_counter())
+    ev = CommEvent(op, int(nbytes), bus_bytes(op, nbytes, n), n, str(dtype), tuple(shape), time.perf_counter(),
+                   tuple(ranks))
     with _lock:
         for m in _active:
             m.add(ev)
@@ -153,7 +160,7 @@ _calls_so_far = Counter()
 def _run(op, tensor, nbytes, group, async_op, fn):
     """Record the call, run it, keep the status line current."""
     n = _group_size(group)
-    record(op, nbytes, n, tensor.dtype, tensor.shape)
+    record(op, nbytes, n, tensor.dtype, tensor.shape, _group_ranks(group))
     _calls_so_far[op] += 1
     desc = f"{op} {str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {n} ranks (call #{_calls_so_far[op]})"
     set_status(f"in {desc}")
@@ -218,7 +225,7 @@ def batch_isend_irecv(p2p_ops):
     """Launch a list of ``dist.P2POp`` together; each send / recv is counted on its own."""
     for p in p2p_ops:
         name = "send" if p.op in (dist.isend, dist.send) else "recv"
-        record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape)
+        record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape, _group_ranks(p.group))
     set_status(f"in batch_isend_irecv of {len(p2p_ops)} ops")
     works = dist.batch_isend_irecv(p2p_ops)
     set_status(f"launched batch_isend_irecv of {len(p2p_ops)} ops")

@@ -12,6 +12,9 @@ states, activations) · :mod:`.zero` (ZeRO's bytes on the wire per stage, its Ta
 BytePS's optimum, HOGWILD!'s sparsity Ω, Δ, ρ) · :mod:`.tensor_parallel` (Megatron's all-reduces, bytes and shards) ·
 :mod:`.sequence_parallel` (Megatron-SP, Ulysses and ring attention bytes) ·
 :mod:`.checkpointing` (saved bytes with k checkpoints, the √n optimum, recompute FLOPs, offload bytes) ·
+:mod:`.moe` (expert capacity, expected dropped tokens, total vs active parameters and FLOPs, all-to-all bytes) ·
+:mod:`.kernels` (bytes moved eager vs fused for softmax, LayerNorm, AdamW, cross-entropy; roofline, ridge point, device specs) ·
+:mod:`.three_d` (per-stage parameters, ZeRO bytes with microbatches, pipeline messages and activations of 3D parallelism) ·
 :mod:`.precision` (fp32 / fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates). Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers
 print, ``GiB`` = 2**30.
 """
@@ -60,4 +63,17 @@ from .checkpointing import (  # noqa: E402
 from .precision import (  # noqa: E402
     FORMATS, NumberFormat, format_info, format_name, loss_scale_needed, loss_scale_range, round_to_format, ulp,
     underflow_fractions, update_lost,
+)
+from .moe import (  # noqa: E402
+    all_to_all_bytes_moe, dropped_tokens, expected_dropped_tokens, expert_choice_capacity, expert_parallel_send_matrix,
+    expert_params, moe_all_to_all_time, moe_capacity, moe_counts_exchange_bytes, moe_flops_per_token, moe_params,
+    moe_params_per_token,
+)
+from .kernels import (  # noqa: E402
+    DEVICES, DeviceSpec, adamw_bytes, arithmetic_intensity, cross_entropy_bytes, device_spec, layernorm_bytes,
+    layernorm_flops, ridge_point, roofline_time, softmax_bytes, softmax_flops,
+)
+from .three_d import (  # noqa: E402
+    pipeline_activation_bytes, pipeline_p2p_message_bytes, pipeline_stage_params, zero_dp_bytes_per_step,
+    zero_dp_collectives, zero_dp_time_per_step,
 )

@@ -1,0 +1,319 @@
+"""3D parallelism: the tiny GPT trained with data, tensor and pipeline parallelism at once.
+
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21), §2 and §3 ("PTD-P"): on n = d·t·p ranks (the grid of :mod:`.mesh`) each
+rank holds a 1/t slice (ch04, Shoeybi et al. 2019 §3) of one of p pipeline stages (ch03) and
+trains on a 1/d share of the batch (ch01). One optimizer step, on every rank:
+
+    x, y  = rows [dp·B/d, (dp+1)·B/d) of the global batch            (the DP shard: MarkovCorpus)
+    pipeline step over the PP group, m microbatches (1F1B, ...)      point-to-point b·s·h per mb
+        inside every layer: Megatron's f / g over the TP group         4 all-reduces of b·s·h per mb
+    tied word embedding: all-reduce its gradient between the first    (Megatron's embedding group)
+        and the last stage
+    gradients averaged over the DP group, then the optimizer step    all-reduce of this rank's shard
+        (``zero1=True``: reduce-scatter, step 1/d of it, all-gather:  ZeRO-1, Rajbhandari et al. 2020 §5.1)
+
+Why this is exactly the single-process step. The loss is the mean over the B·s tokens of the
+global batch. TP computes each layer's output exactly (a sum split over ranks, then all-reduced);
+the pipeline sums the m microbatches' gradients of (mean loss)/m, which is the gradient of the
+mean over the DP shard; averaging the d shards' gradients gives the global mean's gradient. So,
+up to the order of floating-point sums, every parameter gets the gradient the one process computes,
+and the same optimizer gives the same update. Replicated copies -- a LayerNorm on the t ranks of a
+TP group, the tied embedding on the first and last stage, a shard on the d DP ranks -- receive
+identical gradients and stay identical (``merge_full_params`` checks it).
+
+Options: ``checkpoint=True`` recomputes every block in backward (ch07, "full" recomputation:
+Korthikanti et al. 2022 §5; with TP the recomputed forward repeats its two all-reduces);
+``virtual_stages=v`` with ``schedule="interleaved"`` (Narayanan et al. §2.2.2).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..memory.checkpointing import checkpoint as _checkpoint
+from ..memory.zero import ZeroDataParallel
+from ..models.data import MarkovCorpus
+from ..models.gpt import GPT
+from ..runtime import comm
+from ..runtime.launch import device
+from .mesh import Coords, RankGrid, check_model, init_groups
+from .pipeline import GPTStage, make_schedule, run_schedule, split_gpt
+from .tensor_parallel import parallelize_gpt, shard_dense_tensors
+from .tensor_parallel_vocab import vocab_parallel_cross_entropy
+
+__all__ = ["Stage3D", "Model3D", "Result3D", "train_3d", "merge_full_params", "global_losses",
+           "reference_run", "local_param_count", "headline"]
+
+
+class Stage3D(GPTStage):
+    """A pipeline stage of the (tensor-parallel) GPT: :class:`GPTStage` whose loss is the
+    vocabulary-parallel cross-entropy when the logits are sharded over ``vocab_group`` (None: whole
+    logits, the dense loss), and whose blocks are checkpointed when ``recompute``."""
+
+    def __init__(self, model, index, n_stages, layers, vocab_group=None, recompute=False):
+        super().__init__(model, index, n_stages, layers)
+        self.vocab_group, self.recompute = vocab_group, recompute
+
+    def forward(self, x, targets=None):
+        h = GPT.embed(self, x) if self.is_first else x
+        for block in self.blocks.values():
+            h = _checkpoint(block, h) if self.recompute else block(h)
+        if not self.is_last:
+            return h
+        logits = GPT.head(self, h)
+        if targets is None:
+            return logits
+        if self.vocab_group is None:
+            return GPT.loss_fn(self, logits, targets)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_group)
+
+
+def _check_batch(batch, dp, microbatches):
+    if batch % dp or (batch // dp) % microbatches:
+        raise ValueError(f"the global batch of {batch} rows must split into dp={dp} shards of m={microbatches} "
+                         f"equal microbatches: choose batch as a multiple of dp·m = {dp * microbatches}")
+
+
+def _check_options(schedule, pp, microbatches, virtual_stages, checkpoint):
+    """The schedule (a clear error for an unknown one); recomputation needs a fused backward."""
+    sched = make_schedule(schedule, pp, microbatches, virtual_stages)
+    if checkpoint and sched.splits_backward:
+        raise ValueError(f"checkpoint=True recomputes inside loss.backward(), which the split B/W backward "
+                         f"of {schedule!r} does not use; choose a schedule without W (e.g. '1f1b')")
+    return sched
+
+
+class Model3D:
+    """This rank's part of the 3D model: its (virtual) stages, sliced over TP, and its optimizer.
+
+    Every rank builds the whole dense GPT from ``seed`` (identical weights everywhere), makes its
+    TP slice (:func:`parallelize_gpt`, skipped when t = 1), and keeps the stages of its pipeline
+    position. The optimizer and the DP gradient reduction are ch06's :class:`ZeroDataParallel` on
+    the stages' parameters over the DP group: stage 0 (one all-reduce of a flat buffer, as
+    Megatron's contiguous gradient buffer) or stage 1 with ``zero1``.
+    """
+
+    def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
+                 checkpoint=False, optimizer=None, lr=0.1, seed=0):
+        grid = groups.grid
+        check_model(cfg, grid.tp, grid.pp, virtual_stages)
+        self.cfg, self.groups = cfg, groups
+        self.schedule = _check_options(schedule, grid.pp, microbatches, virtual_stages, checkpoint)
+        torch.manual_seed(seed)  # on the CPU, then moved: the same weights on every rank and device
+        dense = GPT(cfg)
+        self.model = (parallelize_gpt(dense, groups.tp_group) if grid.tp > 1 else dense).to(device())
+        vocab_group = groups.tp_group if grid.tp > 1 else None
+        cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
+        self.stages = {}
+        for c in range(virtual_stages):  # chunk c of this rank is virtual stage c·p + (its pp coordinate)
+            s = cut[self.schedule.virtual_stage(groups.coords.pp, c)]
+            layers = [int(k) for k in s.blocks]
+            self.stages[c] = Stage3D(self.model, s.index, s.n_stages, range(layers[0], layers[-1] + 1),
+                                     vocab_group, checkpoint)
+        factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr))
+        self.zero = ZeroDataParallel(nn.ModuleDict({str(c): s for c, s in self.stages.items()}), factory,
+                                     stage=1 if zero1 else 0, group=groups.dp_group)
+
+    def parameters(self):
+        return list(self.zero.module.parameters())
+
+    def step(self, x, y):
+        """One optimizer step on this DP shard ``(x, y)``. Returns (loss or None, comm events by phase):
+        the loss is the shard's mean on the last stage's ranks."""
+        self.zero.zero_grad()
+        with comm.meter() as pipe:
+            res = run_schedule(self.schedule, self.stages, x, y, group=self.groups.pp_group, sync_tied=False)
+        with comm.meter() as emb:
+            self._sync_embedding()
+        with comm.meter() as dp:
+            self.zero.step()  # DP average (all-reduce, or ZeRO-1 reduce-scatter) and the update
+        return res.loss, {"pipeline": pipe.events, "embedding": emb.events, "dp": dp.events}
+
+    def _sync_embedding(self):
+        """Sum dL/dE of the tied embedding E over the first stage (wte) and the last (lm_head):
+        Megatron-LM's ``_allreduce_word_embedding_grads``. Both copies then take the same update."""
+        g, s = self.groups, self.schedule
+        if g.embedding_group is None or not self.cfg.tie_embeddings:
+            return
+        first = g.coords.pp == s.placement(0)[0]
+        weight = self.stages[0].wte.weight if first else self.stages[s.placement(s.p * s.v - 1)[1]].lm_head.weight
+        comm.all_reduce(weight.grad, group=g.embedding_group)  # a view into the flat gradient buffer
+
+    @torch.no_grad()
+    def full_param_pieces(self) -> dict:
+        """``{dense name: (flat indices into the dense tensor, values)}`` for this rank's parameters.
+
+        Where a TP shard's elements sit in the dense tensor is found by sharding the dense tensors
+        of *indices* (0..numel-1, exact in float64) with ch04's own :func:`shard_dense_tensors`, so no
+        layout (column, row, vocabulary, per-head q|k|v) is written down twice.
+        """
+        with torch.random.fork_rng(), _default_dtype(torch.float64):
+            with torch.device("meta"):
+                shapes = {k: p.shape for k, p in GPT(self.cfg).named_parameters()}
+            index = {k: torch.arange(torch.Size(s).numel(), dtype=torch.float64).view(s) for k, s in shapes.items()}
+            if self.groups.grid.tp > 1:
+                index = shard_dense_tensors(index, self.cfg, self.groups.tp_group)
+        names = {id(p): k for k, p in self.model.named_parameters()}
+        return {names[id(p)]: (index[names[id(p)]].reshape(-1).long(), p.detach().reshape(-1).cpu().clone())
+                for p in self.parameters()}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@dataclass
+class Result3D:
+    """What one rank returns from :func:`train_3d` (plain data)."""
+
+    rank: int
+    coords: Coords
+    losses: list  # per step: the DP shard's mean loss on last-stage ranks, None elsewhere
+    events: dict  # phase ("pipeline", "embedding", "dp") -> comm.CommEvent list of the last step
+    pieces: dict = field(default_factory=dict)  # Model3D.full_param_pieces() after the last step
+    ranks: dict = field(default_factory=dict)  # axis -> global ranks of this rank's group
+    microbatch_rows: int = 0
+
+
+def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", zero1=False, checkpoint=False,
+             lr=0.1, seed=0, optimizer=None, virtual_stages=1, data=None, order="tp-dp-pp",
+             use_device_mesh=False) -> Result3D:
+    """``steps`` optimizer steps of the GPT ``cfg`` on d x t x p ranks; run it with
+    ``launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, steps, batch, seq, microbatches, ...)``.
+
+    Step s trains on ``data.batch(s, batch, seq)`` (default: the corpus of ``cfg.vocab_size``,
+    seed 0), each DP replica on its rows. ``optimizer(params)`` builds the optimizer (default
+    SGD with ``lr``). Returns this rank's :class:`Result3D`; :func:`global_losses` and
+    :func:`merge_full_params` turn the list of all ranks' results into the single-process view.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    check_model(cfg, tp, pp, virtual_stages)
+    _check_batch(batch, dp, microbatches)
+    _check_options(schedule, pp, microbatches, virtual_stages, checkpoint)
+    if not dist.is_initialized():
+        raise RuntimeError("train_3d runs on ranks: launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, ...)")
+    grid = RankGrid(dist.get_world_size(), dp, tp, pp, order)  # checks dp·tp·pp = world size
+    groups = init_groups(grid, use_device_mesh)
+    model = Model3D(cfg, groups, microbatches, schedule, virtual_stages, zero1, checkpoint, optimizer, lr, seed)
+    data = data or MarkovCorpus(cfg.vocab_size, seed=0)
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(step, batch, seq, rank=groups.coords.dp, world_size=dp, device=device())
+        loss, events = model.step(x, y)
+        losses.append(loss)
+    return Result3D(groups.rank, groups.coords, losses, events, model.full_param_pieces(), groups.ranks,
+                    batch // dp // microbatches)
+
+
+# --- the single-process view ---------------------------------------------------------------------
+
+
+def global_losses(results) -> list[float]:
+    """Loss of each step over the global batch: the mean of the DP shards' losses (last stage, tp 0)."""
+    shards = [r.losses for r in results if r.coords.tp == 0 and r.losses[0] is not None]
+    return [sum(step) / len(shards) for step in zip(*shards)]
+
+
+def merge_full_params(results, cfg) -> tuple[dict, float]:
+    """The dense parameters (the single-process model's names and shapes) from every rank's pieces,
+    and the largest difference between two copies of one element (replicas must agree: 0)."""
+    with torch.device("meta"):
+        shapes = {k: p.shape for k, p in GPT(cfg).named_parameters()}
+    full = {k: torch.full((torch.Size(s).numel(),), float("nan")) for k, s in shapes.items()}
+    spread = 0.0
+    for res in results:
+        for k, (idx, val) in res.pieces.items():
+            cur = full[k][idx]
+            seen = ~cur.isnan()
+            if seen.any():
+                spread = max(spread, (cur[seen] - val[seen]).abs().max().item())
+            full[k][idx] = val
+    missing = [k for k, v in full.items() if v.isnan().any()]
+    if missing:
+        raise ValueError(f"no rank holds some elements of {missing}: pass the results of every rank")
+    return {k: v.view(shapes[k]) for k, v in full.items()}, spread
+
+
+def reference_run(cfg, steps, batch, seq, lr=0.1, seed=0, optimizer=None, data=None):
+    """The single-process run :func:`train_3d` must equal: ``models.train.train_steps`` for
+    ``steps + 1`` steps (its last step computes a loss and gradient but no update), so the weights
+    have taken ``steps`` updates. Returns (``steps`` losses, {name: weight})."""
+    from ..models.train import train_steps
+    from ..runtime.env import single_thread
+
+    with single_thread():  # one intra-op thread, like a rank: the same summation order in each op
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+        run = train_steps(model, steps + 1, batch, seq, optimizer=optimizer, lr=lr, data=data)
+    return run.losses[:steps], {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def local_param_count(cfg, tp, pp, stage, virtual_stages=1) -> int:
+    """Parameters one rank holds at pipeline position ``stage`` (chunks ``c·p + stage``), counted
+    from the dense model: a tensor that Megatron shards (q|k|v, fc and their biases, the two output
+    projections' weights, the word embedding) counts 1/t, the rest whole; the tied word embedding
+    counts on both the first and the last stage."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    n_vs = pp * virtual_stages
+    parts = split_gpt(model, n_vs)
+    # split t ways (Shoeybi et al. §3): column-parallel weights and biases, row-parallel weights,
+    # the vocabulary-parallel embedding; LayerNorms, row-parallel biases and wpe are replicated
+    sharded = ("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight", "wte.weight",
+               "lm_head.weight")
+    mine = {id(p): (name, p) for c in range(virtual_stages) for name, p in parts[c * pp + stage].named_parameters()}
+    return sum(p.numel() // tp if name.endswith(sharded) else p.numel() for name, p in mine.values())
+
+
+# --- the tour's rows ---------------------------------------------------------------------------
+
+
+def headline(smoke: bool = False) -> list[dict]:
+    """Chapter 12's rows for the tour: d x t x p = 2 x 2 x 2 on 8 ranks == one process; the DP,
+    TP and PP traffic the meter counted is the formulas'."""
+    from ..analysis import costmodel
+    from ..models.gpt import GPTConfig
+    from ..runtime.launch import launch
+
+    d = t = p = 2
+    m, batch, seq = 2, 16, 16
+    steps = 2 if smoke else 4
+    cfg = GPTConfig(vocab_size=64, block_size=seq, n_layer=4, n_head=4, n_embd=32)
+    results = launch(train_3d, d * t * p, cfg, d, t, p, steps, batch, seq, m, timeout_s=600)
+    _, ref = reference_run(cfg, steps, batch, seq)
+    full, spread = merge_full_params(results, cfg)
+    diff = max(max((full[k] - ref[k]).abs().max().item() for k in ref), spread)
+    act = batch // d // m * seq * cfg.n_embd * 4  # one microbatch's b·s·h activation, fp32
+    one_pipeline = [r for r in results if r.coords.dp == 0 and r.coords.tp == 0]
+    dp_bytes = sum(e.nbytes for r in one_pipeline for e in r.events["dp"] if e.op == "all_reduce")
+    want_dp = 4 * (costmodel.tensor_parallel_params_per_rank(cfg, t) + cfg.vocab_size * cfg.n_embd // t)
+    p2p = sum(e.nbytes for r in one_pipeline for e in r.events["pipeline"] if e.op == "send")
+    want_p2p = costmodel.pipeline_p2p_bytes(p, m, act)
+    per_layer = set()
+    for r in results:  # TP all-reduces of b·s·h per layer and microbatch, less the embedding's and lm_head's
+        n = sum(e.op == "all_reduce" and e.nbytes == act for e in r.events["pipeline"])
+        ends = (r.coords.pp == 0) + (r.coords.pp == p - 1)
+        per_layer.add((n - m * ends) / (m * cfg.n_layer // p))
+    want_tp = sum(costmodel.tensor_parallel_allreduces_per_layer().values())
+    return [
+        {"chapter": "ch12", "experiment": f"d×t×p = {d}×{t}×{p} on 8 ranks == 1 process after {steps} SGD steps, "
+                                          f"max |Δw|", "theory": 1e-6, "measured": diff, "ok": diff < 1e-6},
+        {"chapter": "ch12", "experiment": "DP all-reduce bytes over one pipeline = 4 B × (Ψ per TP rank + tied copy)",
+         "theory": want_dp, "measured": dp_bytes, "ok": abs(dp_bytes - want_dp) <= 4 * (d - 1) * p},  # flat padding
+        {"chapter": "ch12", "experiment": "TP all-reduces of b·s·h per layer per microbatch (fwd + bwd)",
+         "theory": want_tp, "measured": max(per_layer), "ok": per_layer == {want_tp}},
+        {"chapter": "ch12", "experiment": f"PP bytes sent per pipeline per step = 2·m·(p-1)·b·s·h·4 (m={m})",
+         "theory": want_p2p, "measured": p2p, "ok": p2p == want_p2p},
+    ]

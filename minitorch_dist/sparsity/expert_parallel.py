@@ -1,0 +1,167 @@
+"""Expert parallelism: experts sharded over ranks, tokens sent to their expert with all-to-all.
+
+Lepikhin et al. 2021, "GShard", §2.2 and §3.2 (experts partitioned over devices, the rest of the
+model replicated; dispatch and combine become ``AllToAll`` across devices). Fedus et al. 2021,
+"Switch Transformers", §5.4 (expert and data parallelism, Fig. 9). Rajbhandari et al. 2022,
+"DeepSpeed-MoE", §5 (the all-to-all is the cost to beat).
+
+n ranks, E experts: rank r owns experts ``[r·E/n, (r+1)·E/n)``; the router is replicated. Each rank
+routes *its own* tokens (so capacity is per rank, as in GShard's per-group capacity) and:
+
+    1. all_to_all of counts       each rank learns how many rows every rank sends to each of its
+                                  experts (E int64 counts in, E out), to size its receive buffer
+    2. all_to_all of tokens       dispatch: the kept rows, sorted by expert, go to their expert's
+                                  owner; uneven splits, rank j gets Σ_{e of j} counts[e] rows
+    3. local experts              rows regrouped by expert (they arrive grouped by source rank)
+    4. all_to_all back            the same splits swapped: every row returns to where it came from
+    5. combine                    weights applied locally, as in the single-process layer
+
+The all-to-alls are differentiable (:class:`AllToAll`): the backward of an all-to-all is the
+all-to-all of the gradients with the splits swapped, so the backward pass costs the same two
+all-to-alls again. Bytes per layer per rank: dispatch sends A·h·e and combine R·h·e (A rows kept
+here, R rows received), see ``costmodel.all_to_all_bytes_moe``.
+
+Gradients. The experts' gradients already hold every rank's tokens (step 4's backward brings them
+home). The replicated parameters (the router here; attention and the rest in a model) only saw
+this rank's tokens: :func:`sync_replicated_grads` all-reduces them, as data parallelism would.
+It sums: the result is the gradient of Σ_r loss_r; to train on the mean, scale each rank's loss
+by 1/n before backward (then experts and router are both the mean's gradient).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime import comm
+from .moe import MoELayer, Routing, combine, dispatch, run_experts
+
+
+def _ep(group) -> tuple[int, int]:
+    """(n, rank in the group); a clear error outside a process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs an initialised process group: run it under "
+                           "minitorch_dist.runtime.launch(fn, world_size) or torchrun")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_divisible(n_experts: int, n: int) -> None:
+    if n_experts % n:
+        raise ValueError(f"n_experts {n_experts} is not divisible by {n} ranks (expert parallel degree); "
+                         f"use a multiple of {n} experts or a degree that divides {n_experts}")
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits, differentiable: backward is the reverse all-to-all
+    (``out_splits`` and ``in_splits`` swapped) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        comm.all_to_all(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x, out_splits, in_splits, group=None):
+    """Rows ``[Σ in_splits[:j], +in_splits[j])`` of x go to rank j; ``out_splits[i]`` rows arrive from rank i."""
+    return AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+class ExpertParallelMoE(nn.Module):
+    """An :class:`~.moe.MoELayer` with its experts sharded over the ranks of ``group``.
+
+    Shares the router and the local experts (``layer.experts[r·E/n:(r+1)·E/n]``) with ``layer``
+    (every rank builds the same layer from the same seed, then keeps its shard). ``forward(x)`` on
+    this rank's tokens [..., h] returns their outputs, as ``layer(x)`` would on this rank alone.
+    After a forward: ``last_routing`` (this rank's routing), ``aux_loss``, and ``send_counts`` /
+    ``recv_counts``: the rows sent to / received from each rank by the dispatch all-to-all.
+    """
+
+    def __init__(self, layer: MoELayer, group=None):
+        super().__init__()
+        if not isinstance(layer, MoELayer):
+            raise ValueError(f"ExpertParallelMoE wraps an MoELayer, got {type(layer).__name__}")
+        n, r = _ep(group)
+        check_divisible(layer.n_experts, n)
+        self.group, self.n, self.rank = group, n, r
+        self.h, self.n_experts, self.local = layer.h, layer.n_experts, layer.n_experts // n
+        self.first_expert = r * self.local
+        self.router = layer.router
+        self.experts = nn.ModuleList(layer.experts[self.first_expert:self.first_expert + self.local])
+        self.last_routing: Routing | None = None
+        self.send_counts: list[int] = []
+        self.recv_counts: list[int] = []
+
+    @classmethod
+    def from_dense(cls, layer: MoELayer, group=None) -> "ExpertParallelMoE":
+        """The same as ``ExpertParallelMoE(layer, group)``: this rank's shard of a dense layer."""
+        return cls(layer, group)
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return self.router.w_gate.new_zeros(()) if self.last_routing is None else self.last_routing.aux_loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(-1) != self.h:
+            raise ValueError(f"ExpertParallelMoE expects [..., h={self.h}] inputs, got shape {tuple(x.shape)}")
+        n, El = self.n, self.local
+        tokens = x.reshape(-1, self.h)
+        routing = self.last_routing = self.router(tokens)
+        packed, counts = dispatch(tokens, routing)  # rows sorted by expert = grouped by owner rank
+        # 1. counts: recv[i·El + e] = rows rank i sends to my local expert e.
+        recv = torch.empty_like(routing.counts)
+        comm.all_to_all(recv, routing.counts.contiguous(), [El] * n, [El] * n, group=self.group)
+        per_src_expert = recv.view(n, El)
+        self.send_counts = routing.counts.view(n, El).sum(1).tolist()
+        self.recv_counts = per_src_expert.sum(1).tolist()
+        # 2. dispatch.
+        received = all_to_all(packed, self.recv_counts, self.send_counts, self.group)
+        # 3. regroup source-major rows to expert-major, run, and restore the source-major order.
+        expert_of_row = torch.arange(El, device=x.device).repeat(n).repeat_interleave(per_src_expert.reshape(-1))
+        by_expert = torch.sort(expert_of_row, stable=True).indices
+        out = run_experts(self.experts, received[by_expert], per_src_expert.sum(0).tolist())
+        out = out[torch.argsort(by_expert)]
+        # 4. combine all-to-all: every row back to the rank that sent it; 5. weights, locally.
+        back = all_to_all(out, self.send_counts, self.recv_counts, self.group)
+        return combine(back, routing, tokens.size(0)).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"experts [{self.first_expert}, {self.first_expert + self.local}) of {self.n_experts} "
+                f"on rank {self.rank} of {self.n}")
+
+
+def expert_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Replace every :class:`~.moe.MoELayer` inside ``model`` by its :class:`ExpertParallelMoE`, in place."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, MoELayer):
+            setattr(model, name, ExpertParallelMoE(child, group))
+        else:
+            expert_parallel(child, group)
+    return model
+
+
+def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters every rank holds a copy of: all but the experts of the ExpertParallelMoE layers."""
+    sharded = {id(p) for m in module.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    return [p for p in module.parameters() if id(p) not in sharded]
+
+
+def sync_replicated_grads(module: nn.Module, group=None) -> None:
+    """Sum the replicated parameters' gradients over the ranks: one all-reduce of one flat buffer
+    (a missing gradient counts as zero, so every rank sends the same shapes)."""
+    params = replicated_parameters(module)
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group=group)
+    for p, g in zip(params, flat.split([q.numel() for q in params])):
+        p.grad = g.view_as(p).clone()

@@ -1,0 +1,168 @@
+"""Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss, expert choice.
+
+Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION``; ``exercises/ch10_moe.py`` is generated from this file with each such region
+replaced by ``raise NotImplementedError``. Everything else (imports, argument checks, helpers)
+is scaffolding the student keeps. Tests: ``pytest -m ch10 tests/exercises``
+(``MTD_IMPL=exercises`` runs them against the stubs).
+
+Nothing here needs ranks: a router is what every rank runs on its own tokens before the
+all-to-all that sends them to their experts. Tokens are flattened: ``T`` tokens, ``E`` experts.
+
+1. :func:`top2_gating_with_capacity`: GShard's top-2 gating (Lepikhin et al. 2021, "GShard:
+   Scaling Giant Models with Conditional Computation and Automatic Sharding", Algorithm 1)
+   with a fixed expert capacity ``C``: each token goes to its two highest-scoring experts, an
+   expert takes at most ``C`` of them, first choices before second choices, and an assignment
+   that finds its expert full is dropped. The result is GShard's pair of ``[T, E, C]`` tensors:
+   *dispatch* (which token sits in which slot of which expert's buffer) and *combine* (with
+   what weight the slot's output comes back).
+2. :func:`load_balancing_loss`: the auxiliary loss of Switch Transformers (Fedus et al. 2021,
+   "Switch Transformers: Scaling to Trillion Parameter Models with Simple and Efficient
+   Sparsity", §2.2, eq. 4-6), ``α·N·Σ_i f_i·P_i``: the fraction of tokens routed to expert i
+   times the router's mean probability for it, minimised (= α) by a uniform load.
+3. :func:`expert_choice_routing`: Expert Choice (Zhou et al. 2022, "Mixture-of-Experts with
+   Expert Choice Routing", §3.1, eq. 1): turn the choice around, each *expert* picks its top
+   ``k = n·c/e`` tokens, so every expert is exactly full and nothing is dropped for capacity
+   (a token may instead be picked by several experts, or by none).
+"""
+from __future__ import annotations
+
+import torch
+
+from minitorch_dist.analysis.costmodel import expert_choice_capacity, moe_capacity
+
+
+def _check_logits(logits: torch.Tensor, min_experts: int = 1) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, E] (tokens x experts), got shape {tuple(logits.shape)}; "
+                         "flatten the batch and sequence dimensions first")
+    if not logits.is_floating_point():
+        raise TypeError(f"router logits must be floating point, got {logits.dtype}")
+    if logits.shape[1] < min_experts:
+        raise ValueError(f"need at least {min_experts} experts, got E = {logits.shape[1]}")
+
+
+# --- 1. GShard top-2 gating with expert capacity ---------------------------------------------------
+
+
+def top2_gating_with_capacity(logits: torch.Tensor, capacity_factor: float = 1.0
+                              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(combine_weights, dispatch_mask, dropped)`` of GShard top-2 gating (Lepikhin et al. 2021,
+    Algorithm 1, without its random dispatch of small second gates) for router ``logits`` [T, E].
+
+    ``C = moe_capacity(T, E, k=2, capacity_factor)`` = ceil(cf · 2T / E) slots per expert.
+
+    1. ``gates = softmax(logits)`` over experts. First choice ``e1 = argmax gates``, second
+       ``e2`` = argmax with ``e1`` excluded (``torch.argmax``: the lowest index wins a tie).
+       Normalise the pair: ``g1, g2 = g1 / (g1 + g2), g2 / (g1 + g2)``.
+    2. First choices, in token order: the token's slot in ``e1``'s buffer is the number of earlier
+       tokens whose first choice is ``e1``; it is kept if that slot is ``< C``.
+    3. Second choices, in token order, fill the slots *after* the kept first choices of their
+       expert: slot = (first choices kept at ``e2``) + (earlier tokens whose second choice is
+       ``e2``); kept if ``< C``. So first choices always have priority over second choices.
+    4. ``dispatch_mask[t, e, c]`` is True where token t sits in slot c of expert e;
+       ``combine_weights[t, e, c]`` is its normalised gate there, 0 elsewhere (a dropped
+       assignment's gate is *not* given to the other expert: the token's residual carries it).
+       ``dropped`` = 2T minus the kept assignments.
+
+    Shapes: both ``[T, E, C]`` (combine in ``logits``' dtype, differentiable; dispatch bool).
+    Expert e's input buffer is ``einsum("tec,th->ech", dispatch, x)`` and the layer's output
+    ``einsum("tec,ech->th", combine, expert_outputs)``.
+    """
+    _check_logits(logits, min_experts=2)
+    T, E = logits.shape
+    C = moe_capacity(T, E, k=2, capacity_factor=capacity_factor)
+    # BEGIN SOLUTION
+    gates = torch.softmax(logits, dim=-1)
+    e1 = gates.argmax(dim=-1)
+    mask1 = torch.nn.functional.one_hot(e1, E)                             # [T, E]
+    e2 = gates.masked_fill(mask1.bool(), float("-inf")).argmax(dim=-1)
+    mask2 = torch.nn.functional.one_hot(e2, E)
+    g1, g2 = gates.gather(1, e1[:, None])[:, 0], gates.gather(1, e2[:, None])[:, 0]
+    denom = g1 + g2
+    g1, g2 = g1 / denom, g2 / denom
+
+    pos1 = (torch.cumsum(mask1, dim=0) - 1) * mask1                      # slot among first choices
+    mask1 = mask1 * (pos1 < C)
+    pos2 = (torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)) * mask2  # after kept firsts
+    mask2 = mask2 * (pos2 < C)
+    keep1, keep2 = mask1.sum(-1).bool(), mask2.sum(-1).bool()
+    slot1, slot2 = pos1.sum(-1), pos2.sum(-1)
+
+    t = torch.arange(T, device=logits.device)
+    combine = logits.new_zeros(T, E, C)
+    dispatch = torch.zeros(T, E, C, dtype=torch.bool, device=logits.device)
+    combine = combine.index_put((t[keep1], e1[keep1], slot1[keep1]), g1[keep1])
+    combine = combine.index_put((t[keep2], e2[keep2], slot2[keep2]), g2[keep2])
+    dispatch[t[keep1], e1[keep1], slot1[keep1]] = True
+    dispatch[t[keep2], e2[keep2], slot2[keep2]] = True
+    dropped = 2 * T - int(keep1.sum() + keep2.sum())
+    return combine, dispatch, dropped
+    # END SOLUTION
+
+
+# --- 2. the load-balancing auxiliary loss ---------------------------------------------------------
+
+
+def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
+    """Switch Transformers' auxiliary loss (Fedus et al. 2021, §2.2, eq. 4-6), a 0-dim tensor::
+
+        loss = α · N · Σ_i f_i · P_i
+        f_i  = (1/T) Σ_x 1{argmax p(x) = i}       fraction of tokens dispatched to expert i
+        P_i  = (1/T) Σ_x p_i(x)                    router probability mass given to expert i
+
+    ``router_probs`` [T, N] are the router's softmax outputs ``p(x)``; ``expert_index`` [T] the
+    expert each token was dispatched to (top-1), or [T, k] its k experts, in which case ``f_i``
+    is the fraction of the ``T·k`` assignments that went to expert i (so Σ f_i = 1 either way).
+    ``f`` is a count, not differentiable; the gradient flows through ``P``, pushing probability
+    away from overloaded experts. With uniform ``f`` and ``P`` the loss is ``α`` (its minimum
+    under uniform routing: "the auxiliary loss ... is minimized under a uniform distribution");
+    all tokens on one expert that the router is sure of gives ``α·N``.
+    """
+    if router_probs.dim() != 2:
+        raise ValueError(f"router_probs must be [T, N] (tokens x experts), got shape {tuple(router_probs.shape)}")
+    idx = expert_index if expert_index.dim() == 2 else expert_index.unsqueeze(-1)
+    if expert_index.dim() not in (1, 2) or idx.shape[0] != router_probs.shape[0]:
+        raise ValueError(f"expert_index must be [T] or [T, k] with T = {router_probs.shape[0]}, "
+                         f"got shape {tuple(expert_index.shape)}")
+    if expert_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_index must be an integer tensor of expert ids, got {expert_index.dtype}")
+    N = router_probs.shape[1]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= N):
+        raise ValueError(f"expert_index has ids outside [0, {N}): one id per expert of router_probs")
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0 (the paper uses 1e-2), got {alpha!r}")
+    # BEGIN SOLUTION
+    counts = torch.bincount(idx.reshape(-1).long(), minlength=N)
+    f = counts.to(router_probs.dtype) / idx.numel()      # fraction of assignments per expert
+    P = router_probs.mean(dim=0)                          # mean router probability per expert
+    return alpha * N * torch.sum(f * P)
+    # END SOLUTION
+
+
+# --- 3. expert-choice routing ------------------------------------------------------------------------
+
+
+def expert_choice_routing(logits: torch.Tensor, capacity_factor: float = 1.0
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gates, token_index)``, each [E, k]: Expert Choice routing (Zhou et al. 2022, §3.1, eq. 1)::
+
+        S    = softmax(X · W_g)        [n, e]   token-to-expert affinity, softmax over experts
+        G, I = TopK(Sᵀ, k)             [e, k]   each expert's k best tokens and their scores
+        k    = n · c / e                         c = capacity_factor (experts per token on average)
+
+    ``logits`` [T, E] are ``X · W_g``; ``k = expert_choice_capacity(T, E, capacity_factor)``
+    (rounded up, at most T). Row e of ``token_index`` lists the tokens expert e takes, best first
+    (int64), and ``gates[e, j] = S[token_index[e, j], e]`` is the weight of that expert's output
+    in token ``token_index[e, j]``'s combined output: ``y_t = Σ_{(e,j): I[e,j]=t} G[e,j]·FFN_e(x_t)``.
+    Every expert gets exactly k tokens; a token may be chosen by several experts or by none (its
+    residual then carries it, as for a dropped token). ``gates`` is differentiable.
+    """
+    _check_logits(logits)
+    T, E = logits.shape
+    k = expert_choice_capacity(T, E, capacity_factor)
+    # BEGIN SOLUTION
+    S = torch.softmax(logits, dim=-1)                 # [T, E]: each token's affinity over experts
+    gates, token_index = torch.topk(S.t(), k, dim=-1)  # each expert ranks the tokens
+    return gates, token_index
+    # END SOLUTION

@@ -1,0 +1,258 @@
+"""Chapter 10 exercises, autograded: top-2 gating with capacity, the load-balancing loss, expert choice.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
+come from independent sources: routing written as plain Python loops over tokens (slots handed
+out one by one, first choices before second); the aux loss summed term by term from its
+definition, on hand-made router outputs whose value is known in closed form (α for a uniform
+router, α·N for a collapsed one) and its gradient α·N·f_i/T; each expert's top tokens found by
+sorting; the MoE output combined token by token against the einsum over GShard's tensors.
+
+Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist.course.exercises import load
+
+pytestmark = pytest.mark.ch10
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch10")
+
+
+def _logits(T, E, seed):
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# --- 1. top2_gating_with_capacity ----------------------------------------------------------------------
+
+def _top2_by_loops(logits, cf):
+    """GShard Algorithm 1 token by token: {(t, e): (slot, normalised gate)} of kept assignments."""
+    T, E = logits.shape
+    C = math.ceil(cf * 2 * T / E - 1e-9)
+    p = [[math.exp(v) for v in row] for row in logits.tolist()]
+    p = [[v / sum(row) for v in row] for row in p]
+    choice = []
+    for row in p:
+        e1 = max(range(E), key=lambda e: (row[e], -e))
+        e2 = max((e for e in range(E) if e != e1), key=lambda e: (row[e], -e))
+        s = row[e1] + row[e2]
+        choice.append(((e1, row[e1] / s), (e2, row[e2] / s)))
+    fill, kept = [0] * E, {}
+    for rank_of_choice in (0, 1):           # every first choice before any second choice
+        for t in range(T):
+            e, g = choice[t][rank_of_choice]
+            if fill[e] < C:
+                kept[(t, e)] = (fill[e], g)
+                fill[e] += 1
+    return kept, C
+
+
+@pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (33, 8, 0.5), (10, 2, 1.25), (20, 5, 2.0)])
+def test_top2_gating_with_capacity_equals_token_by_token_routing(ex, T, E, cf):
+    logits = _logits(T, E, seed=T + E)
+    combine, dispatch, dropped = ex.top2_gating_with_capacity(logits, cf)
+    kept, C = _top2_by_loops(logits, cf)
+    assert C == cm.moe_capacity(T, E, 2, cf)
+    assert combine.shape == dispatch.shape == (T, E, C) and dispatch.dtype == torch.bool
+    got = {(t, e): (c, combine[t, e, c].item()) for t, e, c in dispatch.nonzero().tolist()}
+    assert set(got) == set(kept), "a different set of (token, expert) assignments was kept"
+    for key, (slot, gate) in kept.items():
+        assert got[key][0] == slot, f"assignment {key}: slot {got[key][0]}, want {slot}"
+        assert got[key][1] == pytest.approx(gate, rel=1e-12)
+    assert torch.equal(combine != 0, dispatch), "combine weights must sit exactly on the dispatched slots"
+    assert dropped == 2 * T - len(kept)
+
+
+def test_top2_gating_with_capacity_drops_what_capacity_implies(ex):
+    T, E, cf = 64, 8, 0.75
+    logits = _logits(T, E, seed=5)
+    _, dispatch, dropped = ex.top2_gating_with_capacity(logits, cf)
+    top2 = logits.topk(2, dim=-1).indices
+    loads = torch.bincount(top2.flatten(), minlength=E)       # what each expert was asked for
+    assert dropped == cm.dropped_tokens(loads, cm.moe_capacity(T, E, 2, cf))
+    assert dispatch.sum(dim=(0, 2)).tolist() == loads.clamp(max=cm.moe_capacity(T, E, 2, cf)).tolist()
+    assert int(dispatch.sum(dim=0).max()) <= 1, "a slot of an expert's buffer holds one token at most"
+
+
+def test_top2_gating_with_capacity_first_choices_have_priority(ex):
+    # every token prefers expert 0, then expert 1: expert 0 fills up with the first C tokens'
+    # first choices; expert 1 has no first choices, so its C slots go to the earliest second choices
+    T, E = 8, 4
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]] * T)
+    combine, dispatch, dropped = ex.top2_gating_with_capacity(logits, 1.0)
+    C = cm.moe_capacity(T, E, 2, 1.0)  # 4
+    assert dispatch[:, 0].any(-1).tolist() == [True] * C + [False] * (T - C)
+    assert dispatch[:, 1].any(-1).tolist() == [True] * C + [False] * (T - C)
+    assert dropped == 2 * (T - C)
+    # a token's second choice yields to another token's first choice at the same expert
+    logits = torch.tensor([[0.0, 5.0, 4.0, 0.0],    # token 0: second choice expert 2
+                           [0.0, 0.0, 5.0, 4.0],    # token 1: first choice expert 2
+                           [5.0, 0.0, 4.0, 0.0],    # token 2: first choice expert 0, second 2
+                           [5.0, 4.0, 0.0, 0.0]])
+    _, dispatch, _ = ex.top2_gating_with_capacity(logits, 0.5)  # C = 1
+    assert dispatch[1, 2].any() and not dispatch[0, 2].any() and not dispatch[2, 2].any()
+
+
+def test_top2_gating_with_capacity_computes_the_moe_layer(ex):
+    # the einsums over GShard's tensors equal the layer written token by token
+    T, E, h, cf = 24, 6, 5, 1.0
+    g = torch.Generator().manual_seed(7)
+    x, W = torch.randn(T, h, generator=g, dtype=torch.float64), torch.randn(E, h, h, generator=g, dtype=torch.float64)
+    logits = _logits(T, E, seed=8).requires_grad_(True)
+    combine, dispatch, _ = ex.top2_gating_with_capacity(logits, cf)
+    expert_in = torch.einsum("tec,th->ech", dispatch.to(x.dtype), x)
+    y = torch.einsum("tec,ech->th", combine, torch.tanh(torch.einsum("ech,ehk->eck", expert_in, W)))
+    kept, _ = _top2_by_loops(logits.detach(), cf)
+    want = torch.zeros(T, h, dtype=torch.float64)
+    for (t, e), (_, gate) in kept.items():
+        want[t] += gate * torch.tanh(x[t] @ W[e])
+    torch.testing.assert_close(y.detach(), want)
+    y.sum().backward()  # the gates are differentiable: the router learns through them
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_top2_gating_with_capacity_no_drops_with_enough_capacity(ex):
+    T, E = 30, 4
+    combine, dispatch, dropped = ex.top2_gating_with_capacity(_logits(T, E, 9), capacity_factor=E / 2)
+    assert dropped == 0 and dispatch.sum().item() == 2 * T
+    torch.testing.assert_close(combine.sum(dim=(1, 2)), torch.ones(T, dtype=torch.float64))
+
+
+def test_top2_gating_with_capacity_rejects_bad_input(ex):
+    ex.top2_gating_with_capacity(_logits(8, 4, 0), 1.0)  # a valid call first
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        ex.top2_gating_with_capacity(torch.randn(2, 8, 4), 1.0)
+    with pytest.raises(ValueError, match="at least 2 experts"):
+        ex.top2_gating_with_capacity(torch.randn(8, 1), 1.0)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ex.top2_gating_with_capacity(torch.randn(8, 4), 0.0)
+
+
+# --- 2. load_balancing_loss ----------------------------------------------------------------------------
+
+def _aux_by_definition(probs, index, alpha):
+    T, N = probs.shape
+    assignments = [e for row in index.reshape(T, -1).tolist() for e in row]
+    total = 0.0
+    for i in range(N):
+        f_i = sum(1 for e in assignments if e == i) / len(assignments)
+        P_i = sum(probs[t, i].item() for t in range(T)) / T
+        total += f_i * P_i
+    return alpha * N * total
+
+
+def test_load_balancing_loss_on_hand_made_router_outputs(ex):
+    T, N, alpha = 12, 4, 0.01
+    uniform = torch.full((T, N), 1 / N)
+    balanced = torch.arange(T) % N
+    assert ex.load_balancing_loss(uniform, balanced, alpha).item() == pytest.approx(alpha)      # the minimum
+    collapsed = F.one_hot(torch.zeros(T, dtype=torch.long), N).float()
+    assert ex.load_balancing_loss(collapsed, torch.zeros(T, dtype=torch.long), alpha).item() == pytest.approx(alpha * N)
+    # half the tokens on expert 0 with probability 0.7, the rest spread: the formula by hand
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 6 + [[0.1, 0.3, 0.3, 0.3]] * 6)
+    index = torch.tensor([0] * 6 + [1, 2, 3, 1, 2, 3])
+    f, P = [0.5, 1 / 6, 1 / 6, 1 / 6], [0.4, 0.2, 0.2, 0.2]
+    want = alpha * N * sum(a * b for a, b in zip(f, P))
+    assert ex.load_balancing_loss(probs, index, alpha).item() == pytest.approx(want)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_load_balancing_loss_equals_the_definition_on_random_routers(ex, k):
+    T, N, alpha = 40, 6, 0.03
+    probs = torch.softmax(_logits(T, N, seed=10 + k), dim=-1)
+    index = probs.topk(k, dim=-1).indices
+    index = index[:, 0] if k == 1 else index
+    loss = ex.load_balancing_loss(probs, index, alpha)
+    assert loss.dim() == 0
+    assert loss.item() == pytest.approx(_aux_by_definition(probs, index, alpha), rel=1e-12)
+
+
+def test_load_balancing_loss_gradient_pushes_probability_off_busy_experts(ex):
+    T, N, alpha = 20, 5, 0.1
+    probs = torch.softmax(_logits(T, N, seed=12), dim=-1).requires_grad_(True)
+    index = torch.tensor([0] * 10 + [1] * 5 + [2] * 5)  # experts 3 and 4 get nothing
+    ex.load_balancing_loss(probs, index, alpha).backward()
+    f = torch.bincount(index, minlength=N).double() / T
+    # d loss / d p_i(x) = α·N·f_i / T: f is a count, the gradient flows through P only
+    torch.testing.assert_close(probs.grad, (alpha * N * f / T).expand(T, N))
+
+
+def test_load_balancing_loss_rejects_bad_input(ex):
+    probs, index = torch.full((4, 2), 0.5), torch.tensor([0, 1, 0, 1])
+    ex.load_balancing_loss(probs, index, 0.01)  # a valid call first
+    with pytest.raises(ValueError, match=r"\[T, N\]"):
+        ex.load_balancing_loss(torch.full((4,), 0.5), index)
+    with pytest.raises(ValueError, match="expert_index must be"):
+        ex.load_balancing_loss(probs, torch.tensor([0, 1, 0]))
+    with pytest.raises(ValueError, match="outside"):
+        ex.load_balancing_loss(probs, torch.tensor([0, 1, 2, 1]))
+    with pytest.raises(TypeError, match="integer"):
+        ex.load_balancing_loss(probs, index.float())
+    with pytest.raises(ValueError, match="alpha"):
+        ex.load_balancing_loss(probs, index, -1.0)
+
+
+# --- 3. expert_choice_routing --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (30, 4, 2.0), (10, 3, 1.0), (7, 2, 5.0)])
+def test_expert_choice_routing_each_expert_takes_its_top_k_tokens(ex, T, E, cf):
+    logits = _logits(T, E, seed=T * E)
+    gates, token_index = ex.expert_choice_routing(logits, cf)
+    k = min(T, math.ceil(T * cf / E - 1e-9))  # k = n·c/e, at most n
+    assert gates.shape == token_index.shape == (E, k), "every expert gets exactly its capacity"
+    S = torch.softmax(logits, dim=-1)
+    for e in range(E):
+        best = sorted(range(T), key=lambda t: -S[t, e].item())[:k]  # no ties in random floats
+        assert token_index[e].tolist() == best, f"expert {e}: tokens in a different order or set"
+        torch.testing.assert_close(gates[e], S[best, e])
+
+
+def test_expert_choice_routing_lets_a_token_be_picked_by_many_or_none(ex):
+    T, E = 12, 3
+    logits = torch.zeros(T, E)   # token 11 stays [0, 0, 0]: a lukewarm 1/3 for every expert
+    logits[0] = torch.tensor([1.0, -5.0, 1.0])  # token 0: ~0.5 for experts 0 and 2
+    logits[1:4, 0] = 3.0         # tokens 1-3: ~0.91 for expert 0
+    logits[4:8, 1] = 3.0         # tokens 4-7: ~0.91 for expert 1
+    logits[8:11, 2] = 3.0        # tokens 8-10: ~0.91 for expert 2
+    gates, token_index = ex.expert_choice_routing(logits, 1.0)   # k = 12·1/3 = 4
+    assert [set(row) for row in token_index.tolist()] == [{0, 1, 2, 3}, {4, 5, 6, 7}, {0, 8, 9, 10}]
+    picks = torch.bincount(token_index.flatten(), minlength=T)
+    assert picks[0] == 2 and picks[11] == 0, "token 0 goes to two experts, token 11 to none"
+    assert int(picks.sum()) == E * 4, "capacity is always used in full: nothing dropped for capacity"
+
+
+def test_expert_choice_routing_gates_are_differentiable_and_combine_token_by_token(ex):
+    T, E, h = 18, 3, 4
+    g = torch.Generator().manual_seed(3)
+    x, W = torch.randn(T, h, generator=g, dtype=torch.float64), torch.randn(E, h, h, generator=g, dtype=torch.float64)
+    logits = _logits(T, E, seed=4).requires_grad_(True)
+    gates, idx = ex.expert_choice_routing(logits, 1.5)
+    out = torch.tanh(torch.einsum("ekh,ehj->ekj", x[idx], W)) * gates[..., None]   # [E, k, h]
+    y = torch.zeros(T, h, dtype=torch.float64).index_add(0, idx.flatten(), out.reshape(-1, h))
+    S = torch.softmax(logits.detach(), dim=-1)
+    want = torch.zeros(T, h, dtype=torch.float64)
+    for e in range(E):
+        for t in idx[e].tolist():
+            want[t] += S[t, e] * torch.tanh(x[t] @ W[e])
+    torch.testing.assert_close(y.detach(), want)
+    y.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_expert_choice_routing_rejects_bad_input(ex):
+    ex.expert_choice_routing(torch.randn(8, 4), 1.0)  # a valid call first
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        ex.expert_choice_routing(torch.randn(8), 1.0)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ex.expert_choice_routing(torch.randn(8, 4), -1.0)
+    with pytest.raises(TypeError, match="floating point"):
+        ex.expert_choice_routing(torch.zeros(8, 4, dtype=torch.long), 1.0)

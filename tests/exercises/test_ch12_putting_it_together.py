@@ -1,0 +1,345 @@
+"""Chapter 12 exercises, autograded: the rank grid, the memory-feasibility filter, microbatches for a bubble.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
+come from independent sources: the library's ``parallelism.mesh.RankGrid``, torch's row-major
+``DeviceMesh`` layout (an ``arange`` reshaped to (pp, dp, tp)) and the example in Megatron-LM's
+``initialize_model_parallel`` docstring for the grid; the library's planner and ``costmodel``
+(ZeRO §5.1, Korthikanti et al. 2022 eq. 1 written out here) and a published configuration for
+the memory filter; exact brute force with ``fractions.Fraction`` and ``costmodel``'s bubble for
+the microbatch count.
+
+Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+"""
+import itertools
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from minitorch_dist.analysis import costmodel, planner
+from minitorch_dist.analysis.planner_presets import GPUS, PUBLISHED, get_model
+from minitorch_dist.course.exercises import load
+from minitorch_dist.parallelism.mesh import RankGrid
+
+pytestmark = pytest.mark.ch12
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch12")
+
+
+def _shapes(n):
+    """Every (dp, tp, pp) with dp * tp * pp = n."""
+    return [(d, t, n // (d * t)) for d in range(1, n + 1) for t in range(1, n + 1) if n % (d * t) == 0]
+
+
+SHAPES = [s for n in range(1, 13) for s in _shapes(n)] + _shapes(16) + _shapes(24)
+SHAPES_OF_8 = _shapes(8)
+
+
+def _mesh(dp, tp, pp):
+    """torch's DeviceMesh layout of our grid: ranks row-major in shape (pp, dp, tp), slowest first."""
+    return torch.arange(dp * tp * pp).reshape(pp, dp, tp)
+
+
+# --- 1. the rank grid --------------------------------------------------------------------------------
+
+def test_rank_to_coords_matches_the_rank_grid_for_every_shape(ex):
+    assert len(SHAPES_OF_8) == 10  # 1x1x8, 1x2x4, ..., 8x1x1
+    for dp, tp, pp in SHAPES:
+        grid, mesh = RankGrid(dp * tp * pp, dp, tp, pp), _mesh(dp, tp, pp)
+        for rank in range(dp * tp * pp):
+            got = ex.rank_to_coords(rank, dp, tp, pp)
+            assert tuple(got) == tuple(grid.coords(rank)), f"rank {rank} of dp={dp} tp={tp} pp={pp}"
+            d, t, p = got
+            assert mesh[p, d, t].item() == rank, f"rank {rank}: ({d}, {t}, {p}) is not where DeviceMesh puts it"
+
+
+def test_rank_to_coords_worked_example(ex):
+    # 5 = tp 1 + 2 * (dp 0 + 2 * pp 1)
+    assert tuple(ex.rank_to_coords(5, 2, 2, 2)) == (0, 1, 1)
+    # 16 GPUs, t = 2, p = 4 (d = 2): rank 13 = 1 + 2 * (0 + 2 * 3)
+    assert tuple(ex.rank_to_coords(13, 2, 2, 4)) == (0, 1, 3)
+    # the axis sizes matter, not only the product: rank 5 of 1 x 2 x 4 and of 4 x 2 x 1
+    assert tuple(ex.rank_to_coords(5, 1, 2, 4)) == (0, 1, 2)
+    assert tuple(ex.rank_to_coords(5, 4, 2, 1)) == (2, 1, 0)
+
+
+def test_rank_to_coords_rejects_bad_input(ex):
+    ex.rank_to_coords(0, 2, 2, 2)  # a valid call first
+    with pytest.raises(ValueError, match="outside the grid"):
+        ex.rank_to_coords(8, 2, 2, 2)
+    with pytest.raises(ValueError, match="outside the grid"):
+        ex.rank_to_coords(-1, 2, 2, 2)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        ex.rank_to_coords(0, 2, 0, 2)
+
+
+def test_coords_to_rank_inverts_rank_to_coords(ex):
+    for dp, tp, pp in SHAPES:
+        n, grid = dp * tp * pp, RankGrid(dp * tp * pp, dp, tp, pp)
+        seen = []
+        for d, t, p in itertools.product(range(dp), range(tp), range(pp)):
+            rank = ex.coords_to_rank((d, t, p), dp, tp, pp)
+            assert rank == grid.rank_of(d, t, p) == _mesh(dp, tp, pp)[p, d, t].item(), (dp, tp, pp, d, t, p)
+            assert tuple(grid.coords(rank)) == (d, t, p)
+            seen.append(rank)
+        assert sorted(seen) == list(range(n)), f"dp={dp} tp={tp} pp={pp}: not a bijection onto 0..{n - 1}"
+
+
+def test_coords_to_rank_rejects_bad_input(ex):
+    ex.coords_to_rank((1, 1, 1), 2, 2, 2)  # a valid call first
+    with pytest.raises(ValueError, match="tp coordinate 2 is outside"):
+        ex.coords_to_rank((0, 2, 0), 2, 2, 2)
+    with pytest.raises(ValueError, match="coords must be"):
+        ex.coords_to_rank((0, 1), 2, 2, 2)
+    with pytest.raises(ValueError, match="pp must be a positive int"):
+        ex.coords_to_rank((0, 0, 0), 2, 2, 0)
+
+
+@pytest.mark.parametrize("axis", ["dp", "tp", "pp"])
+def test_group_ranks_match_the_rank_grid_and_the_device_mesh(ex, axis):
+    dim = {"pp": 0, "dp": 1, "tp": 2}[axis]
+    for dp, tp, pp in SHAPES:  # every shape of 8 ranks among them
+        size = {"dp": dp, "tp": tp, "pp": pp}[axis]
+        got = ex.group_ranks(axis, dp, tp, pp)
+        assert got == RankGrid(dp * tp * pp, dp, tp, pp).groups(axis), f"{axis} groups of dp={dp} tp={tp} pp={pp}"
+        # DeviceMesh: a group along a mesh dimension is the ranks at fixed indices of the others
+        mesh_groups = sorted(_mesh(dp, tp, pp).movedim(dim, -1).reshape(-1, size).tolist())
+        assert got == mesh_groups, f"{axis} groups of dp={dp} tp={tp} pp={pp} differ from torch's mesh layout"
+
+
+def test_group_ranks_partition_the_ranks_by_one_coordinate(ex):
+    for dp, tp, pp in SHAPES_OF_8 + _shapes(12):
+        n, grid = dp * tp * pp, RankGrid(dp * tp * pp, dp, tp, pp)
+        for axis, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+            groups = ex.group_ranks(axis, dp, tp, pp)
+            assert len(groups) == n // size and all(len(g) == size for g in groups)
+            assert sorted(r for g in groups for r in g) == list(range(n)), "the groups must partition the ranks"
+            for g in groups:
+                coords = [grid.coords(r)._asdict() for r in g]
+                assert [c[axis] for c in coords] == list(range(size)), "members listed by their coordinate"
+                for other in {"dp", "tp", "pp"} - {axis}:
+                    assert len({c[other] for c in coords}) == 1, f"an {axis} group must share its {other} rank"
+        # Megatron's point: TP groups are consecutive ranks, so they fit in a node
+        assert ex.group_ranks("tp", dp, tp, pp) == [list(range(k, k + tp)) for k in range(0, n, tp)]
+
+
+def test_group_ranks_megatron_example(ex):
+    # megatron/core/parallel_state.py, initialize_model_parallel's docstring: 16 GPUs, tensor 2, pipeline 4
+    assert ex.group_ranks("tp", 2, 2, 4) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert ex.group_ranks("dp", 2, 2, 4) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert ex.group_ranks("pp", 2, 2, 4) == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+
+
+def test_group_ranks_rejects_bad_input(ex):
+    ex.group_ranks("tp", 2, 2, 2)  # a valid call first
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        ex.group_ranks("ep", 2, 2, 2)
+    with pytest.raises(ValueError, match="dp must be a positive int"):
+        ex.group_ranks("dp", 0, 2, 2)
+
+
+# --- 2. fits_in_memory -------------------------------------------------------------------------------
+
+def _fits(ex, model, memory, c, **kw):
+    """ex.fits_in_memory for a ModelSpec and a planner Config."""
+    return ex.fits_in_memory(model.as_cfg(), memory, dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch,
+                             microbatches=c.microbatches, zero=c.zero, recompute=c.recompute,
+                             sequence_parallel=c.sequence_parallel, **kw)
+
+
+@pytest.mark.parametrize("name, gpu, n_gpus", [("gpt3-175b", "a100", 1024), ("gpt3-13b", "a100", 64),
+                                                ("llama-7b", "h100", 32), ("tiny-3d", "cpu", 8)])
+def test_fits_in_memory_matches_the_planner(ex, name, gpu, n_gpus):
+    model, cluster = get_model(name), planner.Cluster(gpu, n_gpus)
+    configs = planner.candidates(model, cluster, sequence_parallel=(False, True))
+    rng = random.Random(0)
+    verdicts = set()
+    for c in rng.sample(configs, min(150, len(configs))):
+        plan = planner.evaluate(c, model, cluster)
+        fits, parts = _fits(ex, model, cluster.gpu.memory_bytes, c)
+        for key in ("weights", "gradients", "optimizer", "buffers", "activations", "total", "capacity"):
+            assert math.isclose(parts[key], plan.memory[key], rel_tol=1e-12, abs_tol=1e-6), \
+                f"{name} {c}: {key} {parts[key]:.6g} B, the planner says {plan.memory[key]:.6g} B"
+        assert fits == plan.fits, f"{name} {c}"
+        verdicts.add(fits)
+    if name in ("gpt3-175b", "gpt3-13b"):
+        assert verdicts == {True, False}, "sanity: the sample has configurations on both sides of the filter"
+
+
+def test_fits_in_memory_model_states_follow_zero(ex):
+    model = get_model("gpt3-13b")
+    cfg = model.as_cfg()
+    for tp, pp, dp in ((1, 1, 8), (2, 4, 8), (8, 5, 4), (4, 2, 64)):
+        psi = costmodel.pipeline_stage_params(cfg, tp, pp)[0]
+        states = []
+        for zero in (0, 1, 2, 3):
+            _, parts = ex.fits_in_memory(cfg, 80e9, dp=dp, tp=tp, pp=pp, micro_batch=1, microbatches=8, zero=zero)
+            state = parts["weights"] + parts["gradients"] + parts["optimizer"]
+            # ZeRO §5.1 with fp16 weights and gradients and K = 12
+            assert math.isclose(state, costmodel.zero_memory_bytes(psi, dp, zero), rel_tol=1e-12), (tp, pp, dp, zero)
+            assert parts["buffers"] == 0 or zero == 3
+            states.append(state)
+        assert math.isclose(states[0], 16 * psi, rel_tol=1e-12) and math.isclose(states[3], 16 * psi / dp,
+                                                                                 rel_tol=1e-12)
+        assert states[0] > states[1] > states[2] > states[3], "each ZeRO stage shards one more part"
+    # TP x PP sharding: t*p GPUs of the first stage hold at least 1/(t*p) of the model (embeddings and
+    # LayerNorms are replicated), and more GPUs means fewer bytes each
+    full = costmodel.transformer_params(cfg)
+    _, one = ex.fits_in_memory(cfg, 80e9, dp=1, tp=1, pp=1, micro_batch=1, microbatches=1)
+    _, split = ex.fits_in_memory(cfg, 80e9, dp=1, tp=8, pp=4, micro_batch=1, microbatches=1)
+    assert math.isclose(one["weights"], 2 * full, rel_tol=1e-12)
+    assert 2 * full / 32 < split["weights"] < 2 * full / 16
+
+
+def test_fits_in_memory_activations_follow_korthikanti(ex):
+    model = get_model("gpt3-175b")
+    cfg = model.as_cfg()
+    s, h, a, L = model.seq, model.hidden, model.heads, model.layers
+    for b, tp, pp, m, sp, r in itertools.product((1, 2), (1, 8), (1, 4, 8), (1, 3, 16), (False, True),
+                                                 costmodel.RECOMPUTE):
+        if sp and tp == 1:
+            continue
+        _, parts = ex.fits_in_memory(cfg, 80e9, dp=1, tp=tp, pp=pp, micro_batch=b, microbatches=m, recompute=r,
+                                     sequence_parallel=sp)
+        want = costmodel.pipeline_activation_bytes(s, b, h, a, L, tp, pp, m, sp, r)
+        assert math.isclose(parts["activations"], want, rel_tol=1e-12), (b, tp, pp, m, sp, r)
+    # Korthikanti et al. 2022, eq. 1 (no parallelism, no recomputation), written out: s b h (34 + 5 a s / h)
+    _, parts = ex.fits_in_memory(cfg, 80e9, dp=1, tp=1, pp=1, micro_batch=1, microbatches=4)
+    assert math.isclose(parts["activations"], L * s * h * (34 + 5 * a * s / h), rel_tol=1e-12)
+    # §4.2: with m >= p the first stage's activations do not depend on p (p stashes of L/p layers)
+    by_pp = [ex.fits_in_memory(cfg, 80e9, dp=1, tp=8, pp=pp, micro_batch=1, microbatches=32,
+                               recompute="selective")[1]["activations"] for pp in (1, 2, 4, 8, 16, 32)]
+    assert all(math.isclose(x, by_pp[0], rel_tol=1e-12) for x in by_pp)
+    # recomputation trades memory for compute: none > selective > full
+    act = {r: ex.fits_in_memory(cfg, 80e9, dp=1, tp=8, pp=8, micro_batch=1, microbatches=64,
+                                recompute=r)[1]["activations"] for r in costmodel.RECOMPUTE}
+    assert act["none"] > act["selective"] > act["full"]
+
+
+def test_fits_in_memory_compares_the_total_with_usable_memory(ex):
+    cfg = get_model("gpt3-13b").as_cfg()
+    kw = dict(dp=8, tp=4, pp=2, micro_batch=2, microbatches=16, zero=1, recompute="selective")
+    _, parts = ex.fits_in_memory(cfg, 80e9, **kw)
+    assert math.isclose(parts["total"], sum(parts[k] for k in ("weights", "gradients", "optimizer", "buffers",
+                                                               "activations")), rel_tol=1e-12)
+    assert math.isclose(parts["capacity"], 0.9 * 80e9, rel_tol=1e-12)
+    total = parts["total"]
+    assert ex.fits_in_memory(cfg, total, usable=1.0, **kw)[0] is True, "exactly full still fits"
+    assert ex.fits_in_memory(cfg, total * (1 - 1e-9), usable=1.0, **kw)[0] is False
+    assert ex.fits_in_memory(cfg, total / 0.5 * (1 + 1e-9), usable=0.5, **kw)[0] is True
+    assert ex.fits_in_memory(cfg, total / 0.5 * (1 - 1e-9), usable=0.5, **kw)[0] is False
+
+
+def test_fits_in_memory_published_gpt3_175b(ex):
+    # Megatron-LM trained GPT-3 175B on 1024 A100s with this configuration: it must fit
+    pub, model = PUBLISHED["gpt3-175b"], get_model("gpt3-175b")
+    dp = pub.gpus // (pub.tp * pub.pp)
+    c = planner.Config(pub.tp, pub.pp, dp, pub.micro_batch, model.global_batch // (dp * pub.micro_batch), pub.zero,
+                       pub.recompute)
+    memory = GPUS[pub.gpu].memory_bytes
+    fits, parts = _fits(ex, model, memory, c)
+    assert fits, f"{c} needs {parts['total'] / 1e9:.1f} GB of {memory / 1e9:.0f}"
+    # ...and 175B parameters at 16 bytes each (2.8 TB) do not fit on one GPU, whatever the recompute
+    for r in costmodel.RECOMPUTE:
+        fits, parts = ex.fits_in_memory(model.as_cfg(), memory, dp=1, tp=1, pp=1, micro_batch=1, microbatches=1,
+                                        recompute=r)
+        assert not fits and parts["total"] > 16 * 175e9
+
+
+def test_fits_in_memory_rejects_bad_input(ex):
+    cfg = get_model("tiny-3d").as_cfg()  # 4 layers, 4 heads, vocab 64, seq 16
+    ok = dict(dp=2, tp=2, pp=2, micro_batch=1, microbatches=4)
+    ex.fits_in_memory(cfg, 1e9, **ok)  # a valid call first
+    with pytest.raises(ValueError, match="n_layer 4 is not divisible by pp=3"):
+        ex.fits_in_memory(cfg, 1e9, **{**ok, "pp": 3})
+    with pytest.raises(ValueError, match="divisible by tp=3"):
+        ex.fits_in_memory(cfg, 1e9, **{**ok, "tp": 3})
+    with pytest.raises(ValueError, match="zero must be"):
+        ex.fits_in_memory(cfg, 1e9, **ok, zero=4)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        ex.fits_in_memory(cfg, 1e9, **ok, recompute="some")
+    with pytest.raises(ValueError, match="memory_bytes must be > 0"):
+        ex.fits_in_memory(cfg, 0, **ok)
+    with pytest.raises(ValueError, match="microbatches must be a positive int"):
+        ex.fits_in_memory(cfg, 1e9, **{**ok, "microbatches": 0})
+
+
+# --- 3. microbatches_for_bubble ------------------------------------------------------------------------
+
+def _brute_force(p, target, global_batch, dp, b, v):
+    """The smallest m by enumeration with exact arithmetic, or None."""
+    units = global_batch // (dp * b)
+    for m in range(1, units + 1):
+        if units % m == 0 and (v == 1 or m % p == 0) and Fraction(p - 1, v * m) <= Fraction(target):
+            return m
+    return None
+
+
+def test_microbatches_for_bubble_is_the_smallest_valid_count(ex):
+    rng = random.Random(0)
+    found = missing = 0
+    for _ in range(400):
+        p, v = rng.choice([1, 2, 3, 4, 8, 16]), rng.choice([1, 1, 2, 4])
+        dp, b = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4])
+        global_batch = dp * b * rng.choice([1, 6, 12, 16, 30, 48, 64, 96, 192])
+        target = rng.choice([0.0, 0.01, 0.05, 0.1, 0.125, 0.25, 0.5, 1.0, 3.0])
+        want = _brute_force(p, target, global_batch, dp, b, v)
+        if want is None:
+            with pytest.raises(ValueError):
+                ex.microbatches_for_bubble(p, target, global_batch, dp, b, v)
+            missing += 1
+            continue
+        m = ex.microbatches_for_bubble(p, target, global_batch, dp, b, v)
+        assert m == want, f"p={p} target={target} B={global_batch} dp={dp} b={b} v={v}: got {m}, want {want}"
+        # the same bubble in costmodel's words (Narayanan §2.2); as a share of the step it is smaller
+        schedule = "interleaved" if v > 1 else "1f1b"
+        ratio = costmodel.pipeline_bubble_ratio(schedule, p, m, v)
+        assert ratio <= target * (1 + 1e-12)
+        assert math.isclose(costmodel.pipeline_bubble_fraction(schedule, p, m, v), ratio / (1 + ratio),
+                            rel_tol=1e-12, abs_tol=1e-15)
+        found += 1
+    assert found > 100 and missing > 20, f"sanity: both outcomes are exercised ({found} found, {missing} missing)"
+
+
+def test_microbatches_for_bubble_exact_boundaries(ex):
+    assert ex.microbatches_for_bubble(4, 0.1, 30, 1) == 30, "3/30 <= 0.1 must hold exactly"
+    assert ex.microbatches_for_bubble(5, 0.25, 64, 1) == 16, "4/16 = 0.25 meets a target of 0.25"
+    assert ex.microbatches_for_bubble(1, 0.0, 64, 4) == 1, "no pipeline, no bubble: one microbatch will do"
+    # m must divide the per-replica batch: 48/(1*2) = 24 units; bubble 7/m <= 0.5 needs m >= 14: 24
+    assert ex.microbatches_for_bubble(8, 0.5, 48, 1, micro_batch_size=2) == 24
+    # interleaving divides the bubble by v, but needs m to be a multiple of p
+    assert ex.microbatches_for_bubble(4, 0.25, 64, 1, v=2) == 8  # 3/(2m) <= 1/4 needs m >= 6; 6 is no multiple of 4
+
+
+def test_microbatches_for_bubble_gpt3_175b(ex):
+    # the published 175B configuration: batch 1536 on dp = 1024 / (8 * 16) = 8 replicas, p = 16
+    pub, model = PUBLISHED["gpt3-175b"], get_model("gpt3-175b")
+    dp, B = pub.gpus // (pub.tp * pub.pp), model.global_batch
+    m = ex.microbatches_for_bubble(pub.pp, 0.1, B, dp)
+    assert m == _brute_force(pub.pp, 0.1, B, dp, 1, 1)
+    assert costmodel.pipeline_bubble_ratio("1f1b", pub.pp, m) <= 0.1
+    smaller = [k for k in range(1, m) if (B // dp) % k == 0]
+    assert all(costmodel.pipeline_bubble_ratio("1f1b", pub.pp, k) > 0.1 for k in smaller)
+
+
+def test_microbatches_for_bubble_rejects_bad_input(ex):
+    ex.microbatches_for_bubble(4, 0.5, 64, 2)  # a valid call first
+    with pytest.raises(ValueError, match="raise the global batch"):
+        ex.microbatches_for_bubble(8, 0.01, 64, 1)  # needs m >= 700
+    with pytest.raises(ValueError, match="multiple of p=4"):
+        ex.microbatches_for_bubble(4, 0.25, 6, 1, v=2)
+    with pytest.raises(ValueError, match="not divisible by dp=3"):
+        ex.microbatches_for_bubble(4, 0.5, 64, 3)
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        ex.microbatches_for_bubble(4, 0.5, 64, 2, micro_batch_size=3)
+    with pytest.raises(ValueError, match="target must be"):
+        ex.microbatches_for_bubble(4, -0.1, 64, 2)
+    with pytest.raises(ValueError, match="p must be a positive int"):
+        ex.microbatches_for_bubble(0, 0.5, 64, 2)

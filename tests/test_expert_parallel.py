@@ -1,0 +1,180 @@
+"""Chapter 10: expert parallelism equals the single-process MoE layer with the same routing.
+
+Each rank routes its own TOK tokens, so the reference is the same :class:`MoELayer` (same seed) run
+in one process on each rank's chunk separately, with the chunks' losses summed: rank r's outputs
+and input gradients must equal chunk r's, rank r's experts' gradients the reference's gradients of
+experts [r·E/n, (r+1)·E/n), and the router's gradient after ``sync_replicated_grads`` the
+reference's. World sizes 2 and 4, E = 8 experts (4 and 2 per rank), four routings: Switch with
+drops, GShard top-2 with drops, expert choice, and a skewed one where every token of a rank goes to
+one expert (all-to-all splits of zero rows).
+
+The mechanism is checked too: three all-to-alls forward (counts, dispatch, combine) and two backward,
+their byte counts equal ``costmodel.all_to_all_bytes_moe`` on the send matrix that the *reference*
+routing implies (``costmodel.expert_parallel_send_matrix``) plus the counts exchange.
+
+Tolerances: the experts see the same rows in a different grouping (all ranks' rows for an expert in
+one matmul), and the router gradient is n partial sums added by an all-reduce: fp32 rounding only,
+atol 1e-6 / rtol 1e-5. A row sent to the wrong expert or returned to the wrong token moves outputs
+by O(0.1); a missing all-reduce leaves ~1/n of the router gradient.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.launch import launch
+from minitorch_dist.sparsity.expert_parallel import (
+    ExpertParallelMoE, all_to_all, replicated_parameters, sync_replicated_grads,
+)
+from minitorch_dist.sparsity.moe import ExpertChoiceRouter, MoELayer, SwitchRouter, Top2Router
+
+pytestmark = pytest.mark.ch10
+
+H, D_FF, E, TOK, SEED = 8, 16, 8, 12, 7
+ATOL, RTOL = 1e-6, 1e-5
+CASES = {
+    "switch": lambda: SwitchRouter(H, E, capacity_factor=1.0),
+    "top2": lambda: Top2Router(H, E, capacity_factor=0.75),
+    "expert_choice": lambda: ExpertChoiceRouter(H, E, capacity_factor=1.0),
+    "skewed": lambda: SwitchRouter(H, E, capacity_factor=None),
+}
+
+
+def _layer(case, n_experts=E):
+    torch.manual_seed(SEED)
+    router = CASES[case]() if n_experts == E else SwitchRouter(H, n_experts)
+    return MoELayer(H, D_FF, n_experts, router)
+
+
+def _data(case, n):
+    g = torch.Generator().manual_seed(SEED + 1)
+    x, G = torch.randn(n * TOK, H, generator=g), torch.randn(n * TOK, H, generator=g)
+    if case == "skewed":  # all of a rank's tokens are one token: they all pick the same expert
+        x = x[::TOK].repeat_interleave(TOK, 0)
+    return x.view(n, TOK, H), G.view(n, TOK, H)
+
+
+def _events(m):
+    return [(e.op, e.nbytes) for e in m.events]
+
+
+def _rank_run():
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for case in CASES:
+        ep = ExpertParallelMoE(_layer(case))
+        xs, Gs = _data(case, n)
+        x = xs[r].clone().requires_grad_(True)
+        with comm.meter() as fwd:
+            y = ep(x)
+        with comm.meter() as bwd:
+            ((y * Gs[r]).sum() + ep.aux_loss).backward()
+        with comm.meter() as sync:
+            sync_replicated_grads(ep)
+        out[case] = {"y": y.detach(), "dx": x.grad, "experts": [[p.grad for p in e.parameters()] for e in ep.experts],
+                     "router": ep.router.w_gate.grad, "send": ep.send_counts, "recv": ep.recv_counts,
+                     "fwd": _events(fwd), "bwd": _events(bwd), "sync": _events(sync),
+                     "replicated": [tuple(p.shape) for p in replicated_parameters(ep)]}
+    try:
+        ExpertParallelMoE(_layer("switch", n_experts=3 if n == 2 else 6))
+    except ValueError as e:
+        out["error"] = str(e)
+    # the bare differentiable all-to-all, uneven: rank r sends j+1 rows of value r to rank j
+    rows = torch.full((sum(j + 1 for j in range(n)), 2), float(r), requires_grad=True)
+    got = all_to_all(rows, [r + 1] * n, [j + 1 for j in range(n)])
+    (got * (torch.arange(got.size(0), dtype=torch.float32)[:, None] + 1)).sum().backward()
+    out["a2a"] = (got.detach(), rows.grad)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    n = request.param
+    return n, launch(_rank_run, n, timeout_s=120)
+
+
+def _reference(case, n):
+    """The layer on each chunk separately (as each rank routes), chunk losses summed."""
+    layer = _layer(case)
+    xs, Gs = _data(case, n)
+    out, total = [], 0.0
+    for r in range(n):
+        x = xs[r].clone().requires_grad_(True)
+        y = layer(x)
+        total = total + (y * Gs[r]).sum() + layer.aux_loss
+        out.append({"x": x, "y": y.detach(), "counts": layer.last_routing.counts.tolist()})
+    total.backward()
+    return layer, out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_expert_parallel_outputs_and_gradients_equal_single_process(ranks, case):
+    n, results = ranks
+    layer, ref = _reference(case, n)
+    per = E // n
+    for r in range(n):
+        got = results[r][case]
+        torch.testing.assert_close(got["y"], ref[r]["y"], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["dx"], ref[r]["x"].grad, atol=ATOL, rtol=RTOL)
+        for i, grads in enumerate(got["experts"]):
+            want = [p.grad for p in layer.experts[r * per + i].parameters()]
+            for a, b in zip(grads, want):
+                torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["router"], layer.router.w_gate.grad, atol=ATOL, rtol=RTOL)
+        assert got["replicated"] == [(H, E)]  # only the router is replicated; experts are sharded
+    if case == "skewed":  # every rank sent all its rows to one rank and none to the others
+        assert all(sorted(results[r][case]["send"]) == [0] * (n - 1) + [TOK] for r in range(n))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_all_to_all_bytes_match_the_meter_and_the_formula(ranks, case):
+    n, results = ranks
+    _, ref = _reference(case, n)
+    S = costmodel.expert_parallel_send_matrix([c["counts"] for c in ref], n)  # from the reference routing
+    want = costmodel.all_to_all_bytes_moe(S, H, include_self=True, backward=True)
+    counts_bytes = costmodel.moe_counts_exchange_bytes(E, n, include_self=True)
+    for r in range(n):
+        got = results[r][case]
+        assert got["send"] == S[r] and got["recv"] == [S[i][r] for i in range(n)]
+        A, R = sum(S[r]) * H * 4, sum(S[i][r] for i in range(n)) * H * 4
+        assert got["fwd"] == [("all_to_all", E * 8), ("all_to_all", A), ("all_to_all", R)]
+        assert got["bwd"] == [("all_to_all", A), ("all_to_all", R)]  # reverse order, splits swapped
+        assert sum(b for _, b in got["fwd"] + got["bwd"]) == want[r] + counts_bytes
+        assert got["sync"] == [("all_reduce", H * E * 4)]  # the router's gradient, once
+
+
+def test_uneven_all_to_all_and_its_backward(ranks):
+    n, results = ranks
+    for r in range(n):
+        got, grad = results[r]["a2a"]
+        # rank r receives r+1 rows from every rank i, holding value i
+        want = torch.tensor([float(i) for i in range(n) for _ in range(r + 1)])[:, None].expand(-1, 2)
+        torch.testing.assert_close(got, want)
+        # backward sends each row's gradient (its 1-based position at the receiver) back to its origin
+        want_grad = []
+        for j in range(n):  # rank r's block for rank j: rows at positions r·(j+1) + 1 ... on rank j
+            want_grad += [float(r * (j + 1) + m + 1) for m in range(j + 1)]
+        torch.testing.assert_close(grad, torch.tensor(want_grad)[:, None].expand(-1, 2))
+
+
+def test_experts_not_divisible_by_ranks_is_a_clear_error(ranks):
+    n, results = ranks
+    bad = 3 if n == 2 else 6
+    assert results[0]["error"].startswith(f"n_experts {bad} is not divisible by {n} ranks (expert parallel degree)")
+    assert all(res["error"] == results[0]["error"] for res in results)
+
+
+def test_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        ExpertParallelMoE(_layer("switch"))
+
+
+def test_headline_smoke_rows_are_ok():
+    from minitorch_dist.sparsity import headline
+
+    rows = headline(smoke=True)
+    assert len(rows) == 4
+    for row in rows:
+        assert set(row) >= {"chapter", "experiment", "theory", "measured", "ok"}
+        assert row["chapter"] == "ch10" and row["ok"], row

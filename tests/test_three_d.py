@@ -1,0 +1,177 @@
+"""Chapter 12: 3D parallelism (d x t x p ranks) trains the tiny GPT exactly as one process does, and
+moves the bytes the formulas say, over the groups the grid says.
+
+Reference: ``models.train.train_steps`` on the whole global batch in one process, one thread
+(``three_d.reference_run``: ``steps + 1`` steps, the last without an update). The 3D weights are
+reassembled from every rank's shards (``merge_full_params``, which also measures how far replicated
+copies drift apart: they must not, at all).
+
+Tolerances (float32). TP splits sums over ranks, the pipeline sums microbatch gradients, DP averages
+shards: the same numbers added in other orders, measured ~1e-8 apart on weights after 3 SGD steps
+(~5e-7 of the largest weight of a tensor) and ~1e-6 on losses. We assert rtol 1e-5 with atol 1e-6 on
+weights; the steps move weights by >= 1e-3 somewhere in every run (asserted), so a missing tied-embedding
+all-reduce, a sum instead of an average, or a lost microbatch is off by orders of magnitude more.
+AdamW normalises each gradient element, amplifying these ulps for elements whose gradient is tiny
+(~1e-6 measured): atol 1e-5 there.
+
+Meters (the last step of each run; every collective records the global ranks of its group):
+* every all-reduce inside the pipeline step ran on this rank's TP group: 4 of b·s·h per layer and
+  microbatch (``costmodel.tensor_parallel_allreduces_per_layer``; 6 with recomputation, which
+  repeats the forward's 2), plus one for the embedding (first stage) and one for the output
+  layer's f (last stage); the vocabulary-parallel loss adds 3 of b·s numbers per microbatch;
+* every send / recv ran on the PP group; one pipeline's sends add up to ``costmodel.pipeline_p2p_bytes``;
+* the tied embedding's gradient: one all-reduce of (V/t)·h on the embedding group (first, last stage);
+* the DP step: one all-reduce (ZeRO-1: reduce-scatter + all-gather) on the DP group of 4 bytes x this
+  rank's parameters (``three_d.local_param_count``, counted from the dense model; padded to a multiple
+  of d), and over one pipeline those add up to ``costmodel.tensor_parallel_params_per_rank`` plus the tied copy.
+"""
+import functools
+
+import pytest
+import torch
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.memory.zero import shard_size
+from minitorch_dist.models.gpt import GPTConfig
+from minitorch_dist.parallelism import three_d as D
+from minitorch_dist.runtime.launch import launch
+
+pytestmark = pytest.mark.ch12
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
+STEPS, B, T, M = 3, 16, 16, 2
+SGD_TOL = dict(rtol=1e-5, atol=1e-6)
+ADAM_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(adam: bool):
+    opt = _adamw if adam else None
+    losses, weights = D.reference_run(CFG, STEPS, B, T, optimizer=opt)
+    _, initial = D.reference_run(CFG, 0, B, T)
+    return losses, weights, initial
+
+
+def _run(d, t, p, m=M, adam=False, **kw):
+    if adam:
+        kw["optimizer"] = _adamw
+    return launch(functools.partial(D.train_3d, **kw), d * t * p, CFG, d, t, p, STEPS, B, T, m, timeout_s=300)
+
+
+def _check_equal_to_one_process(results, adam=False):
+    ref_losses, ref, initial = _reference(adam)
+    full, spread = D.merge_full_params(results, CFG)
+    assert spread == 0.0  # replicas (DP, TP-replicated, tied copies) are bitwise identical
+    assert set(full) == set(ref)
+    assert max((ref[k] - initial[k]).abs().max().item() for k in ref) > 1e-3  # the steps did move the weights
+    for k in ref:
+        torch.testing.assert_close(full[k], ref[k], **(ADAM_TOL if adam else SGD_TOL), msg=k)
+    torch.testing.assert_close(torch.tensor(D.global_losses(results)), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+
+
+def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1):
+    act = B // d // m * T * CFG.n_embd * 4  # one microbatch's b·s·h, fp32
+    layers = CFG.n_layer // p
+    for r in results:
+        ev, ranks, pp = r.events, r.ranks, r.coords.pp
+        first, last = pp == 0, pp == p - 1
+        pipe = ev["pipeline"]
+        # TP: all-reduces only, all on this rank's TP group (none at all when t = 1)
+        ar = [e for e in pipe if e.op == "all_reduce"]
+        assert all(e.ranks == tuple(ranks["tp"]) for e in ar)
+        per_layer = sum(costmodel.tensor_parallel_allreduces_per_layer().values()) + (2 if checkpoint else 0)
+        big = [e for e in ar if e.nbytes == act]
+        assert len(big) == (m * (per_layer * layers + first + last) if t > 1 else 0)
+        if t > 1 and not checkpoint:
+            wire = sum(e.wire_bytes for e in big) - m * (first + last) * costmodel.bus_bytes("all_reduce", act, t)
+            assert wire == pytest.approx(m * layers * costmodel.tensor_parallel_bytes_per_layer(
+                B // d // m, T, CFG.n_embd, t, bytes_per_element=4))
+        small = [e for e in ar if e.nbytes != act]  # the vocabulary-parallel loss: 3 of b·s per microbatch
+        assert [e.nbytes for e in small] == ([act // CFG.n_embd] * 3 * m if t > 1 and last else [])
+        assert {e.op for e in pipe} <= {"all_reduce", "send", "recv"}
+        assert all(e.ranks == tuple(ranks["pp"]) for e in pipe if e.op in ("send", "recv"))
+        # the tied embedding: first and last stage, one all-reduce of their (V/t)·h shard
+        emb = ev["embedding"]
+        if p > 1 and (first or last):
+            assert [(e.op, e.nbytes, e.ranks) for e in emb] == [
+                ("all_reduce", 4 * CFG.vocab_size * CFG.n_embd // t, tuple(ranks["embedding"]))]
+        else:
+            assert emb == []
+        # DP: this rank's parameters, padded to a multiple of d, on the DP group
+        padded = 4 * d * shard_size(D.local_param_count(CFG, t, p, pp, v), d)
+        want = [("reduce_scatter", padded), ("all_gather", padded)] if zero1 else [("all_reduce", padded)]
+        assert [(e.op, e.nbytes) for e in ev["dp"]] == want
+        assert all(e.ranks == tuple(ranks["dp"]) for e in ev["dp"])
+    for dp_i in range(d):  # per pipeline (fixed dp, tp): its sends, and its parameters
+        for tp_i in range(t):
+            line = [r for r in results if r.coords.dp == dp_i and r.coords.tp == tp_i]
+            assert len(line) == p
+            sent = sum(e.nbytes for r in line for e in r.events["pipeline"] if e.op == "send")
+            assert sent == costmodel.pipeline_p2p_bytes(p, m, act, v)
+            held = sum(D.local_param_count(CFG, t, p, s, v) for s in range(p))
+            tied_copy = CFG.vocab_size * CFG.n_embd // t if p > 1 else 0
+            assert held == costmodel.tensor_parallel_params_per_rank(CFG, t) + tied_copy
+
+
+# --- 8 ranks: 2 x 2 x 2 ---------------------------------------------------------------------------
+
+
+def test_2x2x2_on_8_ranks_equals_one_process():
+    results = _run(2, 2, 2)
+    assert sorted(tuple(r.coords) for r in results) == sorted(
+        (d, t, p) for d in range(2) for t in range(2) for p in range(2))
+    _check_equal_to_one_process(results)
+    _check_meters(results, 2, 2, 2)
+
+
+def test_2x2x2_with_zero1_checkpointing_and_adamw_equals_one_process():
+    results = _run(2, 2, 2, adam=True, zero1=True, checkpoint=True)
+    _check_equal_to_one_process(results, adam=True)
+    _check_meters(results, 2, 2, 2, zero1=True, checkpoint=True)
+
+
+# --- 4 ranks: every axis of size 1 once --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 1, 2), (2, 2, 1)])
+def test_4_ranks_equal_one_process(shape):
+    results = _run(*shape)
+    _check_equal_to_one_process(results)
+    _check_meters(results, *shape)
+
+
+def test_interleaved_schedule_through_device_mesh_groups_equals_one_process():
+    results = _run(1, 2, 2, m=4, schedule="interleaved", virtual_stages=2, use_device_mesh=True)
+    _check_equal_to_one_process(results)
+    _check_meters(results, 1, 2, 2, m=4, v=2)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match=r"multiple of dp·m = 8"):
+        D.train_3d(CFG, 2, 2, 2, 1, 12, T, 4)
+    with pytest.raises(ValueError, match="n_head 4 is not divisible by tp=8"):
+        D.train_3d(CFG, 1, 8, 1, 1, B, T, 1)
+    with pytest.raises(ValueError, match=r"n_layer 4 is not divisible by pp·v = 8·1 = 8"):
+        D.train_3d(CFG, 1, 1, 8, 1, B, T, 8)
+    with pytest.raises(ValueError, match="choose a schedule without W"):
+        D.train_3d(CFG, 2, 2, 2, 1, B, T, 2, schedule="zb-h1", checkpoint=True)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        D.train_3d(CFG, 2, 2, 2, 1, B, T, 2, schedule="2f2b")
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        D.train_3d(CFG, 2, 2, 2, 0, B, T, 2)
+    with pytest.raises(RuntimeError, match="launch"):
+        D.train_3d(CFG, 2, 2, 2, 1, B, T, 2)
+
+
+def test_local_param_count_adds_up_to_the_model():
+    # one pipeline over t = 1: every parameter once, the tied embedding twice
+    for p in (1, 2, 4):
+        held = sum(D.local_param_count(CFG, 1, p, s) for s in range(p))
+        assert held == costmodel.transformer_params(CFG) + (CFG.vocab_size * CFG.n_embd if p > 1 else 0)
