@@ -13,54 +13,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist.analysis.meters import ByteCounter
 
 pytestmark = pytest.mark.ch11
 
-aten = torch.ops.aten
-
-
-class ByteCounter(TorchDispatchMode):
-    """Bytes each ATen op reads (tensor arguments) and writes (new results, mutated arguments).
-
-    Views move nothing and are skipped; 0-dim tensors (scalars, step counters) are not counted.
-    Two ops read less of an argument than its size: nll_loss_forward gathers one logit per row
-    from ``self`` and nll_loss_backward uses ``self`` only for its shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.read = self.written = 0
-        self.ops: list[str] = []
-
-    @staticmethod
-    def _bytes(value) -> int:
-        return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0]
-                   if isinstance(t, torch.Tensor) and t.dim() > 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        schema = func._schema
-        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-            return out  # a view: no bytes move
-        bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
-                 for i, a in enumerate(schema.arguments)}
-        reads = {name: self._bytes(v) for name, v in bound.items()}
-        if func is aten.nll_loss_forward.default:
-            reads["self"] = bound["target"].numel() * bound["self"].element_size()
-        elif func is aten.nll_loss_backward.default:
-            reads["self"] = 0
-        self.read += sum(reads.values())
-        self.written += sum(self._bytes(bound[a.name]) for a in schema.arguments
-                            if a.alias_info is not None and a.alias_info.is_write)
-        outs = out if len(schema.returns) > 1 else (out,)  # one return may be a list (foreach ops)
-        fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
-        self.written += self._bytes(fresh)
-        self.ops.append(str(func.overloadpacket.__name__))
-        return out
 
 
 def _counted(fn, *args):

@@ -485,6 +485,23 @@ def test_headline_rows_are_ok():
         assert row["ok"], row
 
 
+def test_bench_eager_sequences_move_what_the_cost_model_counts():
+    """The benchmark's "eager" baselines are the op sequences costmodel's eager counts describe, so
+    its GB/s sit on the same bytes as the notebook's model."""
+    from minitorch_dist.analysis import costmodel
+    from minitorch_dist.analysis.meters import ByteCounter
+    from minitorch_dist.kernels import bench
+
+    M, N = 6, 37
+    x, w, b = torch.randn(M, N), torch.randn(N), torch.randn(N)
+    for name, args, want in (("softmax", (x,), costmodel.softmax_bytes(M, N)),
+                             ("layernorm", (x, w, b), costmodel.layernorm_bytes(M, N))):
+        eager = bench.KERNELS[name][1]["eager"]
+        with ByteCounter() as c:
+            eager(*args)
+        assert {"read": c.read, "written": c.written} == want, name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without a GPU")
 def test_bench_refuses_on_cpu_with_a_clear_message(tmp_path, capsys):
     from minitorch_dist.kernels import bench

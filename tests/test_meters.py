@@ -278,3 +278,18 @@ def test_timer_measure_runs_warmup_then_repeats():
     assert stats["mean"] == pytest.approx(sum(stats["times"]) / 3)
     with pytest.raises(ValueError, match="repeat"):
         Timer.measure(lambda: None, repeat=0)
+
+
+def test_byte_counter_counts_reads_writes_and_skips_views():
+    """ByteCounter (chapter 11's eager-traffic meter): an out-of-place op reads its inputs and
+    writes a new result; an in-place op writes the tensor it mutates; a view moves nothing."""
+    from minitorch_dist.analysis.meters import ByteCounter
+
+    x, y = torch.randn(10, 4), torch.randn(10, 4)  # 160 bytes each
+    with ByteCounter() as c:
+        z = x + y
+        z.add_(x)
+        x.view(40)
+        x[:, 0]
+    assert (c.read, c.written) == (4 * 160, 2 * 160)
+    assert c.ops == ["add", "add_"]

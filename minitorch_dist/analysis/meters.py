@@ -1,4 +1,5 @@
-"""Measure what a training step costs: bytes by category (``MemoryMeter``) and seconds (``Timer``).
+"""Measure what a training step costs: bytes by category (``MemoryMeter``), seconds (``Timer``), and
+the bytes an eager op sequence moves through memory (``ByteCounter``, chapter 11).
 
 Every memory claim in the course comes from ``MemoryMeter``. It splits a step's memory the way
 the ZeRO paper does (Rajbhandari et al. 2020, §3): *model states* -- parameters, gradients,
@@ -32,6 +33,8 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -337,3 +340,46 @@ class Timer:
             times.append(t.elapsed)
         return {"median": statistics.median(times), "min": min(times),
                 "mean": statistics.fmean(times), "times": times}
+
+
+class ByteCounter(TorchDispatchMode):
+    """Bytes each ATen op reads (tensor arguments) and writes (new results, mutated arguments),
+    as if every op went to memory and back with no cache: what an eager op sequence moves, the
+    number ``costmodel``'s ``*_bytes(fused=False)`` formulas predict (chapter 11). ``with
+    ByteCounter() as c: fn(...)`` then ``c.read``, ``c.written`` (bytes) and ``c.ops`` (op names).
+
+    Views move nothing and are skipped; 0-dim tensors (scalars, step counters) are not counted.
+    Two ops read less of an argument than its size: nll_loss_forward gathers one logit per row
+    from ``self`` and nll_loss_backward uses ``self`` only for its shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = self.written = 0
+        self.ops: list[str] = []
+
+    @staticmethod
+    def _bytes(value) -> int:
+        return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0]
+                   if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            return out  # a view: no bytes move
+        bound = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+                 for i, a in enumerate(schema.arguments)}
+        reads = {name: self._bytes(v) for name, v in bound.items()}
+        if func is torch.ops.aten.nll_loss_forward.default:
+            reads["self"] = bound["target"].numel() * bound["self"].element_size()
+        elif func is torch.ops.aten.nll_loss_backward.default:
+            reads["self"] = 0
+        self.read += sum(reads.values())
+        self.written += sum(self._bytes(bound[a.name]) for a in schema.arguments
+                            if a.alias_info is not None and a.alias_info.is_write)
+        outs = out if len(schema.returns) > 1 else (out,)  # one return may be a list (foreach ops)
+        fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
+        self.written += self._bytes(fresh)
+        self.ops.append(str(func.overloadpacket.__name__))
+        return out

@@ -53,10 +53,12 @@ def require_gpu() -> None:
 
 
 def layernorm_eager(x, weight, bias, eps=1e-5):
-    """LayerNorm as separate eager ops (mean, centre, variance, rsqrt, scale, shift)."""
+    """LayerNorm as separate eager ops (mean, centre, variance, rsqrt, scale, shift): the sequence
+    ``costmodel.layernorm_bytes(fused=False)`` counts (``xc.square()`` reads xc once; ``xc * xc``
+    would count it twice)."""
     mean = x.mean(dim=-1, keepdim=True)
     xc = x - mean
-    var = (xc * xc).mean(dim=-1, keepdim=True)
+    var = xc.square().mean(dim=-1, keepdim=True)
     return xc * torch.rsqrt(var + eps) * weight + bias
 
 

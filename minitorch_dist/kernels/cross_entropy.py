@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ._runtime import as_rows, check_device, row_block, tl, triton
+from .softmax import online_max_sum
 
 __all__ = ["cross_entropy", "cross_entropy_forward_backward", "cross_entropy_reference"]
 
@@ -42,20 +43,9 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, scale_ptr
     x_row = logits_ptr + row * logits_row_stride
     target = tl.load(targets_ptr + row)
     valid = target != ignore_index
-    # Sweep 1: lse = m + log(d) with a running max m and normaliser d, per lane (Algorithm 3).
-    m = tl.full([BLOCK], -float("inf"), tl.float32)
-    d = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        # A lane that has seen only -inf (a masked tail) would compute exp(-inf - -inf) = nan: shift
-        # it by 0 instead; any finite shift leaves its d = 0.
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        d = d * tl.exp(m - shift) + tl.exp(x - shift)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    lse = row_max + tl.log(tl.sum(d * tl.exp(m - row_max), axis=0))
+    # Sweep 1: lse = max + log Σ exp(x - max), streamed (the online softmax's first sweep).
+    row_max, row_sum = online_max_sum(x_row, V, BLOCK)
+    lse = row_max + tl.log(row_sum)
     x_target = tl.load(x_row + target, mask=valid, other=0.0).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
     if COMPUTE_GRAD:

@@ -61,12 +61,10 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOCK: tl.c
 
 
 @triton.jit
-def _softmax_fwd_online_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOCK: tl.constexpr):
-    """One program per row, streamed in blocks of BLOCK columns (any N)."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    # Sweep 1: running max m and normaliser d (Milakov & Gimelshein, Algorithm 3). Kept per lane
-    # and merged once at the end, so each block costs one exp per element.
+def online_max_sum(x_row, N, BLOCK: tl.constexpr):
+    """One sweep over a row of N values at ``x_row``: its max and Σ exp(x - max) (Milakov &
+    Gimelshein, Algorithm 3). The running max m and normaliser d are kept per lane and merged
+    once at the end, so each block costs one exp per element. Shared with the cross-entropy kernel."""
     m = tl.full([BLOCK], -float("inf"), tl.float32)
     d = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
@@ -79,7 +77,15 @@ def _softmax_fwd_online_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOC
         d = d * tl.exp(m - shift) + tl.exp(x - shift)
         m = m_new
     row_max = tl.max(m, axis=0)
-    row_sum = tl.sum(d * tl.exp(m - row_max), axis=0)  # lanes at -inf contribute exp(-inf) = 0
+    return row_max, tl.sum(d * tl.exp(m - row_max), axis=0)  # lanes at -inf contribute exp(-inf) = 0
+
+
+@triton.jit
+def _softmax_fwd_online_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOCK: tl.constexpr):
+    """One program per row, streamed in blocks of BLOCK columns (any N)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    row_max, row_sum = online_max_sum(x_row, N, BLOCK)  # sweep 1
     # Sweep 2: write exp(x - max) / sum.
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
