@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: setup tour test test-fast lab notebooks exercises grade clean
+.PHONY: setup tour lint test test-fast lab notebooks exercises grade clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,10 +22,15 @@ setup: $(STAMP)                      ## create .venv and install everything
 tour: $(STAMP)                       ## one headline experiment per written chapter, as a table
 	$(BIN)/python -m minitorch_dist tour
 
-test: $(STAMP)                       ## the whole suite: library, exercises, notebooks (smoke sizes)
+lint: $(STAMP)                       ## ruff over the repository (configured in pyproject.toml)
+	$(BIN)/ruff check .
+
+test: $(STAMP)                       ## lint, then the whole suite: library, exercises, notebooks (smoke sizes)
+	$(BIN)/ruff check .
 	MTD_SMOKE=1 $(BIN)/python -m pytest $(NBVAL) tests notebooks
 
-test-fast: $(STAMP)                  ## library and exercises only, without slow tests
+test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests
+	$(BIN)/ruff check .
 	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow" tests
 
 lab: $(STAMP)                        ## JupyterLab on the notebooks
@@ -43,4 +48,4 @@ grade: $(STAMP)                      ## grade the exercise stubs (what a student
 	$(BIN)/python -m minitorch_dist grade --impl exercises
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

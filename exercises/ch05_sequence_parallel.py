@@ -75,12 +75,12 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     the inputs).
     """
     if out_a.shape != out_b.shape:
-        raise ValueError(f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have the same shape "
-                         "(B, H, S, d): both blocks attend from the same queries")
+        raise ValueError(f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have the same "
+                         "shape (B, H, S, d): both blocks attend from the same queries")
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if lse.shape != out_a.shape[:-1]:
-            raise ValueError(f"{name} has shape {tuple(lse.shape)}; expected out's without its last (head dim) "
-                             f"dimension, {tuple(out_a.shape[:-1])}: one log-sum-exp per query row")
+            raise ValueError(f"{name} has shape {tuple(lse.shape)}; expected out's without its last (head "
+                             f"dim) dimension, {tuple(out_a.shape[:-1])}: one log-sum-exp per query row")
     raise NotImplementedError("exercise: merge_attention — see chapters/05_sequence_parallel.md")
 
 

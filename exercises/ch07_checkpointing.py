@@ -1,5 +1,6 @@
 # generated from solutions/ch07_checkpointing.py; do not edit — run `make exercises`
-"""Chapter 07 exercises: activation checkpointing — √n segments, an RNG-preserving checkpoint, selective attention.
+"""Chapter 07 exercises: activation checkpointing — √n segments, an RNG-preserving checkpoint,
+selective attention.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch07_checkpointing.py`` is generated from this file with each
@@ -25,14 +26,15 @@ Nothing here needs ranks: checkpointing trades compute for memory inside one pro
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 # --- 1. the number of segments ---------------------------------------------------------------------
 
 
-def optimal_segments(n_layers: int, layer_bytes: int, boundary_bytes: int, budget_bytes: int | None = None) -> int:
+def optimal_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
+                     budget_bytes: int | None = None) -> int:
     """The number of segments k to cut a chain of ``n_layers`` equal layers into (Chen et al. §4).
 
     Cut the chain into k segments of at most ``ceil(n/k)`` consecutive layers. Forward keeps only
@@ -191,7 +193,8 @@ class SelectiveAttention(torch.autograd.Function):
         raise NotImplementedError("exercise: SelectiveAttention.backward — see chapters/07_checkpointing.md")
 
 
-def selective_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+def selective_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        causal: bool = True) -> torch.Tensor:
     """``softmax(Q Kᵀ/√d) V`` recomputed in backward (see :class:`SelectiveAttention`)."""
     _check_qkv(q, k, v)
     return SelectiveAttention.apply(q, k, v, bool(causal))

@@ -1,5 +1,6 @@
 # generated from solutions/ch08_mixed_precision.py; do not edit — run `make exercises`
-"""Chapter 08 exercises: mixed precision — the loss scaler's rule, stochastic rounding, a Kahan-compensated bf16 update.
+"""Chapter 08 exercises: mixed precision — the loss scaler's rule, stochastic rounding,
+a Kahan-compensated bf16 update.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch08_mixed_precision.py`` is generated from this file with each
@@ -74,14 +75,17 @@ def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_fac
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
     if not growth_factor > 1.0:
-        raise ValueError(f"growth_factor must be > 1 (the scale grows after clean steps), got {growth_factor}")
+        raise ValueError("growth_factor must be > 1 "
+                         f"(the scale grows after clean steps), got {growth_factor}")
     if not 0.0 < backoff_factor < 1.0:
-        raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks on overflow), got {backoff_factor}")
+        raise ValueError("backoff_factor must be in (0, 1) (the scale shrinks on overflow), got "
+                         f"{backoff_factor}")
     if int(growth_interval) != growth_interval or growth_interval < 1:
         raise ValueError(f"growth_interval must be a whole number >= 1, got {growth_interval}")
     if int(growth_tracker) != growth_tracker or not 0 <= growth_tracker < growth_interval:
-        raise ValueError(f"growth_tracker must be a whole number in [0, growth_interval = {growth_interval}), "
-                         f"got {growth_tracker}: it counts the clean steps since the scale last changed")
+        raise ValueError("growth_tracker must be a whole number in [0, growth_interval = "
+                         f"{growth_interval}), got {growth_tracker}: it counts the clean steps since the "
+                         "scale last changed")
     growth_tracker, growth_interval = int(growth_tracker), int(growth_interval)
     raise NotImplementedError("exercise: scaler_update — see chapters/08_mixed_precision.md")
 
@@ -175,6 +179,7 @@ def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
         raise ValueError(f"compensation shape {tuple(compensation.shape)} does not match weight shape "
                          f"{tuple(weight.shape)}: one compensation per weight")
     if update.shape != weight.shape:
-        raise ValueError(f"update shape {tuple(update.shape)} does not match weight shape {tuple(weight.shape)}")
+        raise ValueError(f"update shape {tuple(update.shape)} does not match weight shape "
+                         f"{tuple(weight.shape)}")
     update = update.float()
     raise NotImplementedError("exercise: kahan_bf16_update — see chapters/08_mixed_precision.md")

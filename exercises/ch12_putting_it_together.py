@@ -99,8 +99,8 @@ def group_ranks(axis: str, dp: int, tp: int, pp: int) -> list[list[int]]:
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
 
 
-def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro_batch: int, microbatches: int,
-                   zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
+def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro_batch: int,
+                   microbatches: int, zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
                    usable: float = 0.9) -> tuple[bool, dict]:
     """``(fits, parts)``: does one GPU of the first pipeline stage hold its share of training?
 
@@ -138,11 +138,11 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
     """
     _positive_ints(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=microbatches)
     if cfg.n_layer % pp:
-        raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors of "
-                         f"{cfg.n_layer}")
+        raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors "
+                         f"of {cfg.n_layer}")
     if cfg.n_head % tp or cfg.vocab_size % tp:
-        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must both be divisible by tp={tp}; "
-                         f"choose tp among their common divisors")
+        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must both be divisible by "
+                         f"tp={tp}; choose tp among their common divisors")
     if sequence_parallel and cfg.block_size % tp:
         raise ValueError(f"sequence parallelism needs block_size {cfg.block_size} divisible by tp={tp}")
     if zero not in (0, 1, 2, 3):
@@ -185,8 +185,8 @@ def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, m
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < float("inf"):
         raise ValueError(f"target must be a bubble ratio >= 0 (e.g. 0.05 for 5%), got {target!r}")
     if global_batch % dp:
-        raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}: each replica needs the same "
-                         f"number of sequences; choose dp among the divisors of {global_batch}")
+        raise ValueError(f"global batch {global_batch} is not divisible by dp={dp}: each replica needs the "
+                         f"same number of sequences; choose dp among the divisors of {global_batch}")
     per_replica = global_batch // dp
     if per_replica % micro_batch_size:
         raise ValueError(f"the per-replica batch {per_replica} (= {global_batch}/{dp}) is not divisible by "
@@ -197,9 +197,9 @@ def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, m
     if m is None:
         need = "p = 1 (no pipeline)" if target == 0 else \
             f"m >= {-(-Fraction(p - 1, v) // Fraction(target))} microbatches"
-        raise ValueError(f"no microbatch count reaches a bubble (p-1)/(v*m) <= {target} with p={p}, v={v}: that "
-                         f"needs {need}, but m must divide the {units} units of {micro_batch_size} sequence(s) "
-                         f"each replica gets per step (global batch {global_batch} / dp {dp})"
+        raise ValueError(f"no microbatch count reaches a bubble (p-1)/(v*m) <= {target} with p={p}, v={v}: "
+                         f"that needs {need}, but m must divide the {units} units of {micro_batch_size} "
+                         f"sequence(s) each replica gets per step (global batch {global_batch} / dp {dp})"
                          + (f" and be a multiple of p={p} (interleaved)" if v > 1 else "")
                          + "; raise the global batch, lower dp or micro_batch_size, interleave (v > 1), "
                            "or accept a larger bubble")

@@ -1,4 +1,4 @@
-"""minitorch_dist: large-scale deep-learning training, one readable file per technique.
+"""Chapter 00 — minitorch_dist: large-scale deep-learning training, one readable file per technique.
 
 The names a notebook needs::
 
@@ -6,8 +6,18 @@ The names a notebook needs::
     mtd.launch(fn, 4)                 # run fn on 4 ranks, get their results
     with mtd.comm.meter() as m: ...   # count collectives and bytes on the wire
 """
-from .runtime import (LaunchTimeout, RankError, comm, default_backend, device, hardware_summary, launch,
-                      rank, smoke, world_size)
+from .runtime import (
+                      LaunchTimeout,
+                      RankError,
+                      comm,
+                      default_backend,
+                      device,
+                      hardware_summary,
+                      launch,
+                      rank,
+                      smoke,
+                      world_size,
+)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""Command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule}`` (or ``minitorch-dist``).
+"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule}``
+(or ``minitorch-dist``).
 
     tour      run each written chapter's headline experiment; print theory vs measured
     grade     run the exercise tests; print a per-exercise report (passed / failed / todo / blocked)
@@ -70,16 +71,19 @@ def estimate(args) -> int:
           f"{per['gradients']:g} + optimizer K={per['optimizer']:g} bytes/parameter "
           f"(ZeRO, Rajbhandari et al. 2020, §5.1 and Table 1)")
     print("GB = 1e9 bytes, as in the paper; activations, buffers and fragmentation not included\n")
-    body = [[str(s), STAGES[s], f"{b / num_params:.3g}", _gb(b), "yes" if b <= args.gpu_mem_gb * 1e9 else "no"]
+    body = [[str(s), STAGES[s], f"{b / num_params:.3g}", _gb(b),
+             "yes" if b <= args.gpu_mem_gb * 1e9 else "no"]
             for s, b in rows]
-    print(format_table(body, ["stage", "partitions", "bytes/param", "per device", f"fits {args.gpu_mem_gb:g} GB"]))
+    print(format_table(body,
+                       ["stage", "partitions", "bytes/param", "per device", f"fits {args.gpu_mem_gb:g} GB"]))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .course import grade, tour
 
-    p = argparse.ArgumentParser(prog="python -m minitorch_dist", description="minitorch_dist: large-scale training as code you can read "
+    p = argparse.ArgumentParser(prog="python -m minitorch_dist",
+                                description="minitorch_dist: large-scale training as code you can read "
                                             "and numbers you can reproduce.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="examples:\n  python -m minitorch_dist tour --smoke\n"
@@ -90,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description=tour.__doc__.split("\n\n")[0])
     tour.add_arguments(t)
     t.set_defaults(func=tour.main)
-    g = sub.add_parser("grade", help="run the exercise tests; report passed / failed / todo / blocked per exercise",
+    g = sub.add_parser("grade",
+                       help="run the exercise tests; report passed / failed / todo / blocked per exercise",
                        description=grade.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     grade.add_arguments(g)
     g.set_defaults(func=grade.main)
@@ -103,21 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--model", choices=sorted(MODELS), help="a published model size")
     e.add_argument("--dp", type=int, default=1, help="data-parallel degree N_d (default 1)")
     e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all four)")
-    e.add_argument("--precision", choices=("mixed", "fp32"), default="mixed", help="default mixed (fp16/bf16)")
+    e.add_argument("--precision", choices=("mixed", "fp32"), default="mixed",
+                   help="default mixed (fp16/bf16)")
     e.add_argument("--optimizer", default="adamw", help="adamw (default), sgd, ... (see costmodel)")
-    e.add_argument("--gpu-mem-gb", type=float, default=80, help="device memory for the 'fits' column (default 80)")
+    e.add_argument("--gpu-mem-gb", type=float, default=80,
+                   help="device memory for the 'fits' column (default 80)")
     e.set_defaults(func=estimate)
     from .analysis import planner
 
-    pl = sub.add_parser("plan", help="search DP x TP x PP x ZeRO x recompute for a model on a cluster (chapter 12)",
-                        description=planner.__doc__.split("\n\n")[0] + " Example: --model gpt3-175b --gpus 1024 "
-                                    "--gpu a100 (Narayanan et al. 2021's cluster).")
+    pl = sub.add_parser("plan",
+                        help="search DP x TP x PP x ZeRO x recompute for a model on a cluster (chapter 12)",
+                        description=(planner.__doc__.split("\n\n")[0] + " Example: --model gpt3-175b "
+                                     "--gpus 1024 --gpu a100 (Narayanan et al. 2021's cluster)."))
     planner.add_arguments(pl)
     pl.set_defaults(func=planner.main)
     sc = sub.add_parser("schedule", help="print a pipeline schedule as a text Gantt chart (chapter 03)",
                         description="Each stage's actions (F forward, B backward, W weight gradient; "
-                                    "microbatch.chunk) on a time axis, replayed by the chapter 03 simulator with "
-                                    "unit times, then its bubble and peak stashed activations. "
+                                    "microbatch.chunk) on a time axis, replayed by the chapter 03 simulator "
+                                    "with unit times, then its bubble and peak stashed activations. "
                                     "Example: --name 1f1b -p 4 -m 8")
     sc.add_argument("--name", default="1f1b", help="gpipe, 1f1b (default), interleaved, zb-h1")
     sc.add_argument("-p", type=int, default=4, help="pipeline stages (default 4)")
@@ -142,15 +150,16 @@ def schedule(args) -> int:
     sim = simulate(sched)
     slots = round(sim.makespan * sched.v)
     width = max(len(e.name) for e in sim.events) + 1
-    print(f"{sched.name}: p={sched.p} stages, m={sched.m} microbatches, v={sched.v}; one slot = 1/{sched.v} of "
-          f"t_F (t_F = t_B = t_W)")
+    print(f"{sched.name}: p={sched.p} stages, m={sched.m} microbatches, v={sched.v}; one slot = 1/{sched.v} "
+          f"of t_F (t_F = t_B = t_W)")
     for r in range(sched.p):
         row = ["." * (width - 1)] * slots
         for e in sim.stage_events(r):
             a, b = round(e.t_start * sched.v), round(e.t_end * sched.v)
             row[a:b] = [e.name] + ["-" * (width - 1)] * (b - a - 1)
         print(f"stage {r}: " + " ".join(c.ljust(width - 1) for c in row))
-    print(f"bubble fraction {sim.bubble_fraction:.3f}; peak stashed microbatches per stage {sim.peak_stashed}")
+    print(f"bubble fraction {sim.bubble_fraction:.3f}; peak stashed microbatches per stage "
+          f"{sim.peak_stashed}")
     if args.name in costmodel.SCHEDULES:
         formula = costmodel.pipeline_bubble_fraction(args.name, args.p, args.m, args.v) \
             if args.name == "interleaved" else costmodel.pipeline_bubble_fraction(args.name, args.p, args.m)

@@ -195,7 +195,8 @@ def largest_model_that_fits(device_bytes, optimizer: str = "adamw", precision: s
     so ``training_memory_bytes(1, ...)["total"]`` is the bytes per parameter.
     """
     if device_bytes < 0 or activation_bytes < 0:
-        raise ValueError(f"device_bytes ({device_bytes}) and activation_bytes ({activation_bytes}) must be >= 0")
+        raise ValueError(f"device_bytes ({device_bytes}) and activation_bytes "
+                         f"({activation_bytes}) must be >= 0")
     # BEGIN SOLUTION
     per_param = training_memory_bytes(1, optimizer, precision)["total"]
     free = int(device_bytes - activation_bytes)  # whole bytes: N * per_param is an integer

@@ -59,7 +59,8 @@ def assign_buckets(param_sizes_bytes, cap_bytes: int, first_cap_bytes: int | Non
     if cap_bytes <= 0:
         raise ValueError(f"cap_bytes must be > 0, got {cap_bytes}")
     if first_cap_bytes is not None and first_cap_bytes <= 0:
-        raise ValueError(f"first_cap_bytes must be > 0 (or None for no special first bucket), got {first_cap_bytes}")
+        raise ValueError("first_cap_bytes must be > 0 (or None for no special first bucket), got "
+                         f"{first_cap_bytes}")
     if any(s < 0 for s in sizes):
         raise ValueError(f"parameter sizes must be >= 0 bytes, got {sizes}")
     # BEGIN SOLUTION

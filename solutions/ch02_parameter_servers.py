@@ -1,4 +1,5 @@
-"""Chapter 02 exercises: parameter servers — the SSP admission rule, backup workers, sharding keys over servers.
+"""Chapter 02 exercises: parameter servers — the SSP admission rule, backup workers,
+sharding keys over servers.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch02_parameter_servers.py`` is generated from this file with each
@@ -31,7 +32,8 @@ import torch
 
 def _check_staleness(staleness):
     if not (staleness == math.inf or (int(staleness) == staleness and staleness >= 0)):
-        raise ValueError(f"staleness must be a whole number >= 0 (0 = BSP) or math.inf (ASP), got {staleness}")
+        raise ValueError("staleness must be a whole number >= 0 (0 = BSP) or math.inf "
+                         f"(ASP), got {staleness}")
 
 
 def ssp_can_read(worker_clock: int, all_clocks, staleness) -> bool:
@@ -50,7 +52,8 @@ def ssp_can_read(worker_clock: int, all_clocks, staleness) -> bool:
     if not all_clocks:
         raise ValueError("all_clocks is empty: pass the clock of every worker")
     if any(int(c) != c or c < 0 for c in all_clocks + [worker_clock]):
-        raise ValueError(f"clocks are whole numbers >= 0, got worker_clock={worker_clock}, all_clocks={all_clocks}")
+        raise ValueError(f"clocks are whole numbers >= 0, got worker_clock={worker_clock}, "
+                         f"all_clocks={all_clocks}")
     _check_staleness(staleness)
     # BEGIN SOLUTION
     return min(all_clocks) >= worker_clock - staleness
@@ -82,9 +85,11 @@ def ssp_schedule(durations, staleness) -> tuple[list[list[float]], int]:
     """
     durations = [[float(t) for t in row] for row in durations]
     if not durations or not durations[0]:
-        raise ValueError("durations must be a non-empty list (one per worker) of non-empty lists (one per iteration)")
+        raise ValueError("durations must be a non-empty list "
+                         "(one per worker) of non-empty lists (one per iteration)")
     if len({len(row) for row in durations}) != 1:
-        raise ValueError(f"every worker runs the same number of iterations, got {[len(r) for r in durations]}")
+        raise ValueError("every worker runs the same number of iterations, got "
+                         f"{[len(r) for r in durations]}")
     if any(t < 0 or t != t for row in durations for t in row):
         raise ValueError("durations must be >= 0 seconds")
     _check_staleness(staleness)
@@ -187,7 +192,8 @@ def server_of(key: int, ranges: list[range]) -> int:
     **Your task:** return the index i with ``key in ranges[i]``.
     """
     if not ranges or ranges[0].start != 0:
-        raise ValueError("ranges must be a non-empty list of contiguous key ranges starting at 0 (see key_ranges)")
+        raise ValueError("ranges must be a non-empty list of contiguous key ranges starting at 0 (see "
+                         "key_ranges)")
     if int(key) != key or not 0 <= key < ranges[-1].stop:
         raise ValueError(f"key {key} is outside the key space 0..{ranges[-1].stop - 1}")
     # BEGIN SOLUTION
@@ -225,7 +231,8 @@ def consistent_hash_server(key, servers, virtual_nodes: int = 16):
     if int(virtual_nodes) != virtual_nodes or virtual_nodes < 1:
         raise ValueError(f"virtual_nodes must be a whole number >= 1, got {virtual_nodes}")
     # BEGIN SOLUTION
-    ring = sorted((ring_position(f"{s}#{i}"), j) for j, s in enumerate(servers) for i in range(int(virtual_nodes)))
+    ring = sorted((ring_position(f"{s}#{i}"), j) for j, s in enumerate(servers)
+                  for i in range(int(virtual_nodes)))
     points = [p for p, _ in ring]
     i = bisect.bisect_left(points, ring_position(str(key)))
     return servers[ring[i % len(ring)][1]]  # past the last point: wrap round to the first

@@ -98,12 +98,14 @@ def row_parallel_linear(x_r: torch.Tensor, w_r: torch.Tensor, bias: torch.Tensor
     """``X W + b`` from this rank's slices (see :class:`RowParallelLinear`), differentiable."""
     _require_dist("row_parallel_linear")
     if w_r.dim() != 2:
-        raise ValueError(f"w_r must be 2-D (k/t input features, n output features), got shape {tuple(w_r.shape)}")
+        raise ValueError("w_r must be 2-D (k/t input features, n output features), got shape "
+                         f"{tuple(w_r.shape)}")
     if x_r.shape[-1] != w_r.shape[0]:
         raise ValueError(f"x_r has {x_r.shape[-1]} columns but w_r has {w_r.shape[0]} rows: rank r must hold "
                          "the same slice r*k/t:(r+1)*k/t of X's columns and of W's rows")
     if bias is not None and tuple(bias.shape) != (w_r.shape[1],):
-        raise ValueError(f"bias must have shape ({w_r.shape[1]},), one per output feature, got {tuple(bias.shape)}")
+        raise ValueError(f"bias must have shape ({w_r.shape[1]},), one per output feature, got "
+                         f"{tuple(bias.shape)}")
     return RowParallelLinear.apply(x_r, w_r, bias, group)
 
 
@@ -146,7 +148,8 @@ def vocab_parallel_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, 
     vocab = logits_r.shape[-1] * dist.get_world_size(group)
     if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < vocab):
         raise ValueError(f"targets must lie in [0, {vocab}) (V/t = {logits_r.shape[-1]} per rank times "
-                         f"t = {dist.get_world_size(group)} ranks), got [{int(targets.min())}, {int(targets.max())}]")
+                         f"t = {dist.get_world_size(group)} ranks), got [{int(targets.min())}, "
+                         f"{int(targets.max())}]")
     # BEGIN SOLUTION
     v_r = logits_r.shape[-1]
     lo = dist.get_rank(group) * v_r  # the first vocab id of this rank's slice
@@ -195,10 +198,11 @@ def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
     world = dist.get_world_size()
     q = math.isqrt(world)
     if q * q != world:
-        raise ValueError(f"SUMMA needs a square grid of ranks: world size {world} is not q*q; launch 1, 4, 9... ranks")
+        raise ValueError(f"SUMMA needs a square grid of ranks: world size {world} is not q*q; "
+                         "launch 1, 4, 9... ranks")
     if a_ij.dim() != 2 or b_ij.dim() != 2 or a_ij.shape[1] != b_ij.shape[0]:
-        raise ValueError(f"blocks must be 2-D with A_ij's columns equal to B_ij's rows, got {tuple(a_ij.shape)} "
-                         f"and {tuple(b_ij.shape)}")
+        raise ValueError("blocks must be 2-D with A_ij's columns equal to B_ij's rows, got "
+                         f"{tuple(a_ij.shape)} and {tuple(b_ij.shape)}")
     # BEGIN SOLUTION
     i, j = divmod(dist.get_rank(), q)
     rows = [dist.new_group([q * r + c for c in range(q)]) for r in range(q)]  # same order on every rank

@@ -74,12 +74,12 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     the inputs).
     """
     if out_a.shape != out_b.shape:
-        raise ValueError(f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have the same shape "
-                         "(B, H, S, d): both blocks attend from the same queries")
+        raise ValueError(f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have the same "
+                         "shape (B, H, S, d): both blocks attend from the same queries")
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if lse.shape != out_a.shape[:-1]:
-            raise ValueError(f"{name} has shape {tuple(lse.shape)}; expected out's without its last (head dim) "
-                             f"dimension, {tuple(out_a.shape[:-1])}: one log-sum-exp per query row")
+            raise ValueError(f"{name} has shape {tuple(lse.shape)}; expected out's without its last (head "
+                             f"dim) dimension, {tuple(out_a.shape[:-1])}: one log-sum-exp per query row")
     # BEGIN SOLUTION
     m = torch.maximum(lse_a, lse_b)
     # a row empty in both blocks: shift by 0, not by -inf (which would give -inf - -inf = nan)
@@ -217,7 +217,8 @@ def ulysses_seq_to_heads(x_r: torch.Tensor, group=None) -> torch.Tensor:
     # BEGIN SOLUTION
     b, s_r, h, d = x_r.shape
     if h % t:
-        raise ValueError(f"n_head {h} is not divisible by t={t}: Ulysses gives each rank n_head/t whole heads")
+        raise ValueError(f"n_head {h} is not divisible by t={t}: "
+                         "Ulysses gives each rank n_head/t whole heads")
     inp = x_r.reshape(b, s_r, t, h // t, d).permute(2, 0, 1, 3, 4).contiguous()  # piece j: j's heads
     out = torch.empty_like(inp)
     comm.all_to_all(out, inp, group=group)

@@ -1,4 +1,5 @@
-"""Chapter 06 exercises: ZeRO — flat-buffer partitioning, the ZeRO-2 gradient hook, Adafactor's factored moment.
+"""Chapter 06 exercises: ZeRO — flat-buffer partitioning, the ZeRO-2 gradient hook,
+Adafactor's factored moment.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch06_zero_fsdp.py`` is generated from this file with each
@@ -105,8 +106,9 @@ def unflatten(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) -> list[
     for offset, shape in layout:
         end = offset + math.prod(shape)
         if offset < 0 or end > flat.numel():
-            raise ValueError(f"layout entry (offset {offset}, shape {tuple(shape)}) needs elements [{offset}, "
-                             f"{end}) but flat has {flat.numel()}: flat and layout come from different buffers")
+            raise ValueError(f"layout entry (offset {offset}, shape {tuple(shape)}) needs elements "
+                             f"[{offset}, {end}) but flat has {flat.numel()}: flat and layout come from "
+                             "different buffers")
     # BEGIN SOLUTION
     return [flat[offset:offset + math.prod(shape)].view(shape) for offset, shape in layout]
     # END SOLUTION
@@ -158,7 +160,7 @@ def zero2_reduce_scatter_hook(params: list[torch.nn.Parameter], group=None) -> t
     if len({(p.dtype, p.device) for p in params}) != 1:
         raise ValueError("one flat gradient buffer holds one dtype on one device, got "
                          f"{sorted({(str(p.dtype), str(p.device)) for p in params})}")
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
     numels = [p.numel() for p in params]
     offsets = [sum(numels[:i]) for i in range(len(params))]
     s = math.ceil(sum(numels) / n)
@@ -215,12 +217,12 @@ def adafactor_update(grad: torch.Tensor, row_avg: torch.Tensor, col_avg: torch.T
     the new averages shaped like the old ones; the inputs are not modified.
     """
     if grad.dim() != 2:
-        raise ValueError(f"adafactor_update factors a 2-D gradient (rows x cols), got shape {tuple(grad.shape)}; "
-                         "vectors keep an unfactored second moment")
+        raise ValueError("adafactor_update factors a 2-D gradient (rows x cols), got shape "
+                         f"{tuple(grad.shape)}; vectors keep an unfactored second moment")
     rows, cols = grad.shape
     if tuple(row_avg.shape) != (rows,):
-        raise ValueError(f"row_avg must have shape ({rows},), one average per row of grad {tuple(grad.shape)}, "
-                         f"got {tuple(row_avg.shape)}")
+        raise ValueError(f"row_avg must have shape ({rows},), one average per row of grad "
+                         f"{tuple(grad.shape)}, got {tuple(row_avg.shape)}")
     if tuple(col_avg.shape) != (cols,):
         raise ValueError(f"col_avg must have shape ({cols},), one average per column of grad "
                          f"{tuple(grad.shape)}, got {tuple(col_avg.shape)}")

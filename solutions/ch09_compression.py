@@ -1,4 +1,5 @@
-"""Chapter 09 exercises: gradient compression — top-k with error feedback, QSGD, one PowerSGD step, 1-bit Adam.
+"""Chapter 09 exercises: gradient compression — top-k with error feedback, QSGD, one PowerSGD step,
+1-bit Adam.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch09_compression.py`` is generated from this file with each
@@ -130,7 +131,8 @@ def powersgd_step(M: torch.Tensor, Q: torch.Tensor) -> tuple[torch.Tensor, torch
         raise ValueError(f"M and Q must be matrices, got {M.dim()}-d and {Q.dim()}-d; reshape a "
                          "conv gradient to (out_channels, -1) first")
     if Q.shape[0] != M.shape[1]:
-        raise ValueError(f"Q has {Q.shape[0]} rows but M has {M.shape[1]} columns: Q must be m x r for M n x m")
+        raise ValueError(f"Q has {Q.shape[0]} rows but M has {M.shape[1]} columns: "
+                         "Q must be m x r for M n x m")
     if Q.shape[1] > min(M.shape):
         raise ValueError(f"rank r = {Q.shape[1]} exceeds min(n, m) = {min(M.shape)}")
     # BEGIN SOLUTION

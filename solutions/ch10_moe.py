@@ -1,4 +1,5 @@
-"""Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss, expert choice.
+"""Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss,
+expert choice.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch10_moe.py`` is generated from this file with each such region
@@ -104,7 +105,8 @@ def top2_gating_with_capacity(logits: torch.Tensor, capacity_factor: float = 1.0
 # --- 2. the load-balancing auxiliary loss ---------------------------------------------------------
 
 
-def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
+def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor,
+                        alpha: float = 0.01) -> torch.Tensor:
     """Switch Transformers' auxiliary loss (Fedus et al. 2021, §2.2, eq. 4-6), a 0-dim tensor::
 
         loss = α · N · Σ_i f_i · P_i
@@ -120,7 +122,8 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor, 
     all tokens on one expert that the router is sure of gives ``α·N``.
     """
     if router_probs.dim() != 2:
-        raise ValueError(f"router_probs must be [T, N] (tokens x experts), got shape {tuple(router_probs.shape)}")
+        raise ValueError("router_probs must be [T, N] (tokens x experts), got shape "
+                         f"{tuple(router_probs.shape)}")
     idx = expert_index if expert_index.dim() == 2 else expert_index.unsqueeze(-1)
     if expert_index.dim() not in (1, 2) or idx.shape[0] != router_probs.shape[0]:
         raise ValueError(f"expert_index must be [T] or [T, k] with T = {router_probs.shape[0]}, "

@@ -78,14 +78,17 @@ def bias_gelu_kernel(x_ptr, bias_ptr, y_ptr, n_elements, N, BLOCK: tl.constexpr,
     # END SOLUTION
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none", block_size: int = 1024) -> torch.Tensor:
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none",
+              block_size: int = 1024) -> torch.Tensor:
     """``F.gelu(x + bias, approximate=approximate)`` with :func:`bias_gelu_kernel`: one read of
     ``x``, one write of ``y`` (``bias`` has ``x.shape[-1]`` entries, broadcast over the rest)."""
     if approximate not in _GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {_GELU_APPROXIMATIONS} (as in F.gelu), got {approximate!r}")
+        raise ValueError(f"approximate must be one of {_GELU_APPROXIMATIONS} "
+                         f"(as in F.gelu), got {approximate!r}")
     x2 = as_rows(x, "bias_gelu input")
     if bias.dim() != 1 or bias.shape[0] != x2.shape[1]:
-        raise ValueError(f"bias must be 1-D with x.shape[-1] = {x2.shape[1]} entries, got shape {tuple(bias.shape)}")
+        raise ValueError(f"bias must be 1-D with x.shape[-1] = {x2.shape[1]} entries, got shape "
+                         f"{tuple(bias.shape)}")
     block = _pow2("block_size", block_size)
     x2, bias = x2.contiguous(), as_rows(bias, "bias").contiguous()  # flat indexing needs dense rows
     check_device(x2, bias)
@@ -155,8 +158,8 @@ def online_softmax(x: torch.Tensor, block_size: int | None = None) -> torch.Tens
 
 
 @triton.jit
-def layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, partial_dw_ptr, partial_db_ptr,
-                              row_stride, M, N, rows_per_group, BLOCK: tl.constexpr):
+def layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, partial_dw_ptr,
+                              partial_db_ptr, row_stride, M, N, rows_per_group, BLOCK: tl.constexpr):
     """LayerNorm backward for group ``g = program_id(0)``: rows ``[g R, min((g + 1) R, M))`` with
     ``R = rows_per_group``. ``dy``, ``x``, ``dx`` are ``M x N`` with row stride ``row_stride``;
     ``w`` has ``N`` entries; ``mean``, ``rstd`` (fp32, ``M``) were saved by the forward;
@@ -219,7 +222,8 @@ def column_sum_kernel(a_ptr, out_ptr, G, N, a_row_stride, BLOCK_G: tl.constexpr,
     for start in range(0, G, BLOCK_G):
         rows = start + tl.arange(0, BLOCK_G)
         mask = (rows[:, None] < G) & (cols[None, :] < N)
-        acc += tl.load(a_ptr + rows[:, None] * a_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(a_ptr + rows[:, None] * a_row_stride + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
     # END SOLUTION
 

@@ -13,8 +13,15 @@ import torch.nn.functional as F
 
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.communication.activation_compression import (
-    GistReLU, compress_activations, dequantize_int8, encoded_nbytes, gist_relu, pack_bits, quantize_int8,
-    unpack_bits)
+    GistReLU,
+    compress_activations,
+    dequantize_int8,
+    encoded_nbytes,
+    gist_relu,
+    pack_bits,
+    quantize_int8,
+    unpack_bits,
+)
 
 pytestmark = pytest.mark.ch09
 
@@ -112,22 +119,34 @@ def test_gist_relu_equals_torch_relu():
 @pytest.mark.parametrize("encoding,per_element", [("fp16", 2), ("int8", 1), ("none", 4)])
 def test_one_saved_tensor_takes_the_formula_bytes(encoding, per_element):
     n = 1003
-    x = torch.randn(n, requires_grad=True)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n), requires_grad=True)
     gist = compress_activations(encoding)
     with gist:
         y = torch.sin(x)  # saves x: n floats
     assert gist.tensors == 1 and gist.raw_bytes == 4 * n
     assert gist.encoded_bytes == n * per_element + (4 if encoding == "int8" else 0)
     y.sum().backward()
-    tol = {"none": 0, "fp16": 1e-3, "int8": 2e-2}[encoding]
-    torch.testing.assert_close(x.grad, torch.cos(x.detach()), rtol=0, atol=tol)
+    # backward computes cos(x') at the decoded x'; cos is 1-Lipschitz, so |cos x' - cos x| <= |x' - x|,
+    # plus the rounding of the two fp32 cos evaluations (2^-20: 8 ulps of 1 each). The decoding error:
+    #   fp16: round to nearest, |x' - x| <= |x| * 2^-11 (normal numbers), <= 2^-25 (subnormals, |x| < 2^-14);
+    #   int8: q = round(x / s), s = max|x| / 127: |x' - x| <= s / 2, plus fp32 rounding of x / s and q * s.
+    xa = x.detach().abs()
+    err = (x.grad - torch.cos(x.detach())).abs()
+    if encoding == "none":
+        assert torch.equal(x.grad, torch.cos(x.detach()))
+        return
+    if encoding == "fp16":
+        bound = xa * 2**-11 + 2**-25 + 2**-20
+    else:
+        bound = xa.max() / 127 / 2 + xa.max() * 2**-22 + 2**-20
+    assert (err <= bound).all(), (err - bound).max().item()
 
 
 def test_relu_mask_takes_n_over_8_bytes():
     x = torch.randn(37, 11, requires_grad=True)
     gist = compress_activations("fp16")
     with gist:
-        y = gist_relu(x)
+        gist_relu(x)
     assert gist.by_encoding["mask"] == [1, 37 * 11, math.ceil(37 * 11 / 8)]
     assert gist.encoded_bytes == math.ceil(407 / 8)
 

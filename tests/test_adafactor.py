@@ -116,7 +116,8 @@ def test_factored_estimate_keeps_row_and_column_means():
     torch.testing.assert_close(v_hat.sum(dim=-2), V.sum(dim=-2))
     a, b = torch.rand(5, 1, dtype=torch.float64), torch.rand(1, 7, dtype=torch.float64)
     rank1 = a @ b
-    torch.testing.assert_close(factored_second_moment(rank1.mean(-1, keepdim=True), rank1.mean(-2, keepdim=True),
+    torch.testing.assert_close(factored_second_moment(rank1.mean(-1, keepdim=True),
+                                                      rank1.mean(-2, keepdim=True),
                                                        1e-30), rank1)
 
 
@@ -185,7 +186,8 @@ def test_one_matrix_keeps_rows_plus_cols_floats():
     assert sum(v.numel() for v in state.values()) == r + c
     assert cm.adafactor_state_bytes([(r, c)]) == 4 * (r + c)
     assert cm.adam_state_bytes([(r, c)]) == 4 * 2 * r * c
-    assert cm.adam_state_bytes([(r, c)]) / cm.adafactor_state_bytes([(r, c)]) == pytest.approx(2 * r * c / (r + c))
+    ratio = cm.adam_state_bytes([(r, c)]) / cm.adafactor_state_bytes([(r, c)])
+    assert ratio == pytest.approx(2 * r * c / (r + c))
 
 
 def test_bad_hyper_parameters_name_the_fix():

@@ -18,8 +18,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter, saved_activation_bytes
 from minitorch_dist.memory.checkpointing import (
-    ExplicitAttention, apply_recompute, checkpoint, checkpoint_sequential, count_forwards, plan_segments,
-    segment_bounds, segment_peak_bytes,
+    ExplicitAttention,
+    apply_recompute,
+    checkpoint,
+    checkpoint_sequential,
+    count_forwards,
+    plan_segments,
+    segment_bounds,
+    segment_peak_bytes,
 )
 from minitorch_dist.models.gpt import GPT, GPTConfig
 
@@ -50,7 +56,8 @@ def batch(seed=1):
 
 
 def step(model, forward=None, seed=123, metered=True):
-    """One forward+backward from a fixed RNG state: (loss, grads, activation peak, bytes after forward, runs)."""
+    """One forward+backward from a fixed RNG state: (loss, grads, activation peak, bytes after forward,
+    runs)."""
     x, y = batch()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # dropout masks
@@ -237,7 +244,8 @@ def test_selective_recompute_drops_the_score_term_at_small_flop_cost():
     a, s, hdim = CFG["n_head"], T, CFG["n_embd"]
     _, _, e_peak, e_after, _ = step(apply_recompute(model, "explicit"))
     _, _, s_peak, s_after, _ = step(apply_recompute(model, "selective"))
-    # Kept per score: softmax output (4 B) + dropout mask + dropout output (4 B): Korthikanti's 5as²b is 2+1+2 bytes.
+    # Kept per score: softmax output (4 B) + dropout mask + dropout output (4 B): Korthikanti's
+    # 5as²b is 2+1+2 bytes.
     per_score = F32 + dropout_mask_bytes_per_element() + F32
     assert e_after - s_after == n * per_score * a * s * s * B
     korthikanti = (costmodel.activation_memory_bytes(s, B, hdim, a, n, recompute="none")

@@ -55,8 +55,10 @@ def test_schedule_prints_1f1b_and_its_bubble(capsys):
     out = capsys.readouterr().out
     rows = [line.split(": ", 1)[1].split() for line in out.splitlines() if line.startswith("stage ")]
     assert len(rows) == 4 and rows[3][:4] == ["..", "..", "..", "F0"]
-    assert all(sum(c.startswith("F") for c in row) == 6 and sum(c.startswith("B") for c in row) == 6 for row in rows)
-    fractions = [line.split()[2].rstrip(";") for line in out.splitlines() if line.startswith("bubble fraction")]
+    assert all(sum(c.startswith("F") for c in row) == 6 and sum(c.startswith("B") for c in row) == 6
+               for row in rows)
+    fractions = [line.split()[2].rstrip(";") for line in out.splitlines()
+                 if line.startswith("bubble fraction")]
     assert fractions == [f"{costmodel.pipeline_bubble_fraction('1f1b', 4, 6):.3f}"] == ["0.333"]
     assert "costmodel.pipeline_bubble_fraction: 0.333" in out
 

@@ -75,7 +75,8 @@ def test_meter_bytes_equal_the_busbw_formula_for_every_op(n):
         expect_rs = (torch.arange(n * k, dtype=torch.float64) * (n * (n + 1) / 2))[r * k:(r + 1) * k]
         torch.testing.assert_close(out["reduce_scatter"], expect_rs)
         torch.testing.assert_close(out["all_gather"], torch.arange(n).repeat_interleave(k).to(torch.bfloat16))
-        expect_a2a = torch.cat([torch.arange(r * k, (r + 1) * k, dtype=torch.int32) + 100 * src for src in range(n)])
+        expect_a2a = torch.cat([torch.arange(r * k, (r + 1) * k, dtype=torch.int32) + 100 * src
+                                for src in range(n)])
         torch.testing.assert_close(out["all_to_all"], expect_a2a)
         torch.testing.assert_close(out["broadcast"], torch.zeros(n * k))
 

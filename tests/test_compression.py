@@ -32,7 +32,8 @@ SHAPES = [(7,), (5, 13), (3, 4, 5), (1,)]
 
 
 def _methods():
-    return {"topk": C.TopK(0.1), "randk": C.RandomK(0.25, seed=3), "sign": C.Sign(), "qsgd": C.QSGD(4), "fp16": C.FP16()}
+    return {"topk": C.TopK(0.1), "randk": C.RandomK(0.25, seed=3), "sign": C.Sign(), "qsgd": C.QSGD(4),
+            "fp16": C.FP16()}
 
 
 @pytest.mark.parametrize("name", list(_methods()))
@@ -77,7 +78,8 @@ def test_decoders_match_definitions():
     q = C.QSGD(3)
     p = q.compress(g)
     assert p.tensors["levels"].abs().max() <= 3
-    assert ((q.decompress(p).abs() - g.abs()).abs() <= g.norm() / 3 + 1e-6).all()
+    # (one step is |g| / s; the factor allows float32 rounding of level * |g| / s, relative to |g|)
+    assert ((q.decompress(p).abs() - g.abs()).abs() <= g.norm() / 3 * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("inner", [C.TopK(0.1), C.Sign(), C.QSGD(2), C.RandomK(0.2, seed=1)], ids=repr)
@@ -88,17 +90,22 @@ def test_error_feedback_carries_exactly_the_residual(inner):
     gen = torch.Generator().manual_seed(0)
     e = torch.zeros(4, 9)
     sent, given = torch.zeros(4, 9), torch.zeros(4, 9)
+    slack = torch.zeros(4, 9)  # float32 rounding of the four additions a step makes, each <= eps/2 |result|
+    eps = torch.finfo(torch.float32).eps
     for t in range(8):
         g = torch.randn(4, 9, generator=gen)
         dec = ef.decompress(ef.compress(g, key="w"))
         expect_dec = shadow.decompress(shadow.compress(g + e))
+        slack += eps * (g + e).abs()
         e = g + e - expect_dec
         torch.testing.assert_close(dec, expect_dec, rtol=0, atol=0)
         torch.testing.assert_close(ef.error["w"], e, rtol=0, atol=0)
         sent += dec
         given += g
-    # telescoping: everything given was sent, except what is still in memory
-    torch.testing.assert_close(sent + ef.error["w"], given, rtol=0, atol=1e-5)
+        slack += eps * (e.abs() + sent.abs() + given.abs())
+    # telescoping: everything given was sent, except what is still in memory (up to the rounding above)
+    gap = (sent + ef.error["w"] - given).abs()
+    assert (gap <= slack + eps * (sent + ef.error["w"]).abs()).all(), (gap - slack).max().item()
     assert ef.error["w"].abs().max() > 0  # the compressor is lossy: the memory is not trivially zero
 
 
@@ -225,7 +232,8 @@ def test_bytes_on_the_wire_equal_the_predicted_payload(trained):
                 assert summ[op]["bytes"] == s, name
                 assert summ[op]["wire_bytes"] == pytest.approx(wire_factor * s), name
     # and compression does shrink the step: every method sends less than the exact all-reduce
-    wire = {name: sum(s["wire_bytes"] for s in trained[0][name]["comm"][-1].values()) for name in _all_methods()}
+    wire = {name: sum(s["wire_bytes"] for s in trained[0][name]["comm"][-1].values())
+            for name in _all_methods()}
     assert all(wire[name] < wire["exact"] for name in wire if name != "exact"), wire
 
 

@@ -4,16 +4,13 @@ Every expected value below is either a number printed in a paper (with its preci
 independent computation (a torch.nn model's parameter count, a hand-expanded sum); none is the
 function's own output.
 """
-import math
 
 import numpy as np
 import pytest
-import torch
 from torch import nn
 
 from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.models.gpt import GPT, GPTConfig
-
 
 # --- collectives ------------------------------------------------------------------------------
 
@@ -225,7 +222,8 @@ def test_korthikanti_eq1_and_attention_term():
     saved = 1 - cm.activation_memory_bytes(**GPT3, recompute="selective") / cm.activation_memory_bytes(**GPT3)
     assert saved == pytest.approx(80 / 114) and round(saved, 2) == 0.70
     mtnlg = dict(seq=2048, batch=1, hidden=20480, heads=128)
-    saved = 1 - cm.activation_memory_bytes(**mtnlg, recompute="selective") / cm.activation_memory_bytes(**mtnlg)
+    saved = (1 - cm.activation_memory_bytes(**mtnlg, recompute="selective")
+             / cm.activation_memory_bytes(**mtnlg))
     assert saved == pytest.approx(64 / 98) and round(saved, 2) == 0.65
 
 
@@ -243,7 +241,8 @@ def test_korthikanti_table2_identities_t8():
     assert act(recompute="full", sequence_parallel=True) == pytest.approx(2 * sbh / t)
     # the abstract's "5x": TP-only with no recompute vs TP + SP + selective recompute
     assert act() / act(sequence_parallel=True, recompute="selective") == pytest.approx(23 / 4.25)
-    assert cm.activation_memory_bytes(**GPT3, layers=96) == pytest.approx(96 * cm.activation_memory_bytes(**GPT3))
+    assert (cm.activation_memory_bytes(**GPT3, layers=96)
+            == pytest.approx(96 * cm.activation_memory_bytes(**GPT3)))
 
 
 def test_activation_errors():
@@ -285,7 +284,8 @@ def test_bubble_interleaved_and_zero_bubble():
     assert cm.pipeline_bubble_fraction("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
     # ZB-H1: one third of 1F1B's bubble at equal t_F = t_B = t_W
     assert cm.zb_h1_idle_time(p, 1.0, 1.0, 1.0) == pytest.approx((p - 1) * (1 + 1 + 1) / 3)
-    assert cm.pipeline_bubble_ratio("zb-h1", p, m) == pytest.approx(cm.pipeline_bubble_ratio("1f1b", p, m) / 3)
+    assert (cm.pipeline_bubble_ratio("zb-h1", p, m)
+            == pytest.approx(cm.pipeline_bubble_ratio("1f1b", p, m) / 3))
     assert cm.pipeline_bubble_fraction("zb-h1", p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
     assert cm.zb_h1_idle_time(p, 2.0, 3.0, 1.5) == pytest.approx((p - 1) * 3.5)
 
@@ -408,7 +408,8 @@ def test_tensor_parallel_comm_time_is_four_ring_allreduces_on_the_critical_path(
 
 @pytest.mark.parametrize("tied,bias", [(True, True), (False, False)])
 def test_tensor_parallel_params_per_rank_counts_the_gpt_shards(tied, bias):
-    cfg = GPTConfig.tiny(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32, tie_embeddings=tied, bias=bias)
+    cfg = GPTConfig.tiny(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32, tie_embeddings=tied,
+                         bias=bias)
     model = GPT(cfg)
     assert cm.tensor_parallel_params_per_rank(cfg, 1) == sum(q.numel() for q in model.parameters())
     # by hand from the model: 2-D weights of attn/mlp and the embedding tables split, the rest replicated

@@ -174,7 +174,8 @@ def test_recompute_overhead_from_the_matmuls(s, h, l, V):
     assert cm.recompute_overhead("none", **kw) == 0
     assert cm.recompute_overhead("full", **kw) == pytest.approx(full / step, rel=1e-12)
     assert cm.recompute_overhead("selective", **kw) == pytest.approx(selective / step, rel=1e-12)
-    assert cm.recompute_overhead("selective", relative_to="forward", **kw) == pytest.approx(selective / forward)
+    assert (cm.recompute_overhead("selective", relative_to="forward", **kw)
+            == pytest.approx(selective / forward))
     assert cm.recompute_overhead("full", **kw) < 1 / 3
 
 

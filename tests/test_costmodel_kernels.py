@@ -38,7 +38,8 @@ def _naive_softmax(x):
     return numerator / denominator[:, None]
 
 
-@pytest.mark.parametrize("M,N,dtype", [(3, 5, torch.float32), (17, 129, torch.float32), (8, 100, torch.float16)])
+@pytest.mark.parametrize("M,N,dtype",
+                         [(3, 5, torch.float32), (17, 129, torch.float32), (8, 100, torch.float16)])
 def test_softmax_bytes_eager_counts_what_the_ops_move(M, N, dtype):
     x = torch.randn(M, N).to(dtype)
     y, c = _counted(_naive_softmax, x)
@@ -149,7 +150,8 @@ def test_adamw_bytes_eager_counts_torch_foreach_adamw(weight_decay):
         torch.testing.assert_close(p.detach(), r)
     want = cm.adamw_bytes(n, weight_decay=weight_decay != 0)
     assert (c.read, c.written) == (want["read"], want["written"]), c.ops
-    assert want == {"read": (13 if weight_decay else 12) * 4 * n, "written": (8 if weight_decay else 7) * 4 * n}
+    assert want == {"read": (13 if weight_decay else 12) * 4 * n,
+                    "written": (8 if weight_decay else 7) * 4 * n}
 
 
 def test_adamw_bytes_fused_reads_four_writes_three_buffers():
@@ -208,7 +210,8 @@ def test_ridge_point_and_roofline_time():
         flops = intensity * nbytes
         t = cm.roofline_time(flops, nbytes, "h100")
         memory_bound = intensity < cm.ridge_point("h100")
-        assert t == pytest.approx(nbytes / spec.memory_bandwidth if memory_bound else flops / spec.peak_flops["bf16"])
+        assert t == pytest.approx(nbytes / spec.memory_bandwidth if memory_bound
+                                  else flops / spec.peak_flops["bf16"])
         assert t >= nbytes / spec.memory_bandwidth and t >= flops / spec.peak_flops["bf16"]
     # at the ridge both bounds are equal
     r = cm.ridge_point("h200", "fp32")

@@ -45,8 +45,9 @@ def _ring_allreduce_sent(psi, n):
     return sent
 
 
-@pytest.mark.parametrize("params, n, s", [(1000, 1, 1), (1000, 4, 1), (1200, 4, 2), (1200, 4, 4), (1200, 3, 6),
-                                          (10 ** 6, 8, 8), (999, 5, 3)])
+@pytest.mark.parametrize("params, n, s",
+                         [(1000, 1, 1), (1000, 4, 1), (1200, 4, 2), (1200, 4, 4), (1200, 3, 6),
+                          (10 ** 6, 8, 8), (999, 5, 3)])
 def test_ps_bytes_per_step_matches_traffic_table(params, n, s):
     got = cm.ps_bytes_per_step(params, n, s, bytes_per_element=2)
     psi = 2 * params
@@ -94,7 +95,8 @@ def test_ps_step_time_one_port_endpoints(n, s, pipelined):
               [c_in[m] * alpha + float(recv[m]) * beta for m in recv]
         phases.append(max(per))
     expected = max(phases) if pipelined else sum(phases)
-    assert cm.ps_step_time(params, n, s, alpha, beta, pipelined=pipelined) == pytest.approx(expected, rel=1e-12)
+    assert (cm.ps_step_time(params, n, s, alpha, beta, pipelined=pipelined)
+            == pytest.approx(expected, rel=1e-12))
 
 
 def test_ps_step_time_pipelined_bandwidth_term_vs_ring():
@@ -130,14 +132,16 @@ def _byteps_bottleneck(m, n, k, gpu_share):
     return max(list(sent.values()) + list(recv.values()) + [0])
 
 
-@pytest.mark.parametrize("n, k", [(2, 0), (4, 0), (4, 1), (4, 2), (4, 3), (4, 4), (3, 1), (8, 5), (2, 4), (1, 2)])
+@pytest.mark.parametrize("n, k",
+                         [(2, 0), (4, 0), (4, 1), (4, 2), (4, 3), (4, 4), (3, 1), (8, 5), (2, 4), (1, 2)])
 def test_byteps_optimal_bytes_is_the_best_split(n, k):
     m = 3600
     got = cm.byteps_optimal_bytes(m, n, k, bytes_per_element=1)
     # search every split on a fine grid of the GPU share, exact arithmetic
     grid = [Fraction(m, n) * Fraction(i, 720) for i in range(721)] if k else [Fraction(m, n)]
     best = min(_byteps_bottleneck(m, n, k, g) for g in grid)
-    assert got["bottleneck"] <= float(best) * (1 + 1e-12), f"a split on the grid moves only {float(best)} bytes"
+    assert got["bottleneck"] <= float(best) * (1 + 1e-12), \
+        f"a split on the grid moves only {float(best)} bytes"
     assert got["bottleneck"] >= float(best) * (1 - 1e-3), "the grid should come within its resolution"
     # and the returned shares achieve it and add up to the model
     assert k * got["cpu_share"] + n * got["gpu_share"] == pytest.approx(m)
@@ -147,9 +151,11 @@ def test_byteps_optimal_bytes_is_the_best_split(n, k):
 
 def test_byteps_optimal_bytes_unifies_allreduce_and_ps():
     for n in (2, 4, 16):
-        assert cm.byteps_optimal_bytes(10 ** 6, n, 0)["bottleneck"] == pytest.approx(cm.bus_bytes("all_reduce", 4e6, n))
+        assert (cm.byteps_optimal_bytes(10 ** 6, n, 0)["bottleneck"]
+                == pytest.approx(cm.bus_bytes("all_reduce", 4e6, n)))
         assert cm.byteps_optimal_bytes(10 ** 6, n, n)["bottleneck"] == pytest.approx(4e6)
-        assert cm.byteps_optimal_bytes(10 ** 6, n, n)["bottleneck"] == cm.ps_bytes_per_step(10 ** 6, n, n)["bottleneck"]
+        assert (cm.byteps_optimal_bytes(10 ** 6, n, n)["bottleneck"]
+                == cm.ps_bytes_per_step(10 ** 6, n, n)["bottleneck"])
         # more CPU machines only help, up to k = n
         seq = [cm.byteps_optimal_bytes(10 ** 6, n, k)["bottleneck"] for k in range(2 * n + 1)]
         assert all(a >= b for a, b in zip(seq, seq[1:])) and seq[n] == seq[-1]
@@ -197,7 +203,8 @@ def test_hogwild_sparsity_random_supports():
         d = rng.randint(5, 30)
         supports = [rng.sample(range(d), rng.randint(1, 4)) for _ in range(rng.randint(3, 25))]
         got = cm.hogwild_sparsity(supports, d)
-        assert (got["omega"], got["delta"], got["rho"], got["collision"]) == pytest.approx(_brute_sparsity(supports, d))
+        assert ((got["omega"], got["delta"], got["rho"], got["collision"])
+                == pytest.approx(_brute_sparsity(supports, d)))
 
 
 def test_hogwild_sparsity_extremes_and_errors():

@@ -92,7 +92,8 @@ def test_underflow_fractions_match_a_real_cast(name):
     dt, info = _dtype(name), cm.format_info(name)
     g = torch.Generator().manual_seed(1)
     lo, hi = math.log2(info["min_subnormal"]) - 4, math.log2(info["max"]) + 3
-    x = torch.exp2(lo + (hi - lo) * torch.rand(40000, generator=g, dtype=torch.float64)) * torch.randn(40000, generator=g).sign()
+    x = (torch.exp2(lo + (hi - lo) * torch.rand(40000, generator=g, dtype=torch.float64))
+         * torch.randn(40000, generator=g).sign())
     ms, mn, top = info["min_subnormal"], info["min_normal"], info["max"]
     edges = torch.tensor([ms / 2, mn - ms / 2, top + cm.ulp(top, name) / 2], dtype=torch.float64)  # the ties
     x = torch.cat([x, torch.zeros(500), edges.repeat(100), -edges.repeat(100)]).double()

@@ -33,7 +33,8 @@ def _all_to_all_sent(shard_elems, t, r):
 @pytest.mark.parametrize("e", [2, 4])
 def test_megatron_sp_sends_four_all_gathers_and_four_reduce_scatters(b, s, h, t, e):
     want = (4 + 4) * _ring_collective_sent(b * s * h, t) * e
-    assert cm.sequence_parallel_bytes_per_layer(b, s, h, t, bytes_per_element=e) == pytest.approx(want, rel=1e-12)
+    assert (cm.sequence_parallel_bytes_per_layer(b, s, h, t, bytes_per_element=e)
+            == pytest.approx(want, rel=1e-12))
     want_closed = 8 * b * s * h * e * (t - 1) / t
     assert cm.sequence_parallel_bytes_per_layer(b, s, h, t, e) == pytest.approx(want_closed, rel=1e-12)
 
@@ -75,20 +76,22 @@ def test_ulysses_forward_is_the_papers_4Nh_over_P_with_the_kept_block_removed():
 @pytest.mark.parametrize("t", [2, 4, 8, 16])
 def test_ulysses_is_t_times_cheaper_than_megatron_sp_at_fixed_sequence(t):
     b, s, h = 2, 4096, 1024
-    assert cm.ulysses_bytes_per_layer(b, s, h, t) * t == pytest.approx(cm.sequence_parallel_bytes_per_layer(b, s, h, t),
-                                                                      rel=1e-12)
+    assert (cm.ulysses_bytes_per_layer(b, s, h, t) * t
+            == pytest.approx(cm.sequence_parallel_bytes_per_layer(b, s, h, t), rel=1e-12))
 
 
 def test_ulysses_falls_with_t_at_fixed_sequence_and_is_bounded_at_fixed_shard():
     b, s, h = 1, 1 << 14, 512
     fixed_s = [cm.ulysses_bytes_per_layer(b, s, h, t) for t in (2, 4, 8, 16)]
     assert all(x > y for x, y in zip(fixed_s, fixed_s[1:]))
-    assert fixed_s[-1] == pytest.approx(fixed_s[0] * (15 / 256) / (1 / 4), rel=1e-12)  # (t-1)/t^2: 1/4 -> 15/256
+    # (t-1)/t^2: 1/4 -> 15/256
+    assert fixed_s[-1] == pytest.approx(fixed_s[0] * (15 / 256) / (1 / 4), rel=1e-12)
     shard = 1024  # weak scaling: s = t·shard tokens
     weak = [cm.ulysses_bytes_per_layer(b, t * shard, h, t) for t in (2, 4, 8, 16)]
     bound = 8 * b * shard * h * 2
     assert all(x < y < bound for x, y in zip(weak, weak[1:]))
-    assert weak[0] == pytest.approx(bound / 2, rel=1e-12) and weak[-1] == pytest.approx(bound * 15 / 16, rel=1e-12)
+    assert weak[0] == pytest.approx(bound / 2, rel=1e-12)
+    assert weak[-1] == pytest.approx(bound * 15 / 16, rel=1e-12)
 
 
 def test_ulysses_max_degree_is_the_head_count():
@@ -125,7 +128,8 @@ def test_ring_attention_passes_k_v_forward_and_k_v_dk_dv_backward(b, s, h, t, e)
     assert got["total"] == got["forward"] + got["backward"]
     assert got["total"] == pytest.approx((6 * t - 4) * b * (s // t) * h * e, rel=1e-12)
     half = cm.ring_attention_bytes_per_layer(b, s, h, t, bytes_per_element=2, acc_bytes=4)
-    assert half["backward"] == _ring_sent(b, s, h, t, 2) * 2 + 2 * t * b * (s // t) * h * 4  # fp32 accumulators
+    # the accumulators travel in fp32
+    assert half["backward"] == _ring_sent(b, s, h, t, 2) * 2 + 2 * t * b * (s // t) * h * 4
 
 
 def test_ring_is_flat_in_t_and_ulysses_is_not():
@@ -153,9 +157,11 @@ def test_all_three_grow_linearly_with_sequence_length_and_vanish_at_t_1(fn):
 
 def test_bad_inputs_are_clear_errors():
     for fn in (cm.ulysses_bytes_per_layer, cm.ring_attention_bytes_per_layer):
-        with pytest.raises(ValueError, match="sequence length 30 is not divisible by the sequence-parallel degree 4"):
+        with pytest.raises(ValueError,
+                           match="sequence length 30 is not divisible by the sequence-parallel degree 4"):
             fn(1, 30, 8, 4)
-    for fn in (cm.ulysses_bytes_per_layer, cm.ring_attention_bytes_per_layer, cm.sequence_parallel_bytes_per_layer):
+    for fn in (cm.ulysses_bytes_per_layer, cm.ring_attention_bytes_per_layer,
+               cm.sequence_parallel_bytes_per_layer):
         with pytest.raises(ValueError, match="need t >= 1"):
             fn(1, 32, 8, 0)
 
@@ -166,7 +172,8 @@ def test_attention_activation_bytes_ring_linear_naive_quadratic():
         for s in (64, 128):
             per_query = 4 * d * e + 4  # q, k, v, out rows in e bytes, a float32 log-sum-exp
             assert cm.ring_attention_activation_bytes(b, s, a, d, t, e) == b * a * (s // t) * per_query
-    assert cm.ring_attention_activation_bytes(b, 256, a, d, 4, e) == 2 * cm.ring_attention_activation_bytes(b, 128, a, d, 4, e)
+    assert (cm.ring_attention_activation_bytes(b, 256, a, d, 4, e)
+            == 2 * cm.ring_attention_activation_bytes(b, 128, a, d, 4, e))
     naive = [cm.naive_attention_activation_bytes(b, s, a, d, e) for s in (128, 256)]
     assert naive[0] == b * a * (3 * 128 * d + 128 * 128) * e
     assert naive[1] > 3 * naive[0]  # the s^2 probabilities dominate

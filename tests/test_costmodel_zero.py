@@ -102,7 +102,8 @@ def test_zero_comm_bytes_counts_the_collectives(n, e):
     # and through the collectives cost model: stage 3 = 2 all-gathers + 1 reduce-scatter
     s3 = 2 * cm.bus_bytes("all_gather", psi * e, n) + cm.bus_bytes("reduce_scatter", psi * e, n)
     assert cm.zero_comm_bytes(psi, n, 3, e) == pytest.approx(s3, rel=1e-12)
-    assert cm.zero_comm_bytes(psi, n, 0, e) == pytest.approx(cm.bus_bytes("all_reduce", psi * e, n), rel=1e-12)
+    assert cm.zero_comm_bytes(psi, n, 0, e) == pytest.approx(cm.bus_bytes("all_reduce", psi * e, n),
+                                                             rel=1e-12)
 
 
 def test_stage3_moves_one_and_a_half_times_the_bytes():

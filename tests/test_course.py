@@ -8,12 +8,12 @@ in turn, to show the check can fail).
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +71,8 @@ def _find(tree: ast.AST, qualname: str):
 
 def stub_problems(ch: Chapter) -> list[str]:
     """exercises/ matches solutions/, and every function holding a solution raises NotImplementedError."""
-    problems = [f"{ch.rel(p)} is out of sync with solutions/ (run `make exercises`)" for p in ex.check_sync(ch)]
+    problems = [f"{ch.rel(p)} is out of sync with solutions/ (run `make exercises`)"
+                for p in ex.check_sync(ch)]
     tree = ast.parse(ch.exercises.read_text())
     for r in ex.regions(ch.solutions.read_text(), ch.rel(ch.solutions)):
         node = _find(tree, r.qualname)
@@ -187,6 +188,59 @@ def test_repository_exercises_in_sync():
     assert ex.check_sync() == []
 
 
+# --- every module opens with its chapter ------------------------------------------------------
+
+CHAPTER_LINE = re.compile(r"^Chapter (\d\d) — ")
+
+
+def module_docstring_problems(package: Path, chapters=CHAPTERS) -> list[str]:
+    """Every module of ``package`` has a docstring whose first line is ``Chapter NN — ...``, NN a
+    chapter of ``chapters``; a module a chapter lists in ``Chapter.modules`` names that chapter."""
+    listed = {m: c.number for c in chapters for m in c.modules}
+    numbers = {c.number for c in chapters}
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent)
+        parts = list(rel.with_suffix("").parts)
+        dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+        match = CHAPTER_LINE.match(doc.splitlines()[0]) if doc and doc.strip() else None
+        if match is None:
+            first = doc.splitlines()[0] if doc and doc.strip() else "(no docstring)"
+            problems.append(f"{rel}: the docstring must open with 'Chapter NN — ', got {first!r}")
+        elif int(match[1]) not in numbers:
+            problems.append(f"{rel}: chapter {match[1]} does not exist (chapters: {sorted(numbers)})")
+        elif dotted in listed and int(match[1]) != listed[dotted]:
+            problems.append(f"{rel}: chapter {listed[dotted]:02d} lists this module, "
+                            f"its docstring says {match[1]}")
+    return problems
+
+
+def test_every_module_opens_with_its_chapter():
+    assert module_docstring_problems(REPO_ROOT / "minitorch_dist") == []
+
+
+def test_module_docstring_check_catches_each_breakage(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {"__init__.py": '"""Chapter 00 — the package."""\n',
+             "good.py": '"""Chapter 03 — pipelines.\n\nMore text.\n"""\nX = 1\n',
+             "sub/__init__.py": "",
+             "colon.py": '"""Chapter 03: pipelines."""\n',
+             "later.py": '"""Pipelines.\n\nChapter 03 — not on the first line.\n"""\n',
+             "nowhere.py": '"""Chapter 99 — no such chapter."""\n',
+             "listed.py": '"""Chapter 00 — listed under chapter 03."""\n'}
+    for name, text in files.items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    chapters = [Chapter(0, "00_a", "A", ("pkg",)), Chapter(3, "03_b", "B", ("pkg.listed", "pkg.good"))]
+    problems = module_docstring_problems(pkg, chapters)
+    assert len(problems) == 5, problems
+    for name, needle in (("sub/__init__.py", "(no docstring)"), ("colon.py", "Chapter 03: pipelines."),
+                         ("later.py", "'Pipelines.'"), ("nowhere.py", "chapter 99 does not exist"),
+                         ("listed.py", "chapter 03 lists this module, its docstring says 00")):
+        assert any(p.startswith(f"pkg/{name}") and needle in p for p in problems), (name, problems)
+
+
 # --- exercise generation ----------------------------------------------------------------------
 
 SOLUTIONS = textwrap.dedent('''\
@@ -226,7 +280,8 @@ def test_strip_solutions_replaces_regions_and_keeps_the_rest():
     out = ex.strip_solutions(SOLUTIONS, "solutions/ch98_fake.py", "chapters/98_fake.md")
     assert out.startswith("# generated from solutions/ch98_fake.py; do not edit — run `make exercises`\n")
     assert "2 * x" not in out and "x / 2" not in out and "3 * x" not in out
-    assert '    """Return 2x."""\n    raise NotImplementedError("exercise: double — see chapters/98_fake.md")\n' in out
+    assert ('    """Return 2x."""\n'
+            '    raise NotImplementedError("exercise: double — see chapters/98_fake.md")\n') in out
     assert ('        else:\n            raise NotImplementedError("exercise: Layer.forward — see '
             'chapters/98_fake.md")\n') in out
     assert "# BEGIN SOLUTION   (inside a string" in out  # strings are left alone
@@ -249,7 +304,8 @@ def test_exercise_names_are_the_top_level_holders():
     ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n",
      r"fake\.py:3: nested .*line 2"),
     ("# BEGIN SOLUTION\nX = 1\n# END SOLUTION\n", r"fake\.py:1: .*inside a function or class"),
-    ("def f():\n    # BEGIN SOLUTION\n    # END SOLUTION\n    return 1\n", r"fake\.py:2: empty solution region"),
+    ("def f():\n    # BEGIN SOLUTION\n    # END SOLUTION\n    return 1\n",
+     r"fake\.py:2: empty solution region"),
     ("def f():\n    return 1  # BEGIN SOLUTION\n", r"fake\.py:2: .*line of its own"),
     ("def f(:\n    pass\n", r"fake\.py:1: not valid Python"),
 ])
@@ -370,9 +426,12 @@ def test_checks_pass_on_a_complete_chapter(fake):
 @pytest.mark.parametrize("breakage, expected", [
     (lambda ch: ch.notebook.unlink(), "notebook missing: notebooks/98_fake.ipynb"),
     (lambda ch: ch.module_files[0].unlink(), "module fakepkg.fakemod missing"),
-    (lambda ch: ch.prose.write_text(PROSE.replace("Pitfalls", "Gotchas")), "no heading containing 'Pitfalls'"),
-    (lambda ch: ch.prose.write_text(PROSE.replace("## Reading", "Reading")), "no heading containing 'Reading'"),
-    (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"execution_count": 1', '"execution_count": null')),
+    (lambda ch: ch.prose.write_text(PROSE.replace("Pitfalls", "Gotchas")),
+     "no heading containing 'Pitfalls'"),
+    (lambda ch: ch.prose.write_text(PROSE.replace("## Reading", "Reading")),
+     "no heading containing 'Reading'"),
+    (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"execution_count": 1',
+                                                                    '"execution_count": null')),
      "code cell 0 was not executed"),
     (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"outputs": [{', '"x": [{').replace(
         '"metadata": {}, "source": ["print', '"outputs": [], "metadata": {}, "source": ["print')),
@@ -410,17 +469,19 @@ def test_parse_junit_and_summarize(tmp_path):
     xml.write_text(
         '<testsuites><testsuite name="pytest">'
         '<testcase classname="t" name="test_a"/>'
-        '<testcase classname="t" name="test_a_gpu"><skipped type="pytest.skip" message="needs a CUDA GPU"/></testcase>'
-        '<testcase classname="t" name="test_b[2]"><failure message="NotImplementedError: exercise: b — see x">tb'
-        '</failure></testcase>'
-        '<testcase classname="t" name="test_c"><failure message="AssertionError: 3 != 4">tb</failure></testcase>'
-        '<testcase classname="t" name="test_d"><skipped type="pytest.skip" message="needs a CUDA GPU"/></testcase>'
-        '<testcase classname="t" name="test_e"><skipped message="flaky on macOS"/></testcase>'
-        '<testcase classname="t" name="test_zzz"><error message="fixture broke">tb</error></testcase>'
-        '</testsuite></testsuites>')
+        '<testcase classname="t" name="test_a_gpu"><skipped type="pytest.skip" message="needs a CUDA '
+        'GPU"/></testcase><testcase classname="t" name="test_b[2]"><failure message="NotImplementedError: '
+        'exercise: b — see x">tb</failure></testcase>'
+        '<testcase classname="t" name="test_c"><failure message="AssertionError: 3 != '
+        '4">tb</failure></testcase><testcase classname="t" name="test_d"><skipped type="pytest.skip" '
+        'message="needs a CUDA GPU"/></testcase><testcase classname="t" name="test_e"><skipped '
+        'message="flaky on macOS"/></testcase><testcase classname="t" name="test_zzz"><error '
+        'message="fixture broke">tb</error></testcase></testsuite></testsuites>')
     results = grade.parse_junit(xml)
-    assert [r.status for r in results] == ["passed", "blocked", "todo", "failed", "blocked", "skipped", "failed"]
-    rows = {r.exercise: r for r in grade.summarize("ch98", ["a", "b", "c", "d", "e", "f", "g"], results, ("g",))}
+    assert [r.status for r in results] == ["passed", "blocked", "todo", "failed", "blocked", "skipped",
+                                           "failed"]
+    rows = {r.exercise: r
+            for r in grade.summarize("ch98", ["a", "b", "c", "d", "e", "f", "g"], results, ("g",))}
     assert {k: r.status for k, r in rows.items()} == {
         "a": "passed", "b": "todo", "c": "failed", "d": "blocked", "e": "skipped", "f": "no tests",
         "g": "blocked", "test_zzz": "failed"}
@@ -459,7 +520,8 @@ HEADLINES = textwrap.dedent('''\
         return {"chapter": "ch97", "experiment": "bytes", "theory": 1.5e6, "measured": 1.5e6, "ok": smoke}
 
     def many(smoke):
-        return [{"chapter": "ch98", "experiment": f"n={n}", "theory": n, "measured": n, "ok": True} for n in (2, 4)]
+        return [{"chapter": "ch98", "experiment": f"n={n}", "theory": n, "measured": n, "ok": True}
+                for n in (2, 4)]
 
     def broken(smoke):
         raise RuntimeError("boom\\nsecond line")
@@ -472,7 +534,8 @@ HEADLINES = textwrap.dedent('''\
 def _tour_chapters(tmp_path, monkeypatch, *names):
     (tmp_path / "fake_headlines.py").write_text(HEADLINES)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return [Chapter(90 + i, f"{90 + i}_x", "x", ("m",), True, f"fake_headlines:{n}") for i, n in enumerate(names)]
+    return [Chapter(90 + i, f"{90 + i}_x", "x", ("m",), True, f"fake_headlines:{n}")
+            for i, n in enumerate(names)]
 
 
 def test_tour_all_ok(tmp_path, monkeypatch, capsys):

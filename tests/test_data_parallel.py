@@ -21,7 +21,6 @@ results must be bitwise equal; with n = 4 they may differ by ulps (bucket layout
 """
 import contextlib
 import functools
-import math
 
 import pytest
 import torch
@@ -29,12 +28,12 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 import torch.distributed as dist
 from torch import nn
 
-from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.analysis.timeline import Timeline
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism import data_parallel as DP
 from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import RankError, launch
 
 pytestmark = pytest.mark.ch01
@@ -83,7 +82,8 @@ class TwoLayers(nn.Module):
 
 def _wrap(kind, model, **kw):
     if kind == "ours":
-        return DP.DistributedDataParallel(model, **{"bucket_cap_mb": CAP_MB, "first_bucket_mb": FIRST_MB, **kw})
+        return DP.DistributedDataParallel(model,
+                                          **{"bucket_cap_mb": CAP_MB, "first_bucket_mb": FIRST_MB, **kw})
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=CAP_MB, **kw)
     return DP.NaiveDataParallel(model)
@@ -134,7 +134,8 @@ def _grads_of_two_backwards(kind):
 
 
 def _partial_use(kind, use_b_on):
-    """TwoLayers with `b` used on ranks `use_b_on` only; find_unused_parameters=True. Grads after one backward."""
+    """TwoLayers with `b` used on ranks `use_b_on` only; find_unused_parameters=True. Grads after one
+    backward."""
     r = dist.get_rank()
     torch.manual_seed(SEED + r)
     model = TwoLayers()
@@ -145,7 +146,8 @@ def _partial_use(kind, use_b_on):
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(r))
     with comm.meter() as m:
         dp(x, r in use_b_on).backward()
-    return {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}, m.calls["all_reduce"]
+    grads = {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()}
+    return grads, m.calls["all_reduce"]
 
 
 def _with_timeline():
@@ -242,9 +244,11 @@ def _assert_params(got, want, where, exact=False):
     assert got.keys() == want.keys(), where
     for k in want:
         if exact:
-            assert torch.equal(got[k], want[k]), f"{where}: {k} differs by {(got[k] - want[k]).abs().max():.3g}"
+            assert torch.equal(got[k], want[k]), \
+                f"{where}: {k} differs by {(got[k] - want[k]).abs().max():.3g}"
         else:
-            torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}, {k}: {m}")
+            torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"{where}, {k}: {m}")
 
 
 # --- results ---------------------------------------------------------------------------------------
@@ -384,7 +388,8 @@ def test_unused_parameter_raises_a_clear_error_or_is_handled(n):
             assert s["none_grads"] == ["spare.bias", "spare.weight"]  # unused everywhere: grad stays None
             assert s["calls"] == len(ok["buckets"]) + 1  # + the bitmap of who has a gradient
         # the spare layer never moved and is rank 0's on every rank (the broadcast)
-        assert torch.equal(ok["params"]["spare.weight"], _results(n)[0]["unused_ok"]["params"]["spare.weight"])
+        assert torch.equal(ok["params"]["spare.weight"],
+                           _results(n)[0]["unused_ok"]["params"]["spare.weight"])
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -398,7 +403,8 @@ def test_parameters_unused_on_some_ranks_match_torch(n, case):
             if theirs[k] is None:
                 assert ours[k] is None, (case, k)
             else:
-                torch.testing.assert_close(ours[k], theirs[k], atol=ATOL, rtol=RTOL, msg=lambda m: f"{case} {k}: {m}")
+                torch.testing.assert_close(ours[k], theirs[k], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m: f"{case} {k}: {m}")
     if case == "nowhere":
         assert _results(n)[0]["ours", case][0]["b.weight"] is None
 
@@ -450,12 +456,3 @@ def test_unused_parameter_on_one_rank_only_fails_loudly_not_silently():
 
     with pytest.raises(RankError, match="b.weight.*find_unused_parameters=True"):
         launch(fn, 2, timeout_s=60)
-
-
-def test_headline_smoke_rows_are_ok():
-    rows = DP.headline(smoke=True)
-    assert len(rows) == 3
-    for row in rows:
-        assert set(row) >= {"chapter", "experiment", "theory", "measured", "ok"}
-        assert row["chapter"] == "ch01" and row["ok"], row
-    assert rows[1]["measured"] == 2 * 3 / 4 * _grad_bytes()

@@ -25,7 +25,10 @@ from minitorch_dist.analysis import costmodel
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.launch import launch
 from minitorch_dist.sparsity.expert_parallel import (
-    ExpertParallelMoE, all_to_all, replicated_parameters, sync_replicated_grads,
+    ExpertParallelMoE,
+    all_to_all,
+    replicated_parameters,
+    sync_replicated_grads,
 )
 from minitorch_dist.sparsity.moe import ExpertChoiceRouter, MoELayer, SwitchRouter, Top2Router
 
@@ -72,7 +75,8 @@ def _rank_run():
             ((y * Gs[r]).sum() + ep.aux_loss).backward()
         with comm.meter() as sync:
             sync_replicated_grads(ep)
-        out[case] = {"y": y.detach(), "dx": x.grad, "experts": [[p.grad for p in e.parameters()] for e in ep.experts],
+        out[case] = {"y": y.detach(), "dx": x.grad,
+                     "experts": [[p.grad for p in e.parameters()] for e in ep.experts],
                      "router": ep.router.w_gate.grad, "send": ep.send_counts, "recv": ep.recv_counts,
                      "fwd": _events(fwd), "bwd": _events(bwd), "sync": _events(sync),
                      "replicated": [tuple(p.shape) for p in replicated_parameters(ep)]}
@@ -161,20 +165,11 @@ def test_uneven_all_to_all_and_its_backward(ranks):
 def test_experts_not_divisible_by_ranks_is_a_clear_error(ranks):
     n, results = ranks
     bad = 3 if n == 2 else 6
-    assert results[0]["error"].startswith(f"n_experts {bad} is not divisible by {n} ranks (expert parallel degree)")
+    assert results[0]["error"].startswith(f"n_experts {bad} is not divisible by {n} ranks "
+                                          "(expert parallel degree)")
     assert all(res["error"] == results[0]["error"] for res in results)
 
 
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="initialised process group"):
         ExpertParallelMoE(_layer("switch"))
-
-
-def test_headline_smoke_rows_are_ok():
-    from minitorch_dist.sparsity import headline
-
-    rows = headline(smoke=True)
-    assert len(rows) == 4
-    for row in rows:
-        assert set(row) >= {"chapter", "experiment", "theory", "measured", "ok"}
-        assert row["chapter"] == "ch10" and row["ok"], row

@@ -1,25 +1,26 @@
-"""Chapter 06: ZeRO-3 / FSDP equals one process on the global batch, and torch's FSDP2 ``fully_shard``;
-and it works the way Rajbhandari et al. 2020 (§5.3, §7.2.2) and Zhao et al. 2023 (§3) say: Ψ
-all-gathered in forward, Ψ all-gathered and Ψ reduce-scattered in backward (1.5x ZeRO-1/2's 2Ψ),
-(4+4+8)Ψ/n bytes of fp32 model state per rank, the next unit's all-gather issued before the current
-unit computes, at most root + 2 blocks gathered at once, hybrid sharding on a 2x2 grid.
+"""Chapter 06: ``fully_shard`` on any module equals one process on the global batch and torch's FSDP2
+``fully_shard`` called the same way; and it works the way Rajbhandari et al. 2020 (§5.3, §7.2.2)
+and Zhao et al. 2023 (§3) say: Ψ all-gathered in forward, Ψ all-gathered and Ψ reduce-scattered in
+backward, (4+4+8)Ψ/n bytes of fp32 model state per rank, the next unit's all-gather issued before
+the current unit computes, hybrid sharding on a 2x2 grid.
+
+Models: the course GPT (a unit per block, then the root), an MLP (a unit per Linear, an empty
+root), a model with tied input/output weights, one with a frozen parameter, one whose Linear and
+Embedding layers are sharded while its RMSNorm layers stay replicated, and one with a parameter
+that never gets a gradient. Mixed precision: bf16 and fp16 ``param_dtype`` with fp32 reduction.
 
 One launch per world size runs every case and returns plain data; the tests only inspect it.
-Expected values are computed here, independently of the module: the dense GPT in one process (one
-thread, like a rank) on the global batch, torch's FSDP2 on the same ranks, parameter counts of
-the dense model's modules, this file's own flatten-pad-chunk of the dense gradients.
+Expected values are computed here, independently of the module: each dense model in one process
+(one thread, like a rank) on the global batch, torch's FSDP2 on the same ranks, parameter counts of
+the dense model's modules.
 
 Tolerances (as chapter 01): a rank's mean loss over B/n rows, averaged over n ranks, is the global
-mean summed in another order, so gradients differ from one process by float32 ulps; AdamW with
-lr = 1e-3 and eps = 1e-6 keeps near-cancelling components damped. atol 1e-6 / rtol 1e-5 on weights
-and gradients, 2e-6 on losses; a gradient not averaged or a shard taken from the wrong place moves
-weights by >= lr·|g| ~ 1e-5 (relative 1e-3). Measured after 5 steps: <= 1.5e-7 (AdamW) and 1.5e-8
-(SGD) from one process, 1.7e-7 for hybrid 2x2. Against FSDP2, which also sums the n shards'
-gradients and divides by n, only the order of the n additions is free: bitwise equal at n = 2
-(a + b == b + a), 1 ulp (1.2e-7) at n = 4.
-
-Sizes: V = 61, h = 21 (3 heads), 3 blocks, so no unit's Ψ_u is a multiple of 2 or 4 and every
-unit is padded: Ψ_root = 1659 (wte 1281 + wpe 336 + ln_f 42; lm_head tied), Ψ_block = 5565.
+mean summed in another order, so gradients differ from one process by float32 ulps; atol 1e-6 /
+rtol 1e-5 on weights, 2e-6 on losses; a gradient not averaged or a shard taken from the wrong
+place moves weights by >= lr·|g| ~ 1e-5. Against FSDP2, which also sums the n shards' gradients and
+divides by n, only the order of the n additions is free: bitwise equal at n = 2 (a + b == b + a).
+Mixed precision against FSDP2 (the same casts in the same places): the fp32 tolerances; against
+one fp32 process: the half-precision rounding of a few steps, 2e-2 (bf16) / 5e-3 (fp16).
 """
 import functools
 import math
@@ -28,9 +29,19 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
+from torch import nn
 
+from minitorch_dist.analysis import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
-from minitorch_dist.memory.zero.fsdp import fully_shard, hybrid_groups
+from minitorch_dist.memory.zero import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    full_state_dict,
+    fully_shard,
+    hybrid_groups,
+    sharded_units,
+    sharding_state,
+)
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.models.train import train_steps
@@ -38,7 +49,7 @@ from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import RankError, launch
 
-pytestmark = pytest.mark.ch06
+pytestmark = [pytest.mark.ch06, pytest.mark.timeout(240)]
 
 CFG = GPTConfig.tiny(vocab_size=61, block_size=16, n_layer=3, n_head=3, n_embd=21)
 B, T, STEPS, SEED = 8, 16, 5, 3
@@ -50,88 +61,258 @@ ATOL, RTOL, LOSS_ATOL = 1e-6, 1e-5, 2e-6
 F32 = 4
 
 
-def _train(model, opt, steps=STEPS):
-    return train_steps(model, steps, B, T, optimizer=OPTS[opt], rank=dist.get_rank(),
-                       world_size=dist.get_world_size())
+# --- the models -----------------------------------------------------------------------------------
 
 
-def _ours(opt, **kw):
+class MLP(nn.Module):
+    def __init__(self, d_in=13, d=24, d_out=5, frozen=False, unused=False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, d), nn.GELU(), nn.Linear(d, d), nn.GELU(),
+                                 nn.Linear(d, d_out))
+        if frozen:
+            self.net[0].weight.requires_grad_(False)
+        self.spare = nn.Linear(d, d) if unused else None  # never called: never gets a gradient
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+class TiedLM(nn.Module):
+    """Embedding, a Linear, and an output layer that *is* the embedding (one parameter)."""
+
+    def __init__(self, V=29, d=18):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(V, d), nn.Linear(d, d), nn.Linear(d, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.mid(self.emb(x))))  # (B, T, V)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+class NormLM(nn.Module):
+    """Embedding -> (RMSNorm -> Linear -> GELU) x 2 -> RMSNorm -> Linear head."""
+
+    def __init__(self, V=29, d=20):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([nn.ModuleDict({"norm": nn.RMSNorm(d), "fc": nn.Linear(d, d)})
+                                     for _ in range(2)])
+        self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, V)
+
+    def forward(self, x, y):
+        h = self.emb(x)  # (B, T, d)
+        for layer in self.layers:
+            h = h + nn.functional.gelu(layer["fc"](layer["norm"](h)))
+        logits = self.head(self.norm(h))  # (B, T, V)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _batch(kind, step, rank=0, n=1):
+    """Rows ``rank::n``-free: rank r takes the r-th of n equal slices of the global batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind in ("mlp", "frozen", "unused"):
+        x, y = torch.randn(B, 13, generator=g), torch.randn(B, 5, generator=g)
+    else:
+        x, y = torch.randint(0, 29, (B, 6), generator=g), torch.randint(0, 29, (B, 6), generator=g)
+    rows = B // n
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def _build(kind):
     torch.manual_seed(SEED)
-    model = fully_shard(GPT(CFG), **kw)
-    model.record_trace = True
-    run = _train(model, opt)
-    ev = lambda m: [(e.op, e.nbytes, e.wire_bytes, e.group_size, e.t) for e in m.events]  # noqa: E731
-    out = {"losses": run.losses, "full": model.full_state_dict(),
-           "grads": {u.name: u.shard.grad.clone() for u in model.units},
-           "events": {"fwd": ev(run.meters[0]), "bwd": ev(run.meters[1])},
-           "tied": model.module.lm_head.weight is model.module.wte.weight}
+    return {"mlp": MLP, "frozen": lambda: MLP(frozen=True), "unused": lambda: MLP(unused=True),
+            "tied": TiedLM, "norm": NormLM}[kind]()
+
+
+def _shard(kind, model, shard=fully_shard, **kw):
+    """How each model is sharded: units first, then the root (not for ``norm``: its norms replicate)."""
+    if kind in ("mlp", "frozen", "unused"):
+        for i in (0, 2, 4):
+            shard(model.net[i], **kw)
+    elif kind == "tied":
+        shard(model.mid, **kw)
+    elif kind == "norm":
+        shard(model.emb, **kw)
+        for layer in model.layers:
+            shard(layer["fc"], **kw)
+        shard(model.head, **kw)
+        return model  # torch's FSDP2 needs its root call; ours leaves the RMSNorms replicated
+    return shard(model, **kw)
+
+
+def _steps(model, kind, rank=0, n=1):
+    """STEPS AdamW steps of ``model(x, y) -> loss`` on this rank's rows; the losses."""
+    opt = OPTS["adamw"]([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(*_batch(kind, step, rank, n))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+KINDS = ("mlp", "frozen", "unused", "tied", "norm")
+
+
+# --- what each rank runs --------------------------------------------------------------------------
+
+
+def _events(m):
+    return [(e.op, e.nbytes, e.wire_bytes, e.group_size, e.t) for e in m.events]
+
+
+def _shard_gpt(model, shard=fully_shard, **kw):
+    for block in model.blocks:
+        shard(block, **kw)
+    return shard(model, **kw)
+
+
+def _gpt(opt, **kw):
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(SEED)
+    model = _shard_gpt(GPT(CFG), **kw)
+    run = train_steps(model, STEPS, B, T, optimizer=OPTS[opt], rank=r, world_size=n)
+    state = sharding_state(model)
+    out = {"losses": run.losses, "full": full_state_dict(model), "events": {"fwd": _events(run.meters[0]),
+           "bwd": _events(run.meters[1])}, "tied": model.lm_head.weight is model.wte.weight,
+           "names": [k for k, _ in model.named_parameters()], "class": type(model).__name__}
     # One more step by hand, with a fresh optimizer over the same shards: the trace and peaks of
     # one forward / backward, then the memory meter after the step (outside forward/backward).
     optim = OPTS[opt](list(model.parameters()))
-    x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(STEPS, B, T, dist.get_rank(), dist.get_world_size())
-    model.reset_stats()
+    x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(STEPS, B, T, r, n)
+    state.reset_stats()
+    state.record_trace = True
     with comm.meter() as fwd:
         _, loss = model(x, y)
-    out["fwd_peak"] = (model.peak_gathered, model.peak_gathered_bytes)
+    out["fwd_peak"] = (state.peak_gathered, state.peak_gathered_bytes)
     with comm.meter() as bwd:
         loss.backward()
     optim.step()
-    out["trace"] = [(e, u, t) for e, u, t in model.trace]
-    out["step_events"] = {"fwd": ev(fwd), "bwd": ev(bwd)}
+    out["trace"] = list(state.trace_events)
+    out["step_events"] = {"fwd": _events(fwd), "bwd": _events(bwd)}
     out["memory"] = MemoryMeter(model, optim).current()
-    out["resharded"] = all(u.full.untyped_storage().nbytes() == 0 and u.full.grad is None for u in model.units)
-    out["shard_numels"] = {u.name: u.shard.numel() for u in model.units}
-    out["param_numels"] = [p.numel() for p in model.parameters()]
+    units = sharded_units(model)
+    out["resharded"] = all(u.full.untyped_storage().nbytes() == 0 for u in units)
+    out["shard_numels"] = {u.name: u.shard.numel() for u in units}
     return out
 
 
-def _torch_fsdp2():
+def _torch_shard(module, **kw):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = kw.pop("mp_policy", None)
+    if mp is not None:
+        kw["mp_policy"] = TorchPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+    return torch_fully_shard(module, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), **kw)
+
+
+def _gpt_torch(mp=None):
     torch.manual_seed(SEED)
-    model = GPT(CFG)
-    for block in model.blocks:
-        torch_fully_shard(block, mesh=mesh)
-    torch_fully_shard(model, mesh=mesh)
-    run = _train(model, "adamw")
-    return {"losses": run.losses, "full": {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}}
+    model = _shard_gpt(GPT(CFG), _torch_shard, mp_policy=mp)
+    run = train_steps(model, STEPS, B, T, optimizer=OPTS["adamw"], rank=dist.get_rank(),
+                      world_size=dist.get_world_size())
+    return {"losses": run.losses,
+            "full": {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}}
+
+
+def _gpt_mp(mp):
+    torch.manual_seed(SEED)
+    model = _shard_gpt(GPT(CFG), mp_policy=mp)
+    run = train_steps(model, STEPS, B, T, optimizer=OPTS["adamw"], rank=dist.get_rank(),
+                      world_size=dist.get_world_size())
+    dtypes = {p.dtype for p in model.parameters()}
+    return {"losses": run.losses, "full": full_state_dict(model), "dtypes": dtypes,
+            "events": _events(run.meters[1])}
+
+
+def _any_model(kind, torch_too=True):
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = _shard(kind, _build(kind))
+    with comm.meter() as m:
+        losses = _steps(model, kind, r, n)
+    out = {"losses": losses, "full": full_state_dict(model), "ops": sorted({e.op for e in m.events}),
+           "local": {k: p.numel() for k, p in model.named_parameters()}}
+    if torch_too:
+        ref = _shard(kind, _build(kind), _torch_shard)
+        if kind == "norm":
+            _torch_shard(ref)  # FSDP2 has no replicated leftovers: its root unit takes the norms
+        out["torch_losses"] = _steps(ref, kind, r, n)
+        out["torch_full"] = {k: p.full_tensor().detach().clone() for k, p in ref.named_parameters()}
+    return out
 
 
 def _hybrid():
     group, replicate = hybrid_groups(2)
     torch.manual_seed(SEED)
-    model = fully_shard(GPT(CFG), group=group, replicate_group=replicate)
-    run = _train(model, "adamw")
+    model = _shard_gpt(GPT(CFG), group=group, replicate_group=replicate)
+    run = train_steps(model, STEPS, B, T, optimizer=OPTS["adamw"], rank=dist.get_rank(),
+                      world_size=dist.get_world_size())
     ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]  # noqa: E731
-    return {"losses": run.losses, "full": model.full_state_dict(),
+    return {"losses": run.losses, "full": full_state_dict(model),
             "events": {"fwd": ev(run.meters[0]), "bwd": ev(run.meters[1])},
-            "shard_numels": [u.shard.numel() for u in model.units]}
+            "shard_numels": [u.shard.numel() for u in sharded_units(model)]}
 
 
 def _inference():
     """Under no_grad: gather, run, free per unit; logits of the initial weights on this rank's rows."""
     torch.manual_seed(SEED)
-    model = fully_shard(GPT(CFG))
+    model = _shard_gpt(GPT(CFG))
     x, _ = MarkovCorpus(CFG.vocab_size, seed=0).batch(0, B, T, dist.get_rank(), dist.get_world_size())
     with torch.no_grad():
         logits, loss = model(x)
-    return {"logits": logits, "loss": loss, "left_gathered": sorted(model.gathered_now)}
+    return {"logits": logits, "loss": loss, "left_gathered": sorted(sharding_state(model).gathered_now)}
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def _errors():
-    out = {}
-    try:
-        hybrid_groups(3)
-    except ValueError as e:
-        out["grid"] = str(e)
+    def twice():
+        lin = nn.Linear(3, 3)
+        fully_shard(lin)
+        fully_shard(lin)
+
+    def tied_apart():
+        lm = TiedLM()
+        fully_shard(lm.emb)
+        fully_shard(lm.head)
+
+    def top_down():
+        mlp = MLP()
+        fully_shard(mlp)
+        fully_shard(mlp.net[0])
+
+    out = {"twice": _error(twice), "tied": _error(tied_apart), "top_down": _error(top_down),
+           "grid": _error(lambda: hybrid_groups(3)),
+           "dtype": _error(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(torch.int8))),
+           "policy": _error(lambda: fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})),
+           "replicate": _error(lambda: fully_shard(nn.Linear(2, 2), replicate_group=dist.group.WORLD))}
+    others = dist.new_group([1])  # every rank makes it; rank 0 is not in it
+    if dist.get_rank() == 0:
+        out["outside"] = _error(lambda: fully_shard(nn.Linear(2, 2), group=others))
     return out
 
 
 def _run_every_case():
     n = dist.get_world_size()
-    res = {"adamw": _ours("adamw"), "sgd": _ours("sgd"), "adamw_no_prefetch": _ours("adamw", prefetch=False),
-           "torch": _torch_fsdp2(), "inference": _inference(), "errors": _errors()}
+    res = {"adamw": _gpt("adamw"), "sgd": _gpt("sgd"), "adamw_no_prefetch": _gpt("adamw", prefetch=False),
+           "keep": _gpt("adamw", reshard_after_forward=False), "torch": _gpt_torch(),
+           "inference": _inference(), "errors": _errors()}
+    for kind in KINDS:
+        res[kind] = _any_model(kind)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        res[name] = _gpt_mp(mp)
+        res[name + "_torch"] = _gpt_torch(mp)
     if n == 4:
         res["hybrid"] = _hybrid()
     return res
@@ -139,7 +320,7 @@ def _run_every_case():
 
 @functools.cache
 def _results(n):
-    return launch(_run_every_case, n, timeout_s=120)
+    return launch(_run_every_case, n, timeout_s=200)
 
 
 # --- independent references ----------------------------------------------------------------------
@@ -151,28 +332,37 @@ def _dense(opt):
         torch.manual_seed(SEED)
         model = GPT(CFG)
         run = train_steps(model, STEPS, B, T, optimizer=OPTS[opt])
-        return {"losses": run.losses, "params": {k: p.detach().clone() for k, p in model.named_parameters()},
-                "model": model}
+        return {"losses": run.losses, "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
 
 
-def _unit_params(model):
-    """Dense parameters per unit, in module order: the root (tied lm_head once) then each block."""
-    block_ids = {id(p) for p in model.blocks.parameters()}
-    root = [p for p in model.parameters() if id(p) not in block_ids]
-    return {"root": root, **{f"blocks.{i}": list(b.parameters()) for i, b in enumerate(model.blocks)}}
+@functools.cache
+def _dense_any(kind):
+    with single_thread():
+        model = _build(kind)
+        init = {k: p.detach().clone() for k, p in model.named_parameters()}
+        losses = _steps(model, kind)
+        return {"losses": losses, "params": {k: p.detach().clone() for k, p in model.named_parameters()},
+                "init": init}
 
 
 def _unit_numels():
-    return {k: sum(p.numel() for p in ps) for k, ps in _unit_params(GPT(CFG)).items()}
+    """Ψ_u of each unit in the GPT: the root (wte, wpe, ln_f; lm_head tied) and each block."""
+    model = GPT(CFG)
+    blocks = {id(p) for p in model.blocks.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in blocks)
+    return {"root": root, **{f"blocks.{i}": sum(p.numel() for p in b.parameters())
+                             for i, b in enumerate(model.blocks)}}
 
 
-def _padded(n):
-    """Ψ padded unit by unit: Σ_u n·ceil(Ψ_u / n)."""
-    return sum(n * math.ceil(k / n) for k in _unit_numels().values())
+def _unit_tensors():
+    model = GPT(CFG)
+    blocks = {id(p) for p in model.blocks.parameters()}
+    return {"root": sum(1 for p in model.parameters() if id(p) not in blocks),
+            **{f"blocks.{i}": len(list(b.parameters())) for i, b in enumerate(model.blocks)}}
 
 
-def _close(got, want, where):
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda s: f"{where}: {s}")
+def _close(got, want, where, atol=ATOL, rtol=RTOL):
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda s: f"{where}: {s}")
 
 
 def _global_losses(results, key):
@@ -192,35 +382,21 @@ def test_sizes_pad_every_unit():
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
-def test_zero3_equals_single_process(n, opt):
+def test_gpt_equals_single_process(n, opt):
     ref = _dense(opt)
     results = _results(n)
     assert _global_losses(results, opt) == pytest.approx(ref["losses"], abs=LOSS_ATOL)
     for r, res in enumerate(results):
         got = res[opt]
         assert got["tied"], "lm_head.weight must stay the same tensor as wte.weight"
-        assert got["full"].keys() == ref["params"].keys()
+        assert got["class"] == "FSDPGPT" and got["names"] == list(ref["params"])  # the module, its names
         for k in ref["params"]:
             _close(got["full"][k], ref["params"][k], f"{opt} n={n} r={r} {k}")
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_gradient_shards_are_this_ranks_slice_of_the_dense_gradient(n):
-    """The last step stops after backward: each shard's .grad is rank r's S elements of the unit's
-    dense gradient, flattened in module order and zero-padded (computed here, not with FlatParams)."""
-    model = _dense("sgd")["model"]
+def test_gpt_equals_torch_fsdp2_fully_shard(n):
     for r, res in enumerate(_results(n)):
-        for name, ps in _unit_params(model).items():
-            flat = torch.cat([p.grad.reshape(-1) for p in ps])
-            S = math.ceil(flat.numel() / n)
-            flat = torch.cat([flat, flat.new_zeros(n * S - flat.numel())])
-            _close(res["sgd"]["grads"][name], flat[r * S:(r + 1) * S], f"n={n} r={r} grad shard of {name}")
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_equals_torch_fsdp2_fully_shard(n):
-    results = _results(n)
-    for r, res in enumerate(results):
         ours, theirs = res["adamw"], res["torch"]
         assert ours["losses"] == pytest.approx(theirs["losses"], abs=LOSS_ATOL)
         assert ours["full"].keys() == theirs["full"].keys()
@@ -231,11 +407,60 @@ def test_equals_torch_fsdp2_fully_shard(n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_prefetch_changes_nothing_but_the_order(n):
-    for res in _results(n):
-        assert res["adamw"]["losses"] == res["adamw_no_prefetch"]["losses"]  # bitwise: same sums
-        for k, w in res["adamw"]["full"].items():
-            assert torch.equal(w, res["adamw_no_prefetch"]["full"][k]), k
+@pytest.mark.parametrize("kind", KINDS)
+def test_any_model_equals_single_process_and_torch_fsdp2(n, kind):
+    ref = _dense_any(kind)
+    results = _results(n)
+    assert _global_losses(results, kind) == pytest.approx(ref["losses"], abs=LOSS_ATOL)
+    for r, res in enumerate(results):
+        got = res[kind]
+        assert got["full"].keys() == ref["params"].keys()
+        assert got["losses"] == pytest.approx(got["torch_losses"], abs=LOSS_ATOL)
+        for k in ref["params"]:
+            _close(got["full"][k], ref["params"][k], f"{kind} n={n} r={r} {k}")
+            _close(got["full"][k], got["torch_full"][k], f"{kind} vs FSDP2 n={n} r={r} {k}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_frozen_and_gradient_less_parameters_do_not_move(n):
+    """requires_grad=False, and a parameter no forward uses: AdamW's weight decay would move both."""
+    for kind, name in (("frozen", "net.0.weight"), ("unused", "spare.weight"), ("unused", "spare.bias")):
+        init = _dense_any(kind)["init"][name]
+        for res in _results(n):
+            assert torch.equal(res[kind]["full"][name], init), (kind, name)
+    moved = _dense_any("frozen")
+    assert not torch.equal(moved["params"]["net.2.weight"], moved["init"]["net.2.weight"])  # the rest trains
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_norms_left_out_stay_replicated_and_are_all_reduced(n):
+    results = _results(n)
+    for res in results:
+        got = res["norm"]
+        assert got["local"]["norm.weight"] == got["local"]["layers.0.norm.weight"] == 20  # whole, every rank
+        assert got["ops"] == ["all_gather", "all_reduce", "broadcast", "reduce_scatter"]
+    for name, numel in (("head.weight", 29 * 20), ("emb.weight", 29 * 20), ("layers.1.fc.weight", 20 * 20)):
+        pieces = [res["norm"]["local"][name] for res in results]
+        assert sum(pieces) == numel and max(pieces) < numel, (name, pieces)  # each element on one rank
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_equals_torch_fsdp2_and_keeps_fp32_masters(n, dtype):
+    ref, tol = _dense("adamw"), {"bf16": 2e-2, "fp16": 5e-3}[dtype]
+    psi = _unit_numels()
+    for r, res in enumerate(_results(n)):
+        ours, theirs = res[dtype], res[dtype + "_torch"]
+        assert ours["dtypes"] == {torch.float32}  # the shards are the fp32 master weights
+        assert ours["losses"] == pytest.approx(theirs["losses"], abs=LOSS_ATOL)
+        for k in theirs["full"]:
+            _close(ours["full"][k], theirs["full"][k], f"{dtype} vs FSDP2 n={n} r={r} {k}")
+            _close(ours["full"][k], ref["params"][k], f"{dtype} vs fp32 n={n} r={r} {k}", atol=tol, rtol=tol)
+        want = [costmodel.fsdp_unit_elements(psi[u], k, n) for u, k in _unit_tensors().items()]
+        gathers = sum(e[1] for e in ours["events"] if e[0] == "all_gather")  # backward: half the gathers
+        reduced = sum(e[1] for e in ours["events"] if e[0] == "reduce_scatter")
+        assert gathers == 2 * sum(w["all_gather"] for w in want) // 2  # 2-byte elements: the compute dtype
+        assert reduced == F32 * sum(w["reduce_scatter"] for w in want)  # reduced in fp32
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -257,60 +482,69 @@ def test_inference_under_no_grad_equals_the_dense_model(n):
 def test_hybrid_2x2_equals_single_process_and_reduces_in_groups_of_two():
     ref, results = _dense("adamw"), _results(4)
     assert _global_losses(results, "hybrid") == pytest.approx(ref["losses"], abs=LOSS_ATOL)
-    units = _unit_numels()
+    units, tensors = _unit_numels(), _unit_tensors()
     S = [math.ceil(units[k] / 2) for k in ("root", "blocks.0", "blocks.1", "blocks.2")]
+    F = [tensors[k] for k in ("root", "blocks.0", "blocks.1", "blocks.2")]
     for r, res in enumerate(results):
         h = res["hybrid"]
         for k in ref["params"]:
             _close(h["full"][k], ref["params"][k], f"hybrid r={r} {k}")
-        assert h["shard_numels"] == S  # sharded 2 ways, not 4
+        assert sorted(h["shard_numels"]) == sorted(S)  # sharded 2 ways, not 4
         ag = sorted((nb, g) for op, nb, g in h["events"]["fwd"] if op == "all_gather")
         assert ag == sorted((2 * s * F32, 2) for s in S)
         bwd = h["events"]["bwd"]
-        assert sorted((nb, g) for op, nb, g in bwd if op == "reduce_scatter") == sorted((2 * s * F32, 2) for s in S)
-        assert sorted((nb, g) for op, nb, g in bwd if op == "all_reduce") == sorted((s * F32, 2) for s in S)
+        rs = sorted((2 * (s + f) * F32, 2) for s, f in zip(S, F))  # [S grads | F flags] per rank
+        assert sorted((nb, g) for op, nb, g in bwd if op == "reduce_scatter") == rs
+        assert sorted((nb, g) for op, nb, g in bwd if op == "all_reduce") == sorted(((s + f) * F32, 2)
+                                                                                 for s, f in zip(S, F))
         assert {op for op, _, _ in bwd} == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_a_step_moves_three_psi_one_and_a_half_times_zero_1_and_2(n):
-    """Forward all-gathers Ψ_pad, backward all-gathers Ψ_pad and reduce-scatters Ψ_pad (4 bytes each):
-    wire = 3·Ψ_pad·4·(n-1)/n, against the 2·Ψ·4·(n-1)/n of a ZeRO-1/2 step."""
-    psi, psi_pad = sum(_unit_numels().values()), _padded(n)
-    assert psi == GPT(CFG).num_params()
-    units = 1 + CFG.n_layer
+@pytest.mark.parametrize("case", ["adamw", "keep"])
+def test_collectives_per_step_are_the_formula(n, case):
+    """One all-gather per unit in forward; in backward one more per unit when resharded after forward
+    (none when kept), and one reduce-scatter per unit: ``costmodel.fsdp_unit_elements`` exactly.
+    Resharded: 3Ψ on the wire, 1.5x the 2Ψ of ZeRO-1/2 (padding and the flags aside)."""
+    reshard = case == "adamw"
+    psi, tensors = _unit_numels(), _unit_tensors()
+    want = {u: costmodel.fsdp_unit_elements(psi[u], tensors[u], n, reshard) for u in psi}
+    units = len(psi)
     for res in _results(n):
-        for ev in (res["adamw"]["events"], res["adamw"]["step_events"]):
+        for ev in (res[case]["events"], res[case]["step_events"]):
             fwd, bwd = ev["fwd"], ev["bwd"]
             assert [e[0] for e in fwd] == ["all_gather"] * units
-            assert sorted(e[0] for e in bwd) == ["all_gather"] * units + ["reduce_scatter"] * units
+            assert sorted(e[0] for e in bwd) == (["all_gather"] * (units if reshard else 0)
+                                                 + ["reduce_scatter"] * units)
             per_op = lambda evs, op: sum(e[1] for e in evs if e[0] == op)  # noqa: E731
-            assert per_op(fwd, "all_gather") == per_op(bwd, "all_gather") == per_op(bwd, "reduce_scatter") \
-                == psi_pad * F32
+            assert per_op(fwd + bwd, "all_gather") == F32 * sum(w["all_gather"] for w in want.values())
+            assert per_op(bwd, "reduce_scatter") == F32 * sum(w["reduce_scatter"] for w in want.values())
             wire = sum(e[2] for e in fwd + bwd)
-            assert wire == pytest.approx(3 * psi_pad * F32 * (n - 1) / n, rel=1e-12)
-            zero12 = 2 * psi * F32 * (n - 1) / n
-            assert wire / zero12 == pytest.approx(1.5, rel=(psi_pad - psi) / psi + 1e-12)
+            elements = sum(w["all_gather"] + w["reduce_scatter"] for w in want.values())
+            assert wire == pytest.approx(elements * F32 * (n - 1) / n, rel=1e-12)
+            if reshard:
+                zero12 = costmodel.zero_comm_bytes(sum(psi.values()), n, 1, bytes_per_element=F32)
+                assert wire / zero12 == pytest.approx(1.5, rel=0.02)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_per_rank_memory_is_the_zero3_formula(n):
     """Outside forward/backward: parameters 4·S, gradients 4·S, AdamW state 8·S (+ a 4-byte step per
-    shard), S summed over units: within padding of ZeRO's (4 + 4 + 8)·Ψ/n, nothing gathered left."""
+    parameter), S summed over units: within padding of ZeRO's (4 + 4 + 8)·Ψ/n, nothing gathered left."""
     psi = sum(_unit_numels().values())
     S = {k: math.ceil(v / n) for k, v in _unit_numels().items()}
-    step_bytes = F32 * len(S)  # AdamW's step counter: one float32 scalar per parameter (shard)
+    steps = F32 * len(_dense("adamw")["params"])  # AdamW's step counter: one fp32 scalar per parameter
     for res in _results(n):
         got = res["adamw"]
         mem = got["memory"]
         assert got["shard_numels"] == S
         assert got["resharded"]
         assert mem["parameters"] == F32 * sum(S.values())
-        assert mem["gradients"] == F32 * sum(S.values())
-        assert mem["optimizer_state"] == 2 * F32 * sum(S.values()) + step_bytes
-        total = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] - step_bytes
+        assert mem["gradients"] <= F32 * sum(S.values())  # a rank's padding has no gradient
+        assert mem["optimizer_state"] <= 2 * F32 * sum(S.values()) + steps
+        total = mem["parameters"] + mem["gradients"] + mem["optimizer_state"] - steps
         formula = (4 + 4 + 8) * psi / n
-        assert formula <= total <= formula + 16 * len(S)  # each unit pads < n elements: < 16 bytes per rank
+        assert formula - 16 * len(S) <= total <= formula + 16 * len(S)  # each unit pads < n elements
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -320,6 +554,7 @@ def test_forward_holds_the_root_and_at_most_two_blocks(n):
     for res in _results(n):
         assert res["adamw"]["fwd_peak"] == (3, root + 2 * block)  # prefetch: root, current, next
         assert res["adamw_no_prefetch"]["fwd_peak"] == (2, root + block)
+        assert res["keep"]["fwd_peak"] == (len(unit_bytes), sum(unit_bytes.values()))  # nothing freed
         assert root + 2 * block < sum(unit_bytes.values())  # 3 blocks: never the whole model
 
 
@@ -329,24 +564,29 @@ def _first(trace, event, unit):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_prefetch_issues_the_next_all_gather_before_the_current_unit_computes(n):
-    """Trace times against the comm meter's own event times: forward all-gather k (root, blocks 0..)
-    is launched before block k-2 finishes; in backward, block i-1's before block i's backward ends."""
+    """Forward: block i+1's all-gather is issued before block i's forward ends; backward: block i-1's
+    before block i's backward ends. Without prefetch, never."""
     L = CFG.n_layer
     for res in _results(n):
         for key, prefetch in (("adamw", True), ("adamw_no_prefetch", False)):
-            trace, ev = res[key]["trace"], res[key]["step_events"]
+            trace = res[key]["trace"]
             cut = next(k for k, (e, _, _) in enumerate(trace) if e == "backward")
             fwd_trace, bwd_trace = trace[:cut], trace[cut:]
-            ag_fwd = [e[4] for e in ev["fwd"] if e[0] == "all_gather"]  # root, blocks.0, ..., in order
             for i in range(L - 1):
                 end_i = _first(fwd_trace, "forward_end", f"blocks.{i}")
-                assert (ag_fwd[i + 2] < end_i) == prefetch, (key, "forward", i)
-                assert (_first(fwd_trace, "all_gather", f"blocks.{i + 1}") < end_i) == prefetch
-            ag_bwd = [e[4] for e in ev["bwd"] if e[0] == "all_gather"]  # root, blocks.L-1, ..., blocks.0
+                assert (_first(fwd_trace, "all_gather", f"blocks.{i + 1}") < end_i) == prefetch, (key, i)
             for i in range(L - 1, 0, -1):
                 end_i = _first(bwd_trace, "backward_end", f"blocks.{i}")
-                assert (ag_bwd[L - i + 1] < end_i) == prefetch, (key, "backward", i)
-                assert (_first(bwd_trace, "all_gather", f"blocks.{i - 1}") < end_i) == prefetch
+                assert (_first(bwd_trace, "all_gather", f"blocks.{i - 1}") < end_i) == prefetch, (key, i)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_prefetch_and_keeping_change_nothing_but_the_order(n):
+    for res in _results(n):
+        for key in ("adamw_no_prefetch", "keep"):
+            assert res["adamw"]["losses"] == res[key]["losses"]  # bitwise: the same sums
+            for k, w in res["adamw"]["full"].items():
+                assert torch.equal(w, res[key]["full"][k]), (key, k)
 
 
 # --- errors ---------------------------------------------------------------------------------------------
@@ -358,11 +598,37 @@ def test_outside_a_process_group_is_a_clear_error():
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_bad_grid_is_a_clear_error(n):
-    for res in _results(n):
-        assert f"world size {n} is not divisible by shard_size 3" in res["errors"]["grid"]
+def test_bad_input_is_a_clear_error(n):
+    errors = _results(n)[0]["errors"]
+    assert "already sharded" in errors["twice"]
+    assert "weight is already in another unit" in errors["tied"] and "common parent" in errors["tied"]
+    assert "bottom-up" in errors["top_down"]
+    assert f"world size {n} is not divisible by shard_size 3" in errors["grid"]
+    assert "floating-point" in errors["dtype"] and errors["policy"].startswith("TypeError")
+    assert "replicate_group needs group" in errors["replicate"]
+    assert "rank 0 is not in group [1]" in errors["outside"]
 
 
-def test_replicate_group_without_group_is_refused():
-    with pytest.raises(RankError, match="replicate_group needs group"):
-        launch(lambda: fully_shard(GPT(CFG), replicate_group=dist.group.WORLD), 2, timeout_s=60)
+def _raise_in_a_unit():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if dist.get_rank() == 1:
+                raise RuntimeError("boom in rank 1's unit")
+            return self.lin(x)
+
+    model = fully_shard(Boom())
+    model(torch.randn(2, 3)).sum().backward()
+
+
+def test_a_rank_that_raises_inside_a_unit_surfaces_through_launch():
+    with pytest.raises(RankError, match="rank 1") as err:
+        launch(_raise_in_a_unit, 2, timeout_s=60)
+    assert "boom in rank 1's unit" in str(err.value)
+
+
+def test_an_fsdp_module_is_the_module():
+    assert issubclass(FSDPModule, object) and callable(full_state_dict)

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from minitorch_dist.parallelism.hogwild import (
-    HogwildError, dense_problem, example_order, run_hogwild, sparse_problem)
+    HogwildError,
+    dense_problem,
+    example_order,
+    run_hogwild,
+    sparse_problem,
+)
 
 pytestmark = pytest.mark.ch02
 

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from minitorch_dist.models import GPT, GPTConfig, MarkovCorpus
-from minitorch_dist.parallelism.large_batch import LAMB, LARS, linear_scaling_lr, trust_ratios, warmup_schedule
+from minitorch_dist.parallelism.large_batch import (
+    LAMB,
+    LARS,
+    linear_scaling_lr,
+    trust_ratios,
+    warmup_schedule,
+)
 
 pytestmark = pytest.mark.ch01
 
@@ -26,7 +32,8 @@ def make_grads(seed=1, dtype=torch.float64, scales=None):
     """STEPS lists of gradients, one per parameter; layer i's gradients are multiplied by scales[i]."""
     g = torch.Generator().manual_seed(seed)
     scales = scales or [1.0] * len(SHAPES)
-    return [[c * torch.randn(s, generator=g, dtype=dtype) for s, c in zip(SHAPES, scales)] for _ in range(STEPS)]
+    return [[c * torch.randn(s, generator=g, dtype=dtype) for s, c in zip(SHAPES, scales)]
+            for _ in range(STEPS)]
 
 
 def run(opt, params, grads, lrs=None):
@@ -70,7 +77,8 @@ def test_lars_matches_algorithm1(weight_decay):
     lrs = [0.5 * (t + 1) for t in range(STEPS)]  # a changing rate checks that γ sits inside the momentum
     opt = LARS(params, lr=lrs[0], momentum=0.9, weight_decay=weight_decay, trust_coefficient=0.02)
     got = run(opt, params, grads, lrs)
-    want = lars_reference(make_params(), grads, lrs, 0.9, weight_decay, 0.02, 1e-8, [len(s) > 1 for s in SHAPES])
+    want = lars_reference(make_params(), grads, lrs, 0.9, weight_decay, 0.02, 1e-8,
+                          [len(s) > 1 for s in SHAPES])
     for step_got, step_want in zip(got, want):
         for a, b in zip(step_got, step_want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -113,7 +121,8 @@ def lamb_reference(ws, grads, lr, b1, b2, eps, lam, bias_correction, clamp):
 @pytest.mark.parametrize("clamp", [None, (0.0, 2.0)])  # ‖w‖ = 6.9, 2.5, 3.6: (0, 2) clamps every layer
 def test_lamb_matches_algorithm2(bias_correction, clamp):
     params, grads = make_params(), make_grads()
-    opt = LAMB(params, lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, bias_correction=bias_correction,
+    opt = LAMB(params, lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1,
+               bias_correction=bias_correction,
                clamp_trust=clamp)  # by default LAMB adapts every tensor, as Algorithm 2 does
     got = run(opt, params, grads)
     want = lamb_reference(make_params(), grads, 0.05, 0.9, 0.99, 1e-6, 0.1, bias_correction, clamp)
@@ -136,7 +145,8 @@ def test_lamb_step_is_adamw_step_times_trust_ratio():
         expected = []
         for p, g in zip(params, gs):
             q = p.detach().clone().requires_grad_()
-            adamw = torch.optim.AdamW([q], lr=lr, betas=(0.9, 0.99), eps=1e-6, weight_decay=lam, foreach=False)
+            adamw = torch.optim.AdamW([q], lr=lr, betas=(0.9, 0.99), eps=1e-6, weight_decay=lam,
+                                      foreach=False)
             if opt.state[p]:  # hand AdamW the moments LAMB has so far
                 s = opt.state[p]
                 adamw.state[q] = dict(step=torch.tensor(float(s["step"]), dtype=torch.float64),
@@ -204,8 +214,10 @@ def test_zero_gradient_gets_trust_ratio_one():
 
 
 @pytest.mark.parametrize("make_opt", [
-    lambda ps: LARS(ps, lr=0.5, momentum=0.9, trust_coefficient=0.01, eps=0.0, exclude_from_adaptation=lambda p: False),
-    lambda ps: LAMB(ps, lr=0.01, eps=1e-30, weight_decay=0.0, clamp_trust=None, exclude_from_adaptation=lambda p: False),
+    lambda ps: LARS(ps, lr=0.5, momentum=0.9, trust_coefficient=0.01, eps=0.0,
+                    exclude_from_adaptation=lambda p: False),
+    lambda ps: LAMB(ps, lr=0.01, eps=1e-30, weight_decay=0.0, clamp_trust=None,
+                    exclude_from_adaptation=lambda p: False),
 ], ids=["LARS", "LAMB"])
 def test_step_is_invariant_to_a_layers_gradient_scale(make_opt):
     """Multiply one layer's gradients by 1e-4 and another's by 1e4: every step stays the same."""

@@ -102,7 +102,8 @@ def _block_cases():
         y = tp(x)
     with comm.meter() as bwd:
         (y * G).sum().backward()
-    out["tp"] = {"y": y.detach(), "dx": x.grad.clone(), "grads": {k: q.grad.clone() for k, q in tp.named_parameters()},
+    out["tp"] = {"y": y.detach(), "dx": x.grad.clone(),
+                 "grads": {k: q.grad.clone() for k, q in tp.named_parameters()},
                  "events": {"fwd": _ev(fwd), "bwd": _ev(bwd)},
                  "activations": _activations(tp, x_full.clone().requires_grad_(True))}
     return out
@@ -221,13 +222,14 @@ def test_layernorm_and_row_bias_grads_are_partial_until_all_reduced(t):
             ("all_reduce", 6 * H * 4, costmodel.bus_bytes("all_reduce", 6 * H * 4, t))]
 
 
-# --- the whole GPT -------------------------------------------------------------------------------------------
+# --- the whole GPT ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_sp_gpt_loss_and_gradients_equal_the_dense_gpt_after_several_steps(t):
     ref, res = _dense_gpt(), _results(t)
-    _close(torch.cat([p["gpt"]["logits"] for p in res], dim=-1), ref["logits"], "logits gathered over the vocabulary")
+    _close(torch.cat([p["gpt"]["logits"] for p in res], dim=-1), ref["logits"],
+           "logits gathered over the vocabulary")
     for r, p in enumerate(res):
         g = p["gpt"]
         assert g["tied"]
@@ -253,7 +255,7 @@ def test_sp_gpt_collectives(t):
         assert bwd == sorted([("all_gather", BSH)] * (4 * L + 2) + [("reduce_scatter", BSH)] * (2 * L + 1))
 
 
-# --- the mechanism: collectives and bytes ---------------------------------------------------------------------
+# --- the mechanism: collectives and bytes -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -279,7 +281,8 @@ def test_sp_replaces_tp_all_reduces_by_all_gathers_and_reduce_scatters_with_the_
 
 
 def _formula(t, sp):
-    return 2 * costmodel.activation_memory_bytes(T, B, H, A, tp=t, sequence_parallel=sp, recompute="selective")
+    return 2 * costmodel.activation_memory_bytes(T, B, H, A, tp=t, sequence_parallel=sp,
+                                                 recompute="selective")
 
 
 def test_dense_block_activations_match_the_formula():
@@ -300,7 +303,7 @@ def test_activation_memory_per_rank_falls_with_t_as_the_formula_says(t):
         assert gathered - sp == 2 * (1 - 1 / t) * BSH
 
 
-# --- errors ---------------------------------------------------------------------------------------------------
+# --- errors -------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -11,7 +11,11 @@ from torch import nn
 
 from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.memory.mixed_precision import (
-    DynamicLossScaler, Fp32LayerNorm, MixedPrecisionTrainer, fp32_cross_entropy, half_precision_copy,
+    DynamicLossScaler,
+    Fp32LayerNorm,
+    MixedPrecisionTrainer,
+    fp32_cross_entropy,
+    half_precision_copy,
 )
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
@@ -67,7 +71,8 @@ def _assert_same_run(ours, theirs):
 
 
 def test_scale_trajectory_and_skips_equal_gradscaler():
-    script = ["ok", "inf", "nan", "ok", "ok", "ok", "ok", "ok", "ok", "inf", "ok", "ok", "nan", "nan", "ok", "ok", "ok"]
+    script = ["ok", "inf", "nan", "ok", "ok", "ok", "ok", "ok", "ok", "inf", "ok", "ok", "nan", "nan", "ok",
+              "ok", "ok"]
     kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     ours = DynamicLossScaler(**kw)
     run = _drive(ours, script)
@@ -90,7 +95,8 @@ def test_scale_trajectory_and_skips_equal_gradscaler():
 def test_non_power_of_two_factors_equal_gradscaler():
     script = ["ok", "ok", "inf", "ok", "ok", "ok", "nan", "ok", "ok"]
     kw = dict(init_scale=1000.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=2)
-    _assert_same_run(_drive(DynamicLossScaler(**kw), script), _drive(torch.amp.GradScaler("cpu", **kw), script))
+    _assert_same_run(_drive(DynamicLossScaler(**kw), script),
+                     _drive(torch.amp.GradScaler("cpu", **kw), script))
 
 
 def test_default_constants_equal_gradscaler():
@@ -139,7 +145,8 @@ def test_unscale_list_of_grads_and_errors():
     s.update()
     with pytest.raises(RuntimeError, match="step"):
         s.update()
-    for bad in (dict(init_scale=0.0), dict(growth_factor=1.0), dict(backoff_factor=1.5), dict(growth_interval=0)):
+    for bad in (dict(init_scale=0.0), dict(growth_factor=1.0), dict(backoff_factor=1.5),
+                dict(growth_interval=0)):
         with pytest.raises(ValueError):
             DynamicLossScaler(**bad)
 
@@ -147,7 +154,8 @@ def test_unscale_list_of_grads_and_errors():
 def test_disabled_scaler_is_a_pass_through():
     s, t = DynamicLossScaler(enabled=False), torch.amp.GradScaler("cpu", enabled=False)
     loss = torch.tensor(3.0)
-    assert s.scale(loss) is loss and s.get_scale() == t.get_scale() == 1.0 and s.state_dict() == t.state_dict() == {}
+    assert s.scale(loss) is loss and s.get_scale() == t.get_scale() == 1.0
+    assert s.state_dict() == t.state_dict() == {}
     p = nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([float("inf"), 1.0])
     s.step(torch.optim.SGD([p], lr=1.0))  # no check: the update goes through, inf and all
@@ -350,7 +358,8 @@ def test_model_state_bytes_per_parameter_equal_costmodel():
     assert got["gradients"] == want["gradients"] == 2 * P
     assert got["master_weights"] == want["master_weights"] == 4 * P
     assert got["master_weights"] + got["optimizer"] == want["optimizer"] == 12 * P
-    assert sum(got[k] for k in ("weights", "gradients", "master_weights", "optimizer")) == want["total"] == 16 * P
+    parts = ("weights", "gradients", "master_weights", "optimizer")
+    assert sum(got[k] for k in parts) == want["total"] == 16 * P
     # Adam's step counter: one 0-dim fp32 tensor per parameter tensor (4 B each), not per element
     assert got["step_counters"] == 4 * len(tr.master_params)
 

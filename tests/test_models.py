@@ -34,12 +34,14 @@ SHAPES = [
 def test_param_count_matches_gpt2_formula(shape, bias, tied):
     model = GPT(GPTConfig(**shape, bias=bias, tie_embeddings=tied))
     total, non_emb = gpt2_param_formula(
-        shape["vocab_size"], shape["block_size"], shape["n_layer"], shape["n_embd"], shape["mlp_ratio"], bias, tied
+        shape["vocab_size"], shape["block_size"], shape["n_layer"], shape["n_embd"], shape["mlp_ratio"], bias,
+        tied
     )
     assert model.num_params() == total
     assert model.num_params(exclude_embeddings=True) == non_emb
     assert (model.lm_head.weight is model.wte.weight) == tied
-    assert all((m.bias is not None) == bias for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)) and m is not model.lm_head)
+    assert all((m.bias is not None) == bias for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)) and m is not model.lm_head)
     assert model.lm_head.bias is None
 
 
@@ -198,7 +200,8 @@ def test_entropy_rate_matches_empirical_estimate():
     # state frequencies follow pi, bigram frequencies follow pi_i P_ij
     freq = torch.bincount(x.flatten(), minlength=64).double() / x.numel()
     assert (freq - c.stationary).abs().max().item() < 0.005
-    bigram = torch.bincount(x.flatten() * 64 + y.flatten(), minlength=64 * 64).double().view(64, 64) / x.numel()
+    pairs = torch.bincount(x.flatten() * 64 + y.flatten(), minlength=64 * 64)
+    bigram = pairs.double().view(64, 64) / x.numel()
     assert (bigram - c.stationary[:, None] * c.transition).abs().max().item() < 0.003
     assert torch.all(c.transition[x.flatten(), y.flatten()] > 0)  # never an impossible move
 

@@ -17,8 +17,18 @@ import torch.nn.functional as F
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.sparsity.moe import (
-    ExpertChoiceRouter, MoELayer, NoisyTopKRouter, SwitchRouter, Top2Router, capacity, combine, dispatch,
-    expert_choice_routing, load_balancing_loss, make_router, top_k_routing,
+    ExpertChoiceRouter,
+    MoELayer,
+    NoisyTopKRouter,
+    SwitchRouter,
+    Top2Router,
+    capacity,
+    combine,
+    dispatch,
+    expert_choice_routing,
+    load_balancing_loss,
+    make_router,
+    top_k_routing,
 )
 
 pytestmark = pytest.mark.ch10
@@ -33,14 +43,17 @@ def _x(T, seed=0):
 # --- the formulas --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T,E_,k,cf", [(12, 4, 1, 1.0), (10, 4, 1, 1.25), (10, 1, 1, 1.1), (7, 3, 2, 0.5), (16, 8, 2, 2.0)])
+@pytest.mark.parametrize("T,E_,k,cf",
+                         [(12, 4, 1, 1.0), (10, 4, 1, 1.25), (10, 1, 1, 1.1), (7, 3, 2, 0.5),
+                          (16, 8, 2, 2.0)])
 def test_capacity_is_ceil_of_cf_T_k_over_E(T, E_, k, cf):
     num, den = (int(round(cf * 100)) * T * k), 100 * E_  # cf as an exact fraction
     assert capacity(T, E_, k, cf) == -(-num // den) == costmodel.moe_capacity(T, E_, k, cf)
 
 
 def test_load_balancing_loss_equals_formula_on_hand_made_router_outputs():
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6]], requires_grad=True)
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6]],
+                         requires_grad=True)
     top1 = torch.tensor([0, 1, 0, 2])
     alpha, N, T = 0.01, 3, 4
     f = [2 / 4, 1 / 4, 1 / 4]  # counted by hand from top1
@@ -63,7 +76,8 @@ def test_load_balancing_loss_is_alpha_when_balanced_and_larger_when_collapsed():
     balanced = torch.arange(T) % N
     assert load_balancing_loss(uniform, balanced, N, 0.1).item() == pytest.approx(0.1)
     collapsed_p = F.one_hot(torch.zeros(T, dtype=torch.long), N).float()
-    assert load_balancing_loss(collapsed_p, torch.zeros(T, dtype=torch.long), N, 0.1).item() == pytest.approx(0.1 * N)
+    collapsed = torch.zeros(T, dtype=torch.long)
+    assert load_balancing_loss(collapsed_p, collapsed, N, 0.1).item() == pytest.approx(0.1 * N)
 
 
 def test_load_balancing_loss_bad_input():
@@ -97,7 +111,8 @@ def _token_choice_by_loops(probs, k, C, normalize):
                     g /= sum(probs[t, j].item() for j in ranked[t])
                 kept.append((e, len(kept), t, g))  # position in priority order breaks ties in the sort
     kept.sort()
-    return [t for _, _, t, _ in kept], [e for e, _, _, _ in kept], [g for _, _, _, g in kept], tried - len(kept), load
+    return ([t for _, _, t, _ in kept], [e for e, _, _, _ in kept], [g for _, _, _, g in kept],
+            tried - len(kept), load)
 
 
 @pytest.mark.parametrize("cf", [None, 0.5, 1.0, 2.0])

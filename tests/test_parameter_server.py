@@ -22,7 +22,8 @@ TARGET = 2e-3                            # stated goal: final loss <= loss_opt +
 def runs():
     """One run per consistency model, all with the same straggler (shared by several tests)."""
     before = _children()
-    out = {"children_before": before, ("bsp", None): run_parameter_server("bsp", n_servers=S, n_workers=W, clocks=CLOCKS, lr=LR)}
+    out = {"children_before": before,
+           ("bsp", None): run_parameter_server("bsp", n_servers=S, n_workers=W, clocks=CLOCKS, lr=LR)}
     for mode, s in (("asp", None), ("ssp", 1), ("ssp", 2)):
         out[(mode, s)] = run_parameter_server(mode, staleness=s, n_servers=S, n_workers=W,
                                               clocks=CLOCKS, lr=LR, straggler=STRAGGLER)
@@ -90,10 +91,11 @@ def test_bsp_equals_synchronous_sgd_on_concatenated_batches(runs):
     torch.testing.assert_close(r["params"], x.detach(), atol=1e-6, rtol=1e-6)
     for wl in r["workers"]:                                     # every pull saw the BSP iterate
         assert wl["clock"] == list(range(CLOCKS + 1))
-        torch.testing.assert_close(torch.tensor(wl["loss"], dtype=torch.float64), torch.tensor(losses, dtype=torch.float64),
-                                   atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(torch.tensor(wl["loss"], dtype=torch.float64),
+                                   torch.tensor(losses, dtype=torch.float64), atol=1e-6, rtol=1e-6)
     assert set(r["staleness"]) == {0}
-    for srv in r["servers"]:                                    # mechanism: pulls of t+1 after all pushes of t
+    # mechanism: pulls of t+1 after all pushes of t
+    for srv in r["servers"]:
         pushed = [0] * W
         for kind, w, c in srv["events"]:
             if kind == "push":

@@ -30,6 +30,7 @@ from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import executor as X
 from minitorch_dist.parallelism.pipeline import schedules as S
 from minitorch_dist.parallelism.pipeline import simulator as SIM
+from minitorch_dist.parallelism.pipeline import zero_bubble as ZB
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
@@ -82,8 +83,8 @@ def _ours(name, v, m, tied, origin=None):
     with comm.meter() as cm:
         res = X.run_schedule(sched, stages, x, y, timeline=tl)
     events = [(e.name, e.category, e.t_start, e.t_end, e.meta) for e in res.events]
-    return {"loss": res.loss, "grads": _owned_grads(model, stages), "comm": cm.summary(), "peak": res.peak_stashed,
-            "stashed": res.stashed, "actions": res.actions, "events": events}
+    return {"loss": res.loss, "grads": _owned_grads(model, stages), "comm": cm.summary(),
+            "peak": res.peak_stashed, "stashed": res.stashed, "actions": res.actions, "events": events}
 
 
 def _torch(name, m):
@@ -219,7 +220,8 @@ def test_equals_torch_distributed_pipelining(p, name):
     ours, theirs = _gathered(per_rank, (name, False)), _gathered(per_rank, ("torch", name))
     _assert_grads(ours, theirs, f"ours vs torch {TORCH_SCHEDULES[name][0]}, p={p}")
     last = (p * TORCH_SCHEDULES[name][1] - 1) % p
-    assert per_rank[last][name, False]["loss"] == pytest.approx(per_rank[last]["torch", name]["loss"], abs=1e-6)
+    assert per_rank[last][name, False]["loss"] == pytest.approx(per_rank[last]["torch", name]["loss"],
+                                                                abs=1e-6)
 
 
 def test_stage_boundaries_cut_the_model_without_changing_it():
@@ -332,19 +334,21 @@ def test_zero_bubble_split_b_computes_no_weight_gradient_and_w_the_rest():
     want_dx = h.grad.clone()
     stage.zero_grad(set_to_none=True)
 
-    taps = X._LinearTap([stage])
+    taps = ZB.LinearTap([stage])
     taps.active = []
     x = h.detach().requires_grad_(True)
     loss = stage(x, y)
     taps.remove()
     linears = [k for k, mod in stage.named_modules() if isinstance(mod, torch.nn.Linear)]
     with FlopCounterMode(display=False) as b:
-        dx, stash = X._backward_input(loss, None, x, taps.active, X._b_params(stage))
+        dx, stash = ZB.backward_input(loss, None, x, taps.active,
+                                      ZB.b_params(stage))
     assert all(stage.get_submodule(k).weight.grad is None for k in linears)
-    assert all(stage.get_submodule(k).bias is None or stage.get_submodule(k).bias.grad is None for k in linears)
+    assert all(stage.get_submodule(k).bias is None or stage.get_submodule(k).bias.grad is None
+               for k in linears)
     assert stage.ln_f.weight.grad is not None  # non-Linear parameters: done in B
     with FlopCounterMode(display=False) as w:
-        X._backward_weights(stash, {id(q) for q in X._b_params(stage)})
+        ZB.backward_weights(stash, {id(q) for q in ZB.b_params(stage)})
     n_tokens = 4 * T
     dw_flops = sum(2 * n_tokens * m.in_features * m.out_features for _, m in stage.named_modules()
                    if isinstance(m, torch.nn.Linear))
@@ -360,7 +364,8 @@ def test_zero_bubble_split_b_computes_no_weight_gradient_and_w_the_rest():
 
 def test_too_few_layers_for_the_stages_is_a_clear_error():
     model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=H))
-    with pytest.raises(ValueError, match=r"n_layer=2 cannot fill 4 pipeline stages; use GPTConfig\(n_layer>=4\)"):
+    with pytest.raises(ValueError,
+                       match=r"n_layer=2 cannot fill 4 pipeline stages; use GPTConfig\(n_layer>=4\)"):
         X.split_gpt(model, 4)
     with pytest.raises(ValueError, match="positive int"):
         X.split_gpt(model, 0)

@@ -7,8 +7,16 @@ import pytest
 
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.parallelism.pipeline.schedules import (
-    SCHEDULES, Action, Schedule, gpipe, interleaved_1f1b, make_schedule, naive, one_f_one_b,
-    validate_structure, zb_h1,
+    SCHEDULES,
+    Action,
+    Schedule,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    naive,
+    one_f_one_b,
+    validate_structure,
+    zb_h1,
 )
 from minitorch_dist.parallelism.pipeline.simulator import check_dependencies, simulate
 
@@ -190,8 +198,9 @@ def test_zb_h1_memory_equals_1f1b_peak(p, m):
     assert max(sim.peak_stashed) == pytest.approx(max(simulate(one_f_one_b(p, m)).peak_stashed))
 
 
-@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3),
-                                     (4, 12, 4), (5, 10, 2)])
+@pytest.mark.parametrize("p, m, v",
+                         [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3),
+                          (4, 12, 4), (5, 10, 2)])
 @pytest.mark.parametrize("t_f, t_b", [(1.0, 1.0), (1.0, 2.0)])
 def test_interleaved_bubble_matches_costmodel(p, m, v, t_f, t_b):
     """Narayanan et al. 2021 §2.2.2: bubble over ideal time is (p-1)/(v m) on every stage."""

@@ -38,7 +38,8 @@ def test_flushed_bubble_matches_costmodel(name, t):
     t_f, t_b, t_w = t
     for p, m in SWEEP:
         sim = simulate(FLUSHED[name](p, m), t_f, t_b, t_w)
-        assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction(name, p, m), abs=1e-12), (p, m)
+        assert sim.bubble_fraction == pytest.approx(
+            costmodel.pipeline_bubble_fraction(name, p, m), abs=1e-12), (p, m)
         # The closed form behind it: m + p - 1 slots of one whole forward+backward.
         assert sim.makespan == pytest.approx((m + p - 1) * (t_f + t_b + t_w)), (p, m)
         assert sim.busy == pytest.approx([m * (t_f + t_b + t_w)] * p)
@@ -63,7 +64,8 @@ def test_interleaved_bubble_matches_costmodel():
         assert sim.bubble_fraction == pytest.approx(
             costmodel.pipeline_bubble_fraction("interleaved", p, m, v), abs=1e-12), (p, m, v)
         # The paper's relative form: bubble time over ideal time = (p-1)/(v m).
-        assert sum(sim.idle) / sum(sim.busy) == pytest.approx(costmodel.pipeline_bubble_ratio("interleaved", p, m, v))
+        assert sum(sim.idle) / sum(sim.busy) == pytest.approx(
+            costmodel.pipeline_bubble_ratio("interleaved", p, m, v))
         # A chunk takes 1/v of the stage's time.
         f = next(e for e in sim.events if e.category == "F")
         assert f.duration == pytest.approx(t_f / v)
@@ -76,7 +78,8 @@ def test_zb_h1_bubble_matches_costmodel():
             sched = zb_h1(p, m)
             assert sched.splits_backward
             sim = simulate(sched, 1.0, 1.0, 1.0)
-            assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction("zb-h1", p, m)), (p, m)
+            assert sim.bubble_fraction == pytest.approx(
+                costmodel.pipeline_bubble_fraction("zb-h1", p, m)), (p, m)
             # Qi et al. 2024 §3.1: every stage idles (p-1)(t_F + t_B - t_W), for t_W <= t_F + t_B.
             for t in [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5)]:
                 sim = simulate(sched, *t)
@@ -98,7 +101,8 @@ def test_interleaved_peak_stashed_matches_costmodel():
     for p, v, k in itertools.product(range(2, 5), range(1, 4), (1, 2)):
         m = k * p
         sim = simulate(interleaved(p, m, v))
-        expected = [costmodel.pipeline_stashed_microbatches("interleaved", p, m, stage=r, v=v) for r in range(p)]
+        expected = [costmodel.pipeline_stashed_microbatches("interleaved", p, m, stage=r, v=v)
+                    for r in range(p)]
         assert sim.peak_stashed == pytest.approx(expected), (p, m, v)
     # One chunk per rank is plain 1F1B (Megatron-LM falls back to it), stash included, any m.
     for p, m in SWEEP:

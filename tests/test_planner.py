@@ -28,7 +28,15 @@ from minitorch_dist.__main__ import main as cli_main
 from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.analysis import planner as P
 from minitorch_dist.analysis.planner_presets import (
-    GPUS, MODELS, NARAYANAN_TABLE1, PUBLISHED, GPUSpec, ModelSpec, get_gpu, get_model, table1_model,
+    GPUS,
+    MODELS,
+    NARAYANAN_TABLE1,
+    PUBLISHED,
+    GPUSpec,
+    ModelSpec,
+    get_gpu,
+    get_model,
+    table1_model,
 )
 from minitorch_dist.models.gpt import GPT, GPTConfig
 
@@ -94,7 +102,8 @@ def test_pipeline_message_and_activation_formulas():
     assert cm.pipeline_p2p_message_bytes(b, s, h, 8) == b * s * h * 2 / 8
     assert cm.pipeline_p2p_message_bytes(b, s, h, 8, scatter_gather=False) == b * s * h * 2
     sbh = s * b * h
-    per_layer = {"none": sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)), "selective": sbh * (10 + 24 / 8), "full": 2 * sbh}
+    per_layer = {"none": sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)), "selective": sbh * (10 + 24 / 8),
+                 "full": 2 * sbh}
     for r, layer in per_layer.items():
         work = per_layer["none"] if r == "full" else 0  # full recompute rebuilds one layer at a time
         # Korthikanti §4.2: 1F1B with m >= p holds p microbatches of L/p layers on stage 0 = all L layers
@@ -119,7 +128,10 @@ def _states_per_rank(stage):
     torch.manual_seed(0)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     if stage == 3:
-        model = fully_shard(GPT(TINY))
+        model = GPT(TINY)
+        for block in model.blocks:
+            fully_shard(block)
+        model = fully_shard(model)
         opt = adamw(model.parameters())
     else:
         model = ZeroDataParallel(GPT(TINY), adamw, stage=stage)
@@ -146,8 +158,10 @@ def test_model_state_memory_matches_the_meter_within_10_percent():
         plan = P.evaluate(P.Config(1, 1, 2, 4, 1, stage), spec, cluster, P.Assumptions(precision="fp32"))
         predicted = plan.memory["weights"] + plan.memory["gradients"] + plan.memory["optimizer"]
         for rank_bytes in (m[stage] for m in measured):
-            assert rank_bytes == pytest.approx(predicted, rel=0.10), (stage, rank_bytes, predicted)  # the acceptance
-            assert 0 <= rank_bytes - predicted <= 64  # in fact exact, but for AdamW's 4-byte step counters
+            # the acceptance
+            assert rank_bytes == pytest.approx(predicted, rel=0.10), (stage, rank_bytes, predicted)
+            # in fact exact, but for AdamW's 4-byte step counter per tensor and the flat buffer's padding
+            assert 0 <= rank_bytes - predicted <= 4 * len(list(GPT(TINY).parameters())) + 8 * 2
     # the stages really differ: 16 -> 12 -> 10 -> 8 bytes per parameter (fp32 AdamW, n = 2)
     assert measured[0][0] > measured[0][1] > measured[0][2] > measured[0][3]
 
@@ -172,7 +186,8 @@ def test_single_process_model_states_match_the_meter():
 
 def _valid(c, model, n, node):
     """The rules, restated: the planner must never break one of these."""
-    return (c.tp * c.pp * c.dp == n and node % c.tp == 0 and model.heads % c.tp == 0 and model.vocab % c.tp == 0
+    return (c.tp * c.pp * c.dp == n and node % c.tp == 0
+            and model.heads % c.tp == 0 and model.vocab % c.tp == 0
             and model.layers % c.pp == 0 and c.dp * c.micro_batch * c.microbatches == model.global_batch
             and not (c.zero >= 2 and c.pp > 1))
 
@@ -240,7 +255,8 @@ def test_time_breakdown_follows_the_formulas():
     model, cluster = get_model("gpt3-175b"), P.Cluster(GPUS["a100"], 1024)
     p = P.evaluate(P.Config(8, 16, 8, 1, 192, 0, "full"), model, cluster)
     t = p.time
-    assert t["total"] == pytest.approx(t["compute"] + t["tp_comm"] + t["pp_comm"] + t["bubble"] + t["dp_comm"])
+    assert t["total"] == pytest.approx(t["compute"] + t["tp_comm"] + t["pp_comm"] + t["bubble"]
+                                       + t["dp_comm"])
     # the 1F1B bubble is (p-1)/m of the busy time (Narayanan §2.2.1)
     assert t["bubble"] == pytest.approx(15 / 192 * (t["compute"] + t["tp_comm"] + t["pp_comm"]))
     # compute = executed FLOPs (eq. 3, full recompute) / (GPUs x peak x efficiency)
@@ -313,14 +329,16 @@ def test_bad_names_and_shapes_say_how_to_fix_them():
         get_model("gpt5")
     with pytest.raises(ValueError, match="unknown gpu 'tpu'.*a100.*h100"):
         get_gpu("tpu")
-    with pytest.raises(ValueError, match="gpus 1020 is not divisible by gpus_per_node 8: .* e.g. 1016 or 1024"):
+    with pytest.raises(ValueError,
+                       match="gpus 1020 is not divisible by gpus_per_node 8: .* e.g. 1016 or 1024"):
         P.Cluster(GPUS["h100"], 1020)
     with pytest.raises(ValueError, match="hidden 100 is not divisible by heads 3"):
         ModelSpec("bad", 2, 100, 3, 16, 64, 8)
     with pytest.raises(ValueError, match="give the number of GPUs"):
         P.plan("gpt3-175b")
     with pytest.raises(ValueError) as e:
-        P.check_config(P.Config(16, 1, 64, 1, 24, 2, "none"), get_model("gpt3-175b"), P.Cluster(GPUS["h100"], 1024))
+        P.check_config(P.Config(16, 1, 64, 1, 24, 2, "none"), get_model("gpt3-175b"),
+                       P.Cluster(GPUS["h100"], 1024))
     msg = str(e.value)
     assert "tp=16 does not divide the 8 GPUs of a node" in msg and "ZeRO" not in msg
     with pytest.raises(ValueError, match="ZeRO-2 with pp=2"):
@@ -337,7 +355,8 @@ def test_cli_plan_prints_the_search_and_the_published_configuration(capsys):
     best = P.plan("gpt3-175b", 1024, "a100")[0]
     assert f"chosen: {best.config}" in out and "rank" in out and "140 TFLOP/s" in out
     rows = [line for line in out.splitlines() if line[:2] in ("1 ", "2 ", "3 ")]
-    assert len(rows) == 3 and rows[0].split()[1:4] == [str(best.config.tp), str(best.config.pp), str(best.config.dp)]
+    assert len(rows) == 3 and rows[0].split()[1:4] == [str(best.config.tp), str(best.config.pp),
+                                                       str(best.config.dp)]
     assert cli_main(["plan", "--model", "gpt3-175b", "--gpus", "1020", "--gpu", "h100"]) == 2
     assert "not divisible by gpus_per_node" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -346,7 +365,8 @@ def test_cli_plan_prints_the_search_and_the_published_configuration(capsys):
 
 
 def test_every_preset_plans_on_a_matching_cluster():
-    table1 = {"megatron-145b": 1536, "megatron-530b": 2520, "megatron-1t": 3072}  # the GPUs of their Table 1 row
+    # the GPUs of their Table 1 row
+    table1 = {"megatron-145b": 1536, "megatron-530b": 2520, "megatron-1t": 3072}
     for name, model in MODELS.items():
         n = 1 if model.params < 1e7 else 8 if model.params < 2e10 else table1.get(name, 1024)
         gpu = "cpu" if model.params < 1e7 else "h100"

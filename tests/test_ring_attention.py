@@ -86,7 +86,8 @@ def _memory():
         with RA.count_block_work() as work, meter.track():
             RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         shapes = []  # a second forward lists every saved tensor (only the innermost hooks see them)
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x,
+                                                      lambda x: x):
             RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         out[seq] = {"activations": meter.peak["activations"], "shapes": shapes,
                     "largest": {p: work.largest_block(p) for p in ("forward", "backward")}}
@@ -155,8 +156,8 @@ def test_float32_and_a_custom_scale(t):
            "float32")
     _check([x["eq"]["scale"]["grads"] for x in res], _dense(True, scale=0.3), "contiguous", torch.float64,
            "scale=0.3")
-    _check([x["eq"]["bfloat16"]["grads"] for x in res], _dense(True, torch.bfloat16), "zigzag", torch.bfloat16,
-           "bfloat16")
+    _check([x["eq"]["bfloat16"]["grads"] for x in res], _dense(True, torch.bfloat16), "zigzag",
+           torch.bfloat16, "bfloat16")
 
 
 def test_rings_inside_a_larger_world_use_their_group():
@@ -194,7 +195,7 @@ def test_forward_sends_t_minus_1_kv_pairs_backward_adds_t_dkv_pairs(t, case):
         assert (sum(sends("fwd")), sum(sends("bwd"))) == (want["forward"], want["backward"])
 
 
-# --- memory: O(S/t) saved, (S/t)-sized score blocks -----------------------------------------------------------
+# --- memory: O(S/t) saved, (S/t)-sized score blocks ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -225,7 +226,7 @@ def test_naive_attention_saves_the_s_by_s_scores_that_ring_attention_avoids():
     assert peaks[1] > 3.5 * peaks[0]
 
 
-# --- load balance of causal attention -------------------------------------------------------------------------
+# --- load balance of causal attention -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -246,7 +247,7 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(t):
     assert len({w["zigzag"]["forward"] for w in work}) == 1
 
 
-# --- the block algebra, in one process --------------------------------------------------------------------------
+# --- the block algebra, in one process ----------------------------------------------------------------------
 
 
 def _softmax_attention(q, k, v, mask=None):
@@ -262,7 +263,8 @@ def attention_block_of(q, k, v, mask=None):
 
 def test_merge_is_associative_and_equals_softmax_over_the_concatenated_keys():
     q, k, v, _ = _full(12)
-    parts = [attention_block_of(q, k[..., sl, :], v[..., sl, :]) for sl in (slice(0, 3), slice(3, 8), slice(8, 12))]
+    parts = [attention_block_of(q, k[..., sl, :], v[..., sl, :])
+             for sl in (slice(0, 3), slice(3, 8), slice(8, 12))]
     a, b, c = parts
     left = RA.merge_attention(*RA.merge_attention(*a, *b), *c)
     right = RA.merge_attention(*a, *RA.merge_attention(*b, *c))
@@ -316,7 +318,8 @@ def test_shard_and_unshard_are_inverse_and_zigzag_pairs_early_with_late(t, layou
         assert torch.equal(shards[r], x[:, pos])
         if layout == "zigzag":  # 2t chunks of c: chunk r, then chunk 2t-1-r (whose positions mirror r's)
             c = 8 // (2 * t)
-            assert pos.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * t - 1 - r) * c, (2 * t - r) * c))
+            assert pos.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * t - 1 - r) * c,
+                                                                                (2 * t - r) * c))
             assert sorted(pos.tolist()) == sorted((7 - pos).tolist())
         else:
             assert pos.tolist() == list(range(r * 8 // t, (r + 1) * 8 // t))
@@ -325,9 +328,11 @@ def test_shard_and_unshard_are_inverse_and_zigzag_pairs_early_with_late(t, layou
 
 
 def test_bad_inputs_are_clear_errors():
-    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 2\*t=4 for the zigzag layout"):
+    with pytest.raises(ValueError,
+                       match=r"sequence length 30 is not divisible by 2\*t=4 for the zigzag layout"):
         RA.zigzag_shard(torch.zeros(1, 1, 30, 4), 2, 0)
-    with pytest.raises(ValueError, match="sequence length 30 is not divisible by t=4 for the contiguous layout"):
+    with pytest.raises(ValueError,
+                       match="sequence length 30 is not divisible by t=4 for the contiguous layout"):
         RA.contiguous_shard(torch.zeros(1, 1, 30, 4), 4, 0)
     with pytest.raises(ValueError, match="layout 'striped' is not one of"):
         RA.shard_sequence(torch.zeros(8), 2, 0, 0, "striped")

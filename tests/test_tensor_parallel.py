@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from minitorch_dist.analysis import costmodel
@@ -93,7 +92,8 @@ def _torch_dtensor():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mlp = _dense_layers()["mlp"]
-    ours = TP.ParallelMLP(mlp)  # copies its shards before parallelize_module turns mlp's weights into DTensors
+    # ParallelMLP copies its shards before parallelize_module turns mlp's weights into DTensors
+    ours = TP.ParallelMLP(mlp)
     theirs = parallelize_module(mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
     res = {}
     for name, m in (("ours", ours), ("torch", theirs)):
@@ -283,11 +283,12 @@ def test_one_layer_costs_two_all_reduces_forward_and_two_backward(t):
     bsh = B * T * H * 4
     for res in _results(t):
         ev = res["gpt"]["events"]
-        assert ev["block_fwd"] == [("all_reduce", bsh, costmodel.bus_bytes("all_reduce", bsh, t))] * want["forward"]
-        assert ev["block_bwd"] == [("all_reduce", bsh, costmodel.bus_bytes("all_reduce", bsh, t))] * want["backward"]
+        call = ("all_reduce", bsh, costmodel.bus_bytes("all_reduce", bsh, t))
+        assert ev["block_fwd"] == [call] * want["forward"]
+        assert ev["block_bwd"] == [call] * want["backward"]
         wire = sum(w for _, _, w in ev["block_fwd"] + ev["block_bwd"])
-        assert wire == pytest.approx(costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, bytes_per_element=4),
-                                     rel=1e-12)
+        assert wire == pytest.approx(
+            costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, bytes_per_element=4), rel=1e-12)
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -304,7 +305,8 @@ def test_whole_gpt_adds_only_the_embedding_and_loss_collectives(t):
         assert bwd == [("all_reduce", bsh)] * (want["backward"] * L + 1)
         wire = sum(w for _, _, w in ev["fwd"] + ev["bwd"])
         extra = 2 * costmodel.bus_bytes("all_reduce", bsh, t) + 3 * costmodel.bus_bytes("all_reduce", bs, t)
-        assert wire == pytest.approx(L * costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, 4) + extra, rel=1e-12)
+        assert wire == pytest.approx(L * costmodel.tensor_parallel_bytes_per_layer(B, T, H, t, 4) + extra,
+                                     rel=1e-12)
 
 
 @pytest.mark.parametrize("t", [2, 4])

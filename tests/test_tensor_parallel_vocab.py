@@ -35,7 +35,8 @@ def _inputs():
     idx = torch.randint(0, V, (B, T), generator=g)
     idx[0, :4] = torch.tensor([0, V // 4 - 1, V // 4, V - 1])  # the edges of the shards
     return {"idx": idx, "G": torch.randn(B, T, H, generator=g),
-            "logits": 3 * torch.randn(B, T, V, generator=g), "target": torch.randint(0, V, (B, T), generator=g)}
+            "logits": 3 * torch.randn(B, T, V, generator=g),
+            "target": torch.randint(0, V, (B, T), generator=g)}
 
 
 def _dense_embedding():
@@ -70,7 +71,8 @@ def _run_every_case():
         y = m(inp["idx"])
     with comm.meter() as bwd:
         (y * inp["G"]).sum().backward()
-    out["emb"] = {"y": y.detach(), "grad": m.weight.grad.clone(), "fwd": [(e.op, e.nbytes) for e in fwd.events],
+    out["emb"] = {"y": y.detach(), "grad": m.weight.grad.clone(),
+                  "fwd": [(e.op, e.nbytes) for e in fwd.events],
                   "bwd": [(e.op, e.nbytes) for e in bwd.events]}
     logits = inp["logits"].chunk(t, -1)[r].clone().requires_grad_(True)
     with comm.meter() as cm:
@@ -130,7 +132,8 @@ def test_vocab_parallel_loss_equals_cross_entropy_on_the_gathered_logits(t):
     for r, res in enumerate(_results(t)):
         lo = res["loss"]
         assert torch.equal(lo["gathered"], full)
-        assert lo["loss"] == pytest.approx(lo["on_gathered"], abs=2e-6)  # F.cross_entropy on the gathered logits
+        # on_gathered: F.cross_entropy on the gathered logits
+        assert lo["loss"] == pytest.approx(lo["on_gathered"], abs=2e-6)
         assert lo["loss"] == pytest.approx(ref["loss"], abs=2e-6)
         _close(lo["grad"], ref["logits_grad"].chunk(t, -1)[r], f"loss dlogits r={r}")
 

@@ -11,8 +11,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from minitorch_dist.analysis.timeline import (  # noqa: E402
-    Event, Timeline, bubble_fraction, busy_fraction, plot_gantt)
+from minitorch_dist.analysis.timeline import Event, Timeline, bubble_fraction, busy_fraction, plot_gantt  # noqa: E402
 
 
 class FakeClock:
@@ -182,10 +181,12 @@ def test_plot_gantt_row_of_gives_each_rank_several_lanes():
     matplotlib.use("Agg")
     evs = [Event(rank=r, name=n, category=c, t_start=t0, t_end=t1)
            for r in (0, 1)
-           for n, c, t0, t1 in (("backward", "backward", 0.0, 1.0), ("all_reduce b0", "all_reduce", 0.5, 1.5))]
+           for n, c, t0, t1 in (("backward", "backward", 0.0, 1.0),
+                                ("all_reduce b0", "all_reduce", 0.5, 1.5))]
     lane = lambda e: f"rank {e.rank} " + ("comm" if e.category == "all_reduce" else "compute")  # noqa: E731
     ax = plot_gantt(evs, row_of=lane)
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 comm", "rank 0 compute", "rank 1 comm", "rank 1 compute"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 comm", "rank 0 compute", "rank 1 comm",
+                                                            "rank 1 compute"]
     # the two overlapping spans of one rank sit on different rows
     ys = sorted({round(p.get_y() + p.get_height() / 2, 6) for p in ax.patches})
     assert len(ys) == 4

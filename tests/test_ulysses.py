@@ -157,7 +157,8 @@ def _dense_module():
         y = attn(x)
         (y * G_full).sum().backward()
         return {"y": y.detach(), "dx": x.grad,
-                "grads": {k: p.grad for k, p in attn.named_parameters() if k.startswith(("c_attn", "c_proj"))}}
+                "grads": {k: p.grad for k, p in attn.named_parameters()
+                          if k.startswith(("c_attn", "c_proj"))}}
 
 
 def _tokens(x, t, r, dim):  # this file's rule: rank r holds the r-th of t equal chunks of the sequence
@@ -221,7 +222,8 @@ def test_four_all_to_alls_forward_and_four_backward_of_one_shard_each(t):
         mod = res["module"]
         assert mod["fwd"] == [call] * 4 and mod["bwd"] == [call] * 4  # the projections add nothing
         wire = sum(e[2] for e in mod["fwd"] + mod["bwd"])
-        assert wire == pytest.approx(costmodel.ulysses_bytes_per_layer(B, S, H, t, bytes_per_element=4), rel=1e-12)
+        assert wire == pytest.approx(costmodel.ulysses_bytes_per_layer(B, S, H, t, bytes_per_element=4),
+                                     rel=1e-12)
         n_par = sum(p.numel() for p in _dense_attn().parameters())
         assert sorted(e[1] for e in mod["sync"]) == sorted(p.numel() * 4 for p in _dense_attn().parameters())
         assert sum(e[1] for e in mod["sync"]) == n_par * 4
@@ -235,7 +237,8 @@ def test_bad_shapes_are_clear_errors(t):
     bad_heads, bad_seq = (3 if t == 2 else 6), 4 * t + 1
     for res in _results(t):
         err = res["errors"]
-        heads = f"n_head {bad_heads} is not divisible by the sequence-parallel degree {t}: Ulysses splits heads"
+        heads = (f"n_head {bad_heads} is not divisible by the sequence-parallel degree {t}: "
+                 "Ulysses splits heads")
         for case in ("heads", "seq_to_heads", "module"):
             assert err[case] is not None and heads in err[case], case
         seq = f"sequence length {bad_seq} is not divisible by the sequence-parallel degree {t}"

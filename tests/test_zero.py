@@ -21,9 +21,12 @@ most this rank's gradient shard (4S) plus the gradients of the parameters overla
 ``4 (S + B)`` with B the largest such set, rounded out to whole parameters; stages 0/1 hold 4Psi'.
 
 Memory formula. Training is fp32, so the per-rank model states are written from first principles (§5.1 with
-4-byte params and grads, K = 8 for AdamW's exp_avg + exp_avg_sq, + 4 bytes of its ``step`` scalar):
-stage 0: 4Psi' + 4Psi' + 8Psi', stage 1: 4Psi' + 4Psi' + 8S, stage 2: 4Psi' + 4S + 8S, and checked
-against ``costmodel.zero_memory_bytes(..., k=8, param_bytes=4, grad_bytes=4)``.
+4-byte params and grads, K = 8 for AdamW's exp_avg + exp_avg_sq): stage 0: 4Psi' + 4Psi' + 8Psi, stage 1:
+4Psi' + 4Psi' + 8Psi_r, stage 2: 4Psi' + 4S + 8Psi_r, where Psi_r = ceil((Psi - r) / n) <= S are the elements
+rank r owns (the padding has no optimizer state), plus 4 bytes per tensor for AdamW's per-tensor ``step``
+(P = 28 tensors, as in one process), and checked against ``costmodel.zero_memory_bytes(..., k=8,
+param_bytes=4, grad_bytes=4)``. Besides the 2Psi' of §7.2 every step all-reduces one byte per tensor:
+which tensors got a gradient on some rank (a tensor with none is left untouched, as in one process).
 
 Tolerances (as chapter 01): averaged gradients differ from the single-process ones by float32 ulps;
 after 5 steps weights differ by ~1e-7. atol 1e-6 / rtol 1e-5; AdamW with lr 1e-3, eps 1e-6 (a larger
@@ -53,8 +56,10 @@ pytestmark = pytest.mark.ch06
 CFG = GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=3, n_embd=21)  # Psi = 12285, odd
 B, T, STEPS, SEED = 8, 16, 5, 100  # rank r initialises with SEED + r: the broadcast must fix that
 ATOL, RTOL = 1e-6, 1e-5
+SIDE_STEPS = 4
 CAP_MB = 0.004  # 4194 bytes: ~1049 fp32 elements per stage-2 bucket
-CASES = {0: (0, {}), 1: (1, {}), 2: (2, {"bucket_cap_mb": CAP_MB}), "2, one bucket": (2, {"bucket_cap_mb": None})}
+CASES = {0: (0, {}), 1: (1, {}), 2: (2, {"bucket_cap_mb": CAP_MB}),
+         "2, one bucket": (2, {"bucket_cap_mb": None})}
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6, weight_decay=0.1),
@@ -87,8 +92,8 @@ def _equivalence():
         for case, (stage, kw) in CASES.items():
             zero = ZeroDataParallel(_model(), factory, stage, **kw)
             losses = _train(zero)
-            out[opt, case] = {"losses": losses, "state": zero.full_state_dict(),
-                               "full": zero.full_state_dict(optimizer=True)["optimizer"] if opt == "adamw" else None}
+            full = zero.full_state_dict(optimizer=True)["optimizer"] if opt == "adamw" else None
+            out[opt, case] = {"losses": losses, "state": zero.full_state_dict(), "full": full}
     return out
 
 
@@ -169,9 +174,47 @@ def _errors():
     return out
 
 
+class _SideHead(nn.Module):
+    """The GPT plus a side head that only even steps use: on odd steps it gets no gradient at all. Its
+    input is the rank's mean logit, so its gradient averaged over ranks is the global batch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt, self.side, self.use_side = GPT(CFG), nn.Linear(CFG.vocab_size, 1), True
+
+    def forward(self, x, y):
+        logits, loss = self.gpt(x, y)
+        if self.use_side:
+            loss = loss + self.side(logits.detach().mean(dim=(0, 1))).sum()
+        return logits, loss
+
+
+def _train_side(model, opt, rows=None):
+    """SIDE_STEPS AdamW steps, the side head used on even steps; its weights before and after each step."""
+    data, side = MarkovCorpus(CFG.vocab_size, seed=0), [model.side.weight.detach().clone()]
+    for step in range(SIDE_STEPS):
+        model.use_side = step % 2 == 0
+        opt.zero_grad()
+        x, y = data.batch(step, B, T, *(rows or ()))
+        model(x, y)[1].backward()
+        opt.step()
+        side.append(model.side.weight.detach().clone())
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "side": side}
+
+
+def _unused_branch():
+    out = {}
+    for case, (stage, kw) in CASES.items():
+        torch.manual_seed(SEED + dist.get_rank())
+        model = _SideHead()
+        zero = ZeroDataParallel(model, OPTIMIZERS["adamw"], stage, **kw)
+        out[case] = _train_side(model, zero, (dist.get_rank(), dist.get_world_size()))
+    return out
+
+
 def _run_every_case():
-    return {"eq": _equivalence(), "torch": _torch_zero_redundancy(), "mech": _mechanism(), "errors": _errors(),
-            "offload": _offload()}
+    return {"eq": _equivalence(), "torch": _torch_zero_redundancy(), "mech": _mechanism(),
+            "errors": _errors(), "offload": _offload(), "unused": _unused_branch()}
 
 
 @functools.cache
@@ -234,7 +277,8 @@ def test_stage_equals_single_process(n, opt, stage):
     ref_losses, ref_state, _ = _dense(opt)
     for r, res in enumerate(_results(n)):
         got = res["eq"][opt, stage]
-        torch.testing.assert_close(got["state"], ref_state, atol=ATOL, rtol=RTOL, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got["state"], ref_state, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m: f"rank {r}: {m}")
     # each rank's loss is the mean over its rows: their average is the global batch's loss
     mean = torch.tensor([res["eq"][opt, stage]["losses"] for res in _results(n)]).mean(0)
     torch.testing.assert_close(mean, torch.tensor(ref_losses), atol=2e-6, rtol=0)
@@ -268,10 +312,12 @@ def test_communication_is_2psi_at_every_stage(n):
     k = len(buckets)
     assert k >= 4  # several buckets, or this test shows nothing
     one = lambda op, lo, hi: (op, 4 * (hi - lo), (n - 1) / n * 4 * (hi - lo))  # noqa: E731
-    expected = {0: [("all_reduce", nbytes, 2 * (n - 1) / n * nbytes)],
-                1: [one("reduce_scatter", 0, psi_p), one("all_gather", 0, psi_p)],
-                2: [one("reduce_scatter", *b) for b in reversed(buckets)] + [one("all_gather", *b) for b in buckets],
-                "2, one bucket": [one("reduce_scatter", 0, psi_p), one("all_gather", 0, psi_p)]}
+    mask = ("all_reduce", _tensors(), 2 * (n - 1) / n * _tensors())  # one byte per tensor: who got a gradient
+    expected = {0: [mask, ("all_reduce", nbytes, 2 * (n - 1) / n * nbytes)],
+                1: [mask, one("reduce_scatter", 0, psi_p), one("all_gather", 0, psi_p)],
+                2: [one("reduce_scatter", *b) for b in reversed(buckets)] + [mask]
+                + [one("all_gather", *b) for b in buckets],
+                "2, one bucket": [one("reduce_scatter", 0, psi_p), mask, one("all_gather", 0, psi_p)]}
     for res in _results(n):
         mech = res["mech"]
         assert mech[0]["padding"] == psi_p - costmodel.transformer_params(CFG) > 0
@@ -279,7 +325,7 @@ def test_communication_is_2psi_at_every_stage(n):
         for stage in CASES:
             assert mech[stage]["fwd_calls"] == 0
             assert mech[stage]["events"] == expected[stage]  # the same ring factors, written out
-            assert mech[stage]["wire"] == pytest.approx(2 * (n - 1) / n * nbytes)
+            assert mech[stage]["wire"] == pytest.approx(2 * (n - 1) / n * nbytes + mask[2])
         # stage 2 reduce-scatters inside backward (all k before it returns); stages 0 and 1 in step()
         assert mech[2]["after_backward"]["calls"] == {"reduce_scatter": k}
         assert mech["2, one bucket"]["after_backward"]["calls"] == {"reduce_scatter": 1}
@@ -291,20 +337,30 @@ def test_communication_is_2psi_at_every_stage(n):
         assert set(mech[0]["seen"]) == set(mech[1]["seen"]) == {0}
 
 
+def _tensors():
+    """P: the model's parameter tensors (a tied weight once), one AdamW ``step`` counter each."""
+    return len(list(GPT(CFG).parameters()))
+
+
 @pytest.mark.parametrize("n", NS)
 def test_model_state_bytes_per_rank(n):
-    """Inside the optimizer step: 4Psi' params; grads 4Psi' (0, 1) or 4S (2); AdamW state 8Psi' + 4
-    (stage 0) or 8S + 4 (1, 2), the + 4 being its float32 ``step`` scalar."""
+    """Inside the optimizer step: 4Psi' params; grads 4Psi' (0, 1) or 4S (2); AdamW state 8Psi + 4P
+    (stage 0) or 8Psi_r + 4P (1, 2): exp_avg and exp_avg_sq of the elements the rank owns, and one
+    float32 ``step`` per tensor (P of them), as one process keeps them."""
     psi_p, s = _padded(n)
-    expected = {0: (4 * psi_p, 4 * psi_p, 8 * psi_p + 4), 1: (4 * psi_p, 4 * psi_p, 8 * s + 4),
-                2: (4 * psi_p, 4 * s, 8 * s + 4)}
-    for res in _results(n):
+    psi, steps = costmodel.transformer_params(CFG), 4 * _tensors()
+    for r, res in enumerate(_results(n)):
+        own = -(-(psi - r) // n)  # Psi_r: the elements r, r + n, ... below Psi
+        expected = {0: (4 * psi_p, 4 * psi_p, 8 * psi + steps), 1: (4 * psi_p, 4 * psi_p, 8 * own + steps),
+                    2: (4 * psi_p, 4 * s, 8 * own + steps)}
         for stage, (params, grads, opt) in expected.items():
             got = res["mech"][stage]["at_step"]
-            assert (got["parameters"], got["gradients"], got["optimizer_state"]) == (params, grads, opt), stage
+            measured = (got["parameters"], got["gradients"], got["optimizer_state"])
+            assert measured == (params, grads, opt), stage
             # the fp32 form of costmodel.zero_memory_bytes: (4 + 4 + K) Psi at stage 0, etc. (K = 8)
             total = {0: 16 * psi_p, 1: 8 * psi_p + 8 * psi_p / n, 2: 4 * psi_p + 12 * psi_p / n}[stage]
-            assert got["parameters"] + got["gradients"] + got["optimizer_state"] == total + 4
+            no_state = 8 * (psi_p - psi if stage == 0 else s - own)  # padding: never updated, no state
+            assert got["parameters"] + got["gradients"] + got["optimizer_state"] == total - no_state + steps
             assert costmodel.zero_memory_bytes(psi_p, n, stage, k=8, param_bytes=4, grad_bytes=4) == total
         # over the whole step the parameters and optimizer state never exceed those sizes
         for stage in CASES:
@@ -333,8 +389,10 @@ def test_costmodel_ratio_matches_measured():
     """Stage 1 divides the optimizer state by n exactly as the paper's K*Psi/N term (padding aside)."""
     res = _results(4)[0]["mech"]
     psi = costmodel.transformer_params(CFG)
-    measured = (res[0]["at_step"]["optimizer_state"] - 4) / (res[1]["at_step"]["optimizer_state"] - 4)
-    paper = (costmodel.zero_memory_bytes(psi, 4, 0, k=8) - 4 * psi) / (costmodel.zero_memory_bytes(psi, 4, 1, k=8) - 4 * psi)
+    steps = 4 * _tensors()  # the per-tensor step counters are not divided by n
+    measured = (res[0]["at_step"]["optimizer_state"] - steps) / (res[1]["at_step"]["optimizer_state"] - steps)
+    paper = ((costmodel.zero_memory_bytes(psi, 4, 0, k=8) - 4 * psi)
+             / (costmodel.zero_memory_bytes(psi, 4, 1, k=8) - 4 * psi))
     assert measured == pytest.approx(paper, rel=1e-3)
 
 
@@ -352,6 +410,25 @@ def test_offload_equals_single_process(n):
     _, ref_state, ref_opt = _dense("adamw")
     for res in _results(n):
         for key, state in res["offload"].items():
-            torch.testing.assert_close(state["model"], ref_state, atol=ATOL, rtol=RTOL, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(state["model"], ref_state, atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"{key}: {m}")
             torch.testing.assert_close(state["optimizer"], ref_opt, atol=ATOL, rtol=RTOL,
                                        msg=lambda m: f"{key} optimizer state: {m}")
+
+
+@pytest.mark.parametrize("n", NS)
+def test_parameter_without_gradient_is_left_untouched(n):
+    """A parameter that gets no gradient in a step (the side head on odd steps) is not stepped: no
+    weight decay, no AdamW state update -- bitwise the same weights -- and the run equals one process,
+    whose AdamW skips it (and so counts fewer steps for it: its bias correction differs)."""
+    with single_thread():
+        torch.manual_seed(SEED)
+        model = _SideHead()
+        ref = _train_side(model, OPTIMIZERS["adamw"](list(model.parameters())))
+    for r, res in enumerate(_results(n)):
+        for case, got in res["unused"].items():
+            for step in range(SIDE_STEPS):  # side[k] -> side[k + 1]: moved on even steps, not a bit on odd
+                moved = not torch.equal(got["side"][step + 1], got["side"][step])
+                assert moved == (step % 2 == 0), (r, case, step)
+            torch.testing.assert_close(got["state"], ref["state"], atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"rank {r} {case}: {m}")

@@ -213,7 +213,8 @@ def _rank_steps(numel, where, name, steps):
     r, n = rank(), world_size()
     S = shard_size(numel, n)
     lo, hi = shard_range(numel, n, r)
-    w0 = torch.nn.functional.pad(torch.randn(numel, generator=torch.Generator().manual_seed(0)), (0, n * S - numel))
+    w0 = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    w0 = torch.nn.functional.pad(w0, (0, n * S - numel))
     full = torch.empty(n * S)
     shard = w0[lo:hi].clone()
     with OffloadedOptimizer(shard, OPTIMIZERS[name], where=where) as off:

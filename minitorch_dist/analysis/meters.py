@@ -1,5 +1,5 @@
-"""Measure what a training step costs: bytes by category (``MemoryMeter``), seconds (``Timer``), and
-the bytes an eager op sequence moves through memory (``ByteCounter``, chapter 11).
+"""Chapter 00 — measure what a training step costs: bytes by category (``MemoryMeter``), seconds
+(``Timer``), and the bytes an eager op sequence moves through memory (``ByteCounter``, chapter 11).
 
 Every memory claim in the course comes from ``MemoryMeter``. It splits a step's memory the way
 the ZeRO paper does (Rajbhandari et al. 2020, §3): *model states* -- parameters, gradients,
@@ -30,7 +30,8 @@ import contextlib
 import statistics
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,7 +96,7 @@ class _Saved:
 
     __slots__ = ("tensor", "key", "meter")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple, meter: "MemoryMeter"):
+    def __init__(self, tensor: torch.Tensor, key: tuple, meter: MemoryMeter):
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self):
@@ -113,8 +114,8 @@ class MemoryMeter:
 
     ``peak`` holds per-category maxima over samples taken while tracking: at entry, whenever a
     tensor is saved for backward, a gradient is accumulated or the optimizer steps, and at exit.
-    ``peak["total"]`` is the largest *simultaneous* sum, not the sum of the category peaks. Each storage is counted
-    in one category only (parameters first, then gradients, then optimizer state).
+    ``peak["total"]`` is the largest *simultaneous* sum, not the sum of the category peaks. Each storage is
+    counted in one category only (parameters first, then gradients, then optimizer state).
 
     Parameters saved for backward (a Linear saves its weight) are not activations and are skipped,
     as are buffers. Without ``model`` and ``optimizer`` the meter still recognises tensors that are
@@ -151,6 +152,9 @@ class MemoryMeter:
         ps = list(self.model.parameters()) if self.model is not None else []
         if self.optimizer is not None:
             ps += [p for g in self.optimizer.param_groups for p in g["params"]]
+            inner = getattr(self.optimizer, "optim", None)  # a sharded optimizer's local one (its shards)
+            if isinstance(inner, torch.optim.Optimizer):
+                ps += [p for g in inner.param_groups for p in g["params"]]
         return list({id(p): p for p in ps}.values())  # the same tensor may come from both
 
     def _model_states(self) -> dict[str, int]:
@@ -317,7 +321,7 @@ class Timer:
         self.start: float | None = None
         self.elapsed: float | None = None
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         _sync()
         self.start = time.perf_counter()
         return self

@@ -1,4 +1,4 @@
-"""Chapter 12: choose data x tensor x pipeline parallelism, microbatches, ZeRO stage and
+"""Chapter 12 — choose data x tensor x pipeline parallelism, microbatches, ZeRO stage and
 recomputation for a model on a cluster, from the cost model alone.
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -71,11 +71,12 @@ class Cluster:
         if isinstance(self.gpu, str):
             object.__setattr__(self, "gpu", get_gpu(self.gpu))
         if self.n_gpus < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"need gpus >= 1 and gpus_per_node >= 1, got {self.n_gpus}, {self.gpus_per_node}")
+            raise ValueError(f"need gpus >= 1 and gpus_per_node >= 1, got {self.n_gpus}, "
+                             f"{self.gpus_per_node}")
         if self.n_gpus > self.gpus_per_node and self.n_gpus % self.gpus_per_node:
             lo = self.n_gpus // self.gpus_per_node * self.gpus_per_node
-            raise ValueError(f"gpus {self.n_gpus} is not divisible by gpus_per_node {self.gpus_per_node}: use whole "
-                             f"nodes, e.g. {lo} or {lo + self.gpus_per_node} GPUs")
+            raise ValueError(f"gpus {self.n_gpus} is not divisible by gpus_per_node {self.gpus_per_node}: "
+                             f"use whole nodes, e.g. {lo} or {lo + self.gpus_per_node} GPUs")
 
     @property
     def node_size(self) -> int:
@@ -102,8 +103,8 @@ class Config:
     sequence_parallel: bool = False
 
     def __str__(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} b={self.micro_batch} m={self.microbatches} zero={self.zero} "
-                f"recompute={self.recompute}" + (" sp" if self.sequence_parallel else ""))
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} b={self.micro_batch} m={self.microbatches} "
+                f"zero={self.zero} recompute={self.recompute}" + (" sp" if self.sequence_parallel else ""))
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class Plan:
                 "tokens_per_s": self.tokens_per_s, "fits": self.fits}
 
 
-def check_config(c: Config, model: ModelSpec, cluster: Cluster, assumptions: Assumptions = Assumptions()) -> None:
+def check_config(c: Config, model: ModelSpec, cluster: Cluster,
+                 assumptions: Assumptions = Assumptions()) -> None:
     """Raise ValueError naming every rule ``c`` breaks for ``model`` on ``cluster`` (and the fix)."""
     errors = []
     if min(c.tp, c.pp, c.dp, c.micro_batch, c.microbatches) < 1:
@@ -165,16 +167,17 @@ def check_config(c: Config, model: ModelSpec, cluster: Cluster, assumptions: Ass
     elif c.tp * c.pp * c.dp != cluster.n_gpus:
         errors.append(f"tp*pp*dp = {c.tp * c.pp * c.dp} but the cluster has {cluster.n_gpus} GPUs")
     if c.tp >= 1 and cluster.node_size % c.tp:
-        errors.append(f"tp={c.tp} does not divide the {cluster.node_size} GPUs of a node: a tensor-parallel group "
-                      f"must stay on NVLink")
-    for what, n in (("heads", model.heads), ("vocab", model.vocab), ("MLP width", model.mlp_ratio * model.hidden)):
+        errors.append(f"tp={c.tp} does not divide the {cluster.node_size} GPUs of a node: a tensor-parallel "
+                      f"group must stay on NVLink")
+    for what, n in (("heads", model.heads), ("vocab", model.vocab),
+                    ("MLP width", model.mlp_ratio * model.hidden)):
         if c.tp >= 1 and n % c.tp:
             errors.append(f"{what} {n} is not divisible by tp={c.tp}")
     if c.pp >= 1 and model.layers % (c.pp * assumptions.v):
         errors.append(f"layers {model.layers} are not divisible by pp*v = {c.pp * assumptions.v}")
     if c.dp >= 1 and c.micro_batch >= 1 and c.dp * c.micro_batch * c.microbatches != model.global_batch:
-        errors.append(f"dp*micro_batch*microbatches = {c.dp * c.micro_batch * c.microbatches} != global batch "
-                      f"{model.global_batch}")
+        errors.append(f"dp*micro_batch*microbatches = {c.dp * c.micro_batch * c.microbatches} != global "
+                      f"batch {model.global_batch}")
     if c.zero not in (0, 1, 2, 3):
         errors.append(f"zero must be 0, 1, 2 or 3, got {c.zero!r}")
     elif c.zero >= 2 and c.pp > 1:
@@ -195,7 +198,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costmodel.RECOMPUTE,
-               sequence_parallel=(False,), micro_batches=None, assumptions: Assumptions = Assumptions()) -> list:
+               sequence_parallel=(False,), micro_batches=None,
+               assumptions: Assumptions = Assumptions()) -> list:
     """Every :class:`Config` for ``model`` on ``cluster`` that passes :func:`check_config`.
 
     ``micro_batches`` defaults to the powers of two; ZeRO stages > 0 are skipped at dp = 1 (nothing
@@ -231,12 +235,13 @@ def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> di
     per = costmodel.model_state_bytes(1, a.precision, a.optimizer)  # bytes per parameter of each part
     w, g, k = per["weights"], per["gradients"], per["optimizer"]
 
-    def zero(pw, pg, pk):  # zero_memory_bytes is linear in its byte sizes: one part at a time is the breakdown
+    # zero_memory_bytes is linear in its byte sizes: one part at a time is the breakdown
+    def zero(pw, pg, pk):
         return costmodel.zero_memory_bytes(psi, c.dp, c.zero, k=pk, param_bytes=pw, grad_bytes=pg)
 
-    act = costmodel.pipeline_activation_bytes(model.seq, c.micro_batch, model.hidden, model.heads, model.layers,
-                                              c.tp, c.pp, c.microbatches, c.sequence_parallel, c.recompute,
-                                              a.schedule, a.v)
+    act = costmodel.pipeline_activation_bytes(model.seq, c.micro_batch, model.hidden, model.heads,
+                                              model.layers, c.tp, c.pp, c.microbatches, c.sequence_parallel,
+                                              c.recompute, a.schedule, a.v)
     mem = {"weights": zero(w, 0, 0), "gradients": zero(0, g, 0), "optimizer": zero(0, 0, k),
            "activations": act * (2 if a.precision == "fp32" else 1),  # Korthikanti counts 16-bit activations
            # ZeRO-3 gathers a layer's weights just in time and prefetches the next: about two whole layers
@@ -256,7 +261,8 @@ def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
     t_math = flops / (cluster.n_gpus * cluster.gpu.peak_flops * a.efficiency) / m  # one microbatch, one stage
     # tensor parallelism: 4 all-reduces per layer on the critical path; full recompute redoes the forward's 2
     redo = 1.5 if c.recompute == "full" else 1.0
-    t_tp = layers * redo * costmodel.tensor_parallel_comm_time_per_layer(b, s, h, c.tp, *cluster.link(1, c.tp), e)
+    t_tp = layers * redo * costmodel.tensor_parallel_comm_time_per_layer(b, s, h, c.tp,
+                                                                         *cluster.link(1, c.tp), e)
     # pipeline: one activation out and one gradient back per microbatch (per chunk, interleaved)
     msg = costmodel.pipeline_p2p_message_bytes(b, s, h, c.tp, e, a.scatter_gather)
     pp_link = cluster.link(c.tp * c.dp, c.pp)
@@ -287,13 +293,13 @@ def evaluate(c: Config, model, cluster: Cluster, assumptions: Assumptions = Assu
                                                     model.vocab)  # recompute=False: model FLOPs
     mfu = costmodel.model_flops_utilization(model_flops, t, peak, n)
     mfu_6nd = costmodel.model_flops_utilization(costmodel.training_flops(model.params, tokens), t, peak, n)
-    return Plan(c, mem, time, comm, mfu, mfu_6nd, tflops_per_gpu=flops / n / t / 1e12, tokens_per_s=tokens / t,
-                fits=mem["total"] <= mem["capacity"])
+    return Plan(c, mem, time, comm, mfu, mfu_6nd, tflops_per_gpu=flops / n / t / 1e12,
+                tokens_per_s=tokens / t, fits=mem["total"] <= mem["capacity"])
 
 
-def plan(model, gpus: int | None = None, gpu="h100", *, cluster: Cluster | None = None, gpus_per_node: int = 8,
-         top_k: int | None = None, zero=(0, 1, 2, 3), recompute=costmodel.RECOMPUTE, sequence_parallel=(False,),
-         micro_batches=None, **assumptions) -> list[Plan]:
+def plan(model, gpus: int | None = None, gpu="h100", *, cluster: Cluster | None = None,
+         gpus_per_node: int = 8, top_k: int | None = None, zero=(0, 1, 2, 3), recompute=costmodel.RECOMPUTE,
+         sequence_parallel=(False,), micro_batches=None, **assumptions) -> list[Plan]:
     """The configurations of ``model`` (a name of ``MODELS`` or a ModelSpec) that fit in memory on
     ``gpus`` x ``gpu`` (or ``cluster``), fastest first (ties: less memory first); ``top_k`` of them.
     ``assumptions``: the fields of :class:`Assumptions` (efficiency=0.5, precision="mixed", ...)."""
@@ -310,7 +316,8 @@ def plan(model, gpus: int | None = None, gpu="h100", *, cluster: Cluster | None 
 
 def rank_of(plans: list[Plan], **match) -> int | None:
     """1-based rank of the first plan whose config matches every ``field=value`` (None if absent)."""
-    return next((i for i, p in enumerate(plans, 1) if all(getattr(p.config, k) == v for k, v in match.items())), None)
+    return next((i for i, p in enumerate(plans, 1)
+                 if all(getattr(p.config, k) == v for k, v in match.items())), None)
 
 
 def format_plans(plans: list[Plan], top_k: int = 10) -> str:
@@ -332,17 +339,21 @@ def format_plans(plans: list[Plan], top_k: int = 10) -> str:
 # --- the command line: python -m minitorch_dist plan ------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, choices=sorted(MODELS), help="a named model (planner_presets.MODELS)")
+    p.add_argument("--model", required=True, choices=sorted(MODELS),
+                   help="a named model (planner_presets.MODELS)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs, e.g. 1024")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="accelerator (default h100)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing one NVLink domain (default 8)")
     p.add_argument("--top", type=int, default=10, help="how many configurations to print (default 10)")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s the math reaches (0.5)")
+    p.add_argument("--efficiency", type=float, default=0.5,
+                   help="fraction of peak FLOP/s the math reaches (0.5)")
     p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
-    p.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3], help="stages to try")
+    p.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3],
+                   help="stages to try")
     p.add_argument("--recompute", nargs="+", choices=costmodel.RECOMPUTE, default=list(costmodel.RECOMPUTE))
     p.add_argument("--sequence-parallel", action="store_true", help="also try Megatron sequence parallelism")
-    p.add_argument("--no-overlap", action="store_true", help="do not hide the DP gradient sync behind backward")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="do not hide the DP gradient sync behind backward")
 
 
 def _published(model: ModelSpec, cluster: Cluster, plans: list, a: dict) -> None:
@@ -363,25 +374,29 @@ def _published(model: ModelSpec, cluster: Cluster, plans: list, a: dict) -> None
     # the space Megatron-LM had in 2021: no distributed optimizer, full activation recomputation
     old = plan(model, cluster=cluster, zero=(pub.zero,), recompute=(pub.recompute,), **a)
     old_rank = rank_of(old, **asdict(c))
-    print(f"  {c}: predicted here {p.step_time:.2f} s/step, MFU {p.mfu:.1%}, {p.tflops_per_gpu:.0f} TFLOP/s per "
-          f"GPU, {p.memory['total'] / 1e9:.1f} GB per GPU" + ("" if p.fits else " (does not fit)"))
-    print(f"  rank {rank or '-'} of {len(plans)} in the full search; rank {old_rank or '-'} of {len(old)} among "
-          f"zero={pub.zero}, recompute={pub.recompute} (the space the publication searched)")
+    print(f"  {c}: predicted here {p.step_time:.2f} s/step, MFU {p.mfu:.1%}, {p.tflops_per_gpu:.0f} TFLOP/s "
+          f"per GPU, {p.memory['total'] / 1e9:.1f} GB per GPU" + ("" if p.fits else " (does not fit)"))
+    print(f"  rank {rank or '-'} of {len(plans)} in the full search; rank {old_rank or '-'} of {len(old)} "
+          f"among zero={pub.zero}, recompute={pub.recompute} (the space the publication searched)")
     if pub.tflops_per_gpu and get_gpu(pub.gpu) == cluster.gpu and pub.gpus == cluster.n_gpus:
         peak = cluster.gpu.peak_flops
-        extra = costmodel.recompute_overhead(pub.recompute, model.seq, model.hidden, model.layers, model.vocab)
-        print(f"  reported: {pub.tflops_per_gpu:.0f} TFLOP/s per GPU = {pub.tflops_per_gpu * 1e12 / peak:.1%} of "
-              f"peak, i.e. MFU {pub.tflops_per_gpu * 1e12 / peak / (1 + extra):.1%} without the recomputation")
+        extra = costmodel.recompute_overhead(pub.recompute, model.seq, model.hidden, model.layers,
+                                             model.vocab)
+        print(f"  reported: {pub.tflops_per_gpu:.0f} TFLOP/s per GPU = "
+              f"{pub.tflops_per_gpu * 1e12 / peak:.1%} of peak, i.e. MFU "
+              f"{pub.tflops_per_gpu * 1e12 / peak / (1 + extra):.1%} without the recomputation")
 
 
 def main(args) -> int:
-    """``python -m minitorch_dist plan``: the search as a table, the choice, and the published configuration."""
+    """``python -m minitorch_dist plan``: the search as a table, the choice, and the published
+    configuration."""
     try:
         model, cluster = get_model(args.model), Cluster(args.gpu, args.gpus, args.gpus_per_node)
         a = dict(efficiency=args.efficiency, precision=args.precision, overlap_dp=not args.no_overlap)
         sp = (False, True) if args.sequence_parallel else (False,)
         n_valid = len(candidates(model, cluster, args.zero, args.recompute, sp, assumptions=Assumptions(**a)))
-        plans = plan(model, cluster=cluster, zero=args.zero, recompute=args.recompute, sequence_parallel=sp, **a)
+        plans = plan(model, cluster=cluster, zero=args.zero, recompute=args.recompute, sequence_parallel=sp,
+                     **a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -402,7 +417,8 @@ def main(args) -> int:
         return 1
     print(format_plans(plans, args.top))
     best = plans[0]
-    print(f"\nchosen: {best.config}: {best.step_time:.2f} s/step, MFU {best.mfu:.1%} (6ND: {best.mfu_6nd:.1%}), "
-          f"{best.tflops_per_gpu:.0f} TFLOP/s per GPU executed, {best.memory['total'] / 1e9:.1f} GB per GPU")
+    print(f"\nchosen: {best.config}: {best.step_time:.2f} s/step, MFU {best.mfu:.1%} (6ND: "
+          f"{best.mfu_6nd:.1%}), {best.tflops_per_gpu:.0f} TFLOP/s per GPU executed, "
+          f"{best.memory['total'] / 1e9:.1f} GB per GPU")
     _published(model, cluster, plans, a)
     return 0

@@ -1,4 +1,4 @@
-"""Named models, accelerators and published configurations for the planner (chapter 12).
+"""Chapter 12 — named models, accelerators and published configurations for the planner.
 
 Every number here is a published one, with its source next to it; the planner's formulas live in
 ``analysis.costmodel``. Three tables:
@@ -51,20 +51,20 @@ class ModelSpec:
         """The GPTConfig field names ``costmodel.transformer_params`` and friends read."""
         from types import SimpleNamespace
 
-        return SimpleNamespace(n_layer=self.layers, n_embd=self.hidden, n_head=self.heads, vocab_size=self.vocab,
-                               block_size=self.seq, mlp_ratio=self.mlp_ratio, bias=self.bias,
-                               tie_embeddings=self.tie_embeddings)
+        return SimpleNamespace(n_layer=self.layers, n_embd=self.hidden, n_head=self.heads,
+                               vocab_size=self.vocab, block_size=self.seq, mlp_ratio=self.mlp_ratio,
+                               bias=self.bias, tie_embeddings=self.tie_embeddings)
 
     @property
     def params(self) -> int:
         return costmodel.transformer_params(self.as_cfg())
 
     @classmethod
-    def from_gpt_config(cls, cfg, global_batch: int, seq: int | None = None, name: str = "gpt") -> "ModelSpec":
+    def from_gpt_config(cls, cfg, global_batch: int, seq: int | None = None, name: str = "gpt") -> ModelSpec:
         """The spec of a ``models.gpt.GPTConfig`` trained on ``global_batch`` sequences of ``seq``
         (default ``cfg.block_size``) tokens."""
-        return cls(name, cfg.n_layer, cfg.n_embd, cfg.n_head, seq or cfg.block_size, cfg.vocab_size, global_batch,
-                   cfg.mlp_ratio, cfg.bias, cfg.tie_embeddings, "models.gpt.GPTConfig")
+        return cls(name, cfg.n_layer, cfg.n_embd, cfg.n_head, seq or cfg.block_size, cfg.vocab_size,
+                   global_batch, cfg.mlp_ratio, cfg.bias, cfg.tie_embeddings, "models.gpt.GPTConfig")
 
 
 class GPUSpec(NamedTuple):
@@ -126,9 +126,12 @@ MODELS = {m.name: m for m in (
               source="Touvron et al. 2023, Table 2 (SwiGLU as a 4h MLP)"),
     ModelSpec("llama-65b", 80, 8192, 64, 2048, 32000, 2048, bias=False, tie_embeddings=False,
               source="Touvron et al. 2023, Table 2 (SwiGLU as a 4h MLP)"),
-    ModelSpec("megatron-145b", 80, 12288, 96, 2048, _MEGATRON_VOCAB, 2304, source=_NARAYANAN + " (145.6B row)"),
-    ModelSpec("megatron-530b", 105, 20480, 128, 2048, _MEGATRON_VOCAB, 2520, source=_NARAYANAN + " (529.6B row)"),
-    ModelSpec("megatron-1t", 128, 25600, 160, 2048, _MEGATRON_VOCAB, 3072, source=_NARAYANAN + " (1008.0B row)"),
+    ModelSpec("megatron-145b", 80, 12288, 96, 2048, _MEGATRON_VOCAB, 2304,
+              source=_NARAYANAN + " (145.6B row)"),
+    ModelSpec("megatron-530b", 105, 20480, 128, 2048, _MEGATRON_VOCAB, 2520,
+              source=_NARAYANAN + " (529.6B row)"),
+    ModelSpec("megatron-1t", 128, 25600, 160, 2048, _MEGATRON_VOCAB, 3072,
+              source=_NARAYANAN + " (1008.0B row)"),
     # the course's own: GPTConfig.tiny(), GPTConfig.small(), and chapter 12's 3D test model
     ModelSpec("tiny", 2, 64, 4, 64, 64, 8, source="models.gpt.GPTConfig.tiny()"),
     ModelSpec("small", 4, 256, 8, 128, 256, 16, source="models.gpt.GPTConfig.small()"),
@@ -172,8 +175,8 @@ NARAYANAN_TABLE1 = (
 
 def table1_model(row: Table1Row) -> ModelSpec:
     """The :class:`ModelSpec` of a Table 1 row (seq 2048, vocab 51200, batch as printed)."""
-    return ModelSpec(f"megatron-{row.params_billion:g}b", row.layers, row.hidden, row.heads, 2048, _MEGATRON_VOCAB,
-                     row.batch, source=_NARAYANAN)
+    return ModelSpec(f"megatron-{row.params_billion:g}b", row.layers, row.hidden, row.heads, 2048,
+                     _MEGATRON_VOCAB, row.batch, source=_NARAYANAN)
 
 
 class Published(NamedTuple):
@@ -199,7 +202,8 @@ class Published(NamedTuple):
 #: row; its 1T row is the second entry.
 PUBLISHED = {
     "gpt3-175b": Published("gpt3-175b", "a100", 1024, 8, 16, 1, 0, "full", 140.0,
-                           "Megatron-LM examples/pretrain_gpt3_175B.sh; Narayanan et al. 2021, §5.1 (140 TFLOP/s)"),
+                           "Megatron-LM examples/pretrain_gpt3_175B.sh; "
+                           "Narayanan et al. 2021, §5.1 (140 TFLOP/s)"),
     "megatron-1t": Published("megatron-1t", "a100", 3072, 8, 64, 1, 0, "full", 163.0,
                              _NARAYANAN + " (1008.0B row; micro-batch size not printed, 1 assumed)"),
 }

@@ -1,4 +1,4 @@
-"""Per-rank event timelines, Gantt charts, and the idle ("bubble") fraction they show.
+"""Chapter 00 — per-rank event timelines, Gantt charts, and the idle ("bubble") fraction they show.
 
 A schedule is easiest to understand as a picture: one row per rank, one bar per piece of work.
 Pipeline parallelism is where this matters most -- GPipe's bubble (Huang et al. 2019) and
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 
 @dataclass

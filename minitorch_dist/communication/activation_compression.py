@@ -1,4 +1,5 @@
-"""Activation compression: store what backward needs in a compact encoding, decode it in backward.
+"""Chapter 09 — activation compression: store what backward needs in a compact encoding, decode it in
+backward.
 
 Jain et al. 2018, "Gist: Efficient Data Encoding for Deep Neural Network Training", §3. Between a
 layer's forward and its backward, its *stashed* feature maps sit idle in memory; Gist encodes them
@@ -69,7 +70,8 @@ _BIT_WEIGHTS = [1 << i for i in range(8)]
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A bool tensor of ``n`` elements as ``ceil(n / 8)`` bytes: flag ``i`` is bit ``i % 8`` of byte ``i // 8``."""
+    """A bool tensor of ``n`` elements as ``ceil(n / 8)`` bytes: flag ``i`` is bit ``i % 8`` of byte
+    ``i // 8``."""
     if mask.dtype != torch.bool:
         raise TypeError(f"pack_bits takes a bool tensor, got {mask.dtype}; pass e.g. `x > 0`")
     flat = mask.reshape(-1)
@@ -117,7 +119,8 @@ class _BinarizedReLU(torch.autograd.Function):
 
 
 def gist_relu(x: torch.Tensor) -> torch.Tensor:
-    """``relu(x)``, saving a 1-bit-encodable mask for backward; values and gradients equal ``torch.relu``'s."""
+    """``relu(x)``, saving a 1-bit-encodable mask for backward; values and gradients equal
+    ``torch.relu``'s."""
     return _BinarizedReLU.apply(x)
 
 
@@ -221,5 +224,5 @@ class compress_activations(saved_tensors_hooks):
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{k}: {v[0]} tensors {v[1]}->{v[2]} B" for k, v in sorted(self.by_encoding.items()))
-        return (f"compress_activations({self.encoding!r}, raw={self.raw_bytes} B, encoded={self.encoded_bytes} B, "
-                f"x{self.ratio:.2f}; {rows or 'nothing saved'})")
+        return (f"compress_activations({self.encoding!r}, raw={self.raw_bytes} B, "
+                f"encoded={self.encoded_bytes} B, x{self.ratio:.2f}; {rows or 'nothing saved'})")

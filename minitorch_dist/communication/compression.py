@@ -1,4 +1,4 @@
-"""Gradient compression: send fewer bytes per data-parallel step, and keep what was not sent.
+"""Chapter 09 — gradient compression: send fewer bytes per data-parallel step, and keep what was not sent.
 
 Chapter 09. The compressors, each a ``compress(g) -> Payload`` / ``decompress(Payload) -> g'`` pair:
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..runtime import comm
+from ..runtime import comm, require_process_group
 from .activation_compression import pack_bits, unpack_bits  # one bit layout for masks and signs
 
 __all__ = ["Payload", "Compressor", "ErrorFeedback", "TopK", "RandomK", "Sign", "QSGD", "FP16",
@@ -123,7 +123,8 @@ class TopK(Compressor):
     def compress(self, tensor, key=0):
         flat = tensor.detach().reshape(-1)
         idx = flat.abs().topk(_k(self.ratio, flat.numel()), sorted=False).indices
-        return Payload({"values": flat[idx].float(), "indices": idx.to(torch.int32)}, tensor.shape, tensor.dtype)
+        return Payload({"values": flat[idx].float(), "indices": idx.to(torch.int32)}, tensor.shape,
+                       tensor.dtype)
 
     def decompress(self, p):
         out = torch.zeros(math.prod(p.shape), dtype=p.dtype, device=p.tensors["values"].device)
@@ -150,7 +151,8 @@ class RandomK(Compressor):
         if self._gen is None:
             self._gen = torch.Generator().manual_seed(self.seed)
         flat = tensor.detach().reshape(-1)
-        idx = torch.randperm(flat.numel(), generator=self._gen)[: _k(self.ratio, flat.numel())].to(flat.device)
+        k = _k(self.ratio, flat.numel())
+        idx = torch.randperm(flat.numel(), generator=self._gen)[:k].to(flat.device)
         return Payload({"values": flat[idx].float()}, tensor.shape, tensor.dtype, {"indices": idx})
 
     def decompress(self, p):
@@ -193,7 +195,8 @@ class QSGD(Compressor):
 
     def __init__(self, levels: int, seed: int = 0):
         if not (isinstance(levels, int) and 1 <= levels <= 127):
-            raise ValueError(f"levels must be an int in [1, 127] (signed levels travel as int8), got {levels!r}")
+            raise ValueError("levels must be an int in [1, 127] "
+                             f"(signed levels travel as int8), got {levels!r}")
         self.s, self.seed = levels, seed
         self._gen = None
 
@@ -255,8 +258,7 @@ def compressed_allreduce(grads, compressor, group=None):
     decompresses all n payloads, so each rank sends ``payload.nbytes`` per tensor.
     """
     grads = list(grads)
-    if not dist.is_initialized():
-        raise RuntimeError("compressed_allreduce needs torch.distributed: call it inside launch(fn, n)")
+    require_process_group("compressed_allreduce")
     n = dist.get_world_size(group)
     if compressor is None:
         for g in grads:
@@ -264,7 +266,8 @@ def compressed_allreduce(grads, compressor, group=None):
             g.div_(n)
         return grads
     if any(g is None for g in grads):
-        raise ValueError("a gradient is None: pass only parameters that received one (the same on every rank)")
+        raise ValueError("a gradient is None: pass only parameters that received one "
+                         "(the same on every rank)")
     if isinstance(compressor, ErrorFeedback) and type(compressor.inner).__name__ == "PowerSGD":
         raise ValueError("PowerSGD keeps its own error feedback (error_feedback=True): pass it unwrapped")
     if hasattr(compressor, "reduce"):

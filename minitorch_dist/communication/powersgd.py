@@ -1,4 +1,4 @@
-"""PowerSGD: rank-r gradient compression by one step of power iteration, all-reduced.
+"""Chapter 09 — PowerSGD: rank-r gradient compression by one step of power iteration, all-reduced.
 
 Chapter 09. Vogels, Karimireddy & Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient Compression
 for Distributed Optimization" (NeurIPS), Algorithm 1 (rank-r PowerSGD compression) and
@@ -95,7 +95,8 @@ class PowerSGD(Compressor):
         return (shape[0] + int(np.prod(shape[1:]))) * self._r(shape) * itemsize
 
     def _random_qs(self, matrices):
-        """Fill fresh Qs from N(0, 1) like torch's hook: one seed per initialisation, shape groups in order."""
+        """Fill fresh Qs from N(0, 1) like torch's hook: one seed per initialisation, shape groups in
+        order."""
         groups = defaultdict(list)
         for i, mat in enumerate(matrices):
             groups[tuple(mat.shape)].append(i)
@@ -104,7 +105,8 @@ class PowerSGD(Compressor):
         for idx in groups.values():
             for i in idx:
                 n, m = matrices[i].shape
-                q = torch.randn(1, m, self._r((n, m)), generator=gen, dtype=matrices[i].dtype)  # on CPU, as torch
+                # on CPU, as torch
+                q = torch.randn(1, m, self._r((n, m)), generator=gen, dtype=matrices[i].dtype)
                 qs[i] = orthogonalise(q.to(matrices[i].device), self.epsilon)[0]
         return qs
 
@@ -124,7 +126,8 @@ class PowerSGD(Compressor):
         shapes = [tuple(g.shape) for g in grads]
         if self._shapes is not None and shapes != self._shapes:
             raise ValueError("PowerSGD.reduce got gradients of other shapes than last step: pass the same "
-                             "list, in the same order, every step (warm start and error memory are per tensor)")
+                             "list, in the same order, every step "
+                             "(warm start and error memory are per tensor)")
         self._shapes = shapes
         ms = []
         for i in big:
@@ -168,7 +171,8 @@ class PowerSGD(Compressor):
         mat = tensor.detach().reshape(tensor.shape[0], -1).float()
         r = self._r(mat.shape)
         if key not in self._local_q or not self.warm_start:
-            gen = torch.Generator().manual_seed(self.seed * 7919 + len(self._local_q))  # not hash(): salted per process
+            # not hash(): it is salted per process
+            gen = torch.Generator().manual_seed(self.seed * 7919 + len(self._local_q))
             self._local_q[key] = torch.randn(mat.shape[1], r, generator=gen).to(mat.device)
         q = orthogonalise(self._local_q[key].clone().unsqueeze(0), self.epsilon)[0]
         p = orthogonalise((mat @ q).unsqueeze(0), self.epsilon)[0]
@@ -180,7 +184,8 @@ class PowerSGD(Compressor):
         return (payload.tensors["P"] @ payload.tensors["Q"].t()).to(payload.dtype).view(payload.shape)
 
     def __repr__(self):
-        return f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, error_feedback={self.error_feedback})"
+        return (f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, "
+                f"error_feedback={self.error_feedback})")
 
 
 def _unflatten(buf, tensors):

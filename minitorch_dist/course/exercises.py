@@ -1,4 +1,4 @@
-"""Exercise stubs, generated from the worked solutions; and loading either one by name.
+"""Chapter 00 — exercise stubs, generated from the worked solutions; and loading either one by name.
 
 A solutions file marks the part a student writes::
 
@@ -101,7 +101,8 @@ def regions(source: str, origin: str = "<source>") -> list[Region]:
             raise MarkerError(f"{origin}:{line}: '{END}' without a matching '{BEGIN}'")
         begin, indent = open_at
         open_at = None
-        code = [n for n in range(begin + 1, line) if src[n - 1].strip() and not src[n - 1].lstrip().startswith("#")]
+        code = [n for n in range(begin + 1, line)
+                if src[n - 1].strip() and not src[n - 1].lstrip().startswith("#")]
         if not code:
             raise MarkerError(f"{origin}:{begin}: empty solution region (lines {begin}-{line})")
         chain = _enclosing(tree, code[0], code[-1])
@@ -131,7 +132,8 @@ def strip_solutions(source: str, origin: str = "<source>", prose: str = "the cha
     try:
         ast.parse(text)
     except SyntaxError as e:  # e.g. a region that was a whole `if` branch but for its marker
-        raise MarkerError(f"{origin}: the generated stub is not valid Python at line {e.lineno}: {e.msg}") from e
+        raise MarkerError(f"{origin}: the generated stub is not valid Python at line {e.lineno}: "
+                          f"{e.msg}") from e
     return text
 
 
@@ -187,7 +189,8 @@ def resolve_impl(impl: str | None = None) -> str:
     """`impl`, else ``$MTD_IMPL``, else "solutions"; checked."""
     impl = (impl or os.environ.get("MTD_IMPL") or "solutions").strip().lower()
     if impl not in IMPLS:
-        raise ValueError(f"MTD_IMPL / impl is {impl!r}; use 'solutions' (worked answers) or 'exercises' (stubs)")
+        raise ValueError(f"MTD_IMPL / impl is {impl!r}; use 'solutions' "
+                         "(worked answers) or 'exercises' (stubs)")
     return impl
 
 

@@ -1,4 +1,4 @@
-"""The grade report: run each chapter's exercise tests and say, per exercise, where it stands.
+"""Chapter 00 — the grade report: run each chapter's exercise tests and say, per exercise, where it stands.
 
 ``python -m minitorch_dist grade`` runs ``pytest tests/exercises/test_chNN_x.py`` for each written
 chapter in a fresh process with ``MTD_IMPL=exercises`` (a student's stubs; ``--impl solutions``
@@ -171,9 +171,12 @@ def report(rows: list[Row], impl: str) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--impl", choices=("exercises", "solutions"), default="exercises",
                    help="grade the stubs in exercises/ (default) or the worked solutions/")
-    p.add_argument("--chapter", help="comma-separated chapters (ch00, 0 or 00_foundations); default: all written")
-    p.add_argument("--timeout", type=float, default=120, help="seconds per chapter before its tests are killed")
-    p.add_argument("--strict", action="store_true", help="exit 1 if any exercise is not passed (blocked excepted)")
+    p.add_argument("--chapter",
+                   help="comma-separated chapters (ch00, 0 or 00_foundations); default: all written")
+    p.add_argument("--timeout", type=float, default=120,
+                   help="seconds per chapter before its tests are killed")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 if any exercise is not passed (blocked excepted)")
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
 
 

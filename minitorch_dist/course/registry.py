@@ -1,4 +1,5 @@
-"""The chapter table: the one place that says which chapters exist and where their parts live.
+"""Chapter 00 — the chapter table: the one place that says which chapters exist and where their parts
+live.
 
 The tour, the grader, the course tests and the README's chapter map all read `CHAPTERS`.
 A chapter is *written* once all five of its parts are committed; `tests/test_course.py` then
@@ -16,7 +17,8 @@ holds it to these conventions (so a chapter author can check their work with
   ``test_<exercise>_<case>`` (this is how the grader maps tests to exercises), and the chapter's
   pytest marker ``pytest.mark.chNN`` on its tests;
 - the library module(s) in `Chapter.modules`, with ``tests/test_<module leaf>.py``;
-- optionally a headline experiment ``package.module:function`` whose function
+- optionally a headline experiment ``package.module:function`` (by convention
+  ``minitorch_dist.course.headlines.chNN_slug:headline``, outside the library) whose function
   ``headline(smoke: bool) -> dict | list[dict]`` returns rows with keys "chapter",
   "experiment", "theory", "measured", "ok" for ``python -m minitorch_dist tour``.
 """
@@ -115,47 +117,50 @@ class Chapter:
 
 
 _M = "minitorch_dist."
+_HL = _M + "course.headlines."  # one module of tour rows per chapter
 CHAPTERS: tuple[Chapter, ...] = (
     Chapter(0, "00_foundations", "Foundations: ranks, collectives and their cost",
             (_M + "runtime.collectives",), written=True,
-            headline=_M + "runtime.collectives:headline"),
+            headline=_HL + "ch00_foundations:headline"),
     Chapter(1, "01_data_parallel", "Data parallelism: all-reduce, buckets, overlap",
             (_M + "parallelism.data_parallel", _M + "parallelism.large_batch"), written=True,
-            headline=_M + "parallelism.data_parallel:headline"),
+            headline=_HL + "ch01_data_parallel:headline"),
     Chapter(2, "02_parameter_servers", "Parameter servers (BSP, ASP, SSP) and HOGWILD!",
             (_M + "parallelism.parameter_server", _M + "parallelism.hogwild"), written=True,
-            headline=_M + "parallelism.parameter_server:headline"),
+            headline=_HL + "ch02_parameter_servers:headline"),
     Chapter(3, "03_pipeline", "Pipeline parallelism: GPipe, 1F1B, interleaving, zero bubble",
             (_M + "parallelism.pipeline",), written=True,
-            headline=_M + "parallelism.pipeline:headline"),
+            headline=_HL + "ch03_pipeline:headline"),
     Chapter(4, "04_tensor_parallel", "Tensor parallelism: Megatron-LM layers",
-            (_M + "parallelism.tensor_parallel", _M + "parallelism.tensor_parallel_vocab"), written=True,
-            headline=_M + "parallelism.tensor_parallel:headline"),
-    Chapter(5, "05_sequence_parallel", "Sequence and context parallelism: Megatron SP, Ulysses, ring attention",
+            (_M + "parallelism.tensor_parallel", _M + "parallelism.tensor_parallel_vocab",
+             _M + "parallelism.mappings"), written=True,
+            headline=_HL + "ch04_tensor_parallel:headline"),
+    Chapter(5, "05_sequence_parallel",
+            "Sequence and context parallelism: Megatron SP, Ulysses, ring attention",
             (_M + "parallelism.sequence_parallel.megatron_sp", _M + "parallelism.sequence_parallel.ulysses",
              _M + "parallelism.sequence_parallel.ring_attention"), written=True,
-            headline=_M + "parallelism.sequence_parallel:headline"),
+            headline=_HL + "ch05_sequence_parallel:headline"),
     Chapter(6, "06_zero_fsdp", "ZeRO and fully sharded data parallelism: sharded states, offload, Adafactor",
             (_M + "memory.zero", _M + "memory.adafactor"), written=True,
-            headline=_M + "memory.zero:headline"),
+            headline=_HL + "ch06_zero_fsdp:headline"),
     Chapter(7, "07_checkpointing", "Activation checkpointing: recomputation, the √n rule, selective, offload",
             (_M + "memory.checkpointing", _M + "memory.activation_offload"), written=True,
-            headline=_M + "memory.checkpointing:headline"),
+            headline=_HL + "ch07_checkpointing:headline"),
     Chapter(8, "08_mixed_precision", "Mixed precision training: master weights, loss scaling, bf16",
             (_M + "memory.mixed_precision",), written=True,
-            headline=_M + "memory.mixed_precision:headline"),
+            headline=_HL + "ch08_mixed_precision:headline"),
     Chapter(9, "09_compression", "Gradient compression: top-k, 1-bit, QSGD, PowerSGD, error feedback; Gist",
             (_M + "communication.compression", _M + "communication.activation_compression"), written=True,
-            headline=_M + "communication:headline"),
+            headline=_HL + "ch09_compression:headline"),
     Chapter(10, "10_moe", "Mixture of experts: routers, capacity, load balancing, expert parallelism",
             (_M + "sparsity.moe", _M + "sparsity.expert_parallel", _M + "sparsity.moe_gpt"), written=True,
-            headline=_M + "sparsity:headline"),
-    Chapter(11, "11_fused_kernels", "Fused kernels in Triton: softmax, LayerNorm, AdamW, cross-entropy; the roofline",
-            (_M + "kernels",), written=True,
-            headline=_M + "kernels:headline"),
+            headline=_HL + "ch10_moe:headline"),
+    Chapter(11, "11_fused_kernels",
+            "Fused kernels in Triton: softmax, LayerNorm, AdamW, cross-entropy; the roofline",
+            (_M + "kernels",), written=True, headline=_HL + "ch11_fused_kernels:headline"),
     Chapter(12, "12_putting_it_together", "Putting it together: 3D parallelism and planning",
             (_M + "parallelism.mesh", _M + "parallelism.three_d", _M + "analysis.planner"), written=True,
-            headline=_M + "parallelism.three_d:headline"),
+            headline=_HL + "ch12_putting_it_together:headline"),
 )
 
 

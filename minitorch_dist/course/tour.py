@@ -1,7 +1,9 @@
-"""The tour: one headline experiment per written chapter, theory next to measurement, in one table.
+"""Chapter 00 — the tour: one headline experiment per written chapter, theory next to measurement, in
+one table.
 
 ``python -m minitorch_dist tour [--smoke] [--chapters ch00,ch01]`` imports each chapter's
-``headline`` function (``Chapter.headline = "package.module:function"``), calls
+``headline`` function (``Chapter.headline = "package.module:function"``, one module per chapter
+in :mod:`minitorch_dist.course.headlines`), calls
 ``headline(smoke=...)`` (it launches its own ranks) and collects its rows::
 
     {"chapter": "ch00", "experiment": "ring all-reduce wire bytes, 4 ranks",
@@ -90,7 +92,8 @@ def run(chapters: Sequence[Chapter] | None = None, smoke: bool = False, progress
     chosen = registry.written_chapters() if chapters is None else chapters
     chapters = [ch for ch in chosen if ch.headline]
     if not chapters:
-        what = "No chapter is written yet" if not registry.written_chapters() else "No chosen chapter has a headline"
+        what = ("No chapter is written yet" if not registry.written_chapters()
+                else "No chosen chapter has a headline")
         print(f"{what}: the tour has nothing to run. The planned chapters:\n")
         print(registry.planned_table())
         return 0
@@ -112,13 +115,16 @@ def run(chapters: Sequence[Chapter] | None = None, smoke: bool = False, progress
     for r in rows:
         if "error" in r:
             print(f"{r['chapter']}: {r['error']}")
-    print(f"{len(rows) - bad}/{len(rows)} experiments agree with theory" + (f"; {bad} did not" if bad else ""))
+    print(f"{len(rows) - bad}/{len(rows)} experiments agree with theory"
+          + (f"; {bad} did not" if bad else ""))
     return 0 if bad == 0 else 1
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--smoke", action="store_true", help="small sizes (sets MTD_SMOKE=1): seconds, not minutes")
-    p.add_argument("--chapters", help="comma-separated chapters to run (ch00,ch01); default: every written one")
+    p.add_argument("--smoke", action="store_true",
+                   help="small sizes (sets MTD_SMOKE=1): seconds, not minutes")
+    p.add_argument("--chapters",
+                   help="comma-separated chapters to run (ch00,ch01); default: every written one")
 
 
 def main(args) -> int:

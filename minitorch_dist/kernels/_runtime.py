@@ -1,4 +1,5 @@
-"""Where the kernels run: compiled for a CUDA GPU when there is one, else Triton's interpreter on CPU.
+"""Chapter 11 — where the kernels run: compiled for a CUDA GPU when there is one, else Triton's
+interpreter on CPU.
 
 Triton (Tillet, Kung & Cox 2019, "Triton: an intermediate language and compiler for tiled neural
 network computations") compiles a ``@triton.jit`` function for the GPU. With ``TRITON_INTERPRET=1``

@@ -1,4 +1,5 @@
-"""A fused AdamW step: one kernel over one flat fp32 buffer of parameters, gradients and moments.
+"""Chapter 11 — a fused AdamW step: one kernel over one flat fp32 buffer of parameters, gradients and
+moments.
 
 AdamW: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", Algorithm 2, with
 Adam's bias correction (Kingma & Ba 2015, Algorithm 1). Fusion as in Apex's FusedAdam and
@@ -32,8 +33,8 @@ __all__ = ["FlatParameters", "FusedAdamW", "adamw_reference", "fused_adamw_step"
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, beta2, one_minus_beta1, one_minus_beta2, eps, decay, step_size,
-                  bias_correction2_sqrt, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, beta2, one_minus_beta1, one_minus_beta2, eps, decay,
+                  step_size, bias_correction2_sqrt, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n  # the last block runs past n unless BLOCK divides it
     p = tl.load(p_ptr + offsets, mask=mask)
@@ -54,13 +55,15 @@ def _hyper(step: int, lr: float, beta1: float, beta2: float, weight_decay: float
     """The kernel's scalars, computed on the host in float64 as torch does (then rounded to fp32)."""
     if step < 1:
         raise ValueError(f"step counts from 1 (the first update), got {step}")
-    return dict(beta2=beta2, one_minus_beta1=1 - beta1, one_minus_beta2=1 - beta2, decay=1 - lr * weight_decay,
-                step_size=lr / (1 - beta1 ** step), bias_correction2_sqrt=math.sqrt(1 - beta2 ** step))
+    return dict(beta2=beta2, one_minus_beta1=1 - beta1, one_minus_beta2=1 - beta2,
+                decay=1 - lr * weight_decay, step_size=lr / (1 - beta1 ** step),
+                bias_correction2_sqrt=math.sqrt(1 - beta2 ** step))
 
 
 def adamw_reference(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
                     beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-    """One AdamW step in place with eager PyTorch ops, line by line as ``torch.optim.AdamW(foreach=False)``."""
+    """One AdamW step in place with eager PyTorch ops, line by line as
+    ``torch.optim.AdamW(foreach=False)``."""
     h = _hyper(step, lr, beta1, beta2, weight_decay)
     param.mul_(h["decay"])
     exp_avg.lerp_(grad, h["one_minus_beta1"])
@@ -70,7 +73,8 @@ def adamw_reference(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 
 
 
 def fused_adamw_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float = 1e-3, beta1: float = 0.9,
-                     beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2, block: int = 1024) -> None:
+                     beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+                     block: int = 1024) -> None:
     """One AdamW step in place on four flat, contiguous fp32 buffers of equal length."""
     named = dict(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     for name, t in named.items():
@@ -78,15 +82,17 @@ def fused_adamw_step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float =
             raise TypeError(f"fused AdamW works on fp32 buffers; {name} is {t.dtype} "
                             f"(keep fp32 master weights and moments, chapter 08)")
         if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"fused AdamW wants flat contiguous 1-D buffers; {name} has shape {tuple(t.shape)}"
-                             f"{'' if t.is_contiguous() else ' and is not contiguous'} (see FlatParameters)")
+            raise ValueError(f"fused AdamW wants flat contiguous 1-D buffers; {name} has shape "
+                             f"{tuple(t.shape)}{'' if t.is_contiguous() else ' and is not contiguous'} "
+                             "(see FlatParameters)")
         if t.numel() != param.numel():
             raise ValueError(f"{name} has {t.numel()} elements but param has {param.numel()}")
     check_device(*named.values())
     h = _hyper(step, lr, beta1, beta2, weight_decay)
     n = param.numel()
     if n:
-        _adamw_kernel[(triton.cdiv(n, block),)](param, grad, exp_avg, exp_avg_sq, n, eps=eps, **h, BLOCK=block)
+        _adamw_kernel[(triton.cdiv(n, block),)](param, grad, exp_avg, exp_avg_sq, n, eps=eps, **h,
+                                                BLOCK=block)
 
 
 class FlatParameters:
@@ -134,7 +140,8 @@ class FlatParameters:
         for i, p in enumerate(self.params):
             if p.grad is None or not start <= p.grad.data_ptr() < end:
                 raise RuntimeError(f"parameter {i}'s .grad is no longer a view of the flat buffer; "
-                                   f"zero gradients with FlatParameters.zero_grad(), not zero_grad(set_to_none=True)")
+                                   "zero gradients with FlatParameters.zero_grad(), not "
+                                   "zero_grad(set_to_none=True)")
 
 
 class FusedAdamW:
@@ -145,7 +152,8 @@ class FusedAdamW:
     always has one, zero if backward did not reach it). No amsgrad, no maximize.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0 <= b < 1 for b in betas):

@@ -1,4 +1,5 @@
-"""GPU benchmark: effective bandwidth of softmax and LayerNorm forward vs size, next to a copy.
+"""Chapter 11 — GPU benchmark: effective bandwidth of softmax and LayerNorm forward vs size, next to a
+copy.
 
 A memory-bound kernel is as fast as the bytes it moves allow, and no kernel that reads a tensor
 and writes one of the same size can beat ``y.copy_(x)``: the copy's bandwidth is the roof this
@@ -44,9 +45,9 @@ SMOKE_SIZES = [256, 1024, 4096]
 def require_gpu() -> None:
     """Raise with the reason when this machine cannot run the benchmark."""
     if not torch.cuda.is_available():
-        raise RuntimeError("the kernel benchmark times compiled Triton kernels on a CUDA GPU, and this machine "
-                           "has none (torch.cuda.is_available() is False); the chapter 11 notebook reads the "
-                           "committed results file instead")
+        raise RuntimeError("the kernel benchmark times compiled Triton kernels on a CUDA GPU, and this "
+                           "machine has none (torch.cuda.is_available() is False); the chapter 11 notebook "
+                           "reads the committed results file instead")
     if INTERPRET:
         raise RuntimeError("TRITON_INTERPRET is set, so the kernels would run in the interpreter: unset it "
                            "before importing minitorch_dist.kernels to benchmark compiled kernels")
@@ -97,7 +98,8 @@ def copy_bandwidth(M: int, N: int, dtype=torch.float32) -> float:
     return gbps(2 * x.numel() * x.element_size(), _time_ms(lambda: y.copy_(x)))
 
 
-def measure(kernel: str, M: int, N: int, dtype=torch.float32, impls=("eager", "torch", "compile", "triton")) -> dict:
+def measure(kernel: str, M: int, N: int, dtype=torch.float32,
+            impls=("eager", "torch", "compile", "triton")) -> dict:
     """Effective GB/s of each implementation of ``kernel`` on an M x N input, and of a copy."""
     require_gpu()
     if kernel not in KERNELS:
@@ -110,7 +112,8 @@ def measure(kernel: str, M: int, N: int, dtype=torch.float32, impls=("eager", "t
     for name in impls:
         fn = fns[name]
         if name == "compile":
-            torch._dynamo.reset()  # a fresh graph per shape: recompile limits would silently fall back to eager
+            # a fresh graph per shape: recompile limits would silently fall back to eager
+            torch._dynamo.reset()
             fn = torch.compile(fn, dynamic=False)
         fn(*inputs)  # compile / autotune outside the timed runs
         row[name] = gbps(nbytes, _time_ms(lambda: fn(*inputs)))
@@ -126,24 +129,29 @@ def run(kernels=("softmax", "layernorm"), M: int = 4096, sizes=SIZES, dtype=torc
         "gpu": torch.cuda.get_device_name(0), "compute_capability": f"{props.major}.{props.minor}",
         "gpu_memory_GiB": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dtype": str(dtype).removeprefix("torch."),
-        "M": M, "unit": "GB/s effective (2 M N element bytes / median time)", "kernels": {}, "acceptance": {},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dtype": str(dtype).removeprefix("torch."), "M": M,
+        "unit": "GB/s effective (2 M N element bytes / median time)", "kernels": {}, "acceptance": {},
     }
     for k in kernels:
         rows = [measure(k, M, n, dtype) for n in sizes]
         results["kernels"][k] = rows
         last = rows[-1]
         fraction = last["triton"] / last["copy"]
-        results["acceptance"][k] = {"N": last["N"], "fraction_of_copy": round(fraction, 3), "ok": fraction >= 0.8}
+        results["acceptance"][k] = {"N": last["N"], "fraction_of_copy": round(fraction, 3),
+                                    "ok": fraction >= 0.8}
     return results
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minitorch_dist.kernels.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m minitorch_dist.kernels.bench",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="results JSON file to write")
-    ap.add_argument("--smoke", action="store_true", help=f"M=1024 and N in {SMOKE_SIZES} (seconds, not minutes)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"M=1024 and N in {SMOKE_SIZES} (seconds, not minutes)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--kernels", default="softmax,layernorm", help="comma-separated subset of softmax,layernorm")
+    ap.add_argument("--kernels", default="softmax,layernorm",
+                    help="comma-separated subset of softmax,layernorm")
     args = ap.parse_args(argv)
     try:
         require_gpu()
@@ -158,8 +166,10 @@ def main(argv=None) -> int:
         print(f"{k} on {results['gpu']} ({results['dtype']}, M={results['M']}), GB/s:")
         print("      N " + "".join(f"{c:>9}" for c in ("eager", "torch", "compile", "triton", "copy")))
         for r in rows:
-            print(f"{r['N']:>7} " + "".join(f"{r[c]:>9.0f}" for c in ("eager", "torch", "compile", "triton", "copy")))
-        print(f"  triton / copy at N={results['acceptance'][k]['N']}: {results['acceptance'][k]['fraction_of_copy']}")
+            print(f"{r['N']:>7} " + "".join(f"{r[c]:>9.0f}"
+                                            for c in ("eager", "torch", "compile", "triton", "copy")))
+        print(f"  triton / copy at N={results['acceptance'][k]['N']}: "
+              f"{results['acceptance'][k]['fraction_of_copy']}")
     print(f"wrote {args.out}")
     return 0
 

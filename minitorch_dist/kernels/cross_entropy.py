@@ -1,4 +1,4 @@
-"""Fused softmax-cross-entropy: loss and gradient of each row of logits in one kernel.
+"""Chapter 11 — fused softmax-cross-entropy: loss and gradient of each row of logits in one kernel.
 
 Pattern: Triton tutorial 02 ("Fused Softmax") streamed with the online normaliser of Milakov &
 Gimelshein 2018 ("Online normalizer calculation for softmax", Algorithm 3); computing the
@@ -74,8 +74,9 @@ def cross_entropy_forward_backward(logits, targets, ignore_index: int = -100, re
         raise TypeError(f"targets must be an integer tensor of class indices, got "
                         f"{targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__}")
     if targets.numel() != M or tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits {tuple(logits.shape)}: "
-                         f"want one class index per row, shape {tuple(logits.shape[:-1])}")
+        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits "
+                         f"{tuple(logits.shape)}: want one class index per row, shape "
+                         f"{tuple(logits.shape[:-1])}")
     t = targets.reshape(-1).contiguous()
     check_device(x2, t)
     counted = t != ignore_index
@@ -92,7 +93,8 @@ def cross_entropy_forward_backward(logits, targets, ignore_index: int = -100, re
         block = row_block(V, 4096, block_size)  # a vocabulary of 50k streams in ~13 blocks
         _cross_entropy_kernel[(M,)](x2, t, losses, grad if compute_grad else x2, scale, x2.stride(0),
                                     grad.stride(0) if compute_grad else 0, V, ignore_index,
-                                    COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                                    COMPUTE_GRAD=compute_grad, BLOCK=block,
+                                    num_warps=8 if block >= 2048 else 4)
     loss = losses.sum() / n if reduction == "mean" else losses.sum()  # mean over 0 rows is nan, as in torch
     return loss, (grad.view(logits.shape) if compute_grad else None)
 
@@ -101,8 +103,10 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction, block_size):
         loss, grad = cross_entropy_forward_backward(logits, targets, ignore_index, reduction,
-                                                    compute_grad=ctx.needs_input_grad[0], block_size=block_size)
-        ctx.save_for_backward(grad if grad is not None else logits.new_empty(0))  # the gradient, not the logits
+                                                    compute_grad=ctx.needs_input_grad[0],
+                                                    block_size=block_size)
+        # the gradient, not the logits
+        ctx.save_for_backward(grad if grad is not None else logits.new_empty(0))
         return loss
 
     @staticmethod
@@ -112,7 +116,8 @@ class _CrossEntropy(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None
 
 
-def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "mean", block_size: int | None = None):
+def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "mean",
+                  block_size: int | None = None):
     """Differentiable fused cross-entropy (``F.cross_entropy`` on ``(..., V)`` logits; mean or sum).
     The gradient is computed in forward and kept in place of the logits, so backward is one scale."""
     return _CrossEntropy.apply(logits, targets, ignore_index, reduction, block_size)

@@ -1,4 +1,5 @@
-"""LayerNorm forward and backward in Triton, as an autograd.Function and an nn.LayerNorm drop-in.
+"""Chapter 11 — LayerNorm forward and backward in Triton, as an autograd.Function and an nn.LayerNorm
+drop-in.
 
 Layer normalisation: Ba, Kiros & Hinton 2016, "Layer Normalization", §3, eqs. (3)-(4). Kernels follow
 Triton tutorial 05, "Layer Normalization" (triton-lang.org), itself after Apex's fused LayerNorm.
@@ -25,9 +26,9 @@ G partial rows column block by column block. Deterministic, and the partials are
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ._runtime import INTERPRET, as_rows, check_device, max_block, row_block, tl, triton
 
@@ -128,7 +129,8 @@ def _check_params(N: int, weight, bias):
         raise ValueError("the fused LayerNorm needs a weight (nn.LayerNorm with elementwise_affine=True)")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != (N,):
-            raise ValueError(f"LayerNorm {name} has shape {tuple(p.shape)} but the input's last dimension is {N}")
+            raise ValueError(f"LayerNorm {name} has shape {tuple(p.shape)} but the input's last dimension is "
+                             f"{N}")
 
 
 def layernorm_forward(x, weight, bias=None, eps: float = 1e-5, block_size: int | None = None):
@@ -188,7 +190,8 @@ def layernorm_backward(dy, x, weight, mean, rstd, has_bias: bool = True, groups:
                                    dy2.stride(0), x2.stride(0), dx.stride(0), M, N, rows_per_group,
                                    HAS_BIAS=has_bias, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
     block_n = min(block, 128)
-    _layernorm_bwd_dwdb_kernel[(triton.cdiv(N, block_n),)](partial_dw, partial_db, dw, db if has_bias else dw, G, N,
+    _layernorm_bwd_dwdb_kernel[(triton.cdiv(N, block_n),)](partial_dw, partial_db, dw, db if has_bias else dw,
+                                                           G, N,
                                                          HAS_BIAS=has_bias, BLOCK_G=32, BLOCK_N=block_n)
     return dx.view(x.shape), dw, db
 
@@ -223,8 +226,8 @@ class LayerNorm(nn.LayerNorm):
     works, and `replace_layernorms` swaps it into a model in place.
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         if len(self.normalized_shape) != 1:
             raise ValueError(f"the fused LayerNorm normalises the last dimension only; normalized_shape "

@@ -1,4 +1,4 @@
-"""Row softmax in one pass over memory (forward and backward).
+"""Chapter 11 — row softmax in one pass over memory (forward and backward).
 
 Pattern: Triton tutorial 02, "Fused Softmax" (triton-lang.org). Long rows: Milakov &
 Gimelshein 2018, "Online normalizer calculation for softmax", Algorithm 3.
@@ -136,7 +136,8 @@ def softmax_forward(x: torch.Tensor, block_size: int | None = None) -> torch.Ten
 def softmax_backward(y: torch.Tensor, dy: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
     """The gradient of softmax at output ``y`` for upstream gradient ``dy`` (same shape)."""
     if y.shape != dy.shape:
-        raise ValueError(f"softmax output {tuple(y.shape)} and its gradient {tuple(dy.shape)} differ in shape")
+        raise ValueError(f"softmax output {tuple(y.shape)} and its gradient {tuple(dy.shape)} differ in "
+                         "shape")
     y2, dy2 = as_rows(y, "softmax output"), as_rows(dy, "softmax gradient")
     check_device(y2, dy2)
     M, N = y2.shape

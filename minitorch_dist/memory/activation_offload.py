@@ -1,4 +1,4 @@
-"""Activation offloading: keep what backward needs in host memory, not on the accelerator.
+"""Chapter 07 — activation offloading: keep what backward needs in host memory, not on the accelerator.
 
 Rhu et al. 2016, "vDNN: Virtualized Deep Neural Networks for Scalable, Memory-Efficient Neural
 Network Design", §3: during the forward pass each layer's activations that backward will need
@@ -103,7 +103,8 @@ class offload_activations(saved_tensors_hooks):
     Pools (alive now, and peak): ``host_bytes``/``peak_host_bytes``, ``device_bytes``/``peak_device_bytes``.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", pin_memory: bool | None = None, min_bytes: int = 0):
+    def __init__(self, device: torch.device | str = "cpu", pin_memory: bool | None = None,
+                 min_bytes: int = 0):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be an int >= 0 (bytes), got {min_bytes!r}")
         if pin_memory not in (None, True, False):

@@ -1,4 +1,4 @@
-"""Adafactor: adaptive learning rates with sublinear memory (Shazeer & Stern 2018).
+"""Chapter 06 — Adafactor: adaptive learning rates with sublinear memory (Shazeer & Stern 2018).
 
 Adam keeps two numbers per parameter, a first moment m and a second moment v: for an r x c
 weight matrix that is 2*r*c floats of optimizer state, twice the model. Under ZeRO that state
@@ -112,7 +112,8 @@ class Adafactor(torch.optim.Optimizer):
             raise ValueError(f"clipping threshold d must be >= 1 (the paper uses 1.0), got {d}")
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
+        super().__init__(params,
+                         dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
 
     def _state_for(self, p: torch.Tensor) -> dict:
         """The parameter's state, created on its first step: factors for >= 2-D, full v for 1-D."""

@@ -1,4 +1,4 @@
-"""Activation checkpointing: keep a few activations, recompute the rest during backward.
+"""Chapter 07 — activation checkpointing: keep a few activations, recompute the rest during backward.
 
 Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", §3-4. Split n layers into k
 segments and keep only each segment's *input* (its boundary) in forward; in backward, re-run one
@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ from ..analysis.costmodel.checkpointing import segment_peak_bytes
 __all__ = [
     "checkpoint", "checkpoint_sequential", "sqrt_segments", "segment_bounds", "count_forwards",
     "attention_core", "ExplicitAttention", "apply_recompute", "RECOMPUTE_POLICIES",
-    "plan_segments", "segment_peak_bytes", "headline",
+    "plan_segments", "segment_peak_bytes",
 ]
 
 
@@ -73,7 +74,8 @@ class _Checkpoint(torch.autograd.Function):
             ctx.cuda_devices = sorted({t.device.index for t in tensors if t.is_cuda})
             ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
         # Recompute under the same autocast as now (mixed precision, ch08), or the activations differ.
-        ctx.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")}
+        ctx.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                        for d in ("cpu", "cuda")}
         with torch.no_grad():  # no graph: nothing inside fn is kept
             return fn(*args)
 
@@ -157,8 +159,10 @@ def segment_bounds(n: int, segments: int | Sequence[int] | None) -> list[int]:
             bounds.append(bounds[-1] + size + (j < extra))
         return bounds
     bounds = list(segments)
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"segment boundaries must rise strictly from 0 to {n} (e.g. [0, 3, {n}]), got {bounds}")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(a >= b
+                                                                   for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"segment boundaries must rise strictly from 0 to {n} (e.g. [0, 3, {n}]), got "
+                         f"{bounds}")
     return bounds
 
 
@@ -202,7 +206,8 @@ def count_forwards(modules: Iterable[nn.Module] | Mapping[Any, nn.Module]):
     handles = []
     for key, module in items:
         counts[key] = 0
-        handles.append(module.register_forward_hook(lambda *_, key=key: counts.__setitem__(key, counts[key] + 1)))
+        handles.append(module.register_forward_hook(
+            lambda *_, key=key: counts.__setitem__(key, counts[key] + 1)))
     try:
         yield counts
     finally:
@@ -330,7 +335,8 @@ def plan_segments(layer_bytes: Sequence[int], boundary_bytes: Sequence[int], bud
     """
     n = len(layer_bytes)
     if n == 0 or len(boundary_bytes) != n:
-        raise ValueError(f"need one boundary size per layer: {n} layer_bytes, {len(boundary_bytes)} boundary_bytes")
+        raise ValueError(f"need one boundary size per layer: {n} layer_bytes, "
+                         f"{len(boundary_bytes)} boundary_bytes")
     cost = [1.0] * n if layer_flops is None else list(layer_flops)
     if len(cost) != n or min(cost) < 0 or min(layer_bytes) < 0 or min(boundary_bytes) < 0:
         raise ValueError("layer_bytes, boundary_bytes and layer_flops must be n non-negative numbers")
@@ -350,50 +356,13 @@ def plan_segments(layer_bytes: Sequence[int], boundary_bytes: Sequence[int], bud
                 plans.append((sum(cost[:t]), f[t] + M, t, prev))
     lowest = min(p[1] for p in plans)  # t = 0, M = everything: no checkpointing, always a plan
     if lowest > budget_bytes:
-        raise ValueError(f"budget {_fmt_bytes(budget_bytes)} is below the smallest possible peak {_fmt_bytes(lowest)}: "
-                         f"no split of these {n} layers fits; raise the budget or shrink the layers "
-                         f"(smaller micro-batch, sequence/tensor parallelism, selective recomputation)")
+        raise ValueError(f"budget {_fmt_bytes(budget_bytes)} is below the smallest possible peak "
+                         f"{_fmt_bytes(lowest)}: no split of these {n} layers fits; raise the budget or "
+                         "shrink the layers (smaller micro-batch, sequence/tensor parallelism, "
+                         "selective recomputation)")
     _, _, t, prev = min((p for p in plans if p[1] <= budget_bytes), key=lambda p: p[:2])
     bounds, j = [n], t
     while j > 0:
         bounds.append(j)
         j = prev[j]
     return [0] + bounds[::-1]
-
-
-# --- the tour's rows ------------------------------------------------------------------------------
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 07's rows: same gradients with dropout, √n segments' bytes vs Chen's formula, 2 forwards."""
-    from ..analysis import costmodel
-    from ..analysis.meters import MemoryMeter
-    from ..models import GPT, GPTConfig, MarkovCorpus
-
-    n, batch, seq = (9 if smoke else 16), 4, 32
-
-    def run(policy, layers=n):
-        cfg = GPTConfig.tiny(n_layer=layers, dropout=0.1, block_size=seq)
-        torch.manual_seed(0)
-        model = apply_recompute(GPT(cfg), policy)
-        x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, batch, seq)
-        torch.manual_seed(1)
-        meter = MemoryMeter(model)
-        with count_forwards(model.blocks) as runs, meter.track():
-            model(x, y)[1].backward()
-        return {k: q.grad for k, q in model.named_parameters()}, meter.peak["activations"], runs
-
-    plain, none_bytes, _ = run("none")
-    full, _, runs = run("full")
-    _, sqrt_bytes, _ = run("sqrt")
-    per_layer = none_bytes - run("none", n - 1)[1]
-    rest = none_bytes - n * per_layer
-    want = rest + costmodel.checkpoint_saved_bytes(n, per_layer, batch * seq * GPTConfig.tiny().n_embd * 4,
-                                                   sqrt_segments(n), checkpoint_last=False)
-    diff = max((full[k] - plain[k]).abs().max().item() for k in plain)
-    return [
-        {"chapter": "ch07", "experiment": f"every block checkpointed, dropout 0.1, {n} layers: max |Δgrad| vs plain",
-         "theory": 0.0, "measured": diff, "ok": diff == 0.0},
-        {"chapter": "ch07", "experiment": f"saved bytes, √n = {sqrt_segments(n)} segments of {n} layers (Chen et al.)",
-         "theory": want, "measured": sqrt_bytes, "ok": abs(sqrt_bytes - want) <= 0.05 * want},
-        {"chapter": "ch07", "experiment": "forward runs per checkpointed block per step",
-         "theory": 2, "measured": max(runs.values()), "ok": set(runs.values()) == {2}},
-    ]

@@ -1,4 +1,5 @@
-"""Mixed-precision training: a half-precision model, fp32 master weights, dynamic loss scaling.
+"""Chapter 08 — mixed-precision training: a half-precision model, fp32 master weights, dynamic loss
+scaling.
 
 Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), three techniques:
 
@@ -7,8 +8,8 @@ Micikevicius et al. 2018, "Mixed Precision Training" (ICLR), three techniques:
   there. Why: an fp16 number w has spacing ulp(w) = 2^(floor(log2 |w|) - 10) (10 mantissa
   bits), so an update |u| below half the gap to w's neighbour rounds away (w + u == w). At
   w = 1 the gap is 2^-10 above and 2^-11 below, so any |u| < 2^-12 ~ 2.4e-4 is lost in either
-  direction: an update of lr = 1e-4 times a unit gradient, routine late in training. The fp32 master (ulp(1) = 2^-23) keeps them,
-  and they add up until the fp16 copy changes.
+  direction: an update of lr = 1e-4 times a unit gradient, routine late in training. The fp32 master
+  (ulp(1) = 2^-23) keeps them, and they add up until the fp16 copy changes.
 * §3.2 loss scaling. Backward gradients are small: many lie below fp16's smallest subnormal
   2^-24 ~ 6e-8 and flush to zero. Multiplying the loss by S multiplies every gradient by S
   (the chain rule is linear), lifting them into range; the fp32 master gradients are divided by S
@@ -56,7 +57,8 @@ class DynamicLossScaler:
         scaler.scale(loss).backward()   # gradients are S * dL/dw
         scaler.step(optimizer)          # unscale_ (g /= S, look for inf/NaN); optimizer.step() unless found
         scaler.update()                 # found inf/NaN: S *= backoff_factor, counter = 0
-                                        # else counter += 1; counter == growth_interval: S *= growth_factor, counter = 0
+                                        # else counter += 1;
+                                        #   counter == growth_interval: S *= growth_factor, counter = 0
 
     S is an fp32 tensor (as in torch) so ``scale`` never synchronises a GPU. Counters: ``steps``
     (calls to ``step``) and ``skipped_steps`` (steps skipped for inf/NaN gradients).
@@ -70,11 +72,14 @@ class DynamicLossScaler:
         if not (init_scale > 0 and init_scale < float("inf")):
             raise ValueError(f"init_scale must be a finite positive number, got {init_scale!r}")
         if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1 (the scale grows after clean steps), got {growth_factor!r}")
+            raise ValueError("growth_factor must be > 1 (the scale grows after clean steps), got "
+                             f"{growth_factor!r}")
         if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks on overflow), got {backoff_factor!r}")
+            raise ValueError("backoff_factor must be in (0, 1) (the scale shrinks on overflow), got "
+                             f"{backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be a positive int (clean steps before growing), got {growth_interval!r}")
+            raise ValueError("growth_interval must be a positive int (clean steps before growing), got "
+                             f"{growth_interval!r}")
         self.enabled = bool(enabled)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = growth_interval
@@ -106,11 +111,12 @@ class DynamicLossScaler:
             key = id(optimizer_or_grads)
             stage = self._stage.get(key, self._READY)
             if stage == self._UNSCALED:
-                raise RuntimeError("unscale_() has already been called on this optimizer since the last update(); "
-                                   "call it at most once per iteration")
+                raise RuntimeError("unscale_() has already been called on this optimizer since the last "
+                                   "update(); call it at most once per iteration")
             if stage == self._STEPPED:
                 raise RuntimeError("unscale_() is being called after step(); call update() first")
-            grads = [p.grad for g in optimizer_or_grads.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p.grad for g in optimizer_or_grads.param_groups for p in g["params"]
+                     if p.grad is not None]
             self._stage[key] = self._UNSCALED
         else:
             key, grads = "grads", [g for g in optimizer_or_grads if g is not None]
@@ -136,7 +142,8 @@ class DynamicLossScaler:
         key = id(optimizer)
         stage = self._stage.get(key, self._READY)
         if stage == self._STEPPED:
-            raise RuntimeError("step() has already been called since the last update(); call update() between steps")
+            raise RuntimeError("step() has already been called since the last update(); "
+                               "call update() between steps")
         if stage == self._READY:
             self.unscale_(optimizer)
         self._stage[key] = self._STEPPED
@@ -151,7 +158,8 @@ class DynamicLossScaler:
         if not self.enabled:
             return
         if not self._found_inf:
-            raise RuntimeError("no inf/NaN checks were recorded before update(); call step() (or unscale_()) first")
+            raise RuntimeError("no inf/NaN checks were recorded before update(); call step() "
+                               "(or unscale_()) first")
         if any(self._found_inf.values()):
             self._scale = (self._scale.double() * self.backoff_factor).float()  # fp64 product, as torch
             self._growth_tracker = 0
@@ -178,9 +186,10 @@ class DynamicLossScaler:
         """GradScaler's keys (so either can load the other's) plus the step counters; {} when disabled."""
         if not self.enabled:
             return {}
-        return {"scale": self.get_scale(), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker,
-                "steps": self.steps, "skipped_steps": self.skipped_steps}
+        return {"scale": self.get_scale(), "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": self._growth_tracker, "steps": self.steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if not self.enabled:
@@ -188,8 +197,10 @@ class DynamicLossScaler:
         if not state:
             raise RuntimeError("the state dict is empty: it came from a disabled scaler")
         self._scale = torch.tensor(float(state["scale"]), dtype=torch.float32, device=self._scale.device)
-        self.growth_factor, self.backoff_factor = float(state["growth_factor"]), float(state["backoff_factor"])
-        self.growth_interval, self._growth_tracker = int(state["growth_interval"]), int(state["_growth_tracker"])
+        self.growth_factor, self.backoff_factor = (float(state["growth_factor"]),
+                                                   float(state["backoff_factor"]))
+        self.growth_interval, self._growth_tracker = (int(state["growth_interval"]),
+                                                      int(state["_growth_tracker"]))
         self.steps, self.skipped_steps = int(state.get("steps", 0)), int(state.get("skipped_steps", 0))
 
 
@@ -281,7 +292,8 @@ class MixedPrecisionTrainer:
         self._fold_half_grads_into_master()
         loss = self.loss_fn(self.model, x, y)
         if loss.dtype != torch.float32:
-            raise TypeError(f"loss_fn returned a {loss.dtype} loss; compute it in fp32 (cast logits with .float())")
+            raise TypeError(f"loss_fn returned a {loss.dtype} loss; compute it in fp32 "
+                            "(cast logits with .float())")
         self.scaler.scale(loss * loss_weight).backward()
         return loss.item()
 
@@ -323,52 +335,3 @@ class MixedPrecisionTrainer:
                 "master_weights": nbytes(self.master_params),
                 "optimizer": nbytes(t for t in state if t.dim() > 0),
                 "step_counters": sum(t.numel() * t.element_size() for t in state if t.dim() == 0)}
-
-
-# --- the tour's rows ------------------------------------------------------------------------------
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 08's rows: our scaler = torch.amp.GradScaler; fp16+scaler = fp32; master weights keep tiny updates."""
-    from ..models import GPT, GPTConfig, MarkovCorpus
-
-    script = ["ok", "inf", "ok", "ok", "ok", "nan", "ok", "ok", "ok", "ok"]
-    scales = {}
-    for name, scaler in (("ours", DynamicLossScaler(growth_interval=3)),
-                         ("torch", torch.amp.GradScaler("cpu", growth_interval=3))):
-        p = nn.Parameter(torch.ones(2))
-        opt, trace = torch.optim.SGD([p], lr=0.1), []
-        for kind in script:
-            opt.zero_grad()
-            scaler.scale((p * p).sum()).backward()
-            if kind != "ok":
-                p.grad[0] = float(kind)
-            scaler.step(opt)
-            scaler.update()
-            trace.append(scaler.get_scale())
-        scales[name] = trace
-    cfg, steps = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32), (10 if smoke else 30)
-    data = MarkovCorpus(32, seed=0)
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    trainer = MixedPrecisionTrainer(model, adamw, torch.float16)
-    opt, gap = adamw(model.parameters()), 0.0
-    for s in range(steps):
-        x, y = data.batch(s, 16, 16)
-        opt.zero_grad()
-        loss = fp32_cross_entropy(model, x, y)
-        loss.backward()
-        opt.step()
-        gap = max(gap, abs(trainer.train_step([(x, y)]) - loss.item()))
-    w = torch.ones(1, dtype=torch.float16)
-    master = w.float()
-    for _ in range(50):  # an update of 1e-4: below half of fp16's gap at 1.0
-        w -= 1e-4
-        master -= 1e-4
-    return [
-        {"chapter": "ch08", "experiment": "loss scale after ok/inf/ok.../nan/... (growth 3): ours == torch.amp.GradScaler",
-         "theory": scales["torch"][-1], "measured": scales["ours"][-1], "ok": scales["ours"] == scales["torch"]},
-        {"chapter": "ch08", "experiment": f"fp16 + dynamic loss scaling vs fp32, tiny GPT, {steps} AdamW steps: max |Δloss|",
-         "theory": 2e-3, "measured": gap, "ok": gap < 2e-3},
-        {"chapter": "ch08", "experiment": "50 updates of -1e-4 to 1.0: fp16 weight / fp32 master",
-         "theory": "1.0 / 0.995", "measured": f"{w.item():g} / {master.item():.4g}", "ok": w.item() == 1.0 and abs(master.item() - 0.995) < 1e-6},
-    ]

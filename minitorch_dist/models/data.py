@@ -1,4 +1,4 @@
-"""A synthetic corpus whose best possible loss is known: a random first-order Markov chain.
+"""Chapter 00 — a synthetic corpus whose best possible loss is known: a random first-order Markov chain.
 
 For a stationary Markov chain with transition matrix P and stationary distribution π, the
 entropy rate is (Cover & Thomas, *Elements of Information Theory*, 2nd ed., Thm 4.2.4)
@@ -66,11 +66,13 @@ class MarkovCorpus:
     @staticmethod
     def _mix(seed: int, step: int) -> int:
         """A well-mixed 63-bit generator seed from (seed, step): nearby steps get unrelated streams."""
-        return int(np.random.SeedSequence([seed & (2**63 - 1), step + 1]).generate_state(1, np.uint64)[0] >> 1)
+        state = np.random.SeedSequence([seed & (2**63 - 1), step + 1]).generate_state(1, np.uint64)
+        return int(state[0] >> 1)
 
     @staticmethod
     def _stationary(P: torch.Tensor) -> torch.Tensor:
-        """Solve π (P - I) = 0 with Σ π = 1 exactly (works for periodic chains too, unlike power iteration)."""
+        """Solve π (P - I) = 0 with Σ π = 1 exactly (works for periodic chains too, unlike power
+        iteration)."""
         V = P.shape[0]
         A = (P - torch.eye(V, dtype=P.dtype)).T.clone()
         A[-1] = 1.0  # replace one (redundant) balance equation by the normalisation
@@ -87,7 +89,8 @@ class MarkovCorpus:
             x[:, t] = torch.searchsorted(rows, u[:, t : t + 1].contiguous(), right=True).squeeze(1)
         return x
 
-    def batch(self, step: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1, device=None):
+    def batch(self, step: int, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
+              device=None):
         """Rows [rank·B/n, (rank+1)·B/n) of the global batch number ``step``: ``(x, y)``, int64.
 
         Each of the B global rows is a chain of seq_len + 1 tokens started from π (so the chain is
@@ -97,13 +100,16 @@ class MarkovCorpus:
         """
         for name, v in (("step", step), ("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "step" else 1):
-                raise ValueError(f"{name} must be a {'non-negative' if name == 'step' else 'positive'} int, got {v!r}")
-        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'step' else 'positive'} int, "
+                                 f"got {v!r}")
+        if not (isinstance(world_size, int) and world_size >= 1
+                and isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
         if batch_size % world_size:
             raise ValueError(
                 f"batch_size {batch_size} is not divisible by world_size {world_size}; use a global "
-                f"batch_size that is a multiple of world_size (e.g. {math.ceil(batch_size / world_size) * world_size})"
+                "batch_size that is a multiple of world_size (e.g. "
+                f"{math.ceil(batch_size / world_size) * world_size})"
             )
         g = torch.Generator().manual_seed(self._mix(self.seed, step))
         u = torch.rand(batch_size, seq_len + 1, dtype=torch.float64, generator=g)

@@ -1,4 +1,4 @@
-"""The one tiny GPT every chapter trains: a GPT-2-style decoder-only transformer.
+"""Chapter 00 — the one tiny GPT every chapter trains: a GPT-2-style decoder-only transformer.
 
 Radford et al. 2019, "Language Models are Unsupervised Multitask Learners", §2.3 (GPT-2):
 LayerNorm at the *input* of each sub-block (pre-LN), one more LayerNorm after the last block,
@@ -63,12 +63,12 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @classmethod
-    def tiny(cls, **overrides) -> "GPTConfig":
+    def tiny(cls, **overrides) -> GPTConfig:
         """~0.1 M parameters: V=64, T=64, 2 layers, 4 heads, width 64. Laptop chapters use this."""
         return cls(**overrides)
 
     @classmethod
-    def small(cls, **overrides) -> "GPTConfig":
+    def small(cls, **overrides) -> GPTConfig:
         """~3.3 M parameters: V=256, T=128, 4 layers, 8 heads, width 256. For GPU runs."""
         return cls(**{**dict(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256), **overrides})
 

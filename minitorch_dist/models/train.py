@@ -1,5 +1,5 @@
-"""A few optimizer steps of the shared GPT on the Markov corpus: the loop every chapter runs twice,
-once on the dense model in one process and once on its parallel version, to compare them.
+"""Chapter 00 — a few optimizer steps of the shared GPT on the Markov corpus: the loop every chapter
+runs twice, once on the dense model in one process and once on its parallel version, to compare them.
 
 The last step stops after ``backward``: its gradients stay in the parameters (no update), so a
 test compares the parallel model's gradients, weights and losses with the dense model's.
@@ -36,9 +36,11 @@ def train_steps(model, steps: int, batch: int, seq: int, *, optimizer=None, lr: 
     params = list(model.parameters())
     opt = optimizer(params) if optimizer else torch.optim.SGD(params, lr=lr, momentum=momentum)
     if data is None:
-        cfg = getattr(model, "cfg", None) or getattr(getattr(model, "module", None), "cfg", None)  # a wrapper's model
+        # a wrapper's model: .module.cfg
+        cfg = getattr(model, "cfg", None) or getattr(getattr(model, "module", None), "cfg", None)
         if cfg is None:
-            raise ValueError(f"{type(model).__name__} has no .cfg (nor .module.cfg) to size the corpus: pass data=")
+            raise ValueError(f"{type(model).__name__} has no .cfg "
+                             "(nor .module.cfg) to size the corpus: pass data=")
         data = MarkovCorpus(cfg.vocab_size, seed=0)
     out = TrainResult()
     for step in range(steps):

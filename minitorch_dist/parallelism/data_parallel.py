@@ -1,7 +1,7 @@
-"""Data parallelism: every rank holds the whole model, takes a slice of the batch, and the ranks
-average their gradients, so every replica takes the same optimizer step.
+"""Chapter 01 — data parallelism: every rank holds the whole model, takes a slice of the batch, and
+the ranks average their gradients, so every replica takes the same optimizer step.
 
-Chapter 01. Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training" (VLDB): §3.2.1 the naive solution, §3.2.2 gradient bucketing, §3.2.3 overlapping
 communication with backward (and parameters that get no gradient), §3.2.4 gradient
 accumulation (``no_sync``), §4.2 the reducer (bucket buffers, the bitmap of unused parameters).
@@ -40,20 +40,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..analysis import costmodel
-from ..runtime import comm
-from ..runtime.env import single_thread
+from ..runtime import comm, require_process_group
 
-__all__ = ["NaiveDataParallel", "DistributedDataParallel", "launches_during_backward", "headline"]
+__all__ = ["NaiveDataParallel", "Bucket", "DistributedDataParallel", "launches_during_backward"]
 
 MiB = 2**20  # torch's bucket_cap_mb is in MiB (distributed.py: _MB_TO_BYTES = 1024 * 1024)
 
 
-def _require_process_group(group) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError("data parallelism needs torch.distributed initialised: build the wrapper "
-                           "inside a function run by launch(fn, world_size) (or under torchrun)")
+def _require_member(what: str, group) -> None:
+    require_process_group(what)
     if dist.get_rank(group) < 0:
-        raise ValueError("this rank is not a member of `group`; only the group's ranks may wrap the model")
+        raise ValueError(f"this rank is not a member of `group`; only the group's ranks may call {what}")
 
 
 def _broadcast_state(module: nn.Module, group) -> None:
@@ -83,7 +80,7 @@ class NaiveDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group=None):
         super().__init__()
-        _require_process_group(group)
+        _require_member("NaiveDataParallel", group)
         self.module, self.group = module, group
         self.world_size = dist.get_world_size(group)
         _broadcast_state(module, group)
@@ -105,6 +102,71 @@ class NaiveDataParallel(nn.Module):
 # --- §3.2.2-3.2.4: buckets, overlap, no_sync ------------------------------------------------------
 
 
+class Bucket:
+    """One gradient bucket (Li et al. 2020 §3.2.2): a few parameters' gradients packed into one flat
+    buffer, so one all-reduce (one latency) carries them all.
+
+    ``flat`` has ``sum(p.numel())`` elements; parameter k owns the slice after the first k, viewed
+    in its own shape. Per backward: :meth:`add_grad` copies each fresh gradient into its slice
+    (scaled), :attr:`complete` says every slice is filled, :meth:`launch` starts the asynchronous
+    all-reduce of ``flat``, :meth:`wait` waits for it and :meth:`copy_out` writes a slice back into
+    its ``param.grad``; :meth:`reset` starts the next backward.
+    """
+
+    def __init__(self, names: list[str], params: list[nn.Parameter]):
+        self.names, self.params = list(names), list(params)
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
+                                device=self.params[0].device)  # (sum of numel,)
+        self._views, self._names, offset = {}, {}, 0
+        for p, name in zip(self.params, self.names):
+            self._views[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)  # (numel,) -> p.shape
+            self._names[id(p)] = name
+            offset += p.numel()
+        self.reset()
+
+    def reset(self) -> None:
+        self._ready: set[int] = set()
+        self.work = None
+
+    def name_of(self, p: torch.Tensor) -> str:
+        return self._names[id(p)]
+
+    def has_grad(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is already in the bucket this backward."""
+        return id(p) in self._ready
+
+    @property
+    def complete(self) -> bool:
+        return len(self._ready) == len(self.params)
+
+    def add_grad(self, p: torch.Tensor, scale: float) -> None:
+        """Copy ``p.grad * scale`` into ``p``'s slice (zeros when ``p.grad`` is None); ``p`` is ready."""
+        view = self._views[id(p)]
+        if p.grad is None:
+            view.zero_()
+        else:
+            torch.mul(p.grad, scale, out=view)
+        self._ready.add(id(p))
+
+    def launch(self, group):
+        """Start the all-reduce (SUM) of the flat buffer; returns its work handle."""
+        self.work = comm.all_reduce(self.flat, group=group, async_op=True)
+        return self.work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+    def copy_out(self, p: torch.Tensor) -> None:
+        """Write ``p``'s (reduced) slice into ``p.grad`` (a copy, not a view of the bucket)."""
+        view = self._views[id(p)]
+        if p.grad is None:
+            p.grad = view.clone()
+        else:
+            p.grad.copy_(view)
+
+
 class DistributedDataParallel(nn.Module):
     """Bucketed data parallelism with communication overlapped with backward; a drop-in for
     ``torch.nn.parallel.DistributedDataParallel``::
@@ -117,7 +179,7 @@ class DistributedDataParallel(nn.Module):
     in reverse, §3.2.3), a tied Parameter once under its first name. Bucket 0 holds at most
     ``first_bucket_mb`` MiB, every later bucket ``bucket_cap_mb`` MiB: a bucket closes when the
     next parameter would push it past its cap or has another dtype/device, so a parameter larger
-    than the cap gets a bucket of its own. Each bucket owns one flat buffer; ``ddp.buckets`` lists
+    than the cap gets a bucket of its own. Each :class:`Bucket` owns one flat buffer; ``ddp.buckets`` lists
     the parameter names per bucket, ``ddp.bucket_bytes`` their sizes, ``ddp.bucket_table()``
     prints both.
 
@@ -133,8 +195,8 @@ class DistributedDataParallel(nn.Module):
     **Averaging: pre-divide.** Each gradient is multiplied by 1/n while it is copied into the
     bucket (one pass instead of two, as torch's reducer does), so the all-reduce's SUM is already
     the mean. Summing first then dividing is the same in exact arithmetic; in floating point it
-    is bitwise the same when n is a power of two (barring underflow). Pre-dividing keeps low-precision sums (fp16)
-    from overflowing, at the price of underflowing tiny gradients sooner.
+    is bitwise the same when n is a power of two (barring underflow). Pre-dividing keeps
+    low-precision sums (fp16) from overflowing, at the price of underflowing tiny gradients sooner.
 
     **no_sync()** (§3.2.4): a forward run inside ``with ddp.no_sync():`` makes its backward skip
     communication, so gradients just accumulate in ``param.grad``; the first backward of a forward
@@ -178,7 +240,7 @@ class DistributedDataParallel(nn.Module):
         if not named:
             raise ValueError(f"{type(module).__name__} has no parameters with requires_grad=True: "
                              f"there are no gradients to average; wrap a model that trains")
-        _require_process_group(group)
+        _require_member("DistributedDataParallel", group)
         self.module, self.group, self.timeline = module, group, timeline
         self.find_unused_parameters = bool(find_unused_parameters)
         self.world_size = dist.get_world_size(group)
@@ -188,20 +250,13 @@ class DistributedDataParallel(nn.Module):
         sizes = [p.numel() * p.element_size() for _, p in named]
         keys = [(p.dtype, p.device) for _, p in named]
         cap, first = max(1, int(bucket_cap_mb * MiB)), max(1, int(first_bucket_mb * MiB))
-        assignment = costmodel.bucket_assignment(sizes, cap, first, keys)
-        self.buckets = [[named[i][0] for i in b] for b in assignment]
-        self.bucket_bytes = [sum(sizes[i] for i in b) for b in assignment]
-        self._params = [[named[i][1] for i in b] for b in assignment]
-        self._flat = [torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-                      for ps in self._params]
-        self._slot = {}  # id(param) -> (bucket index, this param's slice of the flat buffer, name)
-        self._hooks = []
-        for b, ps in enumerate(self._params):
-            offset = 0
-            for p, name in zip(ps, self.buckets[b]):
-                self._slot[id(p)] = (b, self._flat[b][offset:offset + p.numel()].view_as(p), name)
-                offset += p.numel()
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._buckets = [Bucket([named[i][0] for i in b], [named[i][1] for i in b])
+                         for b in costmodel.bucket_assignment(sizes, cap, first, keys)]
+        self.buckets = [b.names for b in self._buckets]
+        self.bucket_bytes = [b.nbytes for b in self._buckets]
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for b in self._buckets for p in b.params]
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # what the latest forward saw
         self.order_log: list[tuple] = []
@@ -230,8 +285,8 @@ class DistributedDataParallel(nn.Module):
 
     def bucket_table(self) -> str:
         """One line per bucket: index, bytes, parameter names (in the order they are packed)."""
-        return "\n".join(f"b{i:<3}{nbytes:>10,} B  {', '.join(names)}"
-                         for i, (names, nbytes) in enumerate(zip(self.buckets, self.bucket_bytes)))
+        return "\n".join(f"b{i:<3}{b.nbytes:>10,} B  {', '.join(b.names)}"
+                         for i, b in enumerate(self._buckets))
 
     # --- backward: hooks, launches, the end-of-backward callback --------------------------------
 
@@ -240,10 +295,9 @@ class DistributedDataParallel(nn.Module):
 
     def _reset(self) -> None:
         self._in_backward = False
-        self._ready: set[int] = set()
-        self._missing = [len(ps) for ps in self._params]  # gradients each bucket still waits for
+        for b in self._buckets:
+            b.reset()
         self._next = 0  # the next bucket to launch
-        self._works: list = []
         self._t_launch: dict[int, float] = {}
         self._t_done: dict[int, float] = {}
         self._t_backward_start = None
@@ -261,33 +315,24 @@ class DistributedDataParallel(nn.Module):
             self._in_backward = True
             self.order_log = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        b, view, name = self._slot[id(p)]
-        if id(p) in self._ready or p.grad.is_sparse:
+        bucket = self._bucket_of[id(p)]
+        if bucket.has_grad(p) or p.grad.is_sparse:
+            twice, name = bucket.has_grad(p), bucket.name_of(p)
             self._reset()
             raise RuntimeError(
                 f"parameter {name} received two gradients in one backward (use "
-                f"torch.utils.checkpoint(..., use_reentrant=False))" if id(p) in self._ready else
+                f"torch.utils.checkpoint(..., use_reentrant=False))" if twice else
                 f"parameter {name} has a sparse gradient; only dense gradients are supported "
                 f"(use nn.Embedding(..., sparse=False))")
-        self._fill(p, view)
-        self._ready.add(id(p))
-        self.order_log.append(("grad", name))
-        self._missing[b] -= 1
+        bucket.add_grad(p, 1.0 / self.world_size)
+        self.order_log.append(("grad", bucket.name_of(p)))
         self._launch_ready_buckets()
-
-    def _fill(self, p, view) -> None:
-        """This rank's contribution: grad / n (pre-divided, so the SUM is the mean), or zeros."""
-        if p.grad is None:
-            view.zero_()
-        else:
-            torch.mul(p.grad, 1.0 / self.world_size, out=view)
 
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets, in bucket order: a complete bucket waits for earlier ones."""
-        while self._next < len(self._flat) and self._missing[self._next] == 0:
+        while self._next < len(self._buckets) and self._buckets[self._next].complete:
             i = self._next
-            work = comm.all_reduce(self._flat[i], group=self.group, async_op=True)
-            self._works.append(work)
+            work = self._buckets[i].launch(self.group)
             self.order_log.append(("launch", i))
             if self.timeline is not None:
                 self._t_launch[i] = self._now()
@@ -299,33 +344,26 @@ class DistributedDataParallel(nn.Module):
         """Runs once backward has produced every gradient: wait, write the averages back."""
         t_end = self._now() if self.timeline is not None else None
         try:
-            unready = [p for ps in self._params for p in ps if id(p) not in self._ready]
+            unready = [(b, p) for b in self._buckets for p in b.params if not b.has_grad(p)]
             if unready and not self.find_unused_parameters:
-                for work in self._works:  # every rank launched the same buckets: finish them
-                    work.wait()
-                names = ", ".join(self._slot[id(p)][2] for p in unready)
+                for b in self._buckets[:self._next]:  # every rank launched the same buckets: finish them
+                    b.wait()
+                names = ", ".join(b.name_of(p) for b, p in unready)
                 raise RuntimeError(
                     f"DistributedDataParallel: these parameters received no gradient in this "
                     f"backward: {names}. Their buckets can never complete, and every rank must "
                     f"all-reduce every bucket. If the model does not use them in every forward, pass "
                     f"find_unused_parameters=True (or set requires_grad=False on those that never train).")
-            for p in unready:  # find_unused_parameters=True: ready, with whatever this rank holds
-                b, view, _ = self._slot[id(p)]
-                self._fill(p, view)
-                self._missing[b] -= 1
+            for b, p in unready:  # find_unused_parameters=True: ready, with whatever this rank holds
+                b.add_grad(p, 1.0 / self.world_size)
             self._launch_ready_buckets()
             used = self._globally_used() if self.find_unused_parameters else None
-            for i, work in enumerate(self._works):
-                work.wait()
+            for i, b in enumerate(self._buckets[:self._next]):  # all of them, after the launch above
+                b.wait()
                 self.order_log.append(("wait", i))
-            for k, p in enumerate(p for ps in self._params for p in ps):
-                if used is not None and not used[k]:
-                    continue  # no rank produced a gradient: leave .grad as it is (None)
-                view = self._slot[id(p)][1]
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+            for k, (b, p) in enumerate((b, p) for b in self._buckets for p in b.params):
+                if used is None or used[k]:  # no rank produced a gradient: leave .grad as it is (None)
+                    b.copy_out(p)
             if self.timeline is not None:
                 self._record_spans(t_end)
         finally:
@@ -333,9 +371,9 @@ class DistributedDataParallel(nn.Module):
 
     def _globally_used(self) -> list[bool]:
         """All-reduce a 0/1 bitmap: which parameters have a gradient on at least one rank (§4.2)."""
-        params = [p for ps in self._params for p in ps]
+        params = [p for b in self._buckets for p in b.params]
         local = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
-                             device=self._flat[0].device)
+                             device=self._buckets[0].flat.device)  # (n_params,)
         comm.all_reduce(local, group=self.group)
         return (local > 0).tolist()
 
@@ -347,7 +385,7 @@ class DistributedDataParallel(nn.Module):
         tl.add("backward", min(start, last_grad), last_grad, category="backward")
         if t_end > last_grad:  # backward's compute is done; the step waits for the all-reduces
             tl.add("wait", last_grad, t_end, category="wait")
-        for i in range(len(self._works)):
+        for i in range(self._next):
             done = self._t_done.get(i, self._now())  # a future without a callback yet: now, after wait
             tl.add(f"all_reduce b{i}", self._t_launch[i], max(done, self._t_launch[i]),
                    category="all_reduce", bucket=i, nbytes=self.bucket_bytes[i])
@@ -359,68 +397,3 @@ def launches_during_backward(order_log) -> int:
     if not grads:
         return 0
     return sum(1 for kind, _ in order_log[:grads[-1]] if kind == "launch")
-
-
-# --- the chapter's headline for the tour ---------------------------------------------------------
-
-
-def _train_gpt(cfg, steps, batch, seq, wrap):
-    """SGD with momentum on the tiny GPT, each rank on its rows of the global batch of each step.
-    ``wrap(model)`` returns the model to call (a data-parallel wrapper, or the model itself)."""
-    from ..models.data import MarkovCorpus
-    from ..models.gpt import GPT
-
-    r = dist.get_rank() if dist.is_initialized() else 0
-    n = dist.get_world_size() if dist.is_initialized() else 1
-    torch.manual_seed(r)  # replicas start different: the broadcast must make them rank 0's
-    model = wrap(GPT(cfg))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = MarkovCorpus(cfg.vocab_size, seed=0)
-    wire, during = [], []
-    for step in range(steps):
-        x, y = data.batch(step, batch, seq, r, n)
-        with comm.meter() as m:
-            _, loss = model(x, y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        wire.append(m.wire_bytes["all_reduce"])
-        during.append(launches_during_backward(getattr(model, "order_log", [])))
-    inner = getattr(model, "module", model)
-    return {"params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
-            "wire": wire, "during": during, "buckets": len(getattr(model, "buckets", []))}
-
-
-def _headline_rank(cfg, steps, batch, seq, cap_mb):
-    return _train_gpt(cfg, steps, batch, seq,
-                      lambda m: DistributedDataParallel(m, bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb / 4))
-
-
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 01's rows for the tour: DDP == one process, 2(n-1)/n bytes, overlap happened."""
-    from ..models.gpt import GPT, GPTConfig
-    from ..runtime.launch import launch
-
-    n, batch, seq = 4, 16, 32
-    steps = 3 if smoke else 10
-    cfg = GPTConfig.tiny()
-    cap_mb = 0.1  # ~100 KiB: the ~0.4 MB tiny GPT splits into several buckets
-    # The single-process reference first, on one thread like a rank: it also imports what the
-    # optimizer pulls in lazily (torch._dynamo, ~2 s), so the forked ranks inherit it.
-    with single_thread():
-        ref = _train_gpt(cfg, steps, batch, seq, lambda m: m)["params"]
-    per_rank = launch(_headline_rank, n, cfg, steps, batch, seq, cap_mb)
-    diff = max((per_rank[r]["params"][k] - ref[k]).abs().max().item() for r in range(n) for k in ref)
-    grad_bytes = sum(p.numel() * p.element_size() for p in GPT(cfg).parameters() if p.requires_grad)
-    want = costmodel.bus_bytes("all_reduce", grad_bytes, n)
-    wire = [w for p in per_rank for w in p["wire"]]
-    during = min(d for p in per_rank for d in p["during"])
-    nb = per_rank[0]["buckets"]
-    return [
-        {"chapter": "ch01", "experiment": f"DDP == 1 process after {steps} SGD steps (n={n}), max |Δparam|",
-         "theory": 1e-5, "measured": diff, "ok": diff < 1e-5},
-        {"chapter": "ch01", "experiment": f"all-reduce wire bytes per step = 2(n-1)/n x {grad_bytes:,} B",
-         "theory": want, "measured": float(max(wire)), "ok": all(w == want for w in wire)},
-        {"chapter": "ch01", "experiment": f"bucket all-reduces launched during backward (of {nb})",
-         "theory": ">= 1", "measured": during, "ok": nb >= 2 and during >= 1},
-    ]

@@ -1,6 +1,6 @@
-"""HOGWILD!: lock-free stochastic gradient descent on a shared-memory model.
+"""Chapter 02 — HOGWILD!: lock-free stochastic gradient descent on a shared-memory model.
 
-Chapter 02. Recht, Ré, Wright & Niu 2011, "HOGWILD!: A Lock-Free Approach to Parallelizing
+Recht, Ré, Wright & Niu 2011, "HOGWILD!: A Lock-Free Approach to Parallelizing
 Stochastic Gradient Descent", NIPS.
 
 **§2, sparse separable costs.** The cost is a sum over hyperedges ``e`` of a hypergraph on the
@@ -34,7 +34,8 @@ stamp, bumped by every write. A process compares the stamps of ``e`` at read tim
 before its write: a changed stamp means another process wrote that coordinate in between, so
 the gradient was computed on a stale value ("stale coordinates"). On the sparse problem that
 fraction is of order Ω/d per concurrently running writer; on the dense one (every example
-touches every coordinate) it is a large fraction as soon as two processes actually run at once. Stamps are themselves bumped without a lock, so this is an estimate (a lower bound).
+touches every coordinate) it is a large fraction as soon as two processes actually run at once.
+Stamps are themselves bumped without a lock, so this is an estimate (a lower bound).
 
 Examples are split round-robin (process r gets examples r, r+P, …) and each process reshuffles
 its share every epoch; one epoch = one pass of all processes over all N examples. The step is
@@ -42,7 +43,6 @@ its share every epoch; one epoch = one pass of all processes over all N examples
 """
 from __future__ import annotations
 
-import math
 import multiprocessing as _std_mp
 import time
 import traceback
@@ -100,9 +100,10 @@ class Problem:
 def _least_squares(idx, val, b, d, tol=1e-12) -> torch.Tensor:
     """argmin_x ‖Ax − b‖² by conjugate gradients on AᵀA x = Aᵀb, in float64, with A applied
     through its hyperedges (A v = Σ_k val·v[idx]; Aᵀ r scatters back) so A is never dense."""
-    val, flat = val.double(), idx.flatten()
-    A = lambda v: (val * v[idx]).sum(1)  # noqa: E731
-    At = lambda r: torch.zeros(d, dtype=torch.float64).index_add_(0, flat, (val * r[:, None]).flatten())  # noqa: E731
+    val, flat = val.double(), idx.flatten()  # idx, val: (N, Ω); flat: (N·Ω,)
+    A = lambda v: (val * v[idx]).sum(1)  # noqa: E731  (d,) -> (N,)
+    At = lambda r: torch.zeros(d, dtype=torch.float64).index_add_(  # noqa: E731  (N,) -> (d,)
+        0, flat, (val * r[:, None]).flatten())
     x = torch.zeros(d, dtype=torch.float64)
     r = At(b.double())
     p, rr, rr0 = r.clone(), r @ r, r @ r
@@ -235,18 +236,27 @@ def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.
         start_method = "fork" if fork_ok else "spawn"
     ctx = mp.get_context(start_method)
     d = problem.n_features
-    x = torch.zeros(d).share_memory_()
-    version = torch.zeros(d, dtype=torch.int64).share_memory_()
-    stats = torch.zeros(n_procs, max(6, 6 + epochs), dtype=torch.float64).share_memory_()
-    snaps = torch.zeros(epochs + 1, d).share_memory_()
+    shared = dict(  # host tensors in shared memory: every process reads and writes the same pages
+        x=torch.zeros(d).share_memory_(),  # (d,) the model
+        version=torch.zeros(d, dtype=torch.int64).share_memory_(),  # (d,) per-coordinate write stamps
+        stats=torch.zeros(n_procs, 6 + epochs, dtype=torch.float64).share_memory_(),  # (P, 6 + epochs)
+        snaps=torch.zeros(epochs + 1, d).share_memory_(),  # (epochs + 1, d) process 0's x after each epoch
+    )
     cfg = dict(epochs=epochs, lr=lr, decay=decay, seed=seed, track_conflicts=track_conflicts,
                fail_rank=fail_rank)
-    lock = ctx.Lock() if locked else None
-    barrier, errors = ctx.Barrier(n_procs), ctx.SimpleQueue()
     t0 = time.perf_counter()
+    _run_processes(ctx, n_procs, problem, shared, cfg, ctx.Lock() if locked else None, t0, timeout_s)
+    out = _summary(problem, shared, epochs, time.perf_counter() - t0, track_conflicts)
+    out.update(n_procs=n_procs, locked=locked, epochs=epochs, lr=lr, problem=problem.name)
+    return out
+
+
+def _run_processes(ctx, n_procs, problem, shared, cfg, lock, t0, timeout_s) -> None:
+    """Start the ``n_procs`` workers on the shared tensors, wait for them, and never leave one behind."""
+    barrier, errors = ctx.Barrier(n_procs), ctx.SimpleQueue()
     procs = [ctx.Process(target=_worker, name=f"hogwild-{r}", daemon=True,
-                         args=(r, n_procs, problem, x, version, stats, snaps, cfg, lock, barrier,
-                               errors)) for r in range(n_procs)]
+                         args=(r, n_procs, problem, shared["x"], shared["version"], shared["stats"],
+                               shared["snaps"], cfg, lock, barrier, errors)) for r in range(n_procs)]
     try:
         for p in procs:
             p.start()
@@ -260,7 +270,12 @@ def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    launch_s = time.perf_counter() - t0
+
+
+def _summary(problem, shared, epochs, launch_s, track_conflicts) -> dict:
+    """The run's numbers from the shared ``stats`` rows (columns: updates, stale updates, stale
+    coordinates, coordinates read, start, end, then the time of each epoch's end)."""
+    x, stats, snaps = shared["x"], shared["stats"], shared["snaps"]
     start, end = float(stats[:, 4].min()), float(stats[:, 5].max())
     updates = int(stats[:, 0].sum())
     out = dict(
@@ -269,7 +284,6 @@ def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.
         curve_t=[0.0] + [float(t) - start for t in stats[0, 6:6 + epochs]],
         updates=updates, updates_per_s=updates / (end - start), wall_s=end - start,
         launch_s=launch_s, per_process=[int(u) for u in stats[:, 0]],
-        n_procs=n_procs, locked=locked, epochs=epochs, lr=lr, problem=problem.name,
     )
     if track_conflicts:
         out["stale_update_frac"] = float(stats[:, 1].sum()) / max(updates, 1)

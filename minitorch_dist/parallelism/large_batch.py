@@ -1,6 +1,6 @@
-"""Large-batch optimisers: the linear scaling rule, gradual warmup, LARS and LAMB.
+"""Chapter 01 — large-batch optimisers: the linear scaling rule, gradual warmup, LARS and LAMB.
 
-Chapter 01. Data parallelism multiplies the batch by the number of ranks; these are the tools
+Data parallelism multiplies the batch by the number of ranks; these are the tools
 that keep a k-times larger batch training as well as the small one.
 
 - Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour":
@@ -34,7 +34,7 @@ Conventions:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -86,7 +86,8 @@ class _Layerwise(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise ValueError(f"{type(self).__name__} needs dense gradients (a layer norm of a sparse one is not computed)")
+                    raise ValueError(f"{type(self).__name__} needs dense gradients (a layer norm of a sparse "
+                                     "one is not computed)")
                 adapt = not self.exclude_from_adaptation(p)
                 self.state[p]["trust_ratio"] = self._update(p, p.grad, self.state[p], group, adapt)
         return loss
@@ -172,7 +173,8 @@ class LAMB(_Layerwise):
             raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
         if clamp_trust is not None:
             pair = isinstance(clamp_trust, (tuple, list)) and len(clamp_trust) == 2
-            if not (pair and all(isinstance(c, (int, float)) for c in clamp_trust) and 0 <= clamp_trust[0] <= clamp_trust[1]):
+            if not (pair and all(isinstance(c, (int, float)) for c in clamp_trust)
+                    and 0 <= clamp_trust[0] <= clamp_trust[1]):
                 raise ValueError(f"clamp_trust must be None or a pair (low, high) with 0 <= low <= high "
                                  f"bounding φ(‖w‖), e.g. (0, 10); got {clamp_trust!r}")
             clamp_trust = (float(clamp_trust[0]), float(clamp_trust[1]))

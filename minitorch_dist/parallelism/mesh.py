@@ -1,4 +1,4 @@
-"""The rank grid of 3D parallelism: every rank is a point (dp, tp, pp), and each axis gives groups.
+"""Chapter 12 — the rank grid of 3D parallelism: each rank a point (dp, tp, pp), each axis its groups.
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21), §2.3 and §3: combine data (d), tensor (t) and pipeline (p) parallelism on
@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch.distributed as dist
+
+from ..runtime import require_process_group
 
 __all__ = ["AXES", "Coords", "RankGrid", "ParallelGroups", "init_groups", "init_device_mesh", "check_model"]
 
@@ -152,7 +154,8 @@ def check_model(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> None:
     for name, v in (("tp", tp), ("pp", pp), ("virtual_stages", virtual_stages)):
         _positive_int(name, v)
     for what, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
-                    ("MLP width (mlp_ratio * n_embd)", cfg.mlp_ratio * cfg.n_embd), ("vocab_size", cfg.vocab_size)):
+                    ("MLP width (mlp_ratio * n_embd)", cfg.mlp_ratio * cfg.n_embd),
+                    ("vocab_size", cfg.vocab_size)):
         if n % tp:
             raise ValueError(f"{what} {n} is not divisible by tp={tp}; choose a tensor-parallel degree that "
                              f"divides {n} (or pad {what} to a multiple of {tp})")
@@ -213,9 +216,7 @@ def init_groups(grid: RankGrid, use_device_mesh: bool = False) -> ParallelGroups
     (torch's native way, which makes the same calls inside); the embedding groups, which a mesh
     has no notion of, are made here either way.
     """
-    if not dist.is_initialized():
-        raise RuntimeError("init_groups needs torch.distributed initialised: call it inside a function "
-                           "run by launch(fn, world_size) (or under torchrun)")
+    require_process_group("init_groups")
     n, me = dist.get_world_size(), dist.get_rank()
     if n != grid.world_size:
         raise ValueError(f"the grid has {grid.world_size} ranks but the job has {n}; build "
@@ -239,4 +240,5 @@ def init_groups(grid: RankGrid, use_device_mesh: bool = False) -> ParallelGroups
     coords = grid.coords(me)
     ranks = {a: grid.group_of(me, a) for a in AXES}
     ranks["embedding"] = next((g for g in grid.embedding_groups() if me in g), [])
-    return ParallelGroups(grid, me, coords, mine["dp"], mine["tp"], mine["pp"], mine["embedding"], ranks, mesh)
+    return ParallelGroups(grid, me, coords, mine["dp"], mine["tp"], mine["pp"], mine["embedding"], ranks,
+                          mesh)

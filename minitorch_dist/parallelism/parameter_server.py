@@ -1,4 +1,4 @@
-"""A parameter server with three consistency models: BSP, ASP and SSP(s).
+"""Chapter 02 — a parameter server with three consistency models: BSP, ASP and SSP(s).
 
 Papers:
 - Li et al. 2014, "Scaling Distributed Machine Learning with the Parameter Server", OSDI,
@@ -63,7 +63,8 @@ def key_ranges(n_keys: int, n_servers: int) -> list[tuple[int, int]]:
 
     Sizes differ by at most one key; the first ``n_keys % n_servers`` servers get the extra key."""
     if n_servers < 1 or n_keys < n_servers:
-        raise ValueError(f"cannot split {n_keys} keys over {n_servers} servers: need 1 <= n_servers <= n_keys")
+        raise ValueError(f"cannot split {n_keys} keys over {n_servers} servers: "
+                         f"need 1 <= n_servers <= n_keys")
     base, extra = divmod(n_keys, n_servers)
     bounds, lo = [], 0
     for k in range(n_servers):
@@ -114,8 +115,8 @@ class LeastSquares:
 
     def grad(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Gradient of the batch loss 1/(2B) ||A_B x - b_B||^2: A_B^T (A_B x - b_B) / B."""
-        A, b = self.A[rows], self.b[rows]
-        return A.t() @ (A @ x - b) / len(rows)
+        A, b = self.A[rows], self.b[rows]  # (B, n_params), (B,)
+        return A.t() @ (A @ x - b) / len(rows)  # (n_params,)
 
 
 # --- messages ---------------------------------------------------------------------------------
@@ -157,67 +158,87 @@ class PSConfig:
 # --- server -----------------------------------------------------------------------------------
 
 
-def _server(cfg: PSConfig, problem: LeastSquares, t0: float) -> dict:
-    k = dist.get_rank()
-    lo, hi = key_ranges(problem.n_params, cfg.n_servers)[k]
-    W = cfg.n_workers
-    x = torch.zeros(hi - lo)              # this server's keys, initialised at 0
-    done = [0] * W                        # pushes received per worker = its clock as seen here
-    finished, pending, in_flight = set(), [], []
-    version = 0                           # pushes applied to this shard
-    bsp_sum, bsp_n = torch.zeros_like(x), 0
-    hdr, grad = torch.zeros(_HDR, dtype=torch.int64), torch.empty_like(x)
-    pushes, events = [], []               # per applied push; ordered event log (for checks)
+class _Shard:
+    """One server's keys ``[lo, hi)`` and its bookkeeping: the workers' clocks as seen here, the
+    pulls not yet admitted, the replies still being sent, and the log of applied pushes."""
 
-    while len(finished) < W:
+    def __init__(self, cfg: PSConfig, problem: LeastSquares, t0: float):
+        self.cfg, self.t0, self.k = cfg, t0, dist.get_rank()
+        self.lo, self.hi = key_ranges(problem.n_params, cfg.n_servers)[self.k]
+        self.x = torch.zeros(self.hi - self.lo)  # (hi - lo,) this server's keys, initialised at 0
+        self.done = [0] * cfg.n_workers         # pushes received per worker = its clock as seen here
+        self.pending, self.in_flight = [], []   # admitted-later pulls (w, c, src); isend handles
+        self.version = 0                        # pushes applied to this shard
+        self.bsp_sum, self.bsp_n = torch.zeros_like(self.x), 0
+        self.pushes, self.events = [], []       # per applied push; ordered event log (for checks)
+
+    def push(self, w: int, c: int, v_pulled: int, m_pulled: int, grad: torch.Tensor) -> None:
+        """Worker ``w``'s gradient of clock ``c``: BSP averages the W gradients of a clock, ASP/SSP
+        apply each on arrival scaled by 1/W."""
+        cfg, W = self.cfg, self.cfg.n_workers
+        if c != self.done[w]:
+            raise RuntimeError(f"server {self.k}: worker {w} pushed clock {c}, expected {self.done[w]}")
+        self.done[w] += 1
+        self.pushes.append(dict(worker=w, clock=c, staleness=c - m_pulled, delay=self.version - v_pulled,
+                                time=time.monotonic() - self.t0))
+        self.events.append(("push", w, c))
+        if cfg.mode == "bsp":  # wait for all W gradients of clock c, apply their mean
+            self.bsp_sum += grad
+            self.bsp_n += 1
+            if self.bsp_n == W:
+                self.x -= cfg.lr * (self.bsp_sum / W)
+                self.version += W
+                self.bsp_sum.zero_()
+                self.bsp_n = 0
+        else:
+            self.x -= (cfg.lr / W) * grad
+            self.version += 1
+
+    def answer_pulls(self) -> None:
+        """Answer every pull the consistency rule now admits (Ho et al.: read at clock c once the
+        slowest worker has reached c - s). isend on a snapshot: x keeps changing meanwhile."""
+        server_clock = min(self.done)
+        waiting = []
+        for w, c, src in self.pending:
+            if c - server_clock <= self.cfg.bound:
+                self.events.append(("reply", w, c))
+                comm.record("send", 4 * (self.x.numel() + _HDR * 2), 2)
+                self.in_flight += [dist.isend(_header(self.version, server_clock), src, tag=TAG_REPLY),
+                                   dist.isend(self.x.clone(), src, tag=TAG_VALUES)]
+            else:
+                waiting.append((w, c, src))
+        self.pending = waiting
+        self.in_flight = [h for h in self.in_flight if not h.is_completed()]
+
+    def result(self) -> dict:
+        for h in self.in_flight:
+            h.wait()
+        return dict(role="server", server=self.k, key_range=(self.lo, self.hi), params=self.x,
+                    version=self.version, pushes=self.pushes, events=self.events,
+                    staleness=[p["staleness"] for p in self.pushes], delay=[p["delay"] for p in self.pushes])
+
+
+def _server(cfg: PSConfig, problem: LeastSquares, t0: float) -> dict:
+    """Serve requests until every worker said DONE: push, pull or done, each after a header."""
+    shard = _Shard(cfg, problem, t0)
+    hdr, grad = torch.zeros(_HDR, dtype=torch.int64), torch.empty_like(shard.x)
+    finished = set()
+    while len(finished) < cfg.n_workers:
         src = _recv(hdr, None, TAG_REQ, "request header")
         op, w, c, v_pulled, m_pulled = hdr[:5].tolist()
         if op == PUSH:
             _recv(grad, src, TAG_GRAD, "gradient")
-            if c != done[w]:
-                raise RuntimeError(f"server {k}: worker {w} pushed clock {c}, expected {done[w]}")
-            done[w] += 1
-            pushes.append(dict(worker=w, clock=c, staleness=c - m_pulled, delay=version - v_pulled,
-                               time=time.monotonic() - t0))
-            events.append(("push", w, c))
-            if cfg.mode == "bsp":         # wait for all W gradients of clock c, apply their mean
-                bsp_sum += grad
-                bsp_n += 1
-                if bsp_n == W:
-                    x -= cfg.lr * (bsp_sum / W)
-                    version += W
-                    bsp_sum.zero_()
-                    bsp_n = 0
-            else:                         # ASP / SSP: apply on arrival, scaled by 1/W
-                x -= (cfg.lr / W) * grad
-                version += 1
+            shard.push(w, c, v_pulled, m_pulled, grad)
         elif op == PULL:
-            pending.append((w, c, src))
+            shard.pending.append((w, c, src))
         elif op == DONE:
             finished.add(w)
         else:
-            raise RuntimeError(f"server {k}: unknown op {op} from rank {src}")
-
-        # Answer every pull the consistency rule now admits (Ho et al.: read at clock c once the
-        # slowest worker has reached c - s). isend on a snapshot: x keeps changing meanwhile.
-        server_clock = min(done)
-        waiting = []
-        for w_, c_, src_ in pending:
-            if c_ - server_clock <= cfg.bound:
-                events.append(("reply", w_, c_))
-                comm.record("send", 4 * (x.numel() + _HDR * 2), 2)
-                in_flight += [dist.isend(_header(version, server_clock), src_, tag=TAG_REPLY),
-                              dist.isend(x.clone(), src_, tag=TAG_VALUES)]
-            else:
-                waiting.append((w_, c_, src_))
-        pending = waiting
-        in_flight = [h for h in in_flight if not h.is_completed()]
-    for h in in_flight:
-        h.wait()
+            raise RuntimeError(f"server {shard.k}: unknown op {op} from rank {src}")
+        shard.answer_pulls()
+    out = shard.result()
     comm.set_status("server finished")
-    return dict(role="server", server=k, key_range=(lo, hi), params=x, version=version,
-                pushes=pushes, events=events, staleness=[p["staleness"] for p in pushes],
-                delay=[p["delay"] for p in pushes])
+    return out
 
 
 # --- worker -----------------------------------------------------------------------------------
@@ -236,7 +257,7 @@ def _pull(cfg, ranges, w, c):
     comm.set_status(f"waiting for pull replies (clock {c})")
     for h in works:
         h.wait()
-    return torch.cat(vals), [(int(h[0]), int(h[1])) for h in hdrs]
+    return torch.cat(vals), [(int(h[0]), int(h[1])) for h in hdrs]  # n_servers x (hi - lo,) -> (n_params,)
 
 
 def _worker(cfg: PSConfig, problem: LeastSquares, t0: float) -> dict:
@@ -310,7 +331,8 @@ def run_parameter_server(mode="bsp", staleness=None, n_servers=2, n_workers=2, c
         bad = [r for r in d if r not in workers]
         if bad:
             raise ValueError(f"{name} ranks {bad} are not workers: workers are ranks "
-                             f"{n_servers}..{n_servers + n_workers - 1} (ranks 0..{n_servers - 1} are servers)")
+                             f"{n_servers}..{n_servers + n_workers - 1} "
+                             f"(ranks 0..{n_servers - 1} are servers)")
     cfg = PSConfig(mode, bound, n_servers, n_workers, clocks, lr, straggler, crash)
     pk = dict(n_params=n_params, n_rows=n_rows, n_workers=n_workers, batch_size=batch_size,
               noise=noise, seed=seed)
@@ -334,24 +356,6 @@ def synchronous_sgd(problem: LeastSquares, clocks: int, lr: float) -> torch.Tens
     """The single-process reference BSP must equal: x -= lr * mean_w grad_w(x) on each clock's batches."""
     x = torch.zeros(problem.n_params)
     for c in range(clocks):
-        x = x - lr * sum(problem.grad(x, problem.batch_rows(w, c)) for w in range(problem.n_workers)) / problem.n_workers
+        grads = [problem.grad(x, problem.batch_rows(w, c)) for w in range(problem.n_workers)]
+        x = x - lr * sum(grads) / problem.n_workers
     return x
-
-
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 02's rows: BSP == synchronous SGD; SSP's staleness bound holds and binds; ASP converges."""
-    clocks = 30  # each run takes about a second
-    bsp = run_parameter_server("bsp", clocks=clocks)
-    ref = synchronous_sgd(LeastSquares(), clocks, lr=0.2)
-    diff = (bsp["params"] - ref).abs().max().item()
-    ssp = run_parameter_server("ssp", staleness=2, clocks=clocks, straggler={3: 0.02})
-    asp = run_parameter_server("asp", clocks=clocks)
-    gap = asp["loss"] - asp["loss_opt"]
-    return [
-        {"chapter": "ch02", "experiment": f"BSP, 2 servers x 2 workers, {clocks} clocks == synchronous SGD, max |Δx|",
-         "theory": 1e-6, "measured": diff, "ok": diff < 1e-6},
-        {"chapter": "ch02", "experiment": "SSP(s=2) with a straggler: max observed staleness (clocks)",
-         "theory": 2, "measured": max(ssp["staleness"]), "ok": max(ssp["staleness"]) <= 2},
-        {"chapter": "ch02", "experiment": f"ASP on least squares, {clocks} clocks: loss - optimum",
-         "theory": 1e-2, "measured": gap, "ok": gap < 1e-2},
-    ]

@@ -1,4 +1,4 @@
-"""Tensor (intra-layer) model parallelism: Megatron-LM's f / g operators and the layers built on them.
+"""Chapter 04 — tensor (intra-layer) model parallelism: the layers built on Megatron-LM's f / g.
 
 Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
 Parallelism", §3 (Fig. 3: the MLP and self-attention split with the f and g operators; Fig. 4:
@@ -23,123 +23,26 @@ so a transformer layer costs 2 all-reduces forward (g after attention, g after M
 (f before each). The embedding is split by vocabulary rows (an all-reduce combines the ranks'
 lookups) and the loss is computed on the vocabulary-sharded logits with three all-reduces of b·s
 numbers, never gathering the b·s·V logits (those two live in :mod:`.tensor_parallel_vocab`).
+f, g and the other region-crossing operators live in :mod:`.mappings` (re-exported here).
 """
 from __future__ import annotations
 
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime import comm
-
-
-def _tp(group) -> tuple[int, int]:
-    """(t, rank in the group); a clear error outside a process group."""
-    if not dist.is_initialized():
-        raise RuntimeError("tensor parallelism needs a process group: run this inside launch(fn, t)")
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _divide(n: int, t: int, what: str) -> int:
-    if n % t:
-        raise ValueError(f"{what} {n} is not divisible by tp={t}; choose {what} as a multiple of {t} "
-                         f"(or a tensor-parallel degree that divides {n})")
-    return n // t
-
-
-def _all_reduce(x, group, op=dist.ReduceOp.SUM):
-    out = x.contiguous().clone()  # the collective is in place; autograd must not see its input change
-    comm.all_reduce(out, op=op, group=group)
-    return out
-
-
-def _gather_last_dim(x, group):
-    """[x_0, ..., x_{t-1}] concatenated along the last dim (all_gather_into_tensor stacks on dim 0)."""
-    t, _ = _tp(group)
-    out = torch.empty((t * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, x.contiguous(), group=group)
-    return torch.cat(out.chunk(t, dim=0), dim=-1)
-
-
-def _my_slice_last_dim(x, group):
-    t, r = _tp(group)
-    n = _divide(x.size(-1), t, "last dimension")
-    return x[..., r * n:(r + 1) * n].contiguous()
-
-
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce of dL/dX backward (each rank's column slice saw the whole X)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (Y = sum_i Y_i); identity backward (dL/dY_i = dL/dY)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _my_slice_last_dim(grad, ctx.group), None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_slice_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
-
-
-def copy_to_tp(x, group=None):
-    """f: identity forward, all-reduce backward."""
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x, group=None):
-    """g: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, group)
-
-
-def gather_from_tp(x, group=None):
-    """[x_1 ... x_t] along the last dim (e.g. the full logits from their vocabulary shards)."""
-    return _GatherFromTP.apply(x, group)
-
-
-def scatter_to_tp(x, group=None):
-    """This rank's slice of the last dim; the gradient is all-gathered."""
-    return _ScatterToTP.apply(x, group)
-
+from .mappings import (
+    copy_to_tp,
+    divide,
+    gather_from_tp,
+    reduce_from_tp,
+    refuse_dropout,
+    scatter_to_tp,
+    size_and_rank,
+)
+from .tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 # --- layers ------------------------------------------------------------------------------------
 
@@ -153,17 +56,17 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None):
         super().__init__()
-        t, _ = _tp(group)
+        t, _ = size_and_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
-        self.weight = nn.Parameter(torch.empty(_divide(out_features, t, "out_features"), in_features))
+        self.weight = nn.Parameter(torch.empty(divide(out_features, t, "out_features"), in_features))
         self.bias = nn.Parameter(torch.zeros(self.weight.size(0))) if bias else None
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group=None, gather_output=False, rows=None):
         """This rank's shard of ``linear``: rows ``rows`` (default: the r-th contiguous block)."""
-        t, r = _tp(group)
+        t, r = size_and_rank(group)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group)
         rows = torch.arange(r * m.weight.size(0), (r + 1) * m.weight.size(0)) if rows is None else rows
         with torch.no_grad():
@@ -183,16 +86,16 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None):
         super().__init__()
-        t, _ = _tp(group)
+        t, _ = size_and_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
-        self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, t, "in_features")))
+        self.weight = nn.Parameter(torch.empty(out_features, divide(in_features, t, "in_features")))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, group=None, input_is_parallel=True):
-        t, r = _tp(group)
+        t, r = size_and_rank(group)
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group)
         n = m.weight.size(1)
         with torch.no_grad():
@@ -214,7 +117,7 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module, group=None):
         super().__init__()
-        _divide(mlp.c_fc.out_features, _tp(group)[0], "MLP hidden width (mlp_ratio * n_embd)")
+        divide(mlp.c_fc.out_features, size_and_rank(group)[0], "MLP hidden width (mlp_ratio * n_embd)")
         self.c_fc = ColumnParallelLinear.from_dense(mlp.c_fc, group)
         self.gelu = mlp.gelu
         self.c_proj = RowParallelLinear.from_dense(mlp.c_proj, group)
@@ -239,11 +142,12 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, attn: nn.Module, group=None):
         super().__init__()
-        t, r = _tp(group)
+        t, r = size_and_rank(group)
         n_head = attn.c_attn.in_features // attn.head_dim
-        _divide(n_head, t, "n_head")
+        divide(n_head, t, "n_head")
         self.head_dim, self.dropout = attn.head_dim, attn.dropout
-        self.c_attn = ColumnParallelLinear.from_dense(attn.c_attn, group, rows=head_rows(n_head, attn.head_dim, t, r))
+        rows = head_rows(n_head, attn.head_dim, t, r)
+        self.c_attn = ColumnParallelLinear.from_dense(attn.c_attn, group, rows=rows)
         self.c_proj = RowParallelLinear.from_dense(attn.c_proj, group)
         self.resid_dropout = attn.resid_dropout
 
@@ -270,16 +174,12 @@ class TensorParallelGPT(nn.Module):
 
     def __init__(self, dense, group=None):
         super().__init__()
-        from .tensor_parallel_vocab import VocabParallelEmbedding  # that module builds on this one
-
         cfg = dense.cfg
-        t, _ = _tp(group)
-        _divide(cfg.n_head, t, "n_head")  # hence n_embd and the MLP width divide too
-        _divide(cfg.vocab_size, t, "vocab_size")
-        if cfg.dropout:
-            raise ValueError(f"dropout {cfg.dropout} is not supported here: tensor-parallel dropout needs "
-                             f"Megatron's two RNG streams (same mask in replicated regions, different in "
-                             f"sharded ones); use GPTConfig(dropout=0.0)")
+        t, _ = size_and_rank(group)
+        divide(cfg.n_head, t, "n_head")  # hence n_embd and the MLP width divide too
+        divide(cfg.vocab_size, t, "vocab_size")
+        refuse_dropout(cfg.dropout, "tensor-parallel dropout needs Megatron's two RNG streams (same mask in "
+                                    "replicated regions, different in sharded ones)")
         self.cfg, self.group = cfg, group
         self.wte = VocabParallelEmbedding.from_dense(dense.wte, group)
         # copies: the dense model stays as it was; replicated pieces keep their full weights
@@ -303,8 +203,6 @@ class TensorParallelGPT(nn.Module):
 
     def loss_fn(self, logits, targets):
         """Mean cross-entropy from the vocabulary-sharded logits, without gathering them."""
-        from .tensor_parallel_vocab import vocab_parallel_cross_entropy  # that module builds on this one
-
         return vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
@@ -327,56 +225,3 @@ def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
         for k, q in holder.named_parameters():
             q.copy_(tensors[k])
     return {k: q.detach() for k, q in parallelize_gpt(holder, group).named_parameters()}
-
-
-# --- the tour's rows ---------------------------------------------------------------------------
-
-
-def _headline_rank(cfg, steps, batch, seq, ref_grads):
-    from ..models.gpt import GPT
-    from ..models.train import train_steps
-
-    torch.manual_seed(0)
-    model = parallelize_gpt(GPT(cfg))
-    fwd, bwd = train_steps(model, steps, batch, seq).meters
-    want = shard_dense_tensors(ref_grads, cfg)  # this rank's slices of the dense gradients
-    diff = max((q.grad - want[k]).abs().max().item() for k, q in model.named_parameters())
-    bsh = batch * seq * cfg.n_embd * 4
-    counts = [sum(e.op == "all_reduce" and e.nbytes == bsh for e in m.events) for m in (fwd, bwd)]
-    with comm.meter() as one:  # one transformer layer alone, forward and backward
-        model.blocks[0](torch.randn(batch, seq, cfg.n_embd, requires_grad=True)).sum().backward()
-    return {"diff": diff, "counts": counts, "layer_wire": one.total_wire_bytes}
-
-
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 04's rows for the tour: TP GPT == dense, 2 + 2 all-reduces per layer, the bytes."""
-    from ..analysis import costmodel
-    from ..models.gpt import GPT, GPTConfig
-    from ..models.train import train_steps
-    from ..runtime.env import single_thread
-    from ..runtime.launch import launch
-
-    t, batch, seq = 4, 8, 32
-    steps = 2 if smoke else 4
-    cfg = GPTConfig.tiny(block_size=seq)
-    with single_thread():  # the dense reference, one thread like a rank
-        torch.manual_seed(0)
-        dense = GPT(cfg)
-        train_steps(dense, steps, batch, seq)
-    per_rank = launch(_headline_rank, t, cfg, steps, batch, seq, {k: q.grad for k, q in dense.named_parameters()})
-    diff = max(p["diff"] for p in per_rank)
-    # whole model: the embedding adds one forward all-reduce of b·s·h, the output layer's f one backward
-    fwd = [(p["counts"][0] - 1) / cfg.n_layer for p in per_rank]
-    bwd = [(p["counts"][1] - 1) / cfg.n_layer for p in per_rank]
-    want = costmodel.tensor_parallel_allreduces_per_layer()
-    want_bytes = costmodel.tensor_parallel_bytes_per_layer(batch, seq, cfg.n_embd, t, bytes_per_element=4)
-    wire = max(p["layer_wire"] for p in per_rank)
-    return [
-        {"chapter": "ch04", "experiment": f"TP GPT on t={t} ranks == dense after {steps} SGD steps, max |Δgrad|",
-         "theory": 1e-5, "measured": diff, "ok": diff < 1e-5},
-        {"chapter": "ch04", "experiment": "all-reduces of b·s·h per layer, forward / backward",
-         "theory": f"{want['forward']} / {want['backward']}", "measured": f"{max(fwd):g} / {max(bwd):g}",
-         "ok": set(fwd) == {want["forward"]} and set(bwd) == {want["backward"]}},
-        {"chapter": "ch04", "experiment": f"wire bytes per layer = 8·b·s·h·(t-1)/t x 4 B (b={batch}, s={seq})",
-         "theory": want_bytes, "measured": wire, "ok": abs(wire - want_bytes) <= 1e-9 * want_bytes},
-    ]

@@ -1,10 +1,11 @@
-"""The vocabulary-parallel ends of a tensor-parallel language model: the input embedding and the
+"""Chapter 04 — the vocabulary-parallel ends of a tensor-parallel language model: embedding and
 loss, split over the vocabulary so that neither the V x h table nor the b·s·V logits is ever whole.
 
 Shoeybi et al. 2019, "Megatron-LM", §3 (last paragraphs: the input embedding E = [E_1, E_2]
 split along the vocabulary with an all-reduce (g) after it; the output layer's parallel GEMM
 fused with the cross-entropy so that only b·s numbers are communicated instead of b·s·V).
-Built on the f / g operators of :mod:`.tensor_parallel`; ``TensorParallelGPT`` there uses both.
+Built on the g operator and the all-reduce of :mod:`.mappings`; ``TensorParallelGPT`` of
+:mod:`.tensor_parallel` uses both.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .tensor_parallel import _all_reduce, _divide, _tp, reduce_from_tp
+from .mappings import all_reduce_copy, divide, reduce_from_tp, size_and_rank
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -22,8 +23,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings, embedding_dim, group=None):
         super().__init__()
-        t, r = _tp(group)
-        n = _divide(num_embeddings, t, "vocab_size")
+        t, r = size_and_rank(group)
+        n = divide(num_embeddings, t, "vocab_size")
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.vocab_start, self.vocab_end = r * n, (r + 1) * n
         self.weight = nn.Parameter(torch.empty(n, embedding_dim))
@@ -58,13 +59,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):
         n_local = logits.size(-1)
-        zmax = _all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        zmax = all_reduce_copy(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
         z = logits - zmax.unsqueeze(-1)
         mine = (target >= vocab_start) & (target < vocab_start + n_local)
         local_t = (target - vocab_start).masked_fill(~mine, 0)
-        z_target = _all_reduce(z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine, group)
+        z_target = all_reduce_copy(z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine, group)
         exp = z.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        sum_exp = all_reduce_copy(exp.sum(dim=-1), group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), mine, local_t)
         return sum_exp.log() - z_target
 
@@ -79,7 +80,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits_local, target, group=None):
     """Mean cross-entropy over every position, from this rank's vocabulary shard of the logits
     (..., V/t) and the full targets (...). Equals F.cross_entropy on the gathered logits."""
-    start = _tp(group)[1] * logits_local.size(-1)
+    start = size_and_rank(group)[1] * logits_local.size(-1)
     loss = _VocabParallelCrossEntropy.apply(logits_local.reshape(-1, logits_local.size(-1)),
                                             target.reshape(-1), start, group)
     return loss.mean()

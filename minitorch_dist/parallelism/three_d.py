@@ -1,4 +1,4 @@
-"""3D parallelism: the tiny GPT trained with data, tensor and pipeline parallelism at once.
+"""Chapter 12 — 3D parallelism: the tiny GPT trained with data, tensor and pipeline parallelism at once.
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21), §2 and §3 ("PTD-P"): on n = d·t·p ranks (the grid of :mod:`.mesh`) each
@@ -39,15 +39,16 @@ from ..memory.checkpointing import checkpoint as _checkpoint
 from ..memory.zero import ZeroDataParallel
 from ..models.data import MarkovCorpus
 from ..models.gpt import GPT
-from ..runtime import comm
+from ..runtime import comm, require_process_group
 from ..runtime.launch import device
 from .mesh import Coords, RankGrid, check_model, init_groups
 from .pipeline import GPTStage, make_schedule, run_schedule, split_gpt
+from .pipeline.executor import sync_tied_embedding
 from .tensor_parallel import parallelize_gpt, shard_dense_tensors
 from .tensor_parallel_vocab import vocab_parallel_cross_entropy
 
 __all__ = ["Stage3D", "Model3D", "Result3D", "train_3d", "merge_full_params", "global_losses",
-           "reference_run", "local_param_count", "headline"]
+           "reference_run", "local_param_count"]
 
 
 class Stage3D(GPTStage):
@@ -75,8 +76,9 @@ class Stage3D(GPTStage):
 
 def _check_batch(batch, dp, microbatches):
     if batch % dp or (batch // dp) % microbatches:
-        raise ValueError(f"the global batch of {batch} rows must split into dp={dp} shards of m={microbatches} "
-                         f"equal microbatches: choose batch as a multiple of dp·m = {dp * microbatches}")
+        raise ValueError(f"the global batch of {batch} rows must split into dp={dp} shards of "
+                         f"m={microbatches} equal microbatches: choose batch as a multiple of "
+                         f"dp·m = {dp * microbatches}")
 
 
 def _check_options(schedule, pp, microbatches, virtual_stages, checkpoint):
@@ -128,21 +130,11 @@ class Model3D:
         self.zero.zero_grad()
         with comm.meter() as pipe:
             res = run_schedule(self.schedule, self.stages, x, y, group=self.groups.pp_group, sync_tied=False)
-        with comm.meter() as emb:
-            self._sync_embedding()
+        with comm.meter() as emb:  # Megatron-LM's _allreduce_word_embedding_grads, over the mesh's group
+            sync_tied_embedding(self.stages, self.schedule, self.groups.pp_group, self.groups.embedding_group)
         with comm.meter() as dp:
             self.zero.step()  # DP average (all-reduce, or ZeRO-1 reduce-scatter) and the update
         return res.loss, {"pipeline": pipe.events, "embedding": emb.events, "dp": dp.events}
-
-    def _sync_embedding(self):
-        """Sum dL/dE of the tied embedding E over the first stage (wte) and the last (lm_head):
-        Megatron-LM's ``_allreduce_word_embedding_grads``. Both copies then take the same update."""
-        g, s = self.groups, self.schedule
-        if g.embedding_group is None or not self.cfg.tie_embeddings:
-            return
-        first = g.coords.pp == s.placement(0)[0]
-        weight = self.stages[0].wte.weight if first else self.stages[s.placement(s.p * s.v - 1)[1]].lm_head.weight
-        comm.all_reduce(weight.grad, group=g.embedding_group)  # a view into the flat gradient buffer
 
     @torch.no_grad()
     def full_param_pieces(self) -> dict:
@@ -155,11 +147,13 @@ class Model3D:
         with torch.random.fork_rng(), _default_dtype(torch.float64):
             with torch.device("meta"):
                 shapes = {k: p.shape for k, p in GPT(self.cfg).named_parameters()}
-            index = {k: torch.arange(torch.Size(s).numel(), dtype=torch.float64).view(s) for k, s in shapes.items()}
+            index = {k: torch.arange(torch.Size(s).numel(), dtype=torch.float64).view(s)  # (numel,) -> shape
+                     for k, s in shapes.items()}
             if self.groups.grid.tp > 1:
                 index = shard_dense_tensors(index, self.cfg, self.groups.tp_group)
         names = {id(p): k for k, p in self.model.named_parameters()}
-        return {names[id(p)]: (index[names[id(p)]].reshape(-1).long(), p.detach().reshape(-1).cpu().clone())
+        return {names[id(p)]: (index[names[id(p)]].reshape(-1).long(),  # (local numel,) flat dense positions
+                               p.detach().reshape(-1).cpu().clone())  # (local numel,) values
                 for p in self.parameters()}
 
 
@@ -202,11 +196,11 @@ def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", 
     check_model(cfg, tp, pp, virtual_stages)
     _check_batch(batch, dp, microbatches)
     _check_options(schedule, pp, microbatches, virtual_stages, checkpoint)
-    if not dist.is_initialized():
-        raise RuntimeError("train_3d runs on ranks: launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, ...)")
+    require_process_group("train_3d")
     grid = RankGrid(dist.get_world_size(), dp, tp, pp, order)  # checks dp·tp·pp = world size
     groups = init_groups(grid, use_device_mesh)
-    model = Model3D(cfg, groups, microbatches, schedule, virtual_stages, zero1, checkpoint, optimizer, lr, seed)
+    model = Model3D(cfg, groups, microbatches, schedule, virtual_stages, zero1, checkpoint, optimizer, lr,
+                    seed)
     data = data or MarkovCorpus(cfg.vocab_size, seed=0)
     losses = []
     for step in range(steps):
@@ -231,7 +225,7 @@ def merge_full_params(results, cfg) -> tuple[dict, float]:
     and the largest difference between two copies of one element (replicas must agree: 0)."""
     with torch.device("meta"):
         shapes = {k: p.shape for k, p in GPT(cfg).named_parameters()}
-    full = {k: torch.full((torch.Size(s).numel(),), float("nan")) for k, s in shapes.items()}
+    full = {k: torch.full((torch.Size(s).numel(),), float("nan")) for k, s in shapes.items()}  # (numel,) each
     spread = 0.0
     for res in results:
         for k, (idx, val) in res.pieces.items():
@@ -243,7 +237,7 @@ def merge_full_params(results, cfg) -> tuple[dict, float]:
     missing = [k for k, v in full.items() if v.isnan().any()]
     if missing:
         raise ValueError(f"no rank holds some elements of {missing}: pass the results of every rank")
-    return {k: v.view(shapes[k]) for k, v in full.items()}, spread
+    return {k: v.view(shapes[k]) for k, v in full.items()}, spread  # (numel,) -> the dense shape
 
 
 def reference_run(cfg, steps, batch, seq, lr=0.1, seed=0, optimizer=None, data=None):
@@ -273,47 +267,6 @@ def local_param_count(cfg, tp, pp, stage, virtual_stages=1) -> int:
     # the vocabulary-parallel embedding; LayerNorms, row-parallel biases and wpe are replicated
     sharded = ("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight", "wte.weight",
                "lm_head.weight")
-    mine = {id(p): (name, p) for c in range(virtual_stages) for name, p in parts[c * pp + stage].named_parameters()}
+    mine = {id(p): (name, p) for c in range(virtual_stages)
+            for name, p in parts[c * pp + stage].named_parameters()}
     return sum(p.numel() // tp if name.endswith(sharded) else p.numel() for name, p in mine.values())
-
-
-# --- the tour's rows ---------------------------------------------------------------------------
-
-
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 12's rows for the tour: d x t x p = 2 x 2 x 2 on 8 ranks == one process; the DP,
-    TP and PP traffic the meter counted is the formulas'."""
-    from ..analysis import costmodel
-    from ..models.gpt import GPTConfig
-    from ..runtime.launch import launch
-
-    d = t = p = 2
-    m, batch, seq = 2, 16, 16
-    steps = 2 if smoke else 4
-    cfg = GPTConfig(vocab_size=64, block_size=seq, n_layer=4, n_head=4, n_embd=32)
-    results = launch(train_3d, d * t * p, cfg, d, t, p, steps, batch, seq, m, timeout_s=600)
-    _, ref = reference_run(cfg, steps, batch, seq)
-    full, spread = merge_full_params(results, cfg)
-    diff = max(max((full[k] - ref[k]).abs().max().item() for k in ref), spread)
-    act = batch // d // m * seq * cfg.n_embd * 4  # one microbatch's b·s·h activation, fp32
-    one_pipeline = [r for r in results if r.coords.dp == 0 and r.coords.tp == 0]
-    dp_bytes = sum(e.nbytes for r in one_pipeline for e in r.events["dp"] if e.op == "all_reduce")
-    want_dp = 4 * (costmodel.tensor_parallel_params_per_rank(cfg, t) + cfg.vocab_size * cfg.n_embd // t)
-    p2p = sum(e.nbytes for r in one_pipeline for e in r.events["pipeline"] if e.op == "send")
-    want_p2p = costmodel.pipeline_p2p_bytes(p, m, act)
-    per_layer = set()
-    for r in results:  # TP all-reduces of b·s·h per layer and microbatch, less the embedding's and lm_head's
-        n = sum(e.op == "all_reduce" and e.nbytes == act for e in r.events["pipeline"])
-        ends = (r.coords.pp == 0) + (r.coords.pp == p - 1)
-        per_layer.add((n - m * ends) / (m * cfg.n_layer // p))
-    want_tp = sum(costmodel.tensor_parallel_allreduces_per_layer().values())
-    return [
-        {"chapter": "ch12", "experiment": f"d×t×p = {d}×{t}×{p} on 8 ranks == 1 process after {steps} SGD steps, "
-                                          f"max |Δw|", "theory": 1e-6, "measured": diff, "ok": diff < 1e-6},
-        {"chapter": "ch12", "experiment": "DP all-reduce bytes over one pipeline = 4 B × (Ψ per TP rank + tied copy)",
-         "theory": want_dp, "measured": dp_bytes, "ok": abs(dp_bytes - want_dp) <= 4 * (d - 1) * p},  # flat padding
-        {"chapter": "ch12", "experiment": "TP all-reduces of b·s·h per layer per microbatch (fwd + bwd)",
-         "theory": want_tp, "measured": max(per_layer), "ok": per_layer == {want_tp}},
-        {"chapter": "ch12", "experiment": f"PP bytes sent per pipeline per step = 2·m·(p-1)·b·s·h·4 (m={m})",
-         "theory": want_p2p, "measured": p2p, "ok": p2p == want_p2p},
-    ]

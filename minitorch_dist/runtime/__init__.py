@@ -1,4 +1,5 @@
-"""How ranks run and talk: launch, metered collectives, and (ch00) collectives built on send/recv."""
+"""Chapter 00 — how ranks run and talk: launch, metered collectives, and collectives built on
+send/recv."""
 from . import comm
 from .env import hardware_summary, smoke
 from .groups import require_process_group

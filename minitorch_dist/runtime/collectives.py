@@ -1,4 +1,5 @@
-"""Collectives built from point-to-point messages: ring, recursive doubling, binomial tree, naive.
+"""Chapter 00 — collectives built from point-to-point messages: ring, recursive doubling, binomial
+tree, naive.
 
 Chapter 00. Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
 workstations"; Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication
@@ -39,7 +40,7 @@ and every chunk but chunk r+1 during all-gather::
 
     sent_r = (2N - |c_r| - |c_(r+1)|) * itemsize
 
-which is exactly ``2(n-1)/n * S`` (``costmodel.bus_bytes("all_reduce", S, n)``) when n divides
+which is exactly ``2(n-1)/n * S`` (``busbw.bus_bytes("all_reduce", S, n)``) when n divides
 N. Otherwise each chunk is within (n-1)/n of an element of N/n, so sent_r differs from the
 formula by at most ``2(n-1)/n * itemsize`` (under two elements), and the sum over all ranks is
 still exactly ``2(n-1) * S``. Reduce-scatter alone sends ``(N - |c_r|)*itemsize``, all-gather
@@ -53,12 +54,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..analysis import costmodel
 from . import comm
+from .groups import require_process_group
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
            "recursive_doubling_all_reduce", "tree_all_reduce", "naive_all_reduce", "metered",
-           "time_collective", "headline"]
+           "time_collective"]
 
 
 # --- plumbing: who am I, who are my neighbours, one overlapped exchange ------------------------
@@ -67,8 +68,7 @@ __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_re
 def _rank_and_size(group) -> tuple[int, int]:
     if not dist.is_initialized():
         if group is not None:
-            raise RuntimeError("a group was given but torch.distributed is not initialised; "
-                               "run under launch()")
+            require_process_group("a collective on a given group")
         return 0, 1  # a single process: every collective is the identity
     r = dist.get_rank(group)
     if r < 0:
@@ -265,7 +265,7 @@ def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-# --- counting and the chapter's headline ----------------------------------------------------------
+# --- counting and timing -----------------------------------------------------------------------
 
 
 def metered(fn, *args, **kwargs):
@@ -296,51 +296,3 @@ def time_collective(fn, sizes_bytes, repeats: int = 5) -> list[float]:
             best = min(best, time.perf_counter() - t0)
         times.append(best)
     return times
-
-
-def _rank_headline(numel: int, sizes: list[int], reps: int):
-    """One rank's part of :func:`headline`: check the ring against torch, count bytes, time sizes."""
-    r, n = dist.get_rank(), dist.get_world_size()
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(r))
-    expected = x.clone()
-    dist.all_reduce(expected)
-    ours, sent, _ = metered(ring_all_reduce, x.clone())
-    abs_sum = x.abs()
-    dist.all_reduce(abs_sum)
-    tol = 2 * (n - 1) * torch.finfo(x.dtype).eps * abs_sum  # twice the two-orders bound (docstring)
-    diff = (ours - expected).abs()
-    times = time_collective(dist.all_reduce, [4 * k for k in sizes], reps)
-    return dict(ok=bool((diff <= tol).all()), diff=diff.max().item(), tol=tol.max().item(),
-                sent=sent, times=times)
-
-
-def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 00's rows for the course tour: ring == torch, bytes == 2(n-1)/n*S, an alpha-beta fit."""
-    from .launch import launch
-
-    n = 4
-    numel = (1 << 14) if smoke else (1 << 18)  # 64 KiB or 1 MiB of float32
-    # Up to 4 / 16 MiB: with several ranks per core, scheduling latency (~1 ms a step) hides beta
-    # until messages reach megabytes.
-    sizes = [1 << k for k in ((6, 12, 18, 20) if smoke else (6, 9, 12, 15, 18, 20, 22))]  # elements
-    reps = 10 if smoke else 20
-    per_rank = launch(_rank_headline, n, numel, sizes, reps)
-    S = 4 * numel
-    want = costmodel.bus_bytes("all_reduce", S, n)
-    sent = [p["sent"] for p in per_rank]
-    times = [max(p["times"][i] for p in per_rank) for i in range(len(sizes))]  # the slowest rank
-    sizes_b = [4 * k for k in sizes]
-    alpha, beta = costmodel.fit_alpha_beta(sizes_b, times, n)
-    predicted = costmodel.allreduce_time(sizes_b[-1], n, alpha, beta)
-    bw = f"{1 / beta / 1e9:.2f}GB/s" if beta > 0 else "inf"
-    return [
-        {"chapter": "ch00", "experiment": f"ring all-reduce == torch (n={n}), max |diff|",
-         "theory": max(p["tol"] for p in per_rank), "measured": max(p["diff"] for p in per_rank),
-         "ok": all(p["ok"] for p in per_rank)},
-        {"chapter": "ch00", "experiment": f"bytes sent per rank, ring, S={S // 1024} KiB",
-         "theory": want, "measured": float(max(sent)), "ok": all(s == want for s in sent)},
-        {"chapter": "ch00",
-         "experiment": f"α-β fit: α={alpha * 1e6:.1f}µs 1/β={bw}; t({sizes_b[-1] >> 20} MiB) ms",
-         "theory": predicted * 1e3, "measured": times[-1] * 1e3,
-         "ok": beta > 0 and abs(math.log(predicted / times[-1])) < math.log(2)},
-    ]

@@ -1,4 +1,4 @@
-"""Metered collectives: torch.distributed's calls, counted.
+"""Chapter 00 — metered collectives: torch.distributed's calls, counted.
 
 Every collective the library runs goes through these wrappers, which have the signatures of
 ``torch.distributed`` (tensor forms). Inside ``with comm.meter() as m:`` each call is recorded:
@@ -8,7 +8,7 @@ Every collective the library runs goes through these wrappers, which have the si
   all-reduce or broadcast, the unsharded tensor of a reduce-scatter / all-gather, a rank's whole
   input of an all-to-all, the message of a send);
 - ``m.wire_bytes[op]``: what this rank puts on the wire under the ring model,
-  ``costmodel.bus_bytes(op, S, n)``: all-reduce 2(n-1)/n S, reduce-scatter and all-gather
+  ``busbw.bus_bytes(op, S, n)``: all-reduce 2(n-1)/n S, reduce-scatter and all-gather
   (n-1)/n S, all-to-all (n-1)/n S, broadcast S (the factors of nccl-tests' "bus bandwidth").
 
 The meter counts what was *asked of* the backend under a model of the algorithm; chapter 00's
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..analysis.costmodel import bus_bytes
+from .busbw import bus_bytes
 
 ReduceOp = dist.ReduceOp
 
@@ -146,8 +146,8 @@ def record(op: str, nbytes: int, n: int, dtype="", shape=(), ranks=()) -> CommEv
     below call this; code that moves bytes itself (e.g. a ring all-reduce made of
     send/recv) may call it too, to be counted as one logical collective.
     """
-    ev = CommEvent(op, int(nbytes), bus_bytes(op, nbytes, n), n, str(dtype), tuple(shape), time.perf_counter(),
-                   tuple(ranks))
+    ev = CommEvent(op, int(nbytes), bus_bytes(op, nbytes, n), n, str(dtype), tuple(shape),
+                   time.perf_counter(), tuple(ranks))
     with _lock:
         for m in _active:
             m.add(ev)
@@ -162,7 +162,8 @@ def _run(op, tensor, nbytes, group, async_op, fn):
     n = _group_size(group)
     record(op, nbytes, n, tensor.dtype, tensor.shape, _group_ranks(group))
     _calls_so_far[op] += 1
-    desc = f"{op} {str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {n} ranks (call #{_calls_so_far[op]})"
+    desc = (f"{op} {str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {n} ranks "
+            f"(call #{_calls_so_far[op]})")
     set_status(f"in {desc}")
     work = fn()
     set_status(f"launched {desc}" if async_op else f"after {desc}")
@@ -225,7 +226,8 @@ def batch_isend_irecv(p2p_ops):
     """Launch a list of ``dist.P2POp`` together; each send / recv is counted on its own."""
     for p in p2p_ops:
         name = "send" if p.op in (dist.isend, dist.send) else "recv"
-        record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape, _group_ranks(p.group))
+        record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape,
+               _group_ranks(p.group))
     set_status(f"in batch_isend_irecv of {len(p2p_ops)} ops")
     works = dist.batch_isend_irecv(p2p_ops)
     set_status(f"launched batch_isend_irecv of {len(p2p_ops)} ops")

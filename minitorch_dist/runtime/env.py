@@ -1,4 +1,5 @@
-"""Where the numbers come from: the hardware line every notebook prints first, and the smoke switch.
+"""Chapter 00 — where the numbers come from: the hardware line every notebook prints first, and the
+smoke switch.
 
 Every measurement in the course is only as meaningful as the machine it ran on, so each notebook
 opens with `print(hardware_summary())`. `smoke()` is the switch that shrinks sizes so the whole

@@ -1,4 +1,5 @@
-"""launch(fn, world_size, *args): run one function on many ranks, SPMD style, and get the results.
+"""Chapter 00 — launch(fn, world_size, *args): run one function on many ranks, SPMD style, and get
+the results.
 
 Every chapter runs its experiments through this one call::
 
@@ -78,7 +79,8 @@ class LaunchTimeout(RuntimeError):
         lines = [f"launch timed out after {timeout_s:g} s; every rank was killed. Last op of each rank:"]
         for r, op in sorted(last_ops.items()):
             lines.append(f"  rank {r}: {'finished' if r in finished else op}")
-        lines.append("A collective that only some ranks call, or called in a different order, hangs like this.")
+        lines.append("A collective that only some ranks call, or called in a different order, "
+                     "hangs like this.")
         super().__init__("\n".join(lines))
 
 
@@ -237,56 +239,13 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
         # The first optimizer a process builds imports torch._dynamo (~1.5 s; 4 ranks on 2 cores
         # measured 4.2 s per launch). Importing it once here lets every forked rank inherit it.
         importlib.import_module("torch._dynamo")
-    threads = threads or _threads_per_rank()
-    payload = cloudpickle.dumps((fn, args))
     rundir = tempfile.mkdtemp(prefix="mtd-launch-")
-    init_method = "file://" + os.path.join(rundir, "rendezvous")
-
-    procs, conns, statuses = [], [], []
-    results, errors = {}, {}
+    job = (backend, "file://" + os.path.join(rundir, "rendezvous"), cloudpickle.dumps((fn, args)), rundir,
+           threads or _threads_per_rank(), timeout_s)
+    procs, conns, statuses = [], [], []  # filled as ranks start, so a failed start still cleans up
     try:
-        starting = _main_not_reimported() if ctx.get_start_method() != "fork" else contextlib.nullcontext()
-        with starting:
-            for r in range(world_size):
-                recv_end, send_end = ctx.Pipe(duplex=False)
-                status = ctx.Array("c", _STATUS_LEN, lock=False)
-                p = ctx.Process(target=_rank_main, name=f"mtd-rank{r}",
-                                args=(r, world_size, backend, init_method, payload, send_end, status,
-                                      rundir, threads, timeout_s))
-                p.start()
-                send_end.close()
-                procs.append(p), conns.append(recv_end), statuses.append(status)
-
-        deadline = time.monotonic() + timeout_s
-        grace_until = None  # after a first failure, wait briefly for the others' reports
-        pending = set(range(world_size))
-        while pending:
-            now = time.monotonic()
-            if grace_until is not None and now >= grace_until:
-                break
-            if now >= deadline:
-                last = {r: statuses[r].value.decode("utf-8", "replace") for r in range(world_size)}
-                raise LaunchTimeout(timeout_s, last, finished=set(results))
-            wait_for = min(deadline, grace_until or deadline) - now
-            ready = mp.connection.wait([conns[r] for r in pending], timeout=min(wait_for, 1.0))
-            for c in ready:
-                r = conns.index(c)
-                try:
-                    kind, data = c.recv()
-                except EOFError:  # the rank died without a word: segfault, SIGKILL, os._exit...
-                    procs[r].join(timeout=5)
-                    kind, data = "error", f"rank {r} died without reporting (exit code {procs[r].exitcode})"
-                pending.discard(r)
-                if kind == "ok":
-                    results[r] = cloudpickle.loads(data)
-                else:
-                    errors[r] = data
-                    grace_until = grace_until or time.monotonic() + 0.5
-        if errors:
-            first = min(errors)  # lowest failing rank: the same report every run
-            others = sorted(set(errors) - {first})
-            tb = errors[first] + (f"\n(ranks {others} failed too)" if others else "")
-            raise RankError(first, tb, world_size)
+        _start_ranks(ctx, world_size, job, procs, conns, statuses)
+        results = _collect(procs, conns, statuses, timeout_s)
         return [results[r] for r in range(world_size)]
     finally:
         _kill(procs)
@@ -294,6 +253,61 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
             c.close()
         _echo_outputs(rundir, world_size)
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _start_ranks(ctx, world_size: int, job: tuple, procs: list, conns: list, statuses: list) -> None:
+    """Start one process per rank, each with a pipe for its result and a status line; ``job`` is
+    (backend, init_method, payload, rundir, threads, timeout_s), passed on to :func:`_rank_main`."""
+    starting = _main_not_reimported() if ctx.get_start_method() != "fork" else contextlib.nullcontext()
+    with starting:
+        for r in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            status = ctx.Array("c", _STATUS_LEN, lock=False)
+            backend, init_method, payload, rundir, threads, timeout_s = job
+            p = ctx.Process(target=_rank_main, name=f"mtd-rank{r}",
+                            args=(r, world_size, backend, init_method, payload, send_end, status,
+                                  rundir, threads, timeout_s))
+            p.start()
+            send_end.close()
+            procs.append(p), conns.append(recv_end), statuses.append(status)
+
+
+def _collect(procs, conns, statuses, timeout_s: float) -> dict:
+    """Wait for every rank's report: ``{rank: result}``, or raise the lowest failing rank's error
+    (after a short grace for the others' reports) or :class:`LaunchTimeout`."""
+    world_size = len(procs)
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout_s
+    grace_until = None  # after a first failure, wait briefly for the others' reports
+    pending = set(range(world_size))
+    while pending:
+        now = time.monotonic()
+        if grace_until is not None and now >= grace_until:
+            break
+        if now >= deadline:
+            last = {r: statuses[r].value.decode("utf-8", "replace") for r in range(world_size)}
+            raise LaunchTimeout(timeout_s, last, finished=set(results))
+        wait_for = min(deadline, grace_until or deadline) - now
+        ready = mp.connection.wait([conns[r] for r in pending], timeout=min(wait_for, 1.0))
+        for c in ready:
+            r = conns.index(c)
+            try:
+                kind, data = c.recv()
+            except EOFError:  # the rank died without a word: segfault, SIGKILL, os._exit...
+                procs[r].join(timeout=5)
+                kind, data = "error", f"rank {r} died without reporting (exit code {procs[r].exitcode})"
+            pending.discard(r)
+            if kind == "ok":
+                results[r] = cloudpickle.loads(data)
+            else:
+                errors[r] = data
+                grace_until = grace_until or time.monotonic() + 0.5
+    if errors:
+        first = min(errors)  # lowest failing rank: the same report every run
+        others = sorted(set(errors) - {first})
+        tb = errors[first] + (f"\n(ranks {others} failed too)" if others else "")
+        raise RankError(first, tb, world_size)
+    return results
 
 
 def _launch_torchrun(fn, world_size, args, backend):

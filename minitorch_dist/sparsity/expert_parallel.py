@@ -1,4 +1,4 @@
-"""Expert parallelism: experts sharded over ranks, tokens sent to their expert with all-to-all.
+"""Chapter 10 — expert parallelism: experts sharded over ranks, tokens sent to their expert by all-to-all.
 
 Lepikhin et al. 2021, "GShard", §2.2 and §3.2 (experts partitioned over devices, the rest of the
 model replicated; dispatch and combine become ``AllToAll`` across devices). Fedus et al. 2021,
@@ -16,7 +16,8 @@ routes *its own* tokens (so capacity is per rank, as in GShard's per-group capac
     4. all_to_all back            the same splits swapped: every row returns to where it came from
     5. combine                    weights applied locally, as in the single-process layer
 
-The all-to-alls are differentiable (:class:`AllToAll`): the backward of an all-to-all is the
+The all-to-alls are differentiable (:class:`AllToAll`, from :mod:`..parallelism.mappings`, the home
+of every region-crossing operator, and re-exported here): the backward of an all-to-all is the
 all-to-all of the gradients with the splits swapped, so the backward pass costs the same two
 all-to-alls again. Bytes per layer per rank: dispatch sends A·h·e and combine R·h·e (A rows kept
 here, R rows received), see ``costmodel.all_to_all_bytes_moe``.
@@ -30,49 +31,20 @@ by 1/n before backward (then experts and router are both the mean's gradient).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..parallelism.mappings import AllToAll, all_to_all, size_and_rank
 from ..runtime import comm
 from .moe import MoELayer, Routing, combine, dispatch, run_experts
 
-
-def _ep(group) -> tuple[int, int]:
-    """(n, rank in the group); a clear error outside a process group."""
-    if not dist.is_initialized():
-        raise RuntimeError("expert parallelism needs an initialised process group: run it under "
-                           "minitorch_dist.runtime.launch(fn, world_size) or torchrun")
-    return dist.get_world_size(group), dist.get_rank(group)
+__all__ = ["AllToAll", "all_to_all", "check_divisible", "ExpertParallelMoE", "expert_parallel",
+           "replicated_parameters", "sync_replicated_grads"]
 
 
 def check_divisible(n_experts: int, n: int) -> None:
     if n_experts % n:
         raise ValueError(f"n_experts {n_experts} is not divisible by {n} ranks (expert parallel degree); "
                          f"use a multiple of {n} experts or a degree that divides {n_experts}")
-
-
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits, differentiable: backward is the reverse all-to-all
-    (``out_splits`` and ``in_splits`` swapped) of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        comm.all_to_all(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
-
-
-def all_to_all(x, out_splits, in_splits, group=None):
-    """Rows ``[Σ in_splits[:j], +in_splits[j])`` of x go to rank j; ``out_splits[i]`` rows arrive from rank i."""
-    return AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -89,7 +61,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise ValueError(f"ExpertParallelMoE wraps an MoELayer, got {type(layer).__name__}")
-        n, r = _ep(group)
+        n, r = size_and_rank(group, "expert parallelism")
         check_divisible(layer.n_experts, n)
         self.group, self.n, self.rank = group, n, r
         self.h, self.n_experts, self.local = layer.h, layer.n_experts, layer.n_experts // n
@@ -101,7 +73,7 @@ class ExpertParallelMoE(nn.Module):
         self.recv_counts: list[int] = []
 
     @classmethod
-    def from_dense(cls, layer: MoELayer, group=None) -> "ExpertParallelMoE":
+    def from_dense(cls, layer: MoELayer, group=None) -> ExpertParallelMoE:
         """The same as ``ExpertParallelMoE(layer, group)``: this rank's shard of a dense layer."""
         return cls(layer, group)
 
@@ -111,7 +83,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.size(-1) != self.h:
-            raise ValueError(f"ExpertParallelMoE expects [..., h={self.h}] inputs, got shape {tuple(x.shape)}")
+            raise ValueError(f"ExpertParallelMoE expects [..., h={self.h}] inputs, got shape "
+                             f"{tuple(x.shape)}")
         n, El = self.n, self.local
         tokens = x.reshape(-1, self.h)
         routing = self.last_routing = self.router(tokens)
@@ -125,7 +98,8 @@ class ExpertParallelMoE(nn.Module):
         # 2. dispatch.
         received = all_to_all(packed, self.recv_counts, self.send_counts, self.group)
         # 3. regroup source-major rows to expert-major, run, and restore the source-major order.
-        expert_of_row = torch.arange(El, device=x.device).repeat(n).repeat_interleave(per_src_expert.reshape(-1))
+        expert_of_row = (torch.arange(El, device=x.device).repeat(n)
+                         .repeat_interleave(per_src_expert.reshape(-1)))
         by_expert = torch.sort(expert_of_row, stable=True).indices
         out = run_experts(self.experts, received[by_expert], per_src_expert.sum(0).tolist())
         out = out[torch.argsort(by_expert)]
@@ -150,7 +124,8 @@ def expert_parallel(model: nn.Module, group=None) -> nn.Module:
 
 def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Parameters every rank holds a copy of: all but the experts of the ExpertParallelMoE layers."""
-    sharded = {id(p) for m in module.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    sharded = {id(p) for m in module.modules() if isinstance(m, ExpertParallelMoE)
+               for p in m.experts.parameters()}
     return [p for p in module.parameters() if id(p) not in sharded]
 
 

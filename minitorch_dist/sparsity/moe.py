@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer: route, dispatch, run the experts, combine.
+"""Chapter 10 — the mixture-of-experts layer: route, dispatch, run the experts, combine.
 
 Shazeer et al. 2017, "Outrageously Large Neural Networks", §2 (eq. 1: ``y = Σ_i G(x)_i E_i(x)``,
 computed only for the experts with G(x)_i ≠ 0). Lepikhin et al. 2021, "GShard", §2.2 and
@@ -25,8 +25,18 @@ import torch
 from torch import nn
 
 from .routers import (  # noqa: F401  (re-exported: the chapter's whole API is importable from here)
-    ROUTERS, ExpertChoiceRouter, NoisyTopKRouter, Router, Routing, SwitchRouter, Top2Router, capacity,
-    expert_choice_routing, load_balancing_loss, make_router, top_k_routing,
+    ROUTERS,
+    ExpertChoiceRouter,
+    NoisyTopKRouter,
+    Router,
+    Routing,
+    SwitchRouter,
+    Top2Router,
+    capacity,
+    expert_choice_routing,
+    load_balancing_loss,
+    make_router,
+    top_k_routing,
 )
 
 
@@ -82,10 +92,11 @@ class MoELayer(nn.Module):
         if isinstance(router, str):
             router = make_router(router, h, n_experts)
         if not isinstance(router, Router):
-            raise ValueError(f"router must be a Router or one of {sorted(ROUTERS)}, got {type(router).__name__}")
+            raise ValueError(f"router must be a Router or one of {sorted(ROUTERS)}, got "
+                             f"{type(router).__name__}")
         if tuple(router.w_gate.shape) != (h, n_experts):
-            raise ValueError(f"router scores {router.n_experts} experts from width {router.h}, but the layer has "
-                             f"n_experts={n_experts}, h={h}; build the router with ({h}, {n_experts})")
+            raise ValueError(f"router scores {router.n_experts} experts from width {router.h}, but the layer "
+                             f"has n_experts={n_experts}, h={h}; build the router with ({h}, {n_experts})")
         self.h, self.d_ff, self.n_experts = h, d_ff, n_experts
         self.router = router
         self.experts = nn.ModuleList(Expert(h, d_ff, bias) for _ in range(n_experts))
@@ -102,7 +113,8 @@ class MoELayer(nn.Module):
         if x.size(-1) != self.h:
             raise ValueError(f"MoELayer expects [..., h={self.h}] inputs, got shape {tuple(x.shape)}")
         if path not in ("dispatch", "dense"):
-            raise ValueError(f"path must be 'dispatch' (the sparse computation) or 'dense' (the reference), got {path!r}")
+            raise ValueError("path must be 'dispatch' (the sparse computation) or 'dense' "
+                             f"(the reference), got {path!r}")
         tokens = x.reshape(-1, self.h)
         routing = self.last_routing = self.router(tokens)
         if path == "dense":  # every expert on every token, mixed by the [T, E] weight matrix

@@ -1,4 +1,4 @@
-"""The tiny GPT with mixture-of-experts feed-forward layers.
+"""Chapter 10 — the tiny GPT with mixture-of-experts feed-forward layers.
 
 Lepikhin et al. 2021, "GShard", §2.1 ("replacing every other feed-forward layer with an MoE layer")
 and Fedus et al. 2021, "Switch Transformers", §2 and §2.4 (the same, top-1; the training loss is the
@@ -48,7 +48,8 @@ class MoEGPTConfig(GPTConfig):
             raise ValueError(f"moe_every {self.moe_every} > n_layer {self.n_layer} leaves no MoE block; "
                              f"use moe_every <= {self.n_layer}")
         if self.router not in ROUTERS:
-            raise ValueError(f"MoEGPTConfig.router {self.router!r} is unknown; choose one of {sorted(ROUTERS)}")
+            raise ValueError(f"MoEGPTConfig.router {self.router!r} is unknown; choose one of "
+                             f"{sorted(ROUTERS)}")
 
     @property
     def moe_blocks(self) -> list[int]:
@@ -109,7 +110,8 @@ class MoEGPT(GPT):
         total = self.num_params(exclude_embeddings)
         for layer in self.moe_layers():
             if not isinstance(layer, MoELayer):
-                raise RuntimeError("active_params_per_token counts a whole model: call it before expert_parallel()")
+                raise RuntimeError("active_params_per_token counts a whole model: call it before "
+                                   "expert_parallel()")
             per_expert = sum(p.numel() for p in layer.experts[0].parameters())
             total -= (layer.n_experts - layer.router.experts_per_token) * per_expert
         return total

@@ -1,4 +1,4 @@
-"""Routers of a mixture of experts: which expert(s) each token goes to, with what weight.
+"""Chapter 10 — routers of a mixture of experts: which expert(s) each token goes to, with what weight.
 
 Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
 Layer", §2.1 (noisy top-k gating, eq. 3-5). Lepikhin et al. 2021, "GShard", §2.2 and Algorithm 1
@@ -104,8 +104,10 @@ def load_balancing_loss(probs: torch.Tensor, assignment: torch.Tensor, n_experts
     if assignment.dim() == 1:
         if assignment.size(0) != T:
             raise ValueError(f"assignment has {assignment.size(0)} entries but probs has {T} tokens")
-        if assignment.dtype.is_floating_point or (T and (assignment.min() < 0 or assignment.max() >= n_experts)):
-            raise ValueError(f"a 1-D assignment must hold expert ids in [0, {n_experts}), got {assignment.tolist()}")
+        if (assignment.dtype.is_floating_point
+                or (T and (assignment.min() < 0 or assignment.max() >= n_experts))):
+            raise ValueError(f"a 1-D assignment must hold expert ids in [0, {n_experts}), got "
+                             f"{assignment.tolist()}")
         mask = F.one_hot(assignment, n_experts)
     elif assignment.shape == probs.shape:
         mask = assignment
@@ -241,8 +243,9 @@ class NoisyTopKRouter(Router):
     ``capacity_factor`` adds one. Aux loss: the Switch loss on each token's first choice (module doc).
     """
 
-    def __init__(self, h: int, n_experts: int, k: int = 2, noisy: bool = True, capacity_factor: float | None = None,
-                 aux_alpha: float = 0.01, generator: torch.Generator | None = None):
+    def __init__(self, h: int, n_experts: int, k: int = 2, noisy: bool = True,
+                 capacity_factor: float | None = None, aux_alpha: float = 0.01,
+                 generator: torch.Generator | None = None):
         _positive_int("k", k)
         if k > n_experts:
             raise ValueError(f"k = {k} experts per token exceeds n_experts = {n_experts}; use k <= n_experts")
@@ -262,7 +265,8 @@ class NoisyTopKRouter(Router):
         if self.noisy and self.training:
             noise = torch.randn(H.shape, generator=self.generator, dtype=H.dtype, device=H.device)
             H = H + noise * F.softplus(x @ self.w_noise)
-        C = None if self.capacity_factor is None else capacity(x.size(0), self.n_experts, self.k, self.capacity_factor)
+        C = None if self.capacity_factor is None else capacity(x.size(0), self.n_experts, self.k,
+                                                               self.capacity_factor)
         return top_k_routing(H, self.k, C, normalize=True, aux_alpha=self.aux_alpha)
 
 
@@ -277,7 +281,8 @@ class SwitchRouter(Router):
         self.capacity_factor = capacity_factor
 
     def forward(self, x: torch.Tensor) -> Routing:
-        C = None if self.capacity_factor is None else capacity(x.size(0), self.n_experts, 1, self.capacity_factor)
+        C = None if self.capacity_factor is None else capacity(x.size(0), self.n_experts, 1,
+                                                               self.capacity_factor)
         return top_k_routing(self.scores(x), 1, C, normalize=False, aux_alpha=self.aux_alpha)
 
 
@@ -305,7 +310,8 @@ class Top2Router(Router):
             g2 = g[:, 1] / g.sum(-1)
             u = torch.rand(g2.shape, generator=self.generator, dtype=g2.dtype, device=g2.device)
             attempt = torch.stack([torch.ones_like(u, dtype=torch.bool), u < 2 * g2], dim=1)
-        C = None if self.capacity_factor is None else capacity(x.size(0), self.n_experts, 2, self.capacity_factor)
+        C = None if self.capacity_factor is None else capacity(x.size(0), self.n_experts, 2,
+                                                               self.capacity_factor)
         return top_k_routing(logits, 2, C, normalize=True, aux_alpha=self.aux_alpha, attempt=attempt)
 
 
@@ -324,7 +330,8 @@ class ExpertChoiceRouter(Router):
         return expert_choice_routing(self.scores(x), C)
 
 
-ROUTERS = {"topk": NoisyTopKRouter, "switch": SwitchRouter, "top2": Top2Router, "expert_choice": ExpertChoiceRouter}
+ROUTERS = {"topk": NoisyTopKRouter, "switch": SwitchRouter, "top2": Top2Router,
+           "expert_choice": ExpertChoiceRouter}
 
 
 def make_router(name: str, h: int, n_experts: int, **kwargs) -> Router:

@@ -251,7 +251,8 @@ def test_install_gradient_averaging_hooks_one_all_reduce_per_parameter(hooked, n
         nparams = len(res["param_nbytes"])
         assert res["ops"] == ["all_reduce"] * nparams, \
             f"rank {r}: collectives {res['ops']}; expected one comm.all_reduce per parameter ({nparams})"
-        assert res["nbytes"] == res["param_nbytes"], f"rank {r}: all-reduce sizes are not the parameters' sizes"
+        assert res["nbytes"] == res["param_nbytes"], \
+            f"rank {r}: all-reduce sizes are not the parameters' sizes"
         assert res["handles"] == nparams, f"rank {r}: return one hook handle per parameter"
 
 
@@ -319,7 +320,8 @@ def test_accumulate_gradients_matches_one_big_batch(ex, n):
         _assert_grads(res["grads"], ref, f"rank {r} of {n}, {k} micro-batches")
         rows = slice(r * k * MICRO_ROWS, (r + 1) * k * MICRO_ROWS)
         _, local_loss = _reference(x[rows], y[rows])  # the mean over this rank's k micro-batches
-        assert isinstance(res["loss"], float), f"return the mean loss as a float, got {type(res['loss']).__name__}"
+        assert isinstance(res["loss"], float), \
+            f"return the mean loss as a float, got {type(res['loss']).__name__}"
         assert res["loss"] == pytest.approx(local_loss, rel=1e-5), f"rank {r}: mean loss"
 
 
@@ -331,7 +333,8 @@ def test_accumulate_gradients_communicates_once_per_k_micro_batches(ex, k):
             f"rank {r}: gradient elements all-reduced before each micro-batch: {res['synced_before']}; " \
             "run the first k-1 micro-batches under model.no_sync()"
         assert res["synced"] == res["numel"], \
-            f"rank {r}: {res['synced']} gradient elements all-reduced, expected every one once ({res['numel']})"
+            f"rank {r}: {res['synced']} gradient elements all-reduced, expected every one once " \
+            f"({res['numel']})"
 
 
 def test_accumulate_gradients_without_no_sync_communicates_every_micro_batch(ex):

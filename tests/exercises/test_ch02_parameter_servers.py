@@ -38,7 +38,8 @@ def test_ssp_can_read_brute_force(ex):
                 # proceeding would put w at clock c while the slowest is at min: allowed iff c - min <= s
                 expected = all(c - other <= s for other in clocks)
                 got = ex.ssp_can_read(c, clocks, s)
-                assert bool(got) == expected, f"worker {w} at clock {c}, clocks {clocks}, s={s}: expected {expected}"
+                assert bool(got) == expected, \
+                    f"worker {w} at clock {c}, clocks {clocks}, s={s}: expected {expected}"
 
 
 def test_ssp_can_read_bsp_and_asp(ex):
@@ -107,7 +108,8 @@ def test_ssp_schedule_matches_event_simulation(ex, s, seed):
     d = _durations(seed)
     start, worst = ex.ssp_schedule(d, s)
     ref, seen = _simulate(d, s)
-    assert [[float(x) for x in row] for row in start] == ref, f"s={s}: start times differ from the event simulation"
+    assert [[float(x) for x in row] for row in start] == ref, \
+        f"s={s}: start times differ from the event simulation"
     assert worst == max(seen), f"s={s}: max observed staleness {worst}, the simulation saw {max(seen)}"
     assert worst <= s, f"SSP with s={s} let a worker run {worst} clocks ahead"
 
@@ -118,7 +120,8 @@ def test_ssp_schedule_bsp_is_lockstep(ex):
     assert worst == 0
     finish_of = [max(start[w][c] + d[w][c] for w in range(len(d))) for c in range(len(d[0]))]
     for c in range(len(d[0])):
-        assert len({start[w][c] for w in range(len(d))}) == 1, f"BSP: iteration {c} starts at one time for all"
+        assert len({start[w][c] for w in range(len(d))}) == 1, \
+            f"BSP: iteration {c} starts at one time for all"
         if c:
             assert start[0][c] == finish_of[c - 1], "BSP: iteration c starts when the slowest finishes c - 1"
 
@@ -158,8 +161,9 @@ def _grads(times, seed=0):
     return [(torch.randn(3, 2, generator=g, dtype=torch.float64), t) for t in times]
 
 
-@pytest.mark.parametrize("times, k", [([3.0, 1.0, 2.0, 5.0], 2), ([1.0, 1.0, 1.0, 0.5], 2), ([2.0, 2.0, 2.0], 1),
-                                      ([4.0, math.inf, 1.0, 3.0, 2.0], 3), ([0.1, 0.2], 2)])
+@pytest.mark.parametrize("times, k",
+                         [([3.0, 1.0, 2.0, 5.0], 2), ([1.0, 1.0, 1.0, 0.5], 2), ([2.0, 2.0, 2.0], 1),
+                          ([4.0, math.inf, 1.0, 3.0, 2.0], 3), ([0.1, 0.2], 2)])
 def test_backup_workers_aggregate_first_k(ex, times, k):
     items = _grads(times)
     mean, dropped = ex.backup_workers_aggregate(items, k)
@@ -262,7 +266,8 @@ def _owner_by_scan(key, servers, v):
     return servers[min(after or points)[1]]
 
 
-@pytest.mark.parametrize("servers, v", [(["a", "b", "c"], 1), (["a", "b", "c", "d"], 16), ([0, 1], 4), (["solo"], 3)])
+@pytest.mark.parametrize("servers, v",
+                         [(["a", "b", "c"], 1), (["a", "b", "c", "d"], 16), ([0, 1], 4), (["solo"], 3)])
 def test_consistent_hash_server_matches_a_scan(ex, servers, v):
     for key in range(300):
         assert ex.consistent_hash_server(key, servers, virtual_nodes=v) == _owner_by_scan(key, servers, v), \

@@ -59,7 +59,8 @@ def test_gpipe_schedule_matches_the_library(ex, p, m):
     assert len(got) == p, f"one list per stage: {p} lists, got {len(got)}"
     assert got == _strings(schedules.gpipe(p, m))
     got[0].append("X")  # stages must not share one list
-    assert all(stage[-1] != "X" for stage in got[1:]), "every stage needs its own list (not p references to one)"
+    assert all(stage[-1] != "X" for stage in got[1:]), \
+        "every stage needs its own list (not p references to one)"
 
 
 @pytest.mark.parametrize("p,m", [(2, 3), (4, 4), (4, 8), (3, 7)])
@@ -114,8 +115,9 @@ def test_bubble_from_timeline_hand_worked(ex):
     two = [Event(0, "a", None, 0.0, 2.0), Event(1, "b", None, 1.0, 3.0)]
     assert ex.bubble_from_timeline(two, 2) == pytest.approx(1 / 3)  # T = 3, busy 2 + 2
     # overlapping and nested spans count once: stage 0 busy [0, 3) = 3, stage 1 [1, 2) + [3, 4) = 2
-    nested = [Event(0, "step", None, 0.0, 3.0), Event(0, "F0", None, 0.5, 1.0), Event(0, "B0", None, 2.0, 3.0),
-              Event(1, "F0", None, 1.0, 2.0), Event(1, "B0", None, 3.0, 4.0), Event(1, "F1", None, 1.5, 1.75)]
+    nested = [Event(0, "step", None, 0.0, 3.0), Event(0, "F0", None, 0.5, 1.0),
+              Event(0, "B0", None, 2.0, 3.0), Event(1, "F0", None, 1.0, 2.0),
+              Event(1, "B0", None, 3.0, 4.0), Event(1, "F1", None, 1.5, 1.75)]
     assert ex.bubble_from_timeline(nested, 2) == pytest.approx(1 - 5 / 8)
     # a stage with no events idles the whole step; the window starts at the first event, not 0
     assert ex.bubble_from_timeline([Event(0, "F0", None, 10.0, 12.0)], 3) == pytest.approx(2 / 3)
@@ -176,7 +178,8 @@ def test_zb_h1_from_1f1b_keeps_1f1b_and_adds_each_w_after_its_b(ex, p, m):
     for r, (old, new) in enumerate(zip(one_f_one_b, zb)):
         assert [a for a in new if a[0] != "W"] == old, f"stage {r}: F and B must keep their 1F1B order"
         ws = [a for a in new if a[0] == "W"]
-        assert ws == [f"W{i}" for i in range(m)], f"stage {r}: one W per microbatch, in microbatch order; got {ws}"
+        assert ws == [f"W{i}" for i in range(m)], \
+            f"stage {r}: one W per microbatch, in microbatch order; got {ws}"
         for i in range(m):
             assert new.index(f"W{i}") > new.index(f"B{i}"), f"stage {r}: W{i} must come after B{i}"
     check_dependencies(_as_schedule("zb-h1", zb, m))  # every stage can run its list: no deadlock
@@ -200,4 +203,5 @@ def test_zb_h1_from_1f1b_stays_in_the_memory_of_1f1b(ex, p, m):
     zb = ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(p, m)))
     sim = simulate(_as_schedule("zb-h1", zb, m))
     base = simulate(schedules.one_f_one_b(p, m))
-    assert max(sim.peak_stashed) == max(base.peak_stashed) == costmodel.pipeline_stashed_microbatches("1f1b", p, m, 0)
+    assert (max(sim.peak_stashed) == max(base.peak_stashed)
+            == costmodel.pipeline_stashed_microbatches("1f1b", p, m, 0))

@@ -177,7 +177,8 @@ def test_RowParallelLinear_matches_dense(ranks, t):
         cols = slice(r * K // t, (r + 1) * K // t)
         what = f"rank {r} of {t}"
         torch.testing.assert_close(res["y"], y, msg=lambda m: f"{what}, output Y: {m}")
-        torch.testing.assert_close(res["y_nobias"], y_nobias, msg=lambda m: f"{what}, output without bias: {m}")
+        torch.testing.assert_close(res["y_nobias"], y_nobias,
+                                   msg=lambda m: f"{what}, output without bias: {m}")
         assert res["grad_x"] is not None and res["grad_w"] is not None and res["grad_b"] is not None, \
             f"{what}: backward must return gradients for x_r, w_r and bias"
         torch.testing.assert_close(res["grad_x"], gx[..., cols], msg=lambda m: f"{what}, grad of x_r: {m}")
@@ -192,9 +193,12 @@ def test_RowParallelLinear_one_all_reduce_forward_none_backward(ranks, t):
         assert res["fwd_ops"] == ["all_reduce"], \
             f"rank {r} of {t}: forward ran {res['fwd_ops']}; expected exactly one comm.all_reduce"
         assert res["fwd_bytes"] == B * S * N * 4, \
-            f"rank {r} of {t}: forward all-reduced {res['fwd_bytes']} B; expected the output Y, {B * S * N * 4} B"
-        assert res["bwd_ops"] == [], f"rank {r} of {t}: backward ran {res['bwd_ops']}; it needs no communication"
-        assert res["nobias_ops"] == ["all_reduce"], f"rank {r} of {t}: without bias, forward ran {res['nobias_ops']}"
+            f"rank {r} of {t}: forward all-reduced {res['fwd_bytes']} B; expected the output Y, " \
+            f"{B * S * N * 4} B"
+        assert res["bwd_ops"] == [], \
+            f"rank {r} of {t}: backward ran {res['bwd_ops']}; it needs no communication"
+        assert res["nobias_ops"] == ["all_reduce"], \
+            f"rank {r} of {t}: without bias, forward ran {res['nobias_ops']}"
 
 
 # --- 2. vocab_parallel_cross_entropy ----------------------------------------------------------------
@@ -209,7 +213,8 @@ def test_vocab_parallel_cross_entropy_matches_full_logits(ranks, t, shift):
         loss = res[shift]["loss"]
         assert isinstance(loss, torch.Tensor) and loss.dim() == 0, \
             f"rank {r} of {t}: return a 0-dim tensor, got {loss!r}"
-        assert torch.isfinite(loss), f"rank {r} of {t}, logits shifted by {shift}: loss {loss}; subtract the max"
+        assert torch.isfinite(loss), \
+            f"rank {r} of {t}, logits shifted by {shift}: loss {loss}; subtract the max"
         torch.testing.assert_close(loss.float(), ref, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"rank {r} of {t}, logits shifted by {shift}: {m}")
 
@@ -236,7 +241,8 @@ def test_summa_matmul_matches_dense(ranks):
     c = a @ b
     for r, res in enumerate(_results(ranks, 4, "summa")):
         i, j = divmod(r, q)
-        torch.testing.assert_close(res["c"], _block(c, q, i, j), msg=lambda m: f"rank {r}, block C_{i}{j}: {m}")
+        torch.testing.assert_close(res["c"], _block(c, q, i, j),
+                                   msg=lambda m: f"rank {r}, block C_{i}{j}: {m}")
 
 
 def test_summa_matmul_broadcasts_along_rows_and_columns(ranks):
@@ -247,8 +253,8 @@ def test_summa_matmul_broadcasts_along_rows_and_columns(ranks):
         assert [e[0] for e in events] == ["broadcast"] * (2 * q), \
             f"rank {r}: ran {[e[0] for e in events]}; expected {2 * q} comm.broadcast calls (q of A, q of B)"
         assert all(e[1] == q for e in events), \
-            f"rank {r}: broadcast group sizes {[e[1] for e in events]}; broadcast within a grid row or column " \
-            f"({q} ranks), not the whole world"
+            f"rank {r}: broadcast group sizes {[e[1] for e in events]}; broadcast within a grid row or " \
+            f"column ({q} ranks), not the whole world"
         assert sorted(e[2] for e in events) == sorted([a_block] * q + [b_block] * q), \
             f"rank {r}: broadcast sizes {[e[2] for e in events]} B; expected q A blocks and q B blocks"
 

@@ -80,7 +80,8 @@ def _split(n, parts, seed):
 
 
 def _check_merged(got, ref_out, ref_lse, what, **tol):
-    assert isinstance(got, tuple) and len(got) == 2, f"{what}: return the pair (out, lse), got {type(got).__name__}"
+    assert isinstance(got, tuple) and len(got) == 2, \
+        f"{what}: return the pair (out, lse), got {type(got).__name__}"
     out, lse = got
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, \
         f"{what}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected {tuple(ref_out.shape)}, " \
@@ -122,7 +123,8 @@ def test_merge_attention_fully_masked_block(ex):
     early, late = list(range(2)), list(range(2, S))
     out_e, lse_e = _attend(q, k, v, early, causal)
     out_l, lse_l = _attend(q, k, v, late, causal)  # queries 0, 1 see none of these keys
-    assert torch.isneginf(lse_l[..., :2]).all() and out_l[..., :2, :].isnan().all()  # the setting is as described
+    # the setting is as described
+    assert torch.isneginf(lse_l[..., :2]).all() and out_l[..., :2, :].isnan().all()
     ref_out, ref_lse = _attend(q, k, v, range(S), causal)
     _check_merged(ex.merge_attention(out_e, lse_e, out_l, lse_l), ref_out, ref_lse,
                   "causal: keys 2.. are all in the future of queries 0 and 1 (lse -inf, out NaN)")
@@ -137,7 +139,8 @@ def test_merge_attention_fully_masked_block(ex):
     out, lse = ex.merge_attention(out_0, lse_0, out_0.clone(), lse_0.clone())
     assert not out.isnan().any() and (out == 0).all(), "a row empty in both blocks must get out = 0"
     assert torch.isneginf(lse).all(), "a row empty in both blocks must get lse = -inf"
-    _check_merged(ex.merge_attention(out, lse, out_e, lse_e), out_e, lse_e, "an empty merge result merged with a block")
+    _check_merged(ex.merge_attention(out, lse, out_e, lse_e), out_e, lse_e,
+                  "an empty merge result merged with a block")
 
 
 @pytest.mark.parametrize("scale", [200.0, 3000.0])
@@ -150,15 +153,16 @@ def test_merge_attention_large_logits_float32(ex, scale):
     got = ex.merge_attention(out_a, lse_a, out_b, lse_b)
     assert got[0].dtype == torch.float32, f"out must keep out_a's dtype float32, got {got[0].dtype}"
     _check_merged((got[0].double(), got[1].double()), ref_out, ref_lse,
-                  f"float32, scores scaled by {scale}: subtract max(lse_a, lse_b) before exp", rtol=1e-5, atol=1e-5)
+                  f"float32, scores scaled by {scale}: subtract max(lse_a, lse_b) before exp",
+                  rtol=1e-5, atol=1e-5)
 
 
 def test_merge_attention_gradients(ex):
     q, k, v = (x.requires_grad_() for x in _qkv(40))
     a, b = _split(NK, 2, 40)
     g = torch.Generator().manual_seed(41)
-    d_out, d_lse = torch.randn(B, H, S, D, generator=g, dtype=torch.float64), torch.randn(B, H, S, generator=g,
-                                                                                          dtype=torch.float64)
+    d_out = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    d_lse = torch.randn(B, H, S, generator=g, dtype=torch.float64)
     out, lse = ex.merge_attention(*_attend(q, k, v, a), *_attend(q, k, v, b))
     got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))
     ref_out, ref_lse = _attend(q, k, v, range(NK))
@@ -202,7 +206,8 @@ def test_zigzag_shard_matches_index_construction(ex, t, dim):
     for r in range(t):
         got = ex.zigzag_shard(x, t, r, dim=dim)
         want = x.index_select(dim, torch.tensor(_zigzag_index(seq, t, r)))
-        assert torch.equal(got, want), f"t={t}, rank {r}, dim {dim}: expected positions {_zigzag_index(seq, t, r)}"
+        assert torch.equal(got, want), \
+            f"t={t}, rank {r}, dim {dim}: expected positions {_zigzag_index(seq, t, r)}"
 
 
 def test_zigzag_shard_hand_worked(ex):
@@ -221,7 +226,8 @@ def test_zigzag_shard_rejects_indivisible_length(ex):
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 def test_zigzag_unshard_round_trip(ex, t):
     x = torch.randn(2, 6 * t, 3, generator=torch.Generator().manual_seed(t))
-    shards = [x.index_select(1, torch.tensor(_zigzag_index(6 * t, t, r))) for r in range(t)]  # built independently
+    # built independently
+    shards = [x.index_select(1, torch.tensor(_zigzag_index(6 * t, t, r))) for r in range(t)]
     assert torch.equal(ex.zigzag_unshard(shards), x), f"t={t}: unshard of the zigzag shards is not x"
     y = torch.randn(6 * t, 5, generator=torch.Generator().manual_seed(t + 10))
     got = ex.zigzag_unshard([ex.zigzag_shard(y, t, r, dim=0) for r in range(t)], dim=0)
@@ -246,7 +252,8 @@ def test_causal_work_contiguous_is_unbalanced(ex, seq, t):
     assert got == want, f"S={seq}, t={t}: got {got}, counted from the mask {want}"
     assert all(a < b for a, b in zip(got, got[1:])), f"later ranks do more causal work: {got}"
     # the last rank's share over the first's: 1 + 2(t-1) c/(c+1), which tends to 2t-1 as S grows
-    assert got[-1] / got[0] == pytest.approx(1 + 2 * (t - 1) * c / (c + 1)), f"last/first = {got[-1] / got[0]:.2f}"
+    assert got[-1] / got[0] == pytest.approx(1 + 2 * (t - 1) * c / (c + 1)), \
+        f"last/first = {got[-1] / got[0]:.2f}"
     with pytest.raises(ValueError, match="layout"):
         ex.causal_work(seq, t, "striped")
 
@@ -302,7 +309,7 @@ def _heads_to_seq(ex):
 
 
 def _bad_heads(ex):
-    r, t = dist.get_rank(), dist.get_world_size()
+    t = dist.get_world_size()
     n_head = {2: 3, 4: 6}[t]
     try:
         ex.ulysses_seq_to_heads(torch.zeros(UB, US // t, n_head, UD))
@@ -353,9 +360,11 @@ def test_ulysses_seq_to_heads_matches_slicing(ranks, t):
     for r, res in enumerate(_results(ranks, t, "seq_to_heads")):
         want = _head_slice(x, t, r)
         assert tuple(res["y"].shape) == tuple(want.shape), \
-            f"rank {r} of {t}: shape {tuple(res['y'].shape)}; expected (B, S, n_head/t, d) = {tuple(want.shape)}"
-        assert torch.equal(res["y"], want), f"rank {r} of {t}: not heads {r * UH // t}..{(r + 1) * UH // t - 1} " \
-                                            "of the global tensor, all positions"
+            f"rank {r} of {t}: shape {tuple(res['y'].shape)}; expected (B, S, n_head/t, d) = " \
+            f"{tuple(want.shape)}"
+        assert torch.equal(res["y"], want), \
+            f"rank {r} of {t}: not heads {r * UH // t}..{(r + 1) * UH // t - 1} " \
+            "of the global tensor, all positions"
         assert res["unchanged"], f"rank {r} of {t}: the input x_r was modified in place"
 
 
@@ -379,9 +388,11 @@ def test_ulysses_heads_to_seq_matches_slicing(ranks, t):
     for r, res in enumerate(_results(ranks, t, "heads_to_seq")):
         want = _seq_slice(y, t, r)
         assert tuple(res["x"].shape) == tuple(want.shape), \
-            f"rank {r} of {t}: shape {tuple(res['x'].shape)}; expected (B, S/t, n_head, d) = {tuple(want.shape)}"
-        assert torch.equal(res["x"], want), f"rank {r} of {t}: not positions {r * US // t}..{(r + 1) * US // t - 1} " \
-                                            "of the global tensor, all heads"
+            f"rank {r} of {t}: shape {tuple(res['x'].shape)}; expected (B, S/t, n_head, d) = " \
+            f"{tuple(want.shape)}"
+        assert torch.equal(res["x"], want), \
+            f"rank {r} of {t}: not positions {r * US // t}..{(r + 1) * US // t - 1} " \
+            "of the global tensor, all heads"
         _check_one_all_to_all(res["events"], f"rank {r} of {t}", UB * US * (UH // t) * UD * 4, t)
 
 
@@ -402,9 +413,11 @@ SHAPES = [(2048, 1, 4096, 32), (512, 4, 1024, 16), (8, 2, 12, 3)]  # (s, b, h, a
 def test_activation_bytes_per_layer_matches_korthikanti(ex, s, b, h, a, t, sp):
     got = ex.activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=sp)
     names = set(ex.SAVED_TENSORS)
-    assert set(got) == names, f"one entry per saved tensor: missing {names - set(got)}, extra {set(got) - names}"
+    assert set(got) == names, \
+        f"one entry per saved tensor: missing {names - set(got)}, extra {set(got) - names}"
     want = costmodel.activation_memory_bytes(s, b, h, a, layers=1, tp=t, sequence_parallel=sp)
-    assert sum(got.values()) == pytest.approx(want), f"t={t}, sequence_parallel={sp}: total {sum(got.values())}"
+    assert sum(got.values()) == pytest.approx(want), \
+        f"t={t}, sequence_parallel={sp}: total {sum(got.values())}"
 
 
 def test_activation_bytes_per_layer_what_sp_shards(ex):
@@ -414,7 +427,8 @@ def test_activation_bytes_per_layer_what_sp_shards(ex):
     sp = ex.activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=True)
     one = ex.activation_bytes_per_layer(s, b, h, a)
     assert sum(one.values()) == pytest.approx(sbh * (34 + 5 * a * s / h)), "t = 1 is the paper's eq. 1"
-    assert one["softmax_output"] == pytest.approx(2 * a * s * s * b) and one["gelu_input"] == pytest.approx(8 * sbh)
+    assert one["softmax_output"] == pytest.approx(2 * a * s * s * b)
+    assert one["gelu_input"] == pytest.approx(8 * sbh)
     replicated = [n for n in tp if tp[n] == pytest.approx(one[n])]  # what TP alone leaves whole on every rank
     assert sum(one[n] for n in replicated) == pytest.approx(10 * sbh), \
         f"TP leaves {replicated} replicated; the paper's 10sbh are the LayerNorm inputs, the inputs of the " \

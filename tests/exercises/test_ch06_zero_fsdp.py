@@ -76,8 +76,10 @@ def test_flatten_and_partition_matches_cat_and_chunk(ex, kind, n):
         assert flat.dim() == 1 and flat.dtype == tensors[0].dtype, \
             f"{what}: flat must be 1-D of the tensors' dtype, got shape {tuple(flat.shape)}, {flat.dtype}"
         torch.testing.assert_close(flat, ref_flat, rtol=0, atol=0, msg=lambda m: f"{what}, flat buffer: {m}")
-        assert shard.shape == (s,), f"{what}: shard has shape {tuple(shard.shape)}; expected ({s},), ceil(numel/n)"
-        torch.testing.assert_close(shard, ref_shards[rank], rtol=0, atol=0, msg=lambda m: f"{what}, shard: {m}")
+        assert shard.shape == (s,), \
+            f"{what}: shard has shape {tuple(shard.shape)}; expected ({s},), ceil(numel/n)"
+        torch.testing.assert_close(shard, ref_shards[rank], rtol=0, atol=0,
+                                   msg=lambda m: f"{what}, shard: {m}")
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
@@ -91,10 +93,12 @@ def test_flatten_and_partition_equal_shards_zero_padding(ex, kind, n):
     assert len(set(sizes)) == 1, f"n={n}: shard sizes {sizes} differ; every rank gets ceil(numel/n) elements"
     assert flat.numel() == n * sizes[0] and 0 <= flat.numel() - numel < n, \
         f"n={n}, {numel} elements: flat has {flat.numel()} = n x {sizes[0]}; pad to the least multiple of n"
-    assert torch.count_nonzero(flat[numel:]) == 0, f"n={n}: the padding {flat[numel:].tolist()} is not all zeros"
+    assert torch.count_nonzero(flat[numel:]) == 0, \
+        f"n={n}: the padding {flat[numel:].tolist()} is not all zeros"
     assert torch.count_nonzero(flat[:numel]) == numel, f"n={n}: the data (all nonzero) was not copied in full"
     torch.testing.assert_close(torch.cat([shard for _, shard, _ in results]), flat, rtol=0, atol=0,
-                               msg=lambda m: f"n={n}: the shards of ranks 0..n-1, concatenated, are not flat: {m}")
+                               msg=lambda m: f"n={n}: the shards of ranks 0..n-1, concatenated, "
+                                             f"are not flat: {m}")
 
 
 def test_flatten_and_partition_shard_is_a_view_and_inputs_untouched(ex):
@@ -104,7 +108,8 @@ def test_flatten_and_partition_shard_is_a_view_and_inputs_untouched(ex):
     s = shard.numel()
     shard.fill_(-7.0)
     assert torch.all(flat[s:2 * s] == -7.0), \
-        "writing into rank 1's shard did not change flat[S:2S]: the shard must be a view (a slice), not a copy"
+        "writing into rank 1's shard did not change flat[S:2S]: the shard must be a view (a slice), " \
+        "not a copy"
     assert torch.count_nonzero(flat[:s] == -7.0) == 0 and torch.count_nonzero(flat[2 * s:] == -7.0) == 0, \
         "the shard of rank 1 must be elements [S, 2S) of flat"
     for i, (t, b) in enumerate(zip(tensors, before)):
@@ -154,7 +159,8 @@ def test_unflatten_returns_views_into_flat(ex):
     offset = 0
     for i, (t, v) in enumerate(zip(tensors, views)):
         expected = torch.arange(offset, offset + t.numel(), dtype=flat.dtype).reshape(t.shape)
-        torch.testing.assert_close(v, expected, rtol=0, atol=0, msg=lambda m: f"tensor {i} of another buffer: {m}")
+        torch.testing.assert_close(v, expected, rtol=0, atol=0,
+                                   msg=lambda m: f"tensor {i} of another buffer: {m}")
         offset += t.numel()
     other.mul_(-1)  # an in-place write to the buffer (an all-gather, say) must show in every tensor
     assert all(torch.all(v <= 0) for v in views), \
@@ -261,8 +267,9 @@ def test_zero2_reduce_scatter_hook_keeps_shard_of_average_gradient(ranks, n):
             assert shard.shape == ref.shape, \
                 f"rank {r} of {n}: grad_shard has shape {tuple(shard.shape)}; expected ({ref.numel()},)"
             torch.testing.assert_close(shard, ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {r} of {n}, backward {step + 1}: the shard is not this "
-                                                     f"rank's slice of the gradient averaged over ranks: {m}")
+                                       msg=lambda m: f"rank {r} of {n}, backward {step + 1}: the shard is "
+                                                     "not this rank's slice of the gradient averaged over "
+                                                     f"ranks: {m}")
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -272,8 +279,9 @@ def test_zero2_reduce_scatter_hook_one_reduce_scatter_per_backward(ranks, n):
     for r, res in enumerate(_results(ranks, n, "zero2")):
         for step, got in enumerate(res["steps"]):
             assert got["events"] == [("reduce_scatter", padded * 4, n)], \
-                f"rank {r} of {n}, backward {step + 1}: ran {got['events']} (op, bytes, ranks); expected one " \
-                f"comm.reduce_scatter of the padded flat gradient, {padded} float32 = {padded * 4} B, over {n} ranks"
+                f"rank {r} of {n}, backward {step + 1}: ran {got['events']} (op, bytes, ranks); expected " \
+                f"one comm.reduce_scatter of the padded flat gradient, {padded} float32 = {padded * 4} B, " \
+                f"over {n} ranks"
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -281,8 +289,8 @@ def test_zero2_reduce_scatter_hook_frees_full_gradients(ranks, n):
     for r, res in enumerate(_results(ranks, n, "zero2")):
         for step, got in enumerate(res["steps"]):
             assert all(got["grads_none"]), \
-                f"rank {r} of {n}, backward {step + 1}: p.grad is None for {got['grads_none']}; ZeRO-2 keeps only " \
-                "the shard, set every p.grad to None once copied"
+                f"rank {r} of {n}, backward {step + 1}: p.grad is None for {got['grads_none']}; ZeRO-2 " \
+                "keeps only the shard, set every p.grad to None once copied"
         assert res["n_handles"] == 4, \
             f"rank {r} of {n}: returned {res['n_handles']} handles; expected one per parameter"
         after = res["after_remove"]
@@ -302,7 +310,8 @@ def _grads(steps, seed, rows=ROWS, cols=COLS):
 
 
 def test_adafactor_update_exact_for_rank_one_second_moment(ex):
-    """If every G_t * G_t is a multiple of one rank-1 matrix a b^T, so is the average V: factoring loses nothing."""
+    """If every G_t * G_t is a multiple of one rank-1 matrix a b^T, so is the average V: factoring loses
+    nothing."""
     g = torch.Generator().manual_seed(3)
     a = torch.rand(ROWS, generator=g, dtype=torch.float64) + 0.1
     b = torch.rand(COLS, generator=g, dtype=torch.float64) + 0.1
@@ -314,13 +323,16 @@ def test_adafactor_update_exact_for_rank_one_second_moment(ex):
         v = beta2 * v + (1 - beta2) * grad * grad
         update, row, col = ex.adafactor_update(grad, row, col, beta2, eps=0.0)
         torch.testing.assert_close(update, grad / v.sqrt(),
-                                   msg=lambda m: f"step {t + 1} (beta2 {beta2}): not G / sqrt(V) for rank-1 V: {m}")
+                                   msg=lambda m: f"step {t + 1} (beta2 {beta2}): not G / sqrt(V) "
+                                                 f"for rank-1 V: {m}")
 
 
 def test_adafactor_update_matches_torch_adafactor(ex):
-    """Three steps of torch.optim.Adafactor on one matrix, with clipping, weight decay and eps switched off."""
+    """Three steps of torch.optim.Adafactor on one matrix, with clipping, weight decay and eps switched
+    off."""
     lr, eps1, eps2, decay = 0.05, 1e-30, 1e-3, -0.8
-    w = torch.nn.Parameter(torch.randn(ROWS, COLS, dtype=torch.float64, generator=torch.Generator().manual_seed(4)))
+    w = torch.nn.Parameter(torch.randn(ROWS, COLS, dtype=torch.float64,
+                                       generator=torch.Generator().manual_seed(4)))
     opt = torch.optim.Adafactor([w], lr=lr, beta2_decay=decay, eps=(eps1, eps2), d=1e12, weight_decay=0.0,
                                 foreach=False)
     row, col = torch.zeros(ROWS, dtype=torch.float64), torch.zeros(COLS, dtype=torch.float64)
@@ -334,11 +346,13 @@ def test_adafactor_update_matches_torch_adafactor(ex):
         torch.testing.assert_close(row, state["row_var"].reshape(-1),
                                    msg=lambda m: f"step {t}: row averages differ from torch's row_var: {m}")
         torch.testing.assert_close(col, state["col_var"].reshape(-1),
-                                   msg=lambda m: f"step {t}: column averages differ from torch's col_var: {m}")
+                                   msg=lambda m: f"step {t}: column averages differ from torch's "
+                                                 f"col_var: {m}")
         # torch: w -= alpha * U with alpha = max(eps2, RMS(w)) * min(lr, 1/sqrt(t)) (no clipping at d = 1e12)
         alpha = max(eps2, before.norm().item() / math.sqrt(before.numel())) * min(lr, 1 / math.sqrt(t))
         torch.testing.assert_close(update, (before - w.detach()) / alpha,
-                                   msg=lambda m: f"step {t}: update differs from torch.optim.Adafactor's: {m}")
+                                   msg=lambda m: f"step {t}: update differs from "
+                                                 f"torch.optim.Adafactor's: {m}")
 
 
 def test_adafactor_update_state_is_rows_plus_cols(ex):
@@ -347,7 +361,8 @@ def test_adafactor_update_state_is_rows_plus_cols(ex):
     row, col = torch.rand(rows, dtype=torch.float64), torch.rand(cols, dtype=torch.float64)
     row0, col0, grad0 = row.clone(), col.clone(), grad.clone()
     update, new_row, new_col = ex.adafactor_update(grad, row, col, 0.9)
-    assert update.shape == grad.shape, f"update has shape {tuple(update.shape)}; expected grad's {tuple(grad.shape)}"
+    assert update.shape == grad.shape, \
+        f"update has shape {tuple(update.shape)}; expected grad's {tuple(grad.shape)}"
     assert new_row.shape == (rows,) and new_col.shape == (cols,), \
         f"state shapes {tuple(new_row.shape)}, {tuple(new_col.shape)}; expected ({rows},), ({cols},)"
     assert new_row.numel() + new_col.numel() == rows + cols < rows * cols, \

@@ -75,8 +75,8 @@ def test_optimal_segments_brute_force_least_peak(ex, n, layer, boundary):
     expected = min(k for k, p in peaks.items() if p == least)
     got = ex.optimal_segments(n, layer, boundary)
     assert isinstance(got, int) and 1 <= got <= n, f"n={n}: got {got!r}; expected an int k in 1..{n}"
-    assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B: k={got} has peak {peaks.get(got)} B; "
-                             f"the least peak is {least} B, first at k={expected}")
+    assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B: k={got} has peak "
+                             f"{peaks.get(got)} B; the least peak is {least} B, first at k={expected}")
 
 
 @pytest.mark.parametrize("n, layer, boundary", CASES)
@@ -85,16 +85,17 @@ def test_optimal_segments_brute_force_budget(ex, n, layer, boundary):
     for budget in sorted(set(peaks.values())) + [max(peaks.values()) + 1, 10 ** 9]:
         expected = min(k for k, p in peaks.items() if p <= budget)
         got = ex.optimal_segments(n, layer, boundary, budget_bytes=budget)
-        assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B, budget {budget} B: got k={got} "
-                                 f"(peak {peaks.get(got)} B); the fewest segments that fit are k={expected} "
-                                 f"(peak {peaks[expected]} B)")
+        assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B, budget {budget} B: got "
+                                 f"k={got} (peak {peaks.get(got)} B); the fewest segments that fit are "
+                                 f"k={expected} (peak {peaks[expected]} B)")
 
 
 @pytest.mark.parametrize("n", [4, 16, 25, 64, 144, 400, 1024])
 def test_optimal_segments_sqrt_n_for_equal_sizes(ex, n):
     root = math.isqrt(n)
     assert root * root == n
-    assert ex.optimal_segments(n, 1000, 1000) == root, f"n={n} equal layers and boundaries: expected k = √n = {root}"
+    assert ex.optimal_segments(n, 1000, 1000) == root, \
+        f"n={n} equal layers and boundaries: expected k = √n = {root}"
 
 
 def test_optimal_segments_sqrt_of_n_times_ratio(ex):
@@ -218,7 +219,8 @@ def test_RNGCheckpoint_restoring_the_rng_is_what_makes_it_right(ex):
     ref = _run(block, _plain, x)
     wrong = _run(block, lambda b, t: NoRestore.apply(b, t), x)
     # the test can fail: without the restore, the recomputed dropout mask differs
-    assert not torch.allclose(wrong[1], ref[1]), "a checkpoint without the RNG restore should give other gradients"
+    assert not torch.allclose(wrong[1], ref[1]), \
+        "a checkpoint without the RNG restore should give other gradients"
     _assert_same_grads(_run(block, lambda b, t: ex.rng_checkpoint(b, t), x), ref, "with the RNG restored")
 
 
@@ -263,7 +265,8 @@ def test_RNGCheckpoint_parameters_inside_fn_get_gradients(ex):
     x = _x()
     ref = _run(block, _plain, x)
     got = _run(block, lambda b, t: ex.rng_checkpoint(b, t), x)
-    assert all(g is not None and torch.count_nonzero(g) > 0 for g in got[2].values()), "some parameter got no grad"
+    assert all(g is not None and torch.count_nonzero(g) > 0 for g in got[2].values()), \
+        "some parameter got no grad"
     _assert_same_grads(got, ref, "no dropout")
 
 
@@ -357,10 +360,12 @@ def test_SelectiveAttention_keeps_no_s_by_s_tensor(ex):
     with SavedTensors() as sel:
         out = ex.selective_attention(q, k, v)
     square = [sh for sh in sel.shapes if sh[-2:] == (s, s)]
-    assert not square, f"selective attention kept s x s tensors {square}; keep only q, k, v (and maybe the output)"
+    assert not square, \
+        f"selective attention kept s x s tensors {square}; keep only q, k, v (and maybe the output)"
     allowed = {tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(out.shape)}
     assert sel.shapes and all(sh in allowed for sh in sel.shapes) and len(sel.shapes) <= 4, \
-        f"kept tensors of shapes {sel.shapes}; expected only q, k, v (and maybe the output), {sorted(allowed)}"
+        f"kept tensors of shapes {sel.shapes}; expected only q, k, v (and maybe the output), " \
+        f"{sorted(allowed)}"
     assert sel.numel < full.numel, "selective attention should keep less than plain attention"
 
 

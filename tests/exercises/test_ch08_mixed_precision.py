@@ -110,7 +110,8 @@ def test_scaler_update_edge_cases(ex):
     # the growth step: only when the clean count reaches the interval
     assert ex.scaler_update(8.0, 0, False, growth_interval=3) == (8.0, 1)
     assert ex.scaler_update(8.0, 2, False, growth_interval=3) == (16.0, 0)
-    assert ex.scaler_update(8.0, 0, False, growth_interval=1) == (16.0, 0), "interval 1: grow after every clean step"
+    assert ex.scaler_update(8.0, 0, False, growth_interval=1) == (16.0, 0), \
+        "interval 1: grow after every clean step"
     # an overflow resets the count, even one step short of growing
     assert ex.scaler_update(8.0, 2, True, growth_interval=3) == (4.0, 0)
     assert ex.scaler_update(8.0, 0, True, backoff_factor=0.25) == (2.0, 0)
@@ -124,7 +125,8 @@ def test_scaler_update_edge_cases(ex):
         expected = _kernel(scale, 0, False, 2.0, 0.5, 1)
         assert expected == (scale, 0), "sanity: the kernel keeps a scale that would overflow"
         got = ex.scaler_update(scale, 0, False, growth_interval=1)
-        assert got == expected and math.isfinite(got[0]), f"scale {scale} grown: got {got}, expected {expected}"
+        assert got == expected and math.isfinite(got[0]), \
+            f"scale {scale} grown: got {got}, expected {expected}"
     # ... but one that lands on fp32's largest number grows: 2 * (2^127 - 2^103) = max
     scale = 2.0 ** 127 - 2.0 ** 103
     assert _kernel(scale, 0, False, 2.0, 0.5, 1) == (big, 0)
@@ -213,15 +215,16 @@ def test_stochastic_round_to_bf16_gives_a_neighbour(ex):
     lo, hi, _ = _neighbours(x)
     o = out.double()
     ok = (o == lo) | (o == hi)
-    assert ok.all(), (f"x = {x[(~ok).any(0)][0].item()!r} rounded to a number that is not one of its two bf16 "
-                      "neighbours")
+    assert ok.all(), (f"x = {x[(~ok).any(0)][0].item()!r} rounded to a number that is not one of its two "
+                      "bf16 neighbours")
     # both neighbours occur (x is not representable): the rounding is random, not a fixed direction
     assert ((o == lo).any(0) & (o == hi).any(0)).float().mean() > 0.9
 
 
 def test_stochastic_round_to_bf16_keeps_representable_values(ex):
     g = torch.Generator().manual_seed(4)
-    x = (torch.randn(1000, generator=g) * 10.0 ** torch.randint(-8, 8, (1000,), generator=g)).to(torch.bfloat16)
+    x = torch.randn(1000, generator=g)
+    x = (x * 10.0 ** torch.randint(-8, 8, (1000,), generator=g)).to(torch.bfloat16)
     x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -2.0, 2.0 ** -133, torch.finfo(torch.bfloat16).max],
                                    dtype=torch.bfloat16)]).float()
     for seed in range(5):
@@ -233,7 +236,8 @@ def test_stochastic_round_to_bf16_keeps_representable_values(ex):
 def test_stochastic_round_to_bf16_special_values(ex):
     x = torch.tensor([INF, -INF, NAN, -NAN], dtype=torch.float32)
     # NaNs whose mantissa has only low bits set: truncating those bits alone would make them inf
-    low_nans = torch.tensor([0x7F800001, 0x7F800100, -0x007FFFFF, -0x007FF000], dtype=torch.int32)  # last two negative
+    # the last two are negative
+    low_nans = torch.tensor([0x7F800001, 0x7F800100, -0x007FFFFF, -0x007FF000], dtype=torch.int32)
     x = torch.cat([x, low_nans.view(torch.float32)])
     assert torch.isnan(x[2:]).all()
     for seed in range(20):
@@ -246,7 +250,8 @@ def test_stochastic_round_to_bf16_uses_only_the_generator(ex):
     x = _values(seed=5)
     state = torch.get_rng_state()
     a = ex.stochastic_round_to_bf16(x, torch.Generator().manual_seed(7))
-    assert torch.equal(torch.get_rng_state(), state), "the global random stream was used; draw from `generator`"
+    assert torch.equal(torch.get_rng_state(), state), \
+        "the global random stream was used; draw from `generator`"
     torch.manual_seed(123)
     b = ex.stochastic_round_to_bf16(x, torch.Generator().manual_seed(7))
     assert torch.equal(a, b), "the same generator seed must give the same rounding"
@@ -270,8 +275,8 @@ def test_stochastic_round_to_bf16_lets_tiny_updates_add_up(ex):
     # each step adds variance at most ulp^2/4 (ulp <= 2^-7 below 2); the mean over n weights
     se = math.sqrt(steps * (ulp ** 2) / 4 / n)
     mean = w_sr.double().mean().item()
-    assert abs(mean - target) < 5 * se, (f"after {steps} updates of {u}, stochastically rounded weights average "
-                                         f"{mean:.4f}; expected {target} (within {5 * se:.4f})")
+    assert abs(mean - target) < 5 * se, (f"after {steps} updates of {u}, stochastically rounded weights "
+                                         f"average {mean:.4f}; expected {target} (within {5 * se:.4f})")
     assert w_sr.dtype == torch.bfloat16
 
 
@@ -301,12 +306,15 @@ def test_kahan_bf16_update_single_steps(ex):
     new_w, new_c = ex.kahan_bf16_update(w, c, u)
     assert new_w.dtype == bf and new_c.dtype == bf
     # representable sums: exact, nothing lost; a tiny update: the weight stays, the compensation holds it
-    torch.testing.assert_close(new_w.double(), torch.tensor([1.5, 1.0, 1.0, 4.0 - 2.0 ** -6], dtype=torch.float64),
+    torch.testing.assert_close(new_w.double(),
+                               torch.tensor([1.5, 1.0, 1.0, 4.0 - 2.0 ** -6], dtype=torch.float64),
                                rtol=0, atol=0)
     assert new_c[0] == 0 and new_c[2] == 0 and new_c[3] == 0
-    assert new_c[1] == torch.tensor(1e-3).to(bf), f"the lost 1e-3 should be in the compensation, got {new_c[1]}"
+    assert new_c[1] == torch.tensor(1e-3).to(bf), \
+        f"the lost 1e-3 should be in the compensation, got {new_c[1]}"
     # the inputs are left alone
-    assert torch.equal(w, torch.tensor([1.0, 1.0, 1.0, 4.0], dtype=bf)) and torch.equal(c, torch.zeros(4, dtype=bf))
+    assert torch.equal(w, torch.tensor([1.0, 1.0, 1.0, 4.0], dtype=bf))
+    assert torch.equal(c, torch.zeros(4, dtype=bf))
 
 
 def test_kahan_bf16_update_tracks_the_exact_sum_of_tiny_updates(ex):
@@ -323,7 +331,8 @@ def test_kahan_bf16_update_tracks_the_exact_sum_of_tiny_updates(ex):
     err = (w.double() - ref.double()).abs() / _bf16_ulp(ref)
     assert err.item() <= 1.0, (f"after {steps} updates of {u} the weight is {w.item()}, the fp32 sum "
                                f"{ref.item():.5f}: {err.item():.2f} ulp apart (at most 1)")
-    assert w.item() > 1.25, f"the compensated weight should have moved to about {ref.item():.3f}, is {w.item()}"
+    assert w.item() > 1.25, \
+        f"the compensated weight should have moved to about {ref.item():.3f}, is {w.item()}"
 
 
 def test_kahan_bf16_update_random_updates_against_float64(ex):

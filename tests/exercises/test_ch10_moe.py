@@ -106,7 +106,8 @@ def test_top2_gating_with_capacity_computes_the_moe_layer(ex):
     # the einsums over GShard's tensors equal the layer written token by token
     T, E, h, cf = 24, 6, 5, 1.0
     g = torch.Generator().manual_seed(7)
-    x, W = torch.randn(T, h, generator=g, dtype=torch.float64), torch.randn(E, h, h, generator=g, dtype=torch.float64)
+    x = torch.randn(T, h, generator=g, dtype=torch.float64)
+    W = torch.randn(E, h, h, generator=g, dtype=torch.float64)
     logits = _logits(T, E, seed=8).requires_grad_(True)
     combine, dispatch, _ = ex.top2_gating_with_capacity(logits, cf)
     expert_in = torch.einsum("tec,th->ech", dispatch.to(x.dtype), x)
@@ -156,7 +157,8 @@ def test_load_balancing_loss_on_hand_made_router_outputs(ex):
     balanced = torch.arange(T) % N
     assert ex.load_balancing_loss(uniform, balanced, alpha).item() == pytest.approx(alpha)      # the minimum
     collapsed = F.one_hot(torch.zeros(T, dtype=torch.long), N).float()
-    assert ex.load_balancing_loss(collapsed, torch.zeros(T, dtype=torch.long), alpha).item() == pytest.approx(alpha * N)
+    top1 = torch.zeros(T, dtype=torch.long)
+    assert ex.load_balancing_loss(collapsed, top1, alpha).item() == pytest.approx(alpha * N)
     # half the tokens on expert 0 with probability 0.7, the rest spread: the formula by hand
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 6 + [[0.1, 0.3, 0.3, 0.3]] * 6)
     index = torch.tensor([0] * 6 + [1, 2, 3, 1, 2, 3])
@@ -233,7 +235,8 @@ def test_expert_choice_routing_lets_a_token_be_picked_by_many_or_none(ex):
 def test_expert_choice_routing_gates_are_differentiable_and_combine_token_by_token(ex):
     T, E, h = 18, 3, 4
     g = torch.Generator().manual_seed(3)
-    x, W = torch.randn(T, h, generator=g, dtype=torch.float64), torch.randn(E, h, h, generator=g, dtype=torch.float64)
+    x = torch.randn(T, h, generator=g, dtype=torch.float64)
+    W = torch.randn(E, h, h, generator=g, dtype=torch.float64)
     logits = _logits(T, E, seed=4).requires_grad_(True)
     gates, idx = ex.expert_choice_routing(logits, 1.5)
     out = torch.tanh(torch.einsum("ekh,ehj->ekj", x[idx], W)) * gates[..., None]   # [E, k, h]

@@ -87,11 +87,13 @@ def _count_traffic():
 
     def load(self, ptrs, mask, other, cache_policy, is_volatile):
         out = load0(self, ptrs, mask, other, cache_policy, is_volatile)
-        traffic.loads.append((np.asarray(ptrs.data)[np.asarray(mask.data, dtype=bool)], out.data.dtype.itemsize))
+        traffic.loads.append((np.asarray(ptrs.data)[np.asarray(mask.data, dtype=bool)],
+                              out.data.dtype.itemsize))
         return out
 
     def store(self, ptrs, value, mask, cache_policy):
-        traffic.stores.append((np.asarray(ptrs.data)[np.asarray(mask.data, dtype=bool)], value.data.dtype.itemsize))
+        traffic.stores.append((np.asarray(ptrs.data)[np.asarray(mask.data, dtype=bool)],
+                               value.data.dtype.itemsize))
         return store0(self, ptrs, value, mask, cache_policy)
 
     B.create_masked_load, B.create_masked_store = load, store
@@ -118,7 +120,8 @@ def test_bias_gelu_kernel_masks_the_tail(ex):
     x, b = _randn(M, N, g=g), _randn(N, g=g)
     buf = torch.full((M * N + 100,), float("nan"), device=_dev())
     ex.bias_gelu_kernel[(triton.cdiv(M * N, block),)](x, b, buf, M * N, N, BLOCK=block, APPROXIMATE=0)
-    torch.testing.assert_close(buf[: M * N].view(M, N).double(), _gelu_ref(x, b, "none"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(buf[: M * N].view(M, N).double(), _gelu_ref(x, b, "none"),
+                               rtol=1e-5, atol=1e-6)
     assert torch.isnan(buf[M * N:]).all(), "the kernel wrote past the end of its output"
 
 
@@ -176,7 +179,8 @@ def test_online_softmax_kernel_rescales_when_the_max_grows(ex):
     y = ex.online_softmax(x, block_size=16)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), torch.softmax(x.double(), -1), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(y.double().sum(-1), torch.ones(5, dtype=torch.float64, device=_dev()), rtol=0, atol=1e-5)
+    torch.testing.assert_close(y.double().sum(-1), torch.ones(5, dtype=torch.float64, device=_dev()),
+                               rtol=0, atol=1e-5)
 
 
 def test_online_softmax_kernel_fp16_and_strided_rows(ex):
@@ -325,7 +329,12 @@ def test_column_sum_kernel_matches_torch(ex, G, N, bg, bn):
     a = _randn(G, N, g=_gen(G + N))
     out = ex.column_sum(a, block_g=bg, block_n=bn)
     assert out.shape == (N,) and out.dtype == a.dtype
-    torch.testing.assert_close(out.double(), a.double().sum(0), rtol=1e-5, atol=1e-5)
+    # G float32 terms added in any order land within (G-1) * 2^-24 * sum|a| of the exact sum (Higham);
+    # the kernel's block order is its own, so hold it to that bound (a row lost or counted twice is ~1)
+    bound = (G - 1) * 2.0**-24 * a.double().abs().sum(0) * 1.01
+    err = (out.double() - a.double().sum(0)).abs()
+    assert (err <= bound).all(), \
+        f"column sum off by {err.max().item():.2e}, rounding allows {bound.max().item():.2e}"
 
 
 def test_column_sum_kernel_strided_rows_and_fp16_output(ex):

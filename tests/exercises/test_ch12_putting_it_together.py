@@ -57,7 +57,8 @@ def test_rank_to_coords_matches_the_rank_grid_for_every_shape(ex):
             got = ex.rank_to_coords(rank, dp, tp, pp)
             assert tuple(got) == tuple(grid.coords(rank)), f"rank {rank} of dp={dp} tp={tp} pp={pp}"
             d, t, p = got
-            assert mesh[p, d, t].item() == rank, f"rank {rank}: ({d}, {t}, {p}) is not where DeviceMesh puts it"
+            assert mesh[p, d, t].item() == rank, \
+                f"rank {rank}: ({d}, {t}, {p}) is not where DeviceMesh puts it"
 
 
 def test_rank_to_coords_worked_example(ex):
@@ -108,7 +109,8 @@ def test_group_ranks_match_the_rank_grid_and_the_device_mesh(ex, axis):
     for dp, tp, pp in SHAPES:  # every shape of 8 ranks among them
         size = {"dp": dp, "tp": tp, "pp": pp}[axis]
         got = ex.group_ranks(axis, dp, tp, pp)
-        assert got == RankGrid(dp * tp * pp, dp, tp, pp).groups(axis), f"{axis} groups of dp={dp} tp={tp} pp={pp}"
+        assert got == RankGrid(dp * tp * pp, dp, tp, pp).groups(axis), \
+            f"{axis} groups of dp={dp} tp={tp} pp={pp}"
         # DeviceMesh: a group along a mesh dimension is the ranks at fixed indices of the others
         mesh_groups = sorted(_mesh(dp, tp, pp).movedim(dim, -1).reshape(-1, size).tolist())
         assert got == mesh_groups, f"{axis} groups of dp={dp} tp={tp} pp={pp} differ from torch's mesh layout"
@@ -120,20 +122,24 @@ def test_group_ranks_partition_the_ranks_by_one_coordinate(ex):
         for axis, size in (("dp", dp), ("tp", tp), ("pp", pp)):
             groups = ex.group_ranks(axis, dp, tp, pp)
             assert len(groups) == n // size and all(len(g) == size for g in groups)
-            assert sorted(r for g in groups for r in g) == list(range(n)), "the groups must partition the ranks"
+            assert sorted(r for g in groups for r in g) == list(range(n)), \
+                "the groups must partition the ranks"
             for g in groups:
                 coords = [grid.coords(r)._asdict() for r in g]
                 assert [c[axis] for c in coords] == list(range(size)), "members listed by their coordinate"
                 for other in {"dp", "tp", "pp"} - {axis}:
-                    assert len({c[other] for c in coords}) == 1, f"an {axis} group must share its {other} rank"
+                    assert len({c[other] for c in coords}) == 1, \
+                        f"an {axis} group must share its {other} rank"
         # Megatron's point: TP groups are consecutive ranks, so they fit in a node
         assert ex.group_ranks("tp", dp, tp, pp) == [list(range(k, k + tp)) for k in range(0, n, tp)]
 
 
 def test_group_ranks_megatron_example(ex):
     # megatron/core/parallel_state.py, initialize_model_parallel's docstring: 16 GPUs, tensor 2, pipeline 4
-    assert ex.group_ranks("tp", 2, 2, 4) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
-    assert ex.group_ranks("dp", 2, 2, 4) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert ex.group_ranks("tp", 2, 2, 4) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
+                                             [14, 15]]
+    assert ex.group_ranks("dp", 2, 2, 4) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14],
+                                             [13, 15]]
     assert ex.group_ranks("pp", 2, 2, 4) == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
 
 
@@ -180,10 +186,12 @@ def test_fits_in_memory_model_states_follow_zero(ex):
         psi = costmodel.pipeline_stage_params(cfg, tp, pp)[0]
         states = []
         for zero in (0, 1, 2, 3):
-            _, parts = ex.fits_in_memory(cfg, 80e9, dp=dp, tp=tp, pp=pp, micro_batch=1, microbatches=8, zero=zero)
+            _, parts = ex.fits_in_memory(cfg, 80e9, dp=dp, tp=tp, pp=pp, micro_batch=1, microbatches=8,
+                                         zero=zero)
             state = parts["weights"] + parts["gradients"] + parts["optimizer"]
             # ZeRO §5.1 with fp16 weights and gradients and K = 12
-            assert math.isclose(state, costmodel.zero_memory_bytes(psi, dp, zero), rel_tol=1e-12), (tp, pp, dp, zero)
+            assert math.isclose(state, costmodel.zero_memory_bytes(psi, dp, zero), rel_tol=1e-12), \
+                (tp, pp, dp, zero)
             assert parts["buffers"] == 0 or zero == 3
             states.append(state)
         assert math.isclose(states[0], 16 * psi, rel_tol=1e-12) and math.isclose(states[3], 16 * psi / dp,
@@ -206,8 +214,8 @@ def test_fits_in_memory_activations_follow_korthikanti(ex):
                                                  costmodel.RECOMPUTE):
         if sp and tp == 1:
             continue
-        _, parts = ex.fits_in_memory(cfg, 80e9, dp=1, tp=tp, pp=pp, micro_batch=b, microbatches=m, recompute=r,
-                                     sequence_parallel=sp)
+        _, parts = ex.fits_in_memory(cfg, 80e9, dp=1, tp=tp, pp=pp, micro_batch=b, microbatches=m,
+                                     recompute=r, sequence_parallel=sp)
         want = costmodel.pipeline_activation_bytes(s, b, h, a, L, tp, pp, m, sp, r)
         assert math.isclose(parts["activations"], want, rel_tol=1e-12), (b, tp, pp, m, sp, r)
     # Korthikanti et al. 2022, eq. 1 (no parallelism, no recomputation), written out: s b h (34 + 5 a s / h)
@@ -241,15 +249,15 @@ def test_fits_in_memory_published_gpt3_175b(ex):
     # Megatron-LM trained GPT-3 175B on 1024 A100s with this configuration: it must fit
     pub, model = PUBLISHED["gpt3-175b"], get_model("gpt3-175b")
     dp = pub.gpus // (pub.tp * pub.pp)
-    c = planner.Config(pub.tp, pub.pp, dp, pub.micro_batch, model.global_batch // (dp * pub.micro_batch), pub.zero,
-                       pub.recompute)
+    c = planner.Config(pub.tp, pub.pp, dp, pub.micro_batch, model.global_batch // (dp * pub.micro_batch),
+                       pub.zero, pub.recompute)
     memory = GPUS[pub.gpu].memory_bytes
     fits, parts = _fits(ex, model, memory, c)
     assert fits, f"{c} needs {parts['total'] / 1e9:.1f} GB of {memory / 1e9:.0f}"
     # ...and 175B parameters at 16 bytes each (2.8 TB) do not fit on one GPU, whatever the recompute
     for r in costmodel.RECOMPUTE:
-        fits, parts = ex.fits_in_memory(model.as_cfg(), memory, dp=1, tp=1, pp=1, micro_batch=1, microbatches=1,
-                                        recompute=r)
+        fits, parts = ex.fits_in_memory(model.as_cfg(), memory, dp=1, tp=1, pp=1, micro_batch=1,
+                                        microbatches=1, recompute=r)
         assert not fits and parts["total"] > 16 * 175e9
 
 
@@ -305,7 +313,8 @@ def test_microbatches_for_bubble_is_the_smallest_valid_count(ex):
         assert math.isclose(costmodel.pipeline_bubble_fraction(schedule, p, m, v), ratio / (1 + ratio),
                             rel_tol=1e-12, abs_tol=1e-15)
         found += 1
-    assert found > 100 and missing > 20, f"sanity: both outcomes are exercised ({found} found, {missing} missing)"
+    assert found > 100 and missing > 20, \
+        f"sanity: both outcomes are exercised ({found} found, {missing} missing)"
 
 
 def test_microbatches_for_bubble_exact_boundaries(ex):
@@ -315,7 +324,8 @@ def test_microbatches_for_bubble_exact_boundaries(ex):
     # m must divide the per-replica batch: 48/(1*2) = 24 units; bubble 7/m <= 0.5 needs m >= 14: 24
     assert ex.microbatches_for_bubble(8, 0.5, 48, 1, micro_batch_size=2) == 24
     # interleaving divides the bubble by v, but needs m to be a multiple of p
-    assert ex.microbatches_for_bubble(4, 0.25, 64, 1, v=2) == 8  # 3/(2m) <= 1/4 needs m >= 6; 6 is no multiple of 4
+    # 3/(2m) <= 1/4 needs m >= 6; 6 is no multiple of 4
+    assert ex.microbatches_for_bubble(4, 0.25, 64, 1, v=2) == 8
 
 
 def test_microbatches_for_bubble_gpt3_175b(ex):

@@ -1,4 +1,5 @@
-"""Activation checkpointing: saved bytes, the best number of segments, recompute FLOPs, offload bytes.
+"""Chapter 07 — activation checkpointing: saved bytes, the best number of segments, recompute FLOPs,
+offload bytes.
 
 Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost": §4.3 (k segments, O(√n)
 memory for one extra forward), §4.4 (recursion: O(log n) memory for O(n log n) forward work).
@@ -14,12 +15,11 @@ bytes (what ``MemoryMeter`` calls activations); gradients in flight are not coun
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 from .compute import megatron_flops_per_step
 from .memory import RECOMPUTE
-
 
 
 def _check_chain(n_layers, layer_bytes, boundary_bytes):
@@ -55,8 +55,8 @@ def checkpoint_saved_bytes(n_layers: int, layer_bytes: float, boundary_bytes: fl
 
         peak = max( k·b + q·L,  r·b + (q+1)·L  [if r > 0] )
 
-    With k dividing n this is Chen's  k·b + (n/k)·L; otherwise it is at most k·b + ceil(n/k)·L. Special cases: ``segments=None`` → n·L; k = n (every layer) → n·b + L;
-    k = 1 → b + n·L.
+    With k dividing n this is Chen's  k·b + (n/k)·L; otherwise it is at most k·b + ceil(n/k)·L.
+    Special cases: ``segments=None`` → n·L; k = n (every layer) → n·b + L; k = 1 → b + n·L.
 
     ``checkpoint_last=False`` runs the last segment normally (as ``torch.utils.checkpoint.
     checkpoint_sequential`` and ``memory.checkpointing.checkpoint_sequential`` do: its backward
@@ -126,7 +126,7 @@ def log_checkpoint_saved_bytes(n_layers: int, layer_bytes: float, boundary_bytes
     return (1 + int(math.floor(math.log2(n_layers)))) * boundary_bytes + layer_bytes
 
 
-@lru_cache(maxsize=None)
+@cache
 def log_checkpoint_forwards(n_layers: int) -> int:
     """Layer forwards per step of the recursion in :func:`log_checkpoint_saved_bytes` (Chen §4.4).
 
@@ -195,7 +195,8 @@ def activation_offload_bytes(saved_bytes: float) -> dict:
     return {"to_host": saved_bytes, "to_device": saved_bytes, "total": 2 * saved_bytes}
 
 
-def segment_peak_bytes(layer_bytes: Sequence[int], boundary_bytes: Sequence[int], bounds: Sequence[int]) -> int:
+def segment_peak_bytes(layer_bytes: Sequence[int], boundary_bytes: Sequence[int],
+                       bounds: Sequence[int]) -> int:
     """Chen et al. 2016 (§4.3)'s memory model of ``checkpoint_sequential`` with segment boundaries
     ``bounds`` and uneven layers (the planner in ``memory.checkpointing`` minimises over it).
 
@@ -203,7 +204,8 @@ def segment_peak_bytes(layer_bytes: Sequence[int], boundary_bytes: Sequence[int]
     boundary_bytes[i]: the size of layer i's input, kept when a checkpointed segment starts at i.
     All segments but the last are checkpointed, so
 
-        peak = Σ_{checkpointed segments} boundary_bytes[start] + max_{segments} Σ_{i in segment} layer_bytes[i]
+        peak = Σ_{checkpointed segments} boundary_bytes[start]
+               + max_{segments} Σ_{i in segment} layer_bytes[i]
 
     (the kept boundaries + the largest segment while it is recomputed, or the last one as it runs).
     """

@@ -1,4 +1,4 @@
-"""Collectives under the alpha-beta model: the ring (bus-bandwidth factors of nccl-tests) and
+"""Chapter 00 — collectives under the alpha-beta model: the ring (bus-bandwidth factors of nccl-tests) and
 its latency-optimal rivals (recursive doubling, trees), and the least-squares fit of alpha, beta.
 
 Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
@@ -8,22 +8,13 @@ from __future__ import annotations
 
 import math
 
+from ...runtime.busbw import BUS_FACTORS, bus_bytes
+
 # --- collectives: the ring model ------------------------------------------------------------
 
-#: Bytes each rank sends per byte of the collective's full buffer, under the ring algorithm.
-#: These are the "bus bandwidth" factors of nccl-tests (PERFORMANCE.md): busbw = algbw * factor.
-#: The full buffer is the tensor being all-reduced / broadcast, the *unsharded* tensor of a
-#: reduce-scatter or all-gather, and a rank's whole input of an all-to-all.
-BUS_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,  # the sender is charged; counting both would double the wire
-}
-
+# BUS_FACTORS and bus_bytes (the ring's bytes per rank, nccl-tests' bus-bandwidth factors) are
+# defined once in runtime.busbw, where the comm meter charges every call with them; they are the
+# bandwidth term of the times below, and this package re-exports them.
 
 #: (alpha in s, beta in s/byte) of links the notebooks use for what-if predictions. beta is
 #: 1 / the nominal per-direction bandwidth of one device from the vendor's specification (H100
@@ -36,21 +27,6 @@ LINKS = {
     "InfiniBand NDR 400 Gb/s": (5e-6, 1 / 50e9),
     "Ethernet 100 Gb/s": (20e-6, 1 / 12.5e9),
 }
-
-def bus_bytes(op: str, nbytes: int, n: int) -> float:
-    """Bytes one rank puts on the wire for collective ``op`` on a buffer of ``nbytes`` over ``n`` ranks.
-
-    Ring model (Patarasuk & Yuan 2009; nccl-tests PERFORMANCE.md "bus bandwidth"):
-    all-reduce 2(n-1)/n * S, reduce-scatter and all-gather (n-1)/n * S, all-to-all (n-1)/n * S,
-    broadcast S. With n = 1 nothing moves.
-    """
-    if op not in BUS_FACTORS:
-        raise ValueError(f"unknown collective {op!r}; expected one of {sorted(BUS_FACTORS)}")
-    if n < 1:
-        raise ValueError(f"world size must be >= 1, got {n}")
-    if n == 1:
-        return 0.0
-    return BUS_FACTORS[op](n) * nbytes
 
 
 # Latency terms: how many sequential message steps each algorithm takes on n ranks.

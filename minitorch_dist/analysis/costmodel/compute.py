@@ -1,4 +1,4 @@
-"""Model size and compute: parameter counts, training FLOPs, model FLOPs utilisation.
+"""Chapter 00 — model size and compute: parameter counts, training FLOPs, model FLOPs utilisation.
 
 Kaplan et al. 2020 (6N FLOPs per token); Narayanan et al. 2021, Megatron-LM, §5.1 (FLOPs per
 step with and without recomputation); Chowdhery et al. 2022, PaLM, App. B (MFU).

@@ -1,4 +1,4 @@
-"""Data parallelism: gradient buckets and the overlapped all-reduce schedule of DDP.
+"""Chapter 01 — data parallelism: gradient buckets and the overlapped all-reduce schedule of DDP.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def bucket_assignment(param_bytes, cap_bytes, first_cap_bytes=None, keys=None) -
         raise ValueError(f"first bucket cap must be > 0 bytes, got {first_cap_bytes}")
     keys = [None] * len(param_bytes) if keys is None else list(keys)
     if len(keys) != len(param_bytes):
-        raise ValueError(f"{len(param_bytes)} parameter sizes but {len(keys)} keys; pass one key per parameter")
+        raise ValueError(f"{len(param_bytes)} parameter sizes but {len(keys)} keys; "
+                         "pass one key per parameter")
     buckets: list[list[int]] = []
     open_, open_bytes, open_key = [], 0, None
     for i, (nbytes, key) in enumerate(zip(param_bytes, keys)):

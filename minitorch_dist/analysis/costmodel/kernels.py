@@ -1,4 +1,5 @@
-"""Fused kernels: bytes moved eager vs fused, arithmetic intensity, and the roofline of a device.
+"""Chapter 11 — fused kernels: bytes moved eager vs fused, arithmetic intensity, and the roofline of a
+device.
 
 Williams, Waterman & Patterson 2009, "Roofline: An Insightful Visual Performance Model for
 Multicore Architectures", §2: a kernel that does ``F`` FLOPs and moves ``B`` bytes to and from
@@ -70,7 +71,8 @@ _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hal
 
 def device_spec(device) -> DeviceSpec:
     """A :class:`DeviceSpec` from itself or a key of :data:`DEVICES` ("h100-sxm", or "h100" for short).
-    To use a measured bandwidth instead of the datasheet's: ``device_spec("h100")._replace(memory_bandwidth=bw)``."""
+    To use a measured bandwidth instead of the datasheet's:
+    ``device_spec("h100")._replace(memory_bandwidth=bw)``."""
     if isinstance(device, DeviceSpec):
         return device
     key = _DEVICE_ALIASES.get(str(device).lower(), str(device).lower())
@@ -240,7 +242,8 @@ def cross_entropy_bytes(M: int, V: int, dtype_bytes=4, fused: bool = False, targ
     """
     _dims(M=M, V=V)
     if fused_passes not in (1, 2):
-        raise ValueError(f"fused_passes must be 1 (row held on chip) or 2 (streamed twice), got {fused_passes!r}")
+        raise ValueError("fused_passes must be 1 (row held on chip) or 2 (streamed twice), got "
+                         f"{fused_passes!r}")
     e, t = _size(dtype_bytes), _size(target_bytes)
     MV = M * V
     if fused:

@@ -1,4 +1,4 @@
-"""Memory: model states under mixed precision and ZeRO, and activation memory per layer.
+"""Chapter 00 — memory: model states under mixed precision and ZeRO, and activation memory per layer.
 
 Rajbhandari et al. 2020, ZeRO, §3 and §5; Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", §4.
@@ -11,7 +11,8 @@ from __future__ import annotations
 #: adafactor is approximate: its factored second moment (row + column sums, O(r+c) per r x c
 #: matrix) is neglected and an fp32 first moment is kept (beta1 > 0, as commonly run); with
 #: beta1 = 0 it is ~0, model that with "sgd_nomomentum". adamw_8bit: two 1-byte states (Dettmers 2022).
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 4, "sgd_nomomentum": 0, "adafactor": 4}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 4, "sgd_nomomentum": 0,
+                         "adafactor": 4}
 
 #: (weight bytes, gradient bytes, fp32 master-copy bytes) per parameter for each precision.
 PRECISIONS = {"fp32": (4, 4, 0), "mixed": (2, 2, 4)}

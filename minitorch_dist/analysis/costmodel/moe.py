@@ -1,4 +1,4 @@
-"""Mixture of experts: expert capacity, dropped tokens, parameters vs FLOPs, all-to-all bytes.
+"""Chapter 10 — mixture of experts: expert capacity, dropped tokens, parameters vs FLOPs, all-to-all bytes.
 
 Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
 Layer", §2 (noisy top-k gating: parameters grow with E, compute with k). Lepikhin et al. 2021,
@@ -67,7 +67,8 @@ def moe_capacity(tokens, n_experts, k=1, capacity_factor=1.0) -> int:
     _check_k(k, n_experts)
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float, Fraction)) \
             or not capacity_factor > 0 or math.isinf(capacity_factor):
-        raise ValueError(f"capacity_factor must be a finite number > 0 (1.0 = an even share), got {capacity_factor!r}")
+        raise ValueError("capacity_factor must be a finite number > 0 (1.0 = an even share), got "
+                         f"{capacity_factor!r}")
     cf = Fraction(str(capacity_factor)) if isinstance(capacity_factor, float) else Fraction(capacity_factor)
     return math.ceil(cf * tokens * k / n_experts)
 
@@ -124,7 +125,8 @@ def expected_dropped_tokens(tokens, n_experts, k=1, capacity_factor=1.0, probs=N
     if len(probs) != n_experts:
         raise ValueError(f"probs has {len(probs)} entries but there are n_experts = {n_experts}")
     if any(p < 0 for p in probs) or abs(sum(probs) - 1.0) > 1e-6:
-        raise ValueError(f"probs must be >= 0 and sum to 1 (a distribution over experts), got sum {sum(probs)}")
+        raise ValueError("probs must be >= 0 and sum to 1 (a distribution over experts), "
+                         f"got sum {sum(probs)}")
     if any(k * p > 1 + 1e-9 for p in probs):
         raise ValueError(f"k·probs[i] <= 1 is needed: a token picks each expert at most once (k = {k})")
     return sum(_binomial_excess(tokens, min(1.0, k * p), C) for p in probs)
@@ -163,7 +165,8 @@ def moe_params_per_token(hidden, d_ff, n_experts, n_moe_layers, k=1, n_dense_lay
     return n_moe_layers * (k * expert + router) + n_dense_layers * expert + shared_params
 
 
-def moe_flops_per_token(hidden, d_ff, n_experts, n_moe_layers, k=1, n_dense_layers=0, shared_params=0) -> float:
+def moe_flops_per_token(hidden, d_ff, n_experts, n_moe_layers, k=1, n_dense_layers=0,
+                        shared_params=0) -> float:
     """Forward matmul FLOPs per token, 2 per weight used (Kaplan et al. 2020 §2.1):
 
         2·shared_params + n_dense·4·h·d_ff + n_moe·(k·4·h·d_ff + 2·h·E)
@@ -200,7 +203,8 @@ def expert_parallel_send_matrix(counts, n_ranks):
     return [[sum(row[j * per:(j + 1) * per]) for j in range(n_ranks)] for row in counts]
 
 
-def all_to_all_bytes_moe(tokens, hidden, n=None, k=1, bytes_per_element=4, include_self=False, backward=False):
+def all_to_all_bytes_moe(tokens, hidden, n=None, k=1, bytes_per_element=4, include_self=False,
+                         backward=False):
     """Bytes each rank sends in the dispatch and combine all-to-alls of one expert-parallel MoE layer.
 
     GShard §2.2 / Algorithm 1: dispatch sends every kept assignment's h-vector to the rank that

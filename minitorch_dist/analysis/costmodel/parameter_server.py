@@ -1,4 +1,4 @@
-"""Parameter servers: bytes and time per step against ring all-reduce; HOGWILD!'s sparsity.
+"""Chapter 02 — parameter servers: bytes and time per step against ring all-reduce; HOGWILD!'s sparsity.
 
 Li et al. 2014, "Scaling Distributed Machine Learning with the Parameter Server" (OSDI), §3
 (push / pull of key ranges); Jiang et al. 2020, "A Unified Architecture for Accelerating
@@ -22,7 +22,8 @@ def _check_ps(num_params, n_workers, n_servers, bytes_per_element):
     if num_params < 0:
         raise ValueError(f"num_params must be >= 0, got {num_params}")
     if n_workers < 1 or n_servers < 1:
-        raise ValueError(f"need >= 1 worker and >= 1 server, got n_workers={n_workers}, n_servers={n_servers}")
+        raise ValueError(f"need >= 1 worker and >= 1 server, got n_workers={n_workers}, "
+                         f"n_servers={n_servers}")
     if bytes_per_element <= 0:
         raise ValueError(f"bytes_per_element must be > 0 (4 for fp32), got {bytes_per_element}")
 
@@ -61,7 +62,8 @@ def ps_bytes_per_step(num_params, n_workers, n_servers, bytes_per_element=4) -> 
     }
 
 
-def ps_step_time(num_params, n_workers, n_servers, alpha, beta, bytes_per_element=4, pipelined=False) -> float:
+def ps_step_time(num_params, n_workers, n_servers, alpha, beta, bytes_per_element=4,
+                 pipelined=False) -> float:
     """Alpha-beta time of one push + pull (Hockney model, :func:`.collectives.p2p_time`).
 
     Every message carries one server's slice, Ψ/S bytes. In the push a worker sends S of them and
@@ -112,7 +114,8 @@ def byteps_optimal_bytes(num_params, n_gpu_machines, k_cpu_machines, bytes_per_e
     if k >= n:
         return {"cpu_share": m / k, "gpu_share": 0.0, "bottleneck": float(m)}
     d = n * n + k * n - 2 * k
-    return {"cpu_share": 2 * (n - 1) * m / d, "gpu_share": (n - k) * m / d, "bottleneck": 2 * n * (n - 1) * m / d}
+    return {"cpu_share": 2 * (n - 1) * m / d, "gpu_share": (n - k) * m / d,
+            "bottleneck": 2 * n * (n - 1) * m / d}
 
 
 # --- HOGWILD! (Recht et al. 2011 §2) ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: the bubble of each schedule and the activations it stashes.
+"""Chapter 03 — pipeline parallelism: the bubble of each schedule and the activations it stashes.
 
 Huang et al. 2019 (GPipe); Narayanan et al. 2021 (PipeDream-2BW §3; Megatron-LM §2.2);
 Qi et al. 2024 (Zero Bubble Pipeline Parallelism §3).

@@ -1,4 +1,5 @@
-"""Number formats: fp32, fp16, bf16 and fp8 from their bit layout, and what a tensor loses in each.
+"""Chapter 08 — number formats: fp32, fp16, bf16 and fp8 from their bit layout, and what a tensor
+loses in each.
 
 IEEE 754-2008 §3.3-3.4 (binary32 = fp32, binary16 = fp16); Kalamkar et al. 2019, "A Study of
 BFLOAT16 for Deep Learning Training", §2 (bf16: fp32's 8 exponent bits, 7 mantissa bits);
@@ -226,7 +227,8 @@ def update_lost(weight, update, name):
     The rule (Micikevicius et al. 2018 §3.1): lost when |update| < ulp(weight) / 2. Exactly,
     since ties go to even and the gap below a power of two is half the gap above, this rounds
     ``weight + update`` (weight first rounded to the format) and compares. An fp16 weight of
-    1.0 ignores every update in [-2^-12, 2^-11] (2^-11 ≈ 4.9e-4): lr * grad is often smaller, which is why the update is applied to an fp32 master copy.
+    1.0 ignores every update in [-2^-12, 2^-11] (2^-11 ≈ 4.9e-4): lr * grad is often smaller, which is why the
+    update is applied to an fp32 master copy.
     Returns a bool, or a bool tensor for tensor arguments (broadcast)."""
     w, scalar_w = _f64(weight)
     u, scalar_u = _f64(update)

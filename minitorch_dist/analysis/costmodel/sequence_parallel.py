@@ -1,4 +1,5 @@
-"""Sequence / context parallelism: the communication of Megatron-SP, DeepSpeed-Ulysses and ring attention.
+"""Chapter 05 — sequence / context parallelism: the communication of Megatron-SP, DeepSpeed-Ulysses and
+ring attention.
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.2.2
 (sequence parallelism: all-gather + reduce-scatter in place of each all-reduce). Jacobs et al.
@@ -25,7 +26,8 @@ from .collectives import bus_bytes
 
 def _check(batch, seq, hidden, t):
     if t < 1 or min(batch, seq, hidden) < 1:
-        raise ValueError(f"need t >= 1 and positive batch, seq, hidden; got t={t}, b={batch}, s={seq}, h={hidden}")
+        raise ValueError(f"need t >= 1 and positive batch, seq, hidden; got t={t}, "
+                         f"b={batch}, s={seq}, h={hidden}")
 
 
 def _check_seq(seq, t):
@@ -46,7 +48,8 @@ def sequence_parallel_collectives_per_layer() -> dict:
     pass whereas tensor together with sequence parallelism requires four all-gathers and four
     reduce-scatters." (An implementation that keeps only the sequence shard of a column-parallel
     layer's input re-gathers it for the weight gradient: +2 all-gathers backward, not counted.)"""
-    return {"forward": {"all_gather": 2, "reduce_scatter": 2}, "backward": {"all_gather": 2, "reduce_scatter": 2}}
+    return {"forward": {"all_gather": 2, "reduce_scatter": 2},
+            "backward": {"all_gather": 2, "reduce_scatter": 2}}
 
 
 def sequence_parallel_bytes_per_layer(batch, seq, hidden, t, bytes_per_element=2) -> float:

@@ -1,4 +1,4 @@
-"""Tensor (intra-layer) model parallelism: the communication of Megatron-LM's layers.
+"""Chapter 04 — tensor (intra-layer) model parallelism: the communication of Megatron-LM's layers.
 
 Shoeybi et al. 2019, "Megatron-LM", §3 (the f / g operators: one all-reduce in the forward and
 one in the backward per MLP and per attention block); Narayanan et al. 2021, "Efficient
@@ -21,7 +21,8 @@ def tensor_parallel_bytes_per_layer(batch, seq, hidden, t, bytes_per_element=2) 
     model: four all-reduces of b·s·h elements, each 2(t-1)/t of its buffer, i.e.
     ``8 b s h (t-1)/t`` elements (Narayanan et al. 2021, §3.2)."""
     if t < 1 or min(batch, seq, hidden) < 1:
-        raise ValueError(f"need t >= 1 and positive batch, seq, hidden; got t={t}, b={batch}, s={seq}, h={hidden}")
+        raise ValueError(f"need t >= 1 and positive batch, seq, hidden; got t={t}, "
+                         f"b={batch}, s={seq}, h={hidden}")
     n_allreduce = sum(tensor_parallel_allreduces_per_layer().values())
     return n_allreduce * bus_bytes("all_reduce", batch * seq * hidden * bytes_per_element, t)
 
@@ -29,8 +30,9 @@ def tensor_parallel_bytes_per_layer(batch, seq, hidden, t, bytes_per_element=2) 
 def tensor_parallel_comm_time_per_layer(batch, seq, hidden, t, alpha, beta, bytes_per_element=2) -> float:
     """Seconds of tensor-parallel communication per transformer layer per step (forward and
     backward): four ring all-reduces of b·s·h elements, ``4 * [2(t-1) α + 2(t-1)/t · n β]``
-    with n = b·s·h·bytes (β in seconds per byte, as in :func:`allreduce_time`). They sit on the critical path: each one's output is the next op's
-    input, so none of it overlaps with compute (unlike DDP's bucketed gradient all-reduces)."""
+    with n = b·s·h·bytes (β in seconds per byte, as in :func:`allreduce_time`). They sit on the critical path:
+    each one's output is the next op's input, so none of it overlaps with compute (unlike DDP's bucketed
+    gradient all-reduces)."""
     if t < 1:
         raise ValueError(f"need t >= 1, got t={t}")
     if t == 1:

@@ -1,4 +1,5 @@
-"""3D parallelism (data x tensor x pipeline): what one GPU holds and sends when the three combine.
+"""Chapter 12 — 3D parallelism (data x tensor x pipeline): what one GPU holds and sends when the three
+combine.
 
 The planner (``analysis/planner.py``, chapter 12) composes the formulas of the other submodules;
 the few it needs that only exist once the axes are combined live here:
@@ -46,8 +47,8 @@ def pipeline_stage_params(cfg, tp: int = 1, pp: int = 1) -> list[int]:
     if pp < 1 or tp < 1:
         raise ValueError(f"need tp >= 1 and pp >= 1, got tp={tp}, pp={pp}")
     if cfg.n_layer % pp:
-        raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors of "
-                         f"{cfg.n_layer}")
+        raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors "
+                         f"of {cfg.n_layer}")
     count = lambda **kw: tensor_parallel_params_per_rank(_variant(cfg, **kw), tp)  # noqa: E731
     if pp == 1:
         return [count()]
@@ -89,7 +90,9 @@ def zero_dp_bytes_per_step(num_params, dp, stage, microbatches=1, bytes_per_elem
     """Bytes one rank sends per step for data parallelism, the collectives of
     :func:`zero_dp_collectives` on ``Psi = num_params`` elements of ``e`` bytes, ring model::
 
-        stages 0, 1:  2 Psi (n-1)/n e        stage 2:  (m + 1) Psi (n-1)/n e        stage 3:  3 m Psi (n-1)/n e
+        stages 0, 1:  2 Psi (n-1)/n e
+        stage 2:      (m + 1) Psi (n-1)/n e
+        stage 3:      3 m Psi (n-1)/n e
 
     With ``m = 1`` this is :func:`~.zero.zero_comm_bytes` (ZeRO §7.2).
     """
@@ -105,7 +108,8 @@ def zero_dp_time_per_step(num_params, dp, stage, alpha, beta, microbatches=1, by
     if dp < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
     full = num_params * bytes_per_element
-    return sum(k * collective_time(op, full, dp, alpha, beta) for op, k in zero_dp_collectives(stage, microbatches))
+    return sum(k * collective_time(op, full, dp, alpha, beta)
+               for op, k in zero_dp_collectives(stage, microbatches))
 
 
 def pipeline_p2p_message_bytes(batch, seq, hidden, tp=1, bytes_per_element=2, scatter_gather=True) -> float:
@@ -117,7 +121,8 @@ def pipeline_p2p_message_bytes(batch, seq, hidden, tp=1, bytes_per_element=2, sc
     the slices over NVLink, so ``b*s*h*e/t`` per rank; without it, ``b*s*h*e``.
     """
     if min(batch, seq, hidden, tp) < 1:
-        raise ValueError(f"need positive batch, seq, hidden and tp; got b={batch}, s={seq}, h={hidden}, t={tp}")
+        raise ValueError(f"need positive batch, seq, hidden and tp; got b={batch}, "
+                         f"s={seq}, h={hidden}, t={tp}")
     full = batch * seq * hidden * bytes_per_element
     return full / tp if scatter_gather else full
 

@@ -1,4 +1,4 @@
-"""ZeRO beyond memory: bytes on the wire per stage, the paper's Table 1, and offload traffic.
+"""Chapter 06 — ZeRO beyond memory: bytes on the wire per stage, the paper's Table 1, and offload traffic.
 
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", §5 (Table 1) and §7 (communication analysis); Ren et al. 2021, "ZeRO-Offload", §3;
@@ -58,7 +58,8 @@ def zero_table1(models=TABLE1_MODELS, dps=TABLE1_DP, k=12) -> dict:
 OFFLOAD_TIERS = ("cpu", "disk")
 
 
-def offload_bytes_per_step(shard_numel, where, k_bytes=8, param_bytes=4, grad_bytes=4, state_bytes=None) -> dict:
+def offload_bytes_per_step(shard_numel, where, k_bytes=8, param_bytes=4, grad_bytes=4,
+                           state_bytes=None) -> dict:
     """Bytes an offloaded optimizer moves per step for its shard of S = ``shard_numel`` elements.
 
     ZeRO-Offload (Ren et al. 2021, §3): the gradient shard goes down to the host, the host
@@ -87,3 +88,23 @@ def offload_bytes_per_step(shard_numel, where, k_bytes=8, param_bytes=4, grad_by
     disk = param_bytes * S + state if where == "disk" else 0
     return {"device_to_host": grad_bytes * S, "host_to_device": param_bytes * S,
             "disk_read": disk, "disk_write": disk}
+
+
+def fsdp_unit_elements(unit_numel: int, n_tensors: int, n: int, reshard_after_forward: bool = True) -> dict:
+    """Elements one FSDP unit of ``unit_numel`` parameters in ``n_tensors`` tensors puts into its
+    collectives per training step on n ranks (the buffers' sizes; the wire carries (n-1)/n of them).
+
+    ZeRO §7.2.2 / FSDP §3: the unit's flat buffer, padded to ``n*S`` with ``S = ceil(Psi_u / n)``,
+    is all-gathered before the forward and, when it was resharded after the forward, again before
+    the backward; its gradient is reduce-scattered once. The course's reduce-scatter carries one
+    has-a-gradient flag per tensor in each of the n chunks, so a parameter no rank computed a
+    gradient for is left alone by the optimizer (``memory.zero.fsdp_unit``)::
+
+        all_gather     (1 + reshard_after_forward) * n*S
+        reduce_scatter n*S + n*F          (F = n_tensors)
+    """
+    if n < 1 or unit_numel < 1 or n_tensors < 1:
+        raise ValueError(f"need n >= 1, unit_numel >= 1, n_tensors >= 1; got {n}, {unit_numel}, {n_tensors}")
+    padded = n * -(-unit_numel // n)
+    return {"all_gather": (2 if reshard_after_forward else 1) * padded,
+            "reduce_scatter": padded + n * n_tensors}

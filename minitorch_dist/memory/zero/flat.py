@@ -1,4 +1,4 @@
-"""Flat parameter buffers: many tensors as one padded 1-D buffer, cut into n equal shards.
+"""Chapter 06 — flat parameter buffers: many tensors as one padded 1-D buffer, cut into n equal shards.
 
 Every ZeRO stage (Rajbhandari et al. 2020, §5) and FSDP (Zhao et al. 2023, §3.2 "FlatParameter")
 works on a flat view of the parameters: one contiguous 1-D buffer holding every tensor end to
@@ -81,7 +81,8 @@ class FlatParams:
         """Each parameter's shaped view into ``flat`` (a full padded buffer): writes land in it."""
         if flat.numel() != self.padded_numel:
             raise ValueError(f"flat buffer has {flat.numel()} elements, expected {self.padded_numel}")
-        return [flat[off:off + k].view(shape) for off, k, shape in zip(self.offsets, self.numels, self.shapes)]
+        return [flat[off:off + k].view(shape)
+                for off, k, shape in zip(self.offsets, self.numels, self.shapes)]
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s ``S`` elements of ``flat``, a view."""

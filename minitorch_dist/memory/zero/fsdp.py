@@ -1,322 +1,418 @@
-"""ZeRO-3 / fully sharded data parallelism: parameters, gradients and optimizer state all sharded.
+"""Chapter 06 — ZeRO-3 / FSDP on any ``nn.Module``: ``fully_shard``, the way PyTorch's FSDP2 is called.
 
-Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models":
-§5.3 (P_os+g+p: each rank keeps 1/n of the parameters and gathers the rest only while a layer
-needs them) and §7.2.2 (its communication: 3Ψ per step instead of data parallelism's 2Ψ).
-Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", §3: units,
-the FlatParameter, resharding after use, forward and backward prefetching, and §3.2.2's hybrid
-sharding (HYBRID_SHARD: shard within a group of ranks, replicate across groups).
+Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p: each rank keeps 1/n of the parameters and gathers
+the rest only while a layer needs them) and §7.2.2 (3Ψ of traffic per step, 1.5x data parallelism);
+Zhao et al. 2023, "PyTorch FSDP", §3 (units, resharding, prefetching, hybrid sharding).
 
-**Units.** Every transformer ``Block`` is a unit, and a *root* unit holds the rest (``wte``,
-``wpe``, ``ln_f``, ``lm_head``; the tied ``lm_head.weight`` *is* ``wte.weight``, one parameter).
-Each unit flattens its parameters into one padded buffer (:class:`.flat.FlatParams`) and keeps
-only its own ``S = ceil(Ψ_u / n)`` elements as an ``nn.Parameter``: the model's ``.parameters()``
-are these shards, so any ``torch.optim`` optimizer updates the shard and nothing else.
+**How it is called** (bottom-up, as FSDP2)::
 
-**One step of one unit** (n ranks, Ψ_u elements padded to n·S)::
+    for block in model.blocks:
+        fully_shard(block)            # one unit per block: gathered before its forward, freed after
+    fully_shard(model)                # the root: one more unit of the leftover parameters
+    opt = torch.optim.AdamW(model.parameters())     # the shards, under their own names
+    loss = model(x, y)[1]; loss.backward(); opt.step()
 
-    forward:   all-gather shard -> full (n·S)       views of full become the unit's weights
-               run the unit;  free full             (storage resized to 0: "reshard")
-    backward:  all-gather shard -> the same full    the tensors autograd saved point into it
-               run the unit's backward -> grad full (n·S)
-               reduce-scatter(grad full) / n -> shard.grad;  free full and grad full
+Each call makes one unit of the parameters under ``module`` that no earlier call took
+(:class:`.fsdp_unit.FlatUnit`) and returns the same module, its class now also an
+:class:`FSDPModule` (FSDP2 swaps the class the same way): its ``forward`` gathers, runs, frees.
+Modules no call covers (no ``fully_shard`` on the root) stay *replicated*: their parameters are
+broadcast from rank 0 and their gradients all-reduced and averaged at the end of backward, as in
+chapter 01. So "shard the Linear and Embedding layers, keep the norms replicated" is just not
+calling ``fully_shard`` on the norms or the root.
 
-so per step Ψ is all-gathered twice and reduce-scattered once: ``3·Ψ·(n-1)/n`` elements on each
-rank's wire under the ring model, 1.5x the ``2·Ψ·(n-1)/n`` of ZeRO-1/2 (reduce-scatter + all-gather).
+**The root** is found at the first forward: the outermost module that runs and holds units (a
+global forward pre-hook looks for it once, then removes itself). Its :class:`ShardingState` is
+shared by its units: the order they ran in (each pass prefetches by the last pass's order: before a
+unit computes, the all-gather of the next one is issued, in forward and in backward), the
+replicated parameters, and the statistics (units and bytes gathered at once, a trace).
 
-**How backward re-gathers.** Each unit runs inside a custom ``autograd.Function``
-(:class:`_UnitFunction`). Its ``forward`` gathers, runs the unit *with grad enabled* (building the
-unit's own small graph, whose leaves are the gathered flat buffer and the detached input), frees
-the buffer by resizing its storage to 0 (as FSDP does) and returns detached outputs. Autograd
-calls its ``backward`` exactly when the gradient of the unit's output is ready -- that is the
-backward pre-hook: it resizes the storage back, all-gathers into it (the saved tensors are views of
-that storage, so they see the weights again), runs the unit's graph backward, reduce-scatters the
-flat gradient and returns it as the gradient of the shard, which autograd accumulates into
-``shard.grad``. Nothing is recomputed. The all-gather writes into a tensor autograd saved, which
-would bump its version counter and trip autograd's in-place check; the write is hidden with
-``torch.autograd._unsafe_preserve_version_counter``, whose docstring names exactly this use.
+**Each unit runs as one autograd node** (:class:`_UnitFunction`). Its ``forward`` gathers, runs the
+module *with grad enabled* on detached inputs (building the unit's own small graph, whose leaves
+are the gathered weights), frees the weights by resizing their storage to 0 and returns detached
+outputs. Autograd calls its ``backward`` exactly when the gradient of the unit's output is ready,
+which is FSDP's backward pre-hook: it re-gathers into the same storage (the saved tensors view it),
+runs the unit's graph backward, reduce-scatters the gradients and frees again. Nothing is recomputed.
 
-**Prefetch** (FSDP §3.3.2 backward, §3.3.3 forward). With ``prefetch=True`` a unit, before it
-computes, issues the all-gather of the next unit (``async_op=True``): in forward order (root,
-blocks 0..L-1) during forward, in reverse order (root, blocks L-1..0) during backward. The root's
-forward encloses the blocks' (it embeds, runs them, then the head), so the root stays gathered for
-the whole forward and the whole backward, and at most root + 2 blocks are full at once (root + 1
-without prefetch). (FSDP2 keeps the root gathered from forward into backward; we reshard it and
-gather it again, so every unit moves exactly the paper's 3Ψ_u.)
+**Hybrid sharding.** ``group`` shards (n_s ranks); ``replicate_group`` (n_r ranks holding the same
+shard) all-reduces the reduce-scattered gradient: ``hybrid_groups(n_s)`` builds both on a
+:class:`..parallelism.mesh.RankGrid`. Gradients are averaged over all n_s·n_r ranks.
 
-**Hybrid sharding.** ``group`` is the sharding group (n_s ranks); with ``replicate_group`` (n_r
-ranks holding the same shard) the reduce-scattered shard gradient is also all-reduced across it.
-Gradients are summed over all n_s·n_r ranks and divided by n_s·n_r: n ranks on B/n rows each
-compute the gradient of one process on the global batch (chapter 01's argument).
-
-Memory per rank (fp32, AdamW, Ψ_pad = Σ_u n_s·S_u): parameters 4Ψ_pad/n_s, gradients 4Ψ_pad/n_s,
-optimizer state 8Ψ_pad/n_s (+ a step counter per shard): ZeRO's (4+4+8)Ψ/n, plus, during a
-step, the gathered units above.
+Memory per rank (fp32, AdamW): parameters 4Ψ_pad/n_s, gradients 4Ψ_pad/n_s, optimizer state
+8Ψ_pad/n_s: ZeRO's (4+4+8)Ψ/n, plus, during a step, the gathered units (root + 2 with prefetch).
 """
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ...runtime import comm
-from .flat import FlatParams
+from ...parallelism.mesh import RankGrid
+from ...runtime import comm, require_process_group
+from .fsdp_unit import FlatUnit, MixedPrecisionPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardingState", "sharding_state",
+           "sharded_units", "full_state_dict", "hybrid_groups"]
 
 
-class FlatUnit:
-    """One FSDP unit: ``module``'s parameters as one sharded flat buffer (FSDP's FlatParameter).
+class ShardingState:
+    """What the units under one root share: the order they ran in, replicated parameters, statistics.
 
-    ``shard`` (an ``nn.Parameter``, registered on ``module`` as ``flat_shard``) is all this rank
-    keeps. ``full`` is the gathered padded buffer, also an ``nn.Parameter`` (so a memory meter
-    sees the weights saved for backward as parameters, not activations); its storage has 0 bytes
-    whenever the unit is resharded.
+    ``peak_gathered`` / ``peak_gathered_bytes``: the most units / bytes gathered at once since
+    ``reset_stats()``; ``trace``: ``(event, unit name, perf_counter)`` while ``record_trace``.
     """
 
-    def __init__(self, name, module, slots, owner, group=None, replicate_group=None):
-        self.name, self.module, self.owner = name, module, owner
-        self.group, self.replicate_group = group, replicate_group
-        self.n = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        # slots: (submodule, attribute) of every parameter reference; a tied parameter appears
-        # twice but is flattened once.
-        self.slots = [(m, a, getattr(m, a)) for m, a in slots]
-        unique = list({id(p): p for _, _, p in self.slots}.values())
-        self.flat = FlatParams(unique, self.n)
-        self.slot_index = [next(i for i, u in enumerate(unique) if u is p) for _, _, p in self.slots]
-        with torch.no_grad():
-            buf = self.flat.flatten([p.detach() for p in unique])
-            self.shard = nn.Parameter(self.flat.shard(buf, self.rank).clone())
-        self.full = nn.Parameter(torch.zeros_like(buf))
-        self.full_bytes = self.full.untyped_storage().nbytes()
-        self._free_storage()
-        for m, a, _ in self.slots:  # the weights become plain attributes, set to views while gathered
-            del m._parameters[a]
-            setattr(m, a, None)
-        module.register_parameter("flat_shard", self.shard)
-        self._pending = None  # (work, version guard) of an all-gather in flight
+    def __init__(self, root: nn.Module, units: list[FlatUnit]):
+        self.root, self.units = root, units
+        for name, m in root.named_modules():
+            if isinstance(m, FSDPModule) and m.fsdp_unit is not None and m.fsdp_unit in units:
+                m.fsdp_unit.name, m.fsdp_unit.state = name or "root", self
+        first = units[0]
+        self.group, self.replicate_group = first.group, first.replicate_group
+        taken = {id(p) for u in units for p in u.sharded}
+        self.replicated = [p for p in root.parameters() if id(p) not in taken]
+        self._sync_replicated()
+        self.order = {"forward": [], "backward": []}  # this pass
+        self.last = {"forward": [], "backward": []}  # the pass before: what prefetch follows
+        self.depth, self.callback_queued = 0, False
+        self.record_trace, self.trace_events = False, []
+        self.gathered_now, self.gathered_bytes_now = set(), 0
+        self.peak_gathered, self.peak_gathered_bytes = 0, 0
+        root.register_forward_pre_hook(lambda *_: self.begin_pass())
+        self.begin_pass()
 
-    # --- gather / free ----------------------------------------------------------------------
-    def _free_storage(self):
-        self.full.untyped_storage().resize_(0)
+    # --- order and prefetch ---------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        """A new forward of the root: the order recorded so far becomes the one to prefetch by."""
+        for k in ("forward", "backward"):
+            if self.order[k]:
+                self.last[k], self.order[k] = self.order[k], []
 
-    @property
-    def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0 or self._pending is not None
-
-    def issue_all_gather(self, async_op: bool):
-        """Re-allocate the full buffer and all-gather the shards into it (no-op if already there)."""
-        if self.gathered:
-            return
-        self.full.untyped_storage().resize_(self.full_bytes)
-        self.owner._note_gathered(self, +1)
-        guard = torch.autograd._unsafe_preserve_version_counter(self.full)  # remembers the version now
-        work = comm.all_gather(self.full.detach(), self.shard.detach(), group=self.group, async_op=async_op)
-        self.owner._trace("all_gather", self.name)
-        self._pending = (work, guard)
-
-    def wait(self):
-        """Make sure the full buffer holds this step's weights (gathering now if nobody prefetched)."""
-        if not self.gathered:
-            self.issue_all_gather(async_op=False)
-        if self._pending is None:  # gathered and already waited for
-            return
-        work, guard = self._pending
-        self._pending = None
-        with guard:  # the all-gather wrote into saved tensors: restore their version counter
-            if work is not None:
-                work.wait()
-
-    def free(self):
-        """Reshard: drop the full buffer (its storage), keep the shard."""
-        self._free_storage()
-        self.owner._note_gathered(self, -1)
-        self.owner._trace("free", self.name)
-
-    def bind(self):
-        """Point the module's weights at shaped views of the full buffer (made in the current grad mode)."""
-        # One split (its backward is one concatenation into the flat gradient), not a slice per
-        # tensor (each slice's backward would build a zero-padded buffer of the whole unit).
-        flat = self.flat
-        pieces = self.full.split([*flat.numels, flat.padding] if flat.padding else flat.numels)
-        views = [t.view(shape) for t, shape in zip(pieces, flat.shapes)]
-        for (m, a, _), i in zip(self.slots, self.slot_index):
-            setattr(m, a, views[i])
-
-    # --- gradients ----------------------------------------------------------------------------
-    def reduce_scatter_grad(self, full_grad: torch.Tensor) -> torch.Tensor:
-        """Average ``full_grad`` over every data-parallel rank; return this rank's shard of it."""
-        shard_grad = torch.empty_like(self.shard)
-        comm.reduce_scatter(shard_grad, full_grad.contiguous(), group=self.group)
-        world = self.n
-        if self.replicate_group is not None:
-            comm.all_reduce(shard_grad, group=self.replicate_group)
-            world *= dist.get_world_size(self.replicate_group)
-        self.owner._trace("reduce_scatter", self.name)
-        return shard_grad.div_(world)
-
-
-class _UnitFunction(torch.autograd.Function):
-    """A unit as one autograd node: gather -> run -> free forward; gather -> backward -> reduce-scatter -> free."""
-
-    @staticmethod
-    def forward(ctx, unit, run, shard, *inputs):
-        owner = unit.owner
+    def enter(self, unit: FlatUnit, kind: str) -> int:
+        """Record that ``unit`` starts its forward or backward; issue the next unit's all-gather."""
+        pos = len(self.order[kind])
+        self.order[kind].append(unit)
         unit.wait()
-        owner._prefetch_after(unit, backward=False)
-        owner._trace("forward", unit.name)
-        # The unit's own graph: leaves are the flat buffer and detached copies of the inputs.
-        detached = [x.detach().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in inputs]
-        with torch.enable_grad():
-            unit.bind()
-            outs = run(*detached)
-        owner._trace("forward_end", unit.name)
-        unit.free()
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        ctx.unit, ctx.inner_outs, ctx.inner_inputs = unit, outs, detached
-        ctx.set_materialize_grads(False)
-        return tuple(o.detach() if torch.is_tensor(o) else o for o in outs)
+        last = self.last[kind]
+        if unit.prefetch and pos + 1 < len(last):
+            last[pos + 1].issue_all_gather(async_op=True)
+        self.trace(kind, unit.name)
+        return pos
 
-    @staticmethod
-    def backward(ctx, *grad_outs):
-        unit, owner = ctx.unit, ctx.unit.owner
-        unit.wait()  # the backward pre-hook: re-gather into the storage the saved tensors view
-        owner._prefetch_after(unit, backward=True)
-        owner._trace("backward", unit.name)
-        pairs = [(o, g) for o, g in zip(ctx.inner_outs, grad_outs)
-                 if g is not None and torch.is_tensor(o) and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        owner._trace("backward_end", unit.name)
-        full_grad = unit.full.grad if unit.full.grad is not None else torch.zeros_like(unit.full)
-        shard_grad = unit.reduce_scatter_grad(full_grad)
-        unit.full.grad = None  # free the full gradient ...
-        unit.free()  # ... and the full parameters
-        input_grads = tuple(x.grad if torch.is_tensor(x) and x.requires_grad else None for x in ctx.inner_inputs)
-        ctx.inner_outs = ctx.inner_inputs = None
-        return (None, None, shard_grad, *input_grads)
+    # --- replicated parameters (those in no unit) ----------------------------------------------------
+    def _groups(self):
+        return [self.group, *([self.replicate_group] if self.replicate_group is not None else [])]
 
+    @torch.no_grad()
+    def _sync_replicated(self) -> None:
+        for p in self.replicated:  # every replica starts from rank 0's weights, as in data parallelism
+            for g in self._groups():
+                comm.broadcast(p.data, 0 if g is None else dist.get_global_rank(g, 0), group=g)
 
-class FullyShardedGPT(nn.Module):
-    """The GPT of ``models/gpt.py`` with ZeRO-3 sharding; built by :func:`fully_shard`.
+    def queue_end_of_backward(self) -> None:
+        """Called from the outermost unit's backward: average the replicated gradients at the end."""
+        if self.replicated and not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_replicated)
 
-    ``forward(idx, targets=None) -> (logits, loss)`` as the dense model. ``.parameters()`` are the
-    units' shards. ``full_state_dict()`` gathers the dense weights (a collective: every rank calls
-    it). ``trace`` (when ``record_trace`` is True) lists ``(event, unit, perf_counter)``;
-    ``peak_gathered`` is the most units, and ``peak_gathered_bytes`` the most bytes, full at once.
-    """
-
-    def __init__(self, model, group=None, prefetch=True, replicate_group=None):
-        super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError("fully_shard needs a process group: call it inside launch(fn, n)")
-        if not hasattr(model, "blocks"):
-            raise ValueError(f"fully_shard expects the GPT of models/gpt.py (with .blocks), got {type(model).__name__}")
-        if replicate_group is not None and group is None:
-            raise ValueError("replicate_group needs group: pass the sharding group too (see hybrid_groups)")
-        self.module, self.cfg, self.prefetch = model, model.cfg, prefetch
-        self.record_trace, self.trace = False, []
-        self.gathered_now, self.peak_gathered, self.gathered_bytes_now, self.peak_gathered_bytes = set(), 0, 0, 0
-        dense = dict(model.named_parameters())  # dense names (tied lm_head.weight appears as wte.weight)
-        blocks = list(model.blocks)
-
-        def slots(mod, skip=()):
-            return [(m, a) for mn, m in mod.named_modules() if not any(mn.startswith(s) for s in skip)
-                    for a, _ in m.named_parameters(recurse=False)]
-
-        self.units = [FlatUnit(f"blocks.{i}", b, slots(b), self, group, replicate_group)
-                      for i, b in enumerate(blocks)]
-        root = FlatUnit("root", model, slots(model, skip=("blocks.",)), self, group, replicate_group)
-        self.units.insert(0, root)
-        self.forward_order = self.units  # root, blocks 0..L-1
-        self.backward_order = [root] + self.units[:0:-1]  # root, blocks L-1..0
-        # dense name -> (unit, index of the tensor in its FlatParams), for full_state_dict
-        ids = {id(p): (u, i) for u in self.units for i, p in enumerate(u.flat.params)}
-        self.dense_names = {k: ids[id(p)] for k, p in dense.items()}
-        for u in self.units[1:]:  # a block runs through its unit's autograd node
-            u.module.forward = self._wrap(u, type(u.module).forward.__get__(u.module))
-
-    def _wrap(self, unit, run):
-        def forward(*inputs):
-            if not torch.is_grad_enabled():  # inference: gather, run, free; no graph to keep
-                unit.wait()
-                self._prefetch_after(unit, backward=False)
-                with torch.no_grad():
-                    unit.bind()
-                    out = run(*inputs)
-                unit.free()
-                return out
-            outs = _UnitFunction.apply(unit, run, unit.shard, *inputs)
-            return outs[0] if len(outs) == 1 else outs
-        return forward
-
-    def forward(self, idx, targets=None):
-        root = self.units[0]
-
-        def run(idx, *t):
-            logits, loss = type(self.module).forward(self.module, idx, *t)
-            return (logits,) if loss is None else (logits, loss)
-
-        outs = self._wrap(root, run)(idx, *(() if targets is None else (targets,)))
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        return outs[0], (outs[1] if len(outs) > 1 else None)
-
-    # --- bookkeeping ------------------------------------------------------------------------
-    def _prefetch_after(self, unit, backward: bool):
-        if not self.prefetch:
+    @torch.no_grad()
+    def _reduce_replicated(self) -> None:
+        """One all-reduce of ``[every replicated gradient | has-grad flags]``; a parameter no rank
+        computed a gradient for keeps ``grad = None``."""
+        self.callback_queued = False
+        ps = [p for p in self.replicated if p.requires_grad]
+        if not ps:
             return
-        order = self.backward_order if backward else self.forward_order
-        k = order.index(unit)
-        if k + 1 < len(order):
-            order[k + 1].issue_all_gather(async_op=True)
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
+                         + [ps[0].new_tensor([float(p.grad is not None) for p in ps])])
+        world = 1
+        for g in self._groups():
+            comm.all_reduce(flat, group=g)
+            world *= dist.get_world_size(g)
+        counts, off = flat[-len(ps):].tolist(), 0
+        for p, c in zip(ps, counts):
+            if c > 0:
+                p.grad = flat[off:off + p.numel()].view_as(p).div(world)
+            off += p.numel()
 
-    def _note_gathered(self, unit, delta):
+    # --- statistics -------------------------------------------------------------------------------
+    def note_gathered(self, unit: FlatUnit, delta: int) -> None:
         (self.gathered_now.add if delta > 0 else self.gathered_now.discard)(unit.name)
         self.gathered_bytes_now += delta * unit.full_bytes
         self.peak_gathered = max(self.peak_gathered, len(self.gathered_now))
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes_now)
 
-    def _trace(self, event, name):
+    def trace(self, event: str, name: str) -> None:
         if self.record_trace:
-            self.trace.append((event, name, time.perf_counter()))
+            self.trace_events.append((event, name, time.perf_counter()))
 
-    def reset_stats(self):
-        self.trace, self.peak_gathered, self.peak_gathered_bytes = [], len(self.gathered_now), self.gathered_bytes_now
+    def reset_stats(self) -> None:
+        self.trace_events = []
+        self.peak_gathered, self.peak_gathered_bytes = len(self.gathered_now), self.gathered_bytes_now
 
-    @torch.no_grad()
+
+class _UnitCall:
+    """One call of a unit: the module's forward, where the tensors sit in (args, kwargs), the outputs."""
+
+    def __init__(self, unit, forward, args, kwargs):
+        self.unit, self.forward = unit, forward
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.slots = [i for i, x in enumerate(self.leaves) if torch.is_tensor(x)]
+        self.out_leaves, self.out_spec, self.out_slots = None, None, None
+
+    def tensors(self):
+        return [self.leaves[i] for i in self.slots]
+
+    def run(self, tensors):
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, tensors):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        out = self.forward(*args, **kwargs)
+        self.out_leaves, self.out_spec = tree_flatten(out)
+        self.out_slots = [i for i, x in enumerate(self.out_leaves) if torch.is_tensor(x)]
+        return [self.out_leaves[i] for i in self.out_slots]
+
+    def output(self, tensors):
+        leaves = list(self.out_leaves)
+        for i, t in zip(self.out_slots, tensors):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.out_spec)
+
+
+class _UnitFunction(torch.autograd.Function):
+    """A unit as one autograd node: gather -> run -> free; gather -> backward -> reduce-scatter -> free."""
+
+    @staticmethod
+    def forward(ctx, call, handle, *tensors):
+        unit, state = call.unit, call.unit.state
+        ctx.outermost = state.depth == 0
+        state.depth += 1
+        try:
+            state.enter(unit, "forward")
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            with torch.enable_grad():
+                ctx.leaves = unit.bind()  # the unit's own graph: leaves are the gathered weights
+                try:
+                    outs = call.run(inputs)
+                finally:
+                    unit.unbind()
+        finally:
+            state.depth -= 1
+        state.trace("forward_end", unit.name)
+        if unit.reshard_after_forward:
+            unit.free()
+        ctx.call, ctx.inner_outs, ctx.inner_inputs = call, outs, inputs
+        ctx.set_materialize_grads(False)
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        unit, state = ctx.call.unit, ctx.call.unit.state
+        if ctx.outermost:
+            state.queue_end_of_backward()
+        state.enter(unit, "backward")  # re-gathers into the storage the saved tensors view
+        pairs = [(o, g) for o, g in zip(ctx.inner_outs, grad_outs) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        state.trace("backward_end", unit.name)
+        unit.reduce_grads(ctx.leaves)
+        unit.free()
+        grads = tuple(x.grad if x.requires_grad else None for x in ctx.inner_inputs)
+        ctx.call = ctx.leaves = ctx.inner_outs = ctx.inner_inputs = None
+        return (None, None, *grads)
+
+
+def _cast(tree, dtype):
+    return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x, tree)
+
+
+class FSDPModule:
+    """Put in front of a sharded module's class by :func:`fully_shard`: its forward runs the unit."""
+
+    def forward(self, *args, **kwargs):
+        unit = self.fsdp_unit
+        if unit is None:
+            return super().forward(*args, **kwargs)
+        if unit.state is None:
+            raise RuntimeError(f"{type(self).__name__} was sharded but its root was not found: call the "
+                               f"model (module(...)), not module.forward(...), so the root can be found")
+        mp = unit.mp
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast((args, kwargs), mp.param_dtype)
+        call = _UnitCall(unit, super().forward, args, kwargs)
+        if torch.is_grad_enabled():
+            out = call.output(_UnitFunction.apply(call, unit.handle, *call.tensors()))
+        else:  # inference: gather, run, free; no graph to keep
+            unit.state.enter(unit, "forward")
+            leaves = unit.bind()
+            try:
+                out = call.output(call.run([t for t in call.tensors()]))
+            finally:
+                unit.unbind()
+                unit.free()
+            del leaves
+        return _cast(out, mp.output_dtype) if mp.output_dtype is not None else out
+
     def full_state_dict(self) -> dict:
-        """``{dense name: full tensor}`` of the unsharded weights (a collective: all ranks call it)."""
-        fulls = {}
-        for u in self.units:
-            buf = u.flat.empty()
-            comm.all_gather(buf, u.shard.detach(), group=u.group)
-            fulls[u.name] = [v.clone() for v in u.flat.views(buf)]
-        return {k: fulls[u.name][i] for k, (u, i) in self.dense_names.items()}
+        """``{name: full tensor}`` of the unsharded weights (a collective: every rank calls it)."""
+        return full_state_dict(self)
 
 
-def fully_shard(model, group=None, prefetch=True, replicate_group=None) -> FullyShardedGPT:
-    """ZeRO-3 / FSDP for the GPT of ``models/gpt.py``: one unit per ``Block`` plus a root unit.
+_CLASSES: dict[type, type] = {}
+_UNCLAIMED: weakref.WeakSet = weakref.WeakSet()  # sharded modules whose root is not found yet
 
-    Every rank must build the same model (same seed) and call this. ``group``: the ranks that
-    shard the parameters (default: all). ``replicate_group``: the ranks holding the same shard as
-    this one (hybrid sharding; see :func:`hybrid_groups`). ``prefetch``: issue the next unit's
-    all-gather before computing the current one. The model is modified in place (its weights
-    become views of gathered buffers) and wrapped; use the returned module from then on.
+
+class _TensorSet:
+    """A set of tensors by identity that does not keep them alive (tensors compare by value)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t) -> None:
+        self._refs[id(t)] = weakref.ref(t)
+
+    def __contains__(self, t) -> bool:
+        r = self._refs.get(id(t))
+        return r is not None and r() is t
+
+
+_TAKEN = _TensorSet()  # original parameters some unit has taken
+_SHARDS = _TensorSet()  # the sharded parameters every unit put in their place
+_root_hook = None
+
+
+def _find_root(module, _inputs) -> None:
+    """Global forward pre-hook: the first module to run that holds unclaimed units is their root."""
+    global _root_hook
+    mine = [m for m in module.modules() if m in _UNCLAIMED]
+    units = [m.fsdp_unit for m in mine if m.fsdp_unit is not None]
+    if units:
+        ShardingState(module, units)
+    for m in mine:
+        _UNCLAIMED.discard(m)
+    if not _UNCLAIMED and _root_hook is not None:
+        _root_hook.remove()
+        _root_hook = None
+
+
+def _slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(submodule, name, parameter) under ``module`` not taken by a unit already (a tied one repeats)."""
+    sharded = {id(p) for u in sharded_units(module) for p in u.sharded}
+    out = []
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for a, p in m._parameters.items():
+            if p is None or id(p) in sharded:
+                continue
+            if p in _SHARDS:
+                raise ValueError(f"fully_shard: {mname or type(module).__name__} is inside a module that is "
+                                 "already sharded; call fully_shard bottom-up: "
+                                 "submodules first, then the root")
+            if p in _TAKEN:
+                raise ValueError(f"fully_shard: parameter {mname or type(module).__name__}.{a} is already in "
+                                 f"another unit (tied weights?); put every module that uses it in one unit: "
+                                 f"call fully_shard on a common parent (e.g. the root) instead")
+            out.append((m, a, p))
+    return out
+
+
+def _check(module, group, replicate_group, mp_policy, reshard_after_forward) -> None:
+    require_process_group("fully_shard")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard: this {type(module).__name__} is already sharded; call fully_shard "
+                         f"once per module, submodules first, then the root")
+    if replicate_group is not None and group is None:
+        raise ValueError("replicate_group needs group: pass the sharding group too (see hybrid_groups)")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"fully_shard: rank {dist.get_rank()} is not in group "
+                         f"{dist.get_process_group_ranks(group)}; call it only on the group's ranks")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+
+
+def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None, replicate_group=None,
+                prefetch: bool = True) -> nn.Module:
+    """Make ``module`` one FSDP unit (ZeRO-3) over ``group``; return it, now an :class:`FSDPModule`.
+
+    Call it on submodules first, then on the root. The unit takes every parameter under ``module``
+    that no earlier call took. Every rank of ``group`` must call it, in the same order (it
+    broadcasts rank 0's weights). ``reshard_after_forward``: free the gathered weights after
+    forward and gather again in backward (3Ψ of traffic), or keep them to backward (2Ψ, more
+    memory). ``mp_policy``: :class:`MixedPrecisionPolicy`. ``replicate_group``: the ranks holding
+    the same shard (hybrid sharding, see :func:`hybrid_groups`). ``prefetch``: before this unit
+    computes, issue the all-gather of the unit that ran next in the previous pass.
     """
-    return FullyShardedGPT(model, group=group, prefetch=prefetch, replicate_group=replicate_group)
+    global _root_hook
+    _check(module, group, replicate_group, mp_policy, reshard_after_forward)
+    slots = _slots(module)
+    unit = None  # a root whose submodules took every parameter is a unit with nothing to gather
+    if slots:
+        unit = FlatUnit(slots, group, replicate_group, mp_policy, reshard_after_forward)
+        unit.prefetch = prefetch
+        unit.flat.params = []  # drop the dense parameters: only the shard stays on this rank
+        for _, _, p in slots:
+            _TAKEN.add(p)
+        for p in unit.sharded:
+            _SHARDS.add(p)
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _CLASSES[cls]
+    module.fsdp_unit = unit
+    _UNCLAIMED.add(module)
+    if _root_hook is None:
+        _root_hook = nn.modules.module.register_module_forward_pre_hook(_find_root)
+    return module
+
+
+def sharded_units(module: nn.Module) -> list[FlatUnit]:
+    """The units under ``module`` (itself included), in module order."""
+    return [m.fsdp_unit for m in module.modules() if isinstance(m, FSDPModule) and m.fsdp_unit is not None]
+
+
+def sharding_state(module: nn.Module) -> ShardingState:
+    """The :class:`ShardingState` of ``module``'s units (it exists from the first forward on)."""
+    units = sharded_units(module)
+    if not units or units[0].state is None:
+        raise RuntimeError("no sharding state yet: fully_shard the model and run one forward first")
+    return units[0].state
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module) -> dict:
+    """``{name: full tensor}`` of the unsharded weights, named as in the dense model (a collective)."""
+    full = {}
+    for u in sharded_units(module):
+        buf = u.shard.new_empty(u.flat.padded_numel)
+        comm.all_gather(buf, u.shard.detach(), group=u.group)
+        for p, v in zip(u.sharded, u.flat.views(buf)):
+            full[id(p)] = v.clone()
+    return {k: full[id(p)] if id(p) in full else p.detach().clone() for k, p in module.named_parameters()}
 
 
 def hybrid_groups(shard_size: int):
-    """This rank's ``(group, replicate_group)`` on a 2-D grid: rows of ``shard_size`` consecutive
-    ranks shard, columns replicate. n = 4, shard_size = 2: shard {0,1} {2,3}; replicate {0,2} {1,3}.
-
-    ``dist.new_group`` is collective over the world, so every rank creates every group, in the same order.
+    """This rank's ``(group, replicate_group)`` on a 2-D :class:`RankGrid`: rows of ``shard_size``
+    consecutive ranks shard, columns replicate. n = 4, shard_size = 2: shard {0,1} {2,3}; replicate
+    {0,2} {1,3}. ``dist.new_group`` is collective, so every rank creates every group, in one order.
     """
+    require_process_group("hybrid_groups")
     n, r = dist.get_world_size(), dist.get_rank()
     if shard_size < 1 or n % shard_size:
         raise ValueError(f"world size {n} is not divisible by shard_size {shard_size}; "
                          f"pick a shard_size that divides it")
-    rows = [dist.new_group(list(range(i, i + shard_size))) for i in range(0, n, shard_size)]
-    cols = [dist.new_group(list(range(j, n, shard_size))) for j in range(shard_size)]
-    return rows[r // shard_size], cols[r % shard_size]
+    grid = RankGrid(n, dp=n // shard_size, tp=shard_size, pp=1)  # tp: the fast axis, consecutive ranks
+    mine = {}
+    for axis in ("tp", "dp"):
+        for ranks in grid.groups(axis):
+            g = dist.new_group(ranks)
+            if r in ranks:
+                mine[axis] = g
+    return mine["tp"], mine["dp"]

@@ -1,4 +1,5 @@
-"""Offload the optimizer off the compute device: to host memory (ZeRO-Offload) or to files (ZeRO-Infinity).
+"""Chapter 06 — offload the optimizer off the compute device: to host memory (ZeRO-Offload) or to files
+(ZeRO-Infinity).
 
 ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training", §4)
 keeps on the accelerator only what forward and backward need -- the parameters and, while they are
@@ -49,7 +50,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -74,7 +75,7 @@ class OffloadedOptimizer:
 
     >>> off = OffloadedOptimizer(shard, lambda ps: torch.optim.AdamW(ps, lr=1e-3), where="cpu")
     >>> off.step(grad_shard)        # grad down, AdamW on the host, updated shard up into ``shard``
-    >>> off.bytes_moved             # cumulative {"device_to_host", "host_to_device", "disk_read", "disk_write"}
+    >>> off.bytes_moved             # cumulative bytes: device_to_host, host_to_device, disk_read, disk_write
     >>> off.close()                 # with where="disk": removes the files (also on garbage collection)
 
     ``shard`` is this rank's 1-D parameter shard on the compute device; ``step`` updates it in place.
@@ -136,7 +137,8 @@ class OffloadedOptimizer:
         for state in self.optimizer.state.values():
             for key, t in list(state.items()):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().filename is None:
-                    mapped = self._mapped(key, t.numel(), t.dtype).view(t.shape)
+                    name = key if key not in self.files else f"{key}.{len(self.files)}"  # one file per tensor
+                    mapped = self._mapped(name, t.numel(), t.dtype).view(t.shape)
                     mapped.copy_(t)
                     state[key] = mapped  # the host copy is dropped here
 
@@ -195,7 +197,7 @@ class OffloadedOptimizer:
         if self._finalizer is not None:
             self._finalizer()  # removes the folder now; never runs twice
 
-    def __enter__(self) -> "OffloadedOptimizer":
+    def __enter__(self) -> OffloadedOptimizer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,5 +1,5 @@
-"""Run a pipeline schedule on real ranks: the tiny GPT cut into stages, activations sent forward
-and their gradients sent back, point to point.
+"""Chapter 03 — run a pipeline schedule on real ranks: the tiny GPT cut into stages, activations sent
+forward and their gradients sent back, point to point.
 
 Papers and systems:
 * GPipe, Huang et al. 2019, §2.2: cut the layers into consecutive stages and the batch into m
@@ -12,7 +12,7 @@ Papers and systems:
   ``_allreduce_word_embedding_grads``, in ``megatron/core/distributed/finalize_model_grads.py``).
 * Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §2: split the backward into B (gradient
   w.r.t. the stage input, which the previous stage waits for) and W (weight gradients, which
-  nobody waits for), so W can fill bubbles. See :func:`run_schedule` for how B/W are computed.
+  nobody waits for), so W can fill bubbles (:mod:`.zero_bubble` computes them).
 
 One rank per pipeline stage; rank r holds chunks ``c = 0..v-1`` = virtual stages ``c*p + r``. Every
 rank runs its own action list in order (:mod:`.schedules`)::
@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...models.gpt import GPT
-from ...runtime import comm
+from ...runtime import comm, require_process_group
+from .zero_bubble import LinearTap, b_params, backward_input, backward_weights
 
 __all__ = ["GPTStage", "split_gpt", "local_stages", "run_schedule", "PipelineResult", "sync_tied_embedding"]
 
@@ -130,13 +131,17 @@ def _embedding_group(ranks: tuple[int, int]):
     return _groups[key]
 
 
-def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None) -> bool:
+def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None, embedding_group=None) -> bool:
     """Sum the word-embedding gradient of the first stage (``wte``) and of the last (``lm_head``).
 
     With ``tie_embeddings`` one matrix E is both ``wte`` (stage 0) and ``lm_head`` (last stage), so
     ``dL/dE`` is the sum of the two uses. When those stages sit on different ranks each rank holds
     only its part in its copy of E; one all-reduce among the two ranks gives both the full sum, and
     since both copies started equal they stay equal after the same update. Returns whether it ran.
+
+    ``group``: the pipeline's process group (stage r = its rank r; default: the world).
+    ``embedding_group``: the group of the first and last stage when the caller made one (3D: the
+    mesh's embedding group); default: made here, once, by those two ranks.
     """
     n_vs = schedule.p * schedule.v
     first, last = schedule.placement(0)[0], schedule.placement(n_vs - 1)[0]
@@ -145,91 +150,22 @@ def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None) -> bo
     me = dist.get_rank(group)
     if me not in (first, last):
         return False
-    ranks = tuple(r if group is None else dist.get_global_rank(group, r) for r in (first, last))
+    if embedding_group is None:
+        embedding_group = _embedding_group(tuple(r if group is None else dist.get_global_rank(group, r)
+                                                 for r in (first, last)))
     stage = stages[0] if me == first else stages[schedule.placement(n_vs - 1)[1]]
-    weight = stage.wte.weight if me == first else stage.lm_head.weight
+    weight = stage.wte.weight if me == first else stage.lm_head.weight  # (vocab or vocab/t, n_embd)
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    comm.all_reduce(weight.grad, group=_embedding_group(ranks))
+    comm.all_reduce(weight.grad, group=embedding_group)  # in place: may be a view of a flat buffer
     return True
-
-
-# --- zero bubble: B = input gradient, W = weight gradient -----------------------------------------
-
-
-class _LinearTap:
-    """Forward hooks on every nn.Linear of a stage: while ``active`` holds a list, each call appends
-    ``(module, input, output)``. The output stays in the graph (B takes the gradient w.r.t. it)."""
-
-    def __init__(self, stages):
-        self.active = None
-        self.handles = [m.register_forward_hook(self._hook)
-                        for s in stages for m in s.modules() if isinstance(m, nn.Linear)]
-
-    def _hook(self, module, inputs, output):
-        if self.active is not None:
-            self.active.append((module, inputs[0].detach(), output))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def _b_params(stage: nn.Module) -> list[nn.Parameter]:
-    """Parameters whose gradient B computes itself: those of non-Linear modules (LayerNorm,
-    embeddings). A tied weight that is also an Embedding's belongs here, not to W."""
-    seen = {}
-    for m in stage.modules():
-        if not isinstance(m, nn.Linear):
-            for p in m.parameters(recurse=False):
-                if p.requires_grad:
-                    seen[id(p)] = p
-    return list(seen.values())
-
-
-def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
-    if g is not None:
-        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
-
-
-def _backward_input(y, g, x, taps, b_params):
-    """Qi et al. 2024 §2's B: dL/dx, plus the (cheap) non-Linear parameter gradients; no dW of any Linear.
-
-    ``torch.autograd.grad`` runs only the graph nodes on a path from ``y`` to the tensors asked for,
-    and inside a node computes only the gradients needed. Asking for the stage input, the output of
-    every Linear and the LayerNorm/embedding parameters leaves every Linear's weight and bias
-    unreached: each ``addmm`` backward computes ``dX = dY W`` and skips ``dW = dY^T X``. The Linear
-    outputs' gradients dY are returned, kept with the Linear's input X, and W computes ``dW``, ``db``
-    from them later: the same arithmetic as the fused backward, done at another time.
-    """
-    outs = [o for _, _, o in taps]
-    wants = ([x] if x is not None else []) + outs + b_params
-    grads = torch.autograd.grad(y, wants, g, allow_unused=True)
-    dx = grads[0] if x is not None else None
-    k = len(wants) - len(b_params)
-    dys = grads[k - len(outs):k]
-    for p, gp in zip(b_params, grads[k:]):
-        _accumulate(p, gp)
-    return dx, [(mod, xin, dy) for (mod, xin, _), dy in zip(taps, dys) if dy is not None]
-
-
-def _backward_weights(stash, b_ids: set) -> None:
-    """Qi et al. 2024 §2's W: for ``y = x W^T + b``, ``dW = dy^T x`` and ``db = sum(dy)`` over tokens."""
-    for mod, xin, dy in stash:
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), xin.reshape(-1, xin.shape[-1])
-        if mod.weight.requires_grad and id(mod.weight) not in b_ids:
-            _accumulate(mod.weight, dy2.t() @ x2)
-        if mod.bias is not None and mod.bias.requires_grad and id(mod.bias) not in b_ids:
-            _accumulate(mod.bias, dy2.sum(0))
 
 
 # --- the executor ------------------------------------------------------------------------------------
 
 
 def _check(schedule, stages, x, y, group):
-    if not dist.is_initialized():
-        raise RuntimeError("run_schedule needs torch.distributed initialised: call it inside a function "
-                           "run by launch(fn, schedule.p) (or under torchrun)")
+    require_process_group("run_schedule")
     n = dist.get_world_size(group)
     if n != schedule.p:
         raise ValueError(f"schedule {schedule.name!r} has p={schedule.p} stages but the pipeline group has "
@@ -246,6 +182,169 @@ def _check(schedule, stages, x, y, group):
     if x.shape[:1] != y.shape[:1] or x.shape[0] % schedule.m:
         raise ValueError(f"the global batch of {x.shape[0]} rows (targets: {y.shape[0]}) cannot be cut into "
                          f"m={schedule.m} equal microbatches; use a batch size that is a multiple of m")
+
+
+class _Messages:
+    """The step's point-to-point traffic. Every message is tagged (microbatch, receiving virtual stage,
+    activation|gradient); sends are non-blocking and kept alive until :meth:`wait`, receives block."""
+
+    def __init__(self, schedule, group, shape, like: torch.Tensor):
+        self.schedule, self.group, self.shape, self.like = schedule, group, shape, like
+        self.n_vs = schedule.p * schedule.v
+        self.pending: list = []  # (work, tensor): the tensor must outlive its send
+
+    def _peer(self, vs: int) -> int:
+        """Global rank holding virtual stage ``vs``."""
+        r = self.schedule.placement(vs)[0]
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _tag(self, mb: int, vs: int, grad: int) -> int:
+        return 2 * (mb * self.n_vs + vs) + grad
+
+    def send(self, t: torch.Tensor, vs_to: int, mb: int, grad: int) -> None:
+        t = t.detach().contiguous()
+        op = dist.P2POp(dist.isend, t, self._peer(vs_to), self.group, self._tag(mb, vs_to, grad))
+        self.pending.extend((w, t) for w in comm.batch_isend_irecv([op]))
+        self.pending[:] = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    def recv(self, vs_from: int, mb: int, vs: int, grad: int) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)  # (B/m, T, n_embd)
+        op = dist.P2POp(dist.irecv, buf, self._peer(vs_from), self.group, self._tag(mb, vs, grad))
+        for w in comm.batch_isend_irecv([op]):
+            w.wait()
+        return buf
+
+    def wait(self) -> None:
+        for w, _ in self.pending:
+            w.wait()
+
+
+class _StashCount:
+    """Observer of the activation stash: microbatches whose activations this rank holds (a chunk
+    counts 1/v), recorded as each action runs, and the peak."""
+
+    def __init__(self, v: int):
+        self.v, self.units, self.peak, self.held = v, 0, 0, []
+
+    def grow(self) -> None:  # an F stashed one chunk's activations
+        self.units += 1
+        self.peak = max(self.peak, self.units)
+
+    def shrink(self) -> None:  # the last backward step of a chunk freed them
+        self.units -= 1
+
+    def record(self) -> None:
+        self.held.append(self.units / self.v)
+
+
+class _Spans:
+    """Observer for an optional :class:`analysis.timeline.Timeline`: one span per action, and the
+    events added during this step."""
+
+    def __init__(self, timeline):
+        self.timeline = timeline
+        self.t0 = len(timeline.events) if timeline is not None else 0
+
+    def __call__(self, a):
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(str(a), category=a.kind, mb=a.mb, chunk=a.chunk)
+
+    def events(self) -> list:
+        return list(self.timeline.events[self.t0:]) if self.timeline is not None else []
+
+
+class _Runner:
+    """One rank's step: :meth:`run` executes an action; the F, B and W steps are methods.
+
+    ``state[(mb, chunk)]`` holds what a microbatch's chunk keeps from F to B (stage input ``x``,
+    output ``y``, the Linear taps) and, with a split backward, from B to W (``stash``).
+    """
+
+    def __init__(self, schedule, stages, x, y, group, timeline):
+        self.schedule, self.stages = schedule, stages
+        self.rank, self.n_vs, self.m = dist.get_rank(group), schedule.p * schedule.v, schedule.m
+        param = next(next(iter(stages.values())).parameters())
+        self.xs, self.ys = x.to(param.device).chunk(self.m), y.to(param.device).chunk(self.m)  # m x (B/m, T)
+        shape = (self.xs[0].shape[0], self.xs[0].shape[1], stages[0].cfg.n_embd)  # (B/m, T, n_embd)
+        self.messages = _Messages(schedule, group, shape, param)
+        self.split = schedule.splits_backward
+        self.taps = LinearTap(stages.values()) if self.split else None
+        self.b_params = {c: b_params(s) for c, s in stages.items()} if self.split else {}
+        self.b_ids = {c: {id(q) for q in ps} for c, ps in self.b_params.items()}
+        self.state: dict = {}
+        self.losses, self.actions = [], []
+        self.stash, self.spans = _StashCount(schedule.v), _Spans(timeline)
+
+    def run(self, a) -> None:
+        step = {"F": self.forward, "B": self.backward, "W": self.weights}.get(a.kind)
+        if step is None:
+            raise ValueError(f"unknown action kind {a.kind!r} in {a}; expected F, B or W")
+        step(a, self.schedule.virtual_stage(self.rank, a.chunk))
+        self.actions.append(str(a))
+
+    def forward(self, a, vs: int) -> None:
+        """F: the stage input (tokens, or the previous stage's activation), the stage, send its output on."""
+        inp = self.xs[a.mb] if vs == 0 else self.messages.recv(vs - 1, a.mb, vs, 0).requires_grad_(True)
+        self.stash.grow()
+        self.stash.record()
+        with self.spans(a):
+            st = self.state[(a.mb, a.chunk)] = {"x": None if vs == 0 else inp, "taps": []}  # taps: split B/W
+            if self.taps is not None:
+                self.taps.active = st["taps"]
+            if vs == self.n_vs - 1:
+                loss = self.stages[a.chunk](inp, self.ys[a.mb])
+                self.losses.append(loss.item())
+                st["y"] = loss / self.m  # mean of the m microbatch means = the batch mean
+            else:
+                st["y"] = self.stages[a.chunk](inp)  # (B/m, T, n_embd)
+            if self.taps is not None:
+                self.taps.active = None
+        if vs < self.n_vs - 1:
+            self.messages.send(st["y"], vs + 1, a.mb, 0)
+
+    def backward(self, a, vs: int) -> None:
+        """B: the output's gradient (1 on the last stage), backward, send dL/dx back. With a split
+        backward only the input and non-Linear gradients (:func:`.zero_bubble.backward_input`); W the rest."""
+        key = (a.mb, a.chunk)
+        st = self.state[key]
+        g = None if vs == self.n_vs - 1 else self.messages.recv(vs + 1, a.mb, vs, 1)
+        self.stash.record()
+        with self.spans(a):
+            if self.split:
+                dx, st["stash"] = backward_input(st.pop("y"), g, st.pop("x"), st.pop("taps"),
+                                                  self.b_params[a.chunk])
+            else:
+                torch.autograd.backward(st.pop("y"), g)
+                dx = None if st["x"] is None else st["x"].grad
+        if vs > 0:
+            self.messages.send(dx, vs - 1, a.mb, 1)
+        if not self.split:
+            del self.state[key]
+            self.stash.shrink()
+
+    def weights(self, a, vs: int) -> None:
+        """W: the Linear weight gradients from the (x, dy) pairs B kept
+        (:func:`.zero_bubble.backward_weights`)."""
+        self.stash.record()
+        with self.spans(a):
+            backward_weights(self.state.pop((a.mb, a.chunk))["stash"], self.b_ids[a.chunk])
+        self.stash.shrink()
+
+    def close(self) -> None:
+        if self.taps is not None:
+            self.taps.remove()
+
+    def result(self, memory) -> PipelineResult:
+        if self.state:
+            raise RuntimeError(f"rank {self.rank}: microbatches {sorted(self.state)} were never fully "
+                               f"backpropagated; the schedule is missing their B (or W) actions")
+        on_last = self.rank == self.schedule.placement(self.n_vs - 1)[0]
+        return PipelineResult(
+            rank=self.rank, loss=sum(self.losses) / self.m if on_last else None, losses=self.losses,
+            actions=self.actions, stashed=self.stash.held, peak_stashed=self.stash.peak / self.schedule.v,
+            events=self.spans.events(),
+            peak_activation_bytes=memory.peak["activations"] if memory is not None else None)
 
 
 def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: torch.Tensor,
@@ -268,107 +367,17 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
     ``peak_stashed`` and the per-action ``stashed`` counts, this step's timeline ``events``.
 
     When ``schedule.splits_backward`` (zero-bubble schedules), B computes the input gradient
-    and the non-Linear parameter gradients, W the Linear weight gradients (see ``_backward_input``).
+    and the non-Linear parameter gradients, W the Linear weight gradients (:mod:`.zero_bubble`).
     """
     _check(schedule, stages, x, y, group)
-    p, m, v = schedule.p, schedule.m, schedule.v
-    n_vs, r = p * v, dist.get_rank(group)
-    peer = (lambda q: q) if group is None else (lambda q: dist.get_global_rank(group, q))
-    param = next(next(iter(stages.values())).parameters())
-    xs, ys = x.to(param.device).chunk(m), y.to(param.device).chunk(m)
-    shape = (xs[0].shape[0], xs[0].shape[1], stages[0].cfg.n_embd)
-    split = schedule.splits_backward
-    taps = _LinearTap(stages.values()) if split else None
-    b_params = {c: _b_params(s) for c, s in stages.items()} if split else {}
-    b_ids = {c: {id(q) for q in ps} for c, ps in b_params.items()}
-
-    def tag(mb, vs, grad):  # one tag per message: (microbatch, receiving virtual stage, direction)
-        return 2 * (mb * n_vs + vs) + grad
-
-    sends: list = []
-
-    def send(t, vs_to, mb, grad):
-        t = t.detach().contiguous()
-        op = dist.P2POp(dist.isend, t, peer(schedule.placement(vs_to)[0]), group, tag(mb, vs_to, grad))
-        sends.extend((w, t) for w in comm.batch_isend_irecv([op]))  # keep t alive until sent
-        sends[:] = [(w, t) for w, t in sends if not w.is_completed()]
-
-    def recv(vs_from, mb, vs, grad):
-        buf = torch.empty(shape, dtype=param.dtype, device=param.device)
-        op = dist.P2POp(dist.irecv, buf, peer(schedule.placement(vs_from)[0]), group, tag(mb, vs, grad))
-        for w in comm.batch_isend_irecv([op]):
-            w.wait()
-        return buf
-
-    state: dict = {}  # (mb, chunk) -> dict(x=stage input, y=output, taps=..., stash=...)
-    units, peak, held, losses, actions = 0, 0, [], [], []
-    t0 = len(timeline.events) if timeline is not None else 0
+    runner = _Runner(schedule, stages, x, y, group, timeline)
     with contextlib.ExitStack() as cleanup:
         if memory is not None:
             cleanup.enter_context(memory.track())
-        if taps is not None:
-            cleanup.callback(taps.remove)
-        for a in schedule[r]:
-            vs = schedule.virtual_stage(r, a.chunk)
-            key = (a.mb, a.chunk)
-            if a.kind == "F":
-                inp = xs[a.mb] if vs == 0 else recv(vs - 1, a.mb, vs, 0).requires_grad_(True)
-                units += 1
-                held.append(units / v)
-                peak = max(peak, units)
-                with _span(timeline, a):
-                    st = state[key] = {"x": None if vs == 0 else inp, "taps": []}  # taps: zero bubble only
-                    if taps is not None:
-                        taps.active = st["taps"]
-                    if vs == n_vs - 1:
-                        loss = stages[a.chunk](inp, ys[a.mb])
-                        losses.append(loss.item())
-                        st["y"] = loss / m  # mean of the m microbatch means = the batch mean
-                    else:
-                        st["y"] = stages[a.chunk](inp)
-                    if taps is not None:
-                        taps.active = None
-                if vs < n_vs - 1:
-                    send(st["y"], vs + 1, a.mb, 0)
-            elif a.kind == "B":
-                st = state[key]
-                g = None if vs == n_vs - 1 else recv(vs + 1, a.mb, vs, 1)
-                held.append(units / v)
-                with _span(timeline, a):
-                    if split:
-                        dx, st["stash"] = _backward_input(st.pop("y"), g, st.pop("x"), st.pop("taps"),
-                                                          b_params[a.chunk])
-                    else:
-                        torch.autograd.backward(st.pop("y"), g)
-                        dx = None if st["x"] is None else st["x"].grad
-                if vs > 0:
-                    send(dx, vs - 1, a.mb, 1)
-                if not split:
-                    del state[key]
-                    units -= 1
-            elif a.kind == "W":
-                held.append(units / v)
-                with _span(timeline, a):
-                    _backward_weights(state.pop(key)["stash"], b_ids[a.chunk])
-                units -= 1
-            else:
-                raise ValueError(f"unknown action kind {a.kind!r} in {a}; expected F, B or W")
-            actions.append(str(a))
-        for w, _ in sends:
-            w.wait()
+        cleanup.callback(runner.close)
+        for a in schedule[runner.rank]:
+            runner.run(a)
+        runner.messages.wait()
         if sync_tied:
             sync_tied_embedding(stages, schedule, group)
-    if state:
-        raise RuntimeError(f"rank {r}: microbatches {sorted(state)} were never fully backpropagated; "
-                           f"the schedule is missing their B (or W) actions")
-    last_rank = schedule.placement(n_vs - 1)[0]
-    return PipelineResult(
-        rank=r, loss=sum(losses) / m if r == last_rank else None, losses=losses, actions=actions,
-        stashed=held, peak_stashed=peak / v, events=list(timeline.events[t0:]) if timeline is not None else [],
-        peak_activation_bytes=memory.peak["activations"] if memory is not None else None)
-
-
-def _span(timeline, a):
-    if timeline is None:
-        return contextlib.nullcontext()
-    return timeline.span(str(a), category=a.kind, mb=a.mb, chunk=a.chunk)
+    return runner.result(memory)

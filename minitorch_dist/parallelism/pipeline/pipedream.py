@@ -1,4 +1,4 @@
-"""Weight versions in flight under asynchronous pipelining: PipeDream and PipeDream-2BW.
+"""Chapter 03 — weight versions in flight under asynchronous pipelining: PipeDream and PipeDream-2BW.
 
 Without a flush at the end of every step, 1F1B never drains: stage r keeps running one forward
 and one backward, and the optimizer updates the weights while other microbatches are still in
@@ -60,7 +60,8 @@ class WeightVersions:
     def unstashed_mismatches(self) -> list[int]:
         """Per stage, how many backwards would have used different weights than their forward
         had the stage not stashed versions (why PipeDream needs stashing at all)."""
-        return [sum(f != b for f, b in zip(fw, lb)) for fw, lb in zip(self.forward_version, self.latest_at_backward)]
+        return [sum(f != b for f, b in zip(fw, lb))
+                for fw, lb in zip(self.forward_version, self.latest_at_backward)]
 
 
 def _replay_stage(acts, policy: str, m: int, n: int, batch_version: list[int] | None):

@@ -1,4 +1,5 @@
-"""Pipeline schedules as pure functions: ``(p, m[, v]) -> Schedule``, one action list per stage.
+"""Chapter 03 — pipeline schedules as pure functions: ``(p, m[, v]) -> Schedule``, one action list per
+stage.
 
 A schedule says, for each of the ``p`` pipeline stages (ranks), in which order it runs the
 forward (F) and backward (B) passes of the ``m`` microbatches of one training step. Zero-bubble
@@ -73,7 +74,8 @@ class Schedule:
 
     def table(self) -> str:
         """The schedule as text, one row per stage: ``stage 0 | F0 F1 B0 ...``."""
-        return "\n".join(f"stage {r} | " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.stages))
+        return "\n".join(f"stage {r} | " + " ".join(str(a) for a in acts)
+                         for r, acts in enumerate(self.stages))
 
     def __str__(self) -> str:
         return self.table()
@@ -207,7 +209,8 @@ def zb_h1(p: int, m: int) -> Schedule:
     """
     _check(p, m)
     if m < p:
-        raise ValueError(f"ZB-H1 needs at least as many microbatches as stages: m={m} < p={p}; use m={p} or more")
+        raise ValueError("ZB-H1 needs at least as many microbatches as stages: "
+                         f"m={m} < p={p}; use m={p} or more")
     stages = []
     for r in range(p):
         warmup = p - r - 1
@@ -261,16 +264,21 @@ def validate_structure(schedule: Schedule) -> None:
         seen: dict[tuple[str, int, int], int] = {}
         for pos, a in enumerate(acts):
             if a.kind not in kinds:
-                raise ValueError(f"{schedule.name} stage {r} step {pos}: unknown kind in {a} (expected {kinds})")
+                raise ValueError(f"{schedule.name} stage {r} step {pos}: "
+                                 f"unknown kind in {a} (expected {kinds})")
             if not (0 <= a.mb < m and 0 <= a.chunk < v):
-                raise ValueError(f"{schedule.name} stage {r} step {pos}: {a} outside m={m} microbatches, v={v} chunks")
+                raise ValueError(f"{schedule.name} stage {r} step {pos}: "
+                                 f"{a} outside m={m} microbatches, v={v} chunks")
             if (a.kind, a.mb, a.chunk) in seen:
-                raise ValueError(f"{schedule.name} stage {r}: {a} runs twice (steps {seen[a.kind, a.mb, a.chunk]} and {pos})")
+                raise ValueError(f"{schedule.name} stage {r}: {a} runs twice (steps "
+                                 f"{seen[a.kind, a.mb, a.chunk]} and {pos})")
             seen[a.kind, a.mb, a.chunk] = pos
             before = kinds[kinds.index(a.kind) - 1] if a.kind != "F" else None
             if before and (before, a.mb, a.chunk) not in seen:
-                raise ValueError(f"{schedule.name} stage {r} step {pos}: {a} runs before {Action(before, a.mb, a.chunk)}")
-        missing = [str(Action(k, i, c)) for k in kinds for i in range(m) for c in range(v) if (k, i, c) not in seen]
+                raise ValueError(f"{schedule.name} stage {r} step {pos}: {a} runs before "
+                                 f"{Action(before, a.mb, a.chunk)}")
+        missing = [str(Action(k, i, c)) for k in kinds for i in range(m) for c in range(v)
+                   if (k, i, c) not in seen]
         if missing:
             raise ValueError(f"{schedule.name} stage {r} never runs {', '.join(missing[:6])}"
                              + (" ..." if len(missing) > 6 else ""))

@@ -1,5 +1,5 @@
-"""Time a pipeline schedule from action durations: each stage's timeline, makespan, bubble, and
-the activations it stashes; and check that the schedule can run at all (no deadlock).
+"""Chapter 03 — time a pipeline schedule from action durations: each stage's timeline, makespan,
+bubble, and the activations it stashes; and check that the schedule can run at all (no deadlock).
 
 A :class:`~.schedules.Schedule` only fixes the *order* of work on each stage. Time follows from
 two rules (the discrete-event model behind GPipe's Fig. 2, Huang et al. 2019, and Megatron-LM's
@@ -90,12 +90,14 @@ def _check_structure(schedule: Schedule) -> None:
     """Every (microbatch, chunk) has exactly one F and one B (and one W iff split) on its stage."""
     p, m, v = schedule.p, schedule.m, schedule.v
     if len(schedule.stages) != p:
-        raise ValueError(f"schedule {schedule.name!r} has {len(schedule.stages)} stage lists for p={p} stages")
+        raise ValueError(f"schedule {schedule.name!r} has {len(schedule.stages)} stage lists for p={p} "
+                         "stages")
     kinds = ("F", "B", "W") if schedule.splits_backward else ("F", "B")
     for r, acts in enumerate(schedule.stages):
         for a, n in Counter(acts).items():
             if a.kind not in kinds:
-                raise ValueError(f"stage {r} has action {a} of unknown kind {a.kind!r}; expected one of {kinds}")
+                raise ValueError(f"stage {r} has action {a} of unknown kind {a.kind!r}; "
+                                 f"expected one of {kinds}")
             if not (0 <= a.mb < m and 0 <= a.chunk < v):
                 raise ValueError(f"stage {r} has {a}, outside microbatches 0..{m - 1} / chunks 0..{v - 1} "
                                  f"of schedule {schedule.name!r} (m={m}, v={v})")
@@ -107,9 +109,9 @@ def _check_structure(schedule: Schedule) -> None:
                 for k in kinds:
                     if Action(k, i, c) not in have:
                         extra = " (the schedule splits backward, so every B needs its W)" if k == "W" else ""
-                        raise ValueError(f"schedule {schedule.name!r} is missing {Action(k, i, c)} on stage {r}: "
-                                         f"each microbatch needs one {'/'.join(kinds)} per chunk on every "
-                                         f"stage{extra}")
+                        raise ValueError(f"schedule {schedule.name!r} is missing {Action(k, i, c)} on stage "
+                                         f"{r}: each microbatch needs one {'/'.join(kinds)} per chunk on "
+                                         f"every stage{extra}")
 
 
 def _replay(schedule: Schedule, duration: dict[str, float],
@@ -176,7 +178,8 @@ def check_dependencies(schedule: Schedule) -> None:
 
 # --- timing ---------------------------------------------------------------------------------
 
-def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, p2p: float = 0.0) -> Simulation:
+def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
+             p2p: float = 0.0) -> Simulation:
     """Time ``schedule``: F takes ``t_f/v``; B ``t_b/v`` if the schedule has W actions, else
     ``(t_b + t_w)/v``; W ``t_w/v``; every cross-stage dependency adds ``p2p``. See the module
     docstring for the rules and what each field means."""

@@ -1,4 +1,4 @@
-"""Megatron sequence parallelism: the regions tensor parallelism leaves replicated, split along the sequence.
+"""Chapter 05 — Megatron sequence parallelism: the regions TP leaves replicated, split along the sequence.
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.2.2
 (Fig. 5: the layer with tensor + sequence parallelism; Fig. 6: the MLP with the conjugate
@@ -34,91 +34,39 @@ added after ḡ (and ln_f, wpe in the whole model) — get only the gradient of 
 positions: dL/dγ = sum over positions of the slice. Their full gradient is the sum over the t
 ranks, so :func:`allreduce_sequence_parallel_grads` all-reduces them (Megatron does the same,
 flagging them ``sequence_parallel``) before the optimizer steps.
+
+The operators g, ḡ and the scatter live in :mod:`..mappings` with every other region crossing
+(re-exported here); this module builds the layers on them.
 """
 from __future__ import annotations
 
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ...runtime import comm
-from ..tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear,
-                               _divide, _tp, head_rows)
+from ..mappings import (
+    divide,
+    gather_along_seq,
+    gather_from_sequence,
+    reduce_scatter_along_seq,
+    reduce_scatter_to_sequence,
+    refuse_dropout,
+    scatter_to_sequence,
+    size_and_rank,
+)
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    RowParallelLinear,
+    head_rows,
+)
 from ..tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 SP_ATTR = "sequence_parallel"  # set on parameters whose gradient is a per-slice partial sum
-
-
-def _check_seq(s: int, group) -> int:
-    return _divide(s, _tp(group)[0], "sequence length")
-
-
-def _all_gather_seq(x, group):
-    """(b, s/t, h) slices -> (b, s, h), rank r's slice at positions [r·s/t, (r+1)·s/t).
-    all_gather_into_tensor stacks along dim 0, so the sequence is moved first and back (Megatron
-    keeps activations as (s, b, h) to skip these copies; our GPT is batch-first)."""
-    t, _ = _tp(group)
-    inp = x.transpose(0, 1).contiguous()
-    out = torch.empty((t * inp.size(0), *inp.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, inp, group=group)
-    return out.transpose(0, 1).contiguous()
-
-
-def _reduce_scatter_seq(x, group):
-    """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum over the group."""
-    t, _ = _tp(group)
-    inp = x.transpose(0, 1).contiguous()
-    out = torch.empty((_check_seq(inp.size(0), group), *inp.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group)
-    return out.transpose(0, 1).contiguous()
-
-
-def _my_slice_seq(x, group):
-    _, r = _tp(group)
-    n = _check_seq(x.size(1), group)
-    return x[:, r * n:(r + 1) * n].contiguous()
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """g: all-gather along s forward; reduce-scatter of dL/dY backward (each rank used all of Y)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """ḡ: reduce-scatter along s forward; all-gather of dL/dW^s backward (dL/dW_i = dL/dW)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
-
-
-class _ScatterToSequence(torch.autograd.Function):
-    """This rank's s/t positions forward; all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_slice_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -129,31 +77,16 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_all_gather_seq(x, group), weight, bias)
+        return F.linear(gather_along_seq(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        full = _all_gather_seq(x, ctx.group)  # the extra all-gather: memory traded for bandwidth
-        dx = _reduce_scatter_seq(grad.matmul(weight), ctx.group)
+        full = gather_along_seq(x, ctx.group)  # the extra all-gather: memory traded for bandwidth
+        dx = reduce_scatter_along_seq(grad.matmul(weight), ctx.group)
         g2 = grad.reshape(-1, grad.size(-1))
         dw = g2.t().matmul(full.reshape(-1, full.size(-1)))
         return dx, dw, g2.sum(0) if ctx.has_bias else None, None
-
-
-def gather_from_sequence(x, group=None):
-    """g: (b, s/t, h) -> (b, s, h) by all-gather; backward reduce-scatter."""
-    return _GatherFromSequence.apply(x, group)
-
-
-def reduce_scatter_to_sequence(x, group=None):
-    """ḡ: (b, s, h) partial sums -> (b, s/t, h) slice of the sum; backward all-gather."""
-    return _ReduceScatterToSequence.apply(x, group)
-
-
-def scatter_to_sequence(x, group=None):
-    """This rank's (b, s/t, h) positions of a replicated (b, s, h); backward all-gather."""
-    return _ScatterToSequence.apply(x, group)
 
 
 def _mark(module: nn.Module) -> nn.Module:
@@ -205,9 +138,10 @@ class SequenceParallelAttention(ParallelAttention):
 
     def __init__(self, attn, group=None, regather=True):
         super().__init__(attn, group)  # checks n_head % t, keeps head_dim / dropout / resid_dropout
-        t, r = _tp(group)
+        t, r = size_and_rank(group, "sequence parallelism")
         rows = head_rows(attn.c_attn.in_features // attn.head_dim, attn.head_dim, t, r)
-        self.c_attn = SequenceParallelColumnLinear.from_dense(attn.c_attn, group, rows=rows, regather=regather)
+        self.c_attn = SequenceParallelColumnLinear.from_dense(attn.c_attn, group, rows=rows,
+                                                              regather=regather)
         self.c_proj = SequenceParallelRowLinear.from_dense(attn.c_proj, group)
 
     def forward(self, x):
@@ -229,10 +163,8 @@ class SequenceParallelMLP(ParallelMLP):
 
 
 def _refuse_dropout(p):
-    if p:
-        raise ValueError(f"dropout {p} is not supported here: sequence-parallel dropout needs a different "
-                         f"mask per sequence slice and the same mask inside the tensor-parallel region "
-                         f"(Megatron's two RNG streams); use GPTConfig(dropout=0.0)")
+    refuse_dropout(p, "sequence-parallel dropout needs a different mask per sequence slice and the same "
+                      "mask inside the tensor-parallel region (Megatron's two RNG streams)")
 
 
 class SequenceParallelBlock(nn.Module):
@@ -297,9 +229,9 @@ class SequenceParallelGPT(nn.Module):
     def __init__(self, dense, group=None, regather=True):
         super().__init__()
         cfg = dense.cfg
-        t, _ = _tp(group)
-        _divide(cfg.n_head, t, "n_head")
-        _divide(cfg.vocab_size, t, "vocab_size")
+        t, _ = size_and_rank(group, "sequence parallelism")
+        divide(cfg.n_head, t, "n_head")
+        divide(cfg.vocab_size, t, "vocab_size")
         _refuse_dropout(cfg.dropout)
         self.cfg, self.group = cfg, group
         self.wte = _SequenceParallelEmbedding.from_dense(dense.wte, group)
@@ -310,8 +242,8 @@ class SequenceParallelGPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def forward(self, idx, targets=None):
-        n = _check_seq(idx.size(1), self.group)
-        r = _tp(self.group)[1]
+        t, r = size_and_rank(self.group, "sequence parallelism")
+        n = divide(idx.size(1), t, "sequence length")
         h = self.wte(idx) + self.wpe(torch.arange(r * n, (r + 1) * n, device=idx.device))
         for block in self.blocks:
             h = block(h)

@@ -1,4 +1,4 @@
-"""Ring attention: exact attention over a sequence split across t ranks, K/V blocks passed round a ring.
+"""Chapter 05 — ring attention: exact attention over a sequence split over t ranks, K/V passed round a ring.
 
 Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
 (arXiv:2310.01889), §3. Each of t ranks holds S/t consecutive tokens' q, k, v. Attention needs
@@ -42,13 +42,12 @@ key chunk b) of the global chunk order: b < a full, b == a diagonal mask, b > a 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ...runtime import comm
+from ...runtime import comm, require_process_group
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -240,8 +239,7 @@ def _block_plan(r, j, t, s_local, causal, layout):
 
 def _ring_peers(group):
     """(t, this rank's index in the ring, global rank of the next, of the previous)."""
-    if not dist.is_initialized():
-        raise RuntimeError("ring attention needs a process group: run this inside launch(fn, t)")
+    require_process_group("ring attention")
     t, r = dist.get_world_size(group), dist.get_rank(group)
     glob = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
     return t, r, glob((r + 1) % t), glob((r - 1) % t)
@@ -338,7 +336,8 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale
     """
     _check_layout(layout)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be (B, n_head, S/t, head_dim); got dims {q.dim()}, {k.dim()}, {v.dim()}")
+        raise ValueError(f"q, k, v must be (B, n_head, S/t, head_dim); got dims {q.dim()}, "
+                         f"{k.dim()}, {v.dim()}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head_dim of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ")
     if q.shape != k.shape or k.shape != v.shape:

@@ -1,0 +1,217 @@
+"""Chapter 06 — one FSDP unit: a module's parameters as one sharded flat buffer, gathered just in time.
+
+Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", §3.2 (the
+FlatParameter: a unit's tensors end to end in one padded buffer, cut into n equal shards), §3.3
+(all-gather before the unit computes, free after, reduce-scatter its gradient) and §3.2.2 (hybrid
+sharding); Rajbhandari et al. 2020 (ZeRO), §5.3 P_os+g+p and §7.2.2 (3Ψ of traffic per step).
+
+**What a rank keeps.** The unit's Ψ_u elements, padded to n·S (``S = ceil(Ψ_u / n)``), live in
+``flat`` order; rank r keeps elements ``[r·S, (r+1)·S)`` (``shard``). Each original parameter is
+replaced on its module by an ``nn.Parameter`` that is *this rank's piece of it*: a 1-D view into
+``shard`` (possibly empty), under the parameter's own name, with its own ``requires_grad``. So
+``model.named_parameters()``, parameter groups by name, frozen parameters and any elementwise
+``torch.optim`` optimizer work as on the dense model (PyTorch's ``use_orig_params``).
+
+**One step of one unit** (n ranks; ``full`` is the gathered buffer, in ``param_dtype``)::
+
+    forward:   all-gather(shard) -> full (n·S)     a leaf per parameter, a view of full, is swapped in
+               run the module;  free full          (storage resized to 0: "reshard")
+    backward:  all-gather(shard) -> the same full  the tensors autograd saved see the weights again
+               backward of the module -> a grad per leaf
+               reduce-scatter([grads | has-grad flags]) / n -> each sharded parameter's .grad
+
+so Ψ_u is all-gathered twice and reduce-scattered once per step: ``3·Ψ_u·(n-1)/n`` on the wire.
+
+**Who got a gradient.** A parameter that received no gradient on any rank (unused this step, or
+frozen) keeps ``grad = None``, so the optimizer leaves it alone, as torch's optimizers do. Each rank
+appends one flag per parameter (1 = I have a gradient) to every chunk of the reduce-scatter; the
+summed flags say how many ranks had one, with no extra collective.
+
+**Mixed precision** (``MixedPrecisionPolicy``, FSDP2's): the shard stays in the parameters' dtype
+(the fp32 master weights); the all-gather and the compute run in ``param_dtype``; gradients are
+reduced in ``reduce_dtype`` (default ``param_dtype``) and land on the shard in its own dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...runtime import comm
+from .flat import FlatParams, shard_range
+
+__all__ = ["MixedPrecisionPolicy", "FlatUnit"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's policy: ``param_dtype`` for the all-gather and the compute, ``reduce_dtype`` for the
+    gradient reduce-scatter (default: ``param_dtype``), ``output_dtype`` to cast the unit's
+    floating outputs to, and ``cast_forward_inputs`` (floating inputs cast to ``param_dtype``)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for k in ("param_dtype", "reduce_dtype", "output_dtype"):
+            d = getattr(self, k)
+            if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+                raise ValueError(f"MixedPrecisionPolicy({k}={d!r}): a {k} must be a floating-point torch "
+                                 f"dtype such as torch.bfloat16, torch.float16 or torch.float32")
+
+
+class FlatUnit:
+    """One unit: the parameters in ``slots`` (``(module, attribute, parameter)``; a tied parameter
+    appears once per module that holds it) sharded over ``group``.
+
+    Attributes: ``shard`` (this rank's S elements, the parameters' dtype), ``sharded`` (one
+    ``nn.Parameter`` per distinct parameter, a view into ``shard``), ``full`` (the gathered padded
+    buffer in the compute dtype; 0 bytes whenever resharded), ``flat`` (:class:`.flat.FlatParams`).
+    """
+
+    def __init__(self, slots, group, replicate_group, mp_policy, reshard_after_forward):
+        self.name, self.state = "?", None  # set when the root is found (see fsdp.ShardingState)
+        self.group, self.replicate_group = group, replicate_group
+        self.reshard_after_forward = reshard_after_forward
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        unique = list({id(p): p for _, _, p in slots}.values())
+        dtypes = {p.dtype for p in unique}
+        if len(dtypes) > 1:
+            raise ValueError(f"fully_shard: one unit flattens one dtype, got {sorted(map(str, dtypes))}; "
+                             f"call fully_shard on submodules of one dtype each, or cast the model first")
+        self.flat = FlatParams(unique, self.n)
+        self.dtype = unique[0].dtype
+        mp = mp_policy or MixedPrecisionPolicy()
+        self.mp = mp
+        self.compute_dtype = mp.param_dtype or self.dtype
+        self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
+        self.slots = [(m, a, next(i for i, u in enumerate(unique) if u is p)) for m, a, p in slots]
+        self.shard = self._take_shard(unique)
+        self.sharded = self._sharded_params(unique)
+        for m, a, i in self.slots:
+            m._parameters[a] = self.sharded[i]
+        self.full = self.shard.new_empty(self.flat.padded_numel, dtype=self.compute_dtype)
+        self.full_bytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.handle = self.shard.new_empty(0).requires_grad_()  # makes autograd call the unit's backward
+        self._pending = None  # (work, version guard, send buffer) of an all-gather in flight
+
+    # --- building -----------------------------------------------------------------------------
+    def _take_shard(self, unique) -> torch.Tensor:
+        """Rank 0's weights (of the group, then of the replicate group), flattened; keep our S."""
+        with torch.no_grad():
+            buf = self.flat.flatten([p.detach() for p in unique])
+            for g in (self.group, *([self.replicate_group] if self.replicate_group is not None else [])):
+                comm.broadcast(buf, 0 if g is None else dist.get_global_rank(g, 0), group=g)
+            return self.flat.shard(buf, self.rank).clone()
+
+    def _sharded_params(self, unique) -> list[nn.Parameter]:
+        """Each parameter's piece of ``shard``: ``[o, o+k) ∩ [r·S, (r+1)·S)``, a 1-D view (maybe empty)."""
+        lo, hi = shard_range(self.flat.numel, self.n, self.rank)
+        out = []
+        for p, off, k in zip(unique, self.flat.offsets, self.flat.numels):
+            a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
+            out.append(nn.Parameter(self.shard[a - lo:b - lo], requires_grad=p.requires_grad))
+        return out
+
+    def piece(self, i: int) -> tuple[int, int]:
+        """``[a, b)`` of parameter i's elements (in its own flattened order) held by this rank."""
+        lo, hi = shard_range(self.flat.numel, self.n, self.rank)
+        off, k = self.flat.offsets[i], self.flat.numels[i]
+        return min(max(lo - off, 0), k), min(max(hi - off, 0), k)
+
+    # --- gather / free ------------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0 or self._pending is not None
+
+    def issue_all_gather(self, async_op: bool) -> None:
+        """Re-allocate ``full`` and all-gather the shards into it (a no-op if already there)."""
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self.full_bytes)
+        self.state.note_gathered(self, +1)
+        guard = torch.autograd._unsafe_preserve_version_counter(self.full)  # see wait()
+        send = self.shard.detach().to(self.compute_dtype)  # the cast of mixed precision (a copy if any)
+        work = comm.all_gather(self.full, send, group=self.group, async_op=async_op)
+        self.state.trace("all_gather", self.name)
+        self._pending = (work, guard, send)
+
+    def wait(self) -> None:
+        """Make sure ``full`` holds this step's weights, gathering now if nobody prefetched them."""
+        if not self.gathered:
+            self.issue_all_gather(async_op=False)
+        if self._pending is None:
+            return
+        work, guard, _send = self._pending
+        self._pending = None
+        # The all-gather wrote into tensors autograd saved; their version counter would say
+        # "modified in place". The guard (whose docstring names this use) restores it.
+        with guard:
+            if work is not None:
+                work.wait()
+
+    def free(self) -> None:
+        """Reshard: drop ``full``'s storage, keep the shard."""
+        self.full.untyped_storage().resize_(0)
+        self.state.note_gathered(self, -1)
+        self.state.trace("free", self.name)
+
+    def bind(self) -> list[torch.Tensor]:
+        """Swap in a leaf per parameter, a shaped view of ``full``; return the leaves."""
+        flat = self.flat
+        pieces = self.full.split([*flat.numels, flat.padding] if flat.padding else flat.numels)
+        leaves = [nn.Parameter(t.view(shape), requires_grad=p.requires_grad)
+                  for t, shape, p in zip(pieces, flat.shapes, self.sharded)]
+        for m, a, i in self.slots:
+            m._parameters[a] = leaves[i]
+        return leaves
+
+    def unbind(self) -> None:
+        """Put the sharded parameters back on the modules."""
+        for m, a, i in self.slots:
+            m._parameters[a] = self.sharded[i]
+
+    # --- gradients ----------------------------------------------------------------------------
+    def reduce_grads(self, leaves) -> None:
+        """Average the leaves' gradients over every data-parallel rank into the sharded ``.grad``s.
+
+        Rank-major send buffer, row r for rank r: ``[grad elements r·S..(r+1)·S | flags]``, where
+        ``flags[i] = 1`` if this rank has a gradient for parameter i. After the reduce-scatter (and
+        the all-reduce over ``replicate_group``) a rank holds its S summed elements and the counts.
+        """
+        if not any(p.requires_grad for p in self.sharded):
+            return  # a frozen unit: nothing to reduce, on every rank alike
+        grads = [leaf.grad for leaf in leaves]
+        flags = torch.tensor([g is not None for g in grads], dtype=self.reduce_dtype,
+                             device=self.shard.device)
+        pieces = [g.reshape(-1) if g is not None else self.full.new_zeros(k)
+                  for g, k in zip(grads, self.flat.numels)]
+        flat = torch.cat([*pieces, self.full.new_zeros(self.flat.padding)]).to(self.reduce_dtype)
+        S, F = self.flat.shard_numel, flags.numel()
+        send = torch.cat([flat.view(self.n, S), flags.expand(self.n, F)], dim=1)  # (n, S + F)
+        got = send.new_empty(S + F)
+        comm.reduce_scatter(got, send.view(-1), group=self.group)
+        world = self.n
+        if self.replicate_group is not None:
+            comm.all_reduce(got, group=self.replicate_group)
+            world *= dist.get_world_size(self.replicate_group)
+        self.state.trace("reduce_scatter", self.name)
+        self._accumulate(got[:S].div(world).to(self.dtype), got[S:])  # a gradient shard of S, no flags
+
+    def _accumulate(self, shard_grad: torch.Tensor, counts: torch.Tensor) -> None:
+        """Each sharded parameter with a gradient on some rank gets its piece of ``shard_grad``."""
+        lo, _ = shard_range(self.flat.numel, self.n, self.rank)
+        for i, (p, count) in enumerate(zip(self.sharded, counts.tolist())):
+            if count == 0 or not p.requires_grad:
+                continue  # no rank computed a gradient: leave .grad as it is (None after zero_grad)
+            a, b = self.piece(i)
+            g = shard_grad[self.flat.offsets[i] + a - lo:self.flat.offsets[i] + b - lo]
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g  # several backwards before a step accumulate, as in one process

@@ -1,0 +1,377 @@
+"""Chapter 06 — ZeRO stages 1 and 2 as an optimizer: ``ShardedOptimizer`` wraps any elementwise
+``torch.optim`` optimizer so that each of the n data-parallel ranks keeps and updates only 1/n of
+the optimizer state (Rajbhandari et al. 2020, §5.1 P_os) and, at stage 2, of the gradients (§5.2
+P_g, reduce-scattered bucket by bucket during backward); the shape of torch's
+``ZeroRedundancyOptimizer``::
+
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
+    opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()    # x, y: this rank's rows
+
+Each rank feeds its rows of the global batch; gradients are *averaged* over the group, so n ranks
+take the step of one process on the whole batch. Stage 0 (every rank keeps everything, one
+all-reduce) is the baseline the other stages are measured against.
+
+**Layout** (:mod:`.partition`). The parameters (every group) move into one flat buffer of one
+dtype, rank 0's values broadcast to all; rank r owns the interleaved elements ``r, r+n, ...``.
+Per step: stage 1 reduce-scatters the flat gradient in ``step()``; stage 2 has reduce-scattered
+it during backward (no rank ever holds the full gradient); each rank updates its elements; one
+all-gather (per bucket) brings every rank's update back into every replica. Wire bytes, ring
+model (§7.2): reduce-scatter + all-gather ``(n-1)/n * 4Psi'`` each, the 2Psi of plain data
+parallelism; plus a tiny all-reduce of one byte per parameter tensor (below).
+
+**A parameter with no gradient is not touched.** A torch optimizer skips a parameter whose
+``grad`` is None: no weight decay, no momentum, no step count (a frozen parameter, a branch the
+batch did not use). A flat buffer cannot say "no gradient" -- it holds zeros -- and AdamW moves a
+parameter on zero gradients (decay, old momentum). So the inner optimizer is given *pieces*:
+one parameter per tensor, aliasing that tensor's elements in this rank's shard. Its state is then
+per tensor, exactly as in one process (AdamW's per-tensor ``step`` and bias correction included),
+and before each update every rank agrees which tensors had a gradient: a one-byte-per-tensor
+"has grad" mask, all-reduced with MAX (a tensor with a gradient on *any* rank takes the averaged
+step, as torch DDP's ``find_unused_parameters`` decides with its per-parameter "locally used"
+map). Pieces of tensors without one get ``grad = None`` and the inner optimizer skips them; their
+elements are all-gathered back unchanged, bit for bit. The price: one tiny collective per step,
+and state per tensor (the inner optimizer must be elementwise: SGD, Adam, AdamW, RMSprop, ...;
+not one that uses a whole tensor's norm, such as LAMB or Adafactor).
+
+**State dict.** ``state_dict()`` is *consolidated* (a collective): the dict ``optimizer_cls``
+would hold in one process -- per-tensor state at full size, torch's format -- so it loads into a
+plain optimizer, and ``load_state_dict`` takes one from any world size or a plain optimizer.
+
+One dtype: mixed dtypes raise (the fix: cast the model to one dtype, or one ShardedOptimizer per
+dtype). ``offload="cpu"|"disk"`` steps the shard with :class:`.offload.OffloadedOptimizer`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...runtime import comm, require_process_group
+from .offload import OffloadedOptimizer
+from .partition import FlatPartition, bucket_ranges
+
+__all__ = ["ShardedOptimizer", "STAGES"]
+
+STAGES = (0, 1, 2)
+
+
+def _check_arguments(stage, optimizer_cls, offload, bucket_cap_mb) -> None:
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of {STAGES} here, got {stage!r} (1: shard the optimizer "
+                         f"state, 2: and the gradients; stage 3 shards the parameters too: use "
+                         f"fsdp.fully_shard)")
+    if not callable(optimizer_cls):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class (or a function of the "
+                        f"parameter groups returning one), got {optimizer_cls!r}")
+    if offload not in (None, "cpu", "disk"):
+        raise ValueError(f"offload must be None, 'cpu' or 'disk', got {offload!r}")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 (or None for one bucket), got {bucket_cap_mb!r}")
+
+
+def _check_flat(params) -> None:
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        got = sorted(f"{d} on {dev}" for d, dev in kinds)
+        raise ValueError(f"ShardedOptimizer keeps its parameters in one flat buffer of one dtype on one "
+                         f"device, got {got}: cast the model to one dtype (e.g. model.float()), or build "
+                         f"one ShardedOptimizer per dtype")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("a parameter is listed twice: pass each tensor (a tied weight too) once")
+
+
+def _options(group: dict) -> dict:
+    """A parameter group's options: everything but its ``params``."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _elementwise(key, value, param) -> bool:
+    """A per-element state tensor (shaped like its parameter), as opposed to a scalar such as ``step``."""
+    return torch.is_tensor(value) and value.shape == param.shape and (param.dim() > 0 or key != "step")
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-DP over ``group``: ``optimizer_cls(param_groups, **defaults)`` run on this rank's 1/n.
+
+    ``params``: tensors or parameter groups (dicts with per-group options, e.g. ``lr``); they become
+    views of one flat buffer. ``stage``: 1 (optimizer state sharded), 2 (and gradients, reduced
+    during backward in buckets of ``bucket_cap_mb`` MiB; None: one bucket), 0 (neither: the
+    baseline). ``param_groups`` are the caller's groups (an LR scheduler may edit them); ``optim``
+    is the local optimizer over this rank's pieces and ``state`` its state (this rank's shard).
+    ``offload="cpu"|"disk"`` keeps the master shard and state off the device (``offloaded``).
+    Attributes: ``partition`` (:class:`.partition.FlatPartition`), ``buckets``, ``stage``, ``group``.
+    Every rank of ``group`` builds it, steps it and saves it together: those are collectives.
+    """
+
+    def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None,
+                 bucket_cap_mb: float | None = 1.0, offload: str | None = None, offload_dir=None, **defaults):
+        _check_arguments(stage, optimizer_cls, offload, bucket_cap_mb)
+        require_process_group("ShardedOptimizer")
+        self._built = False
+        super().__init__(params, defaults)
+        flat = [p for g in self.param_groups for p in g["params"]]
+        _check_flat(flat)
+        self.stage, self.group = stage, group
+        self.partition = part = FlatPartition(flat, group, replicate=stage == 0)
+        self._group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
+        cap = None if stage < 2 or bucket_cap_mb is None else bucket_cap_mb * 2 ** 20 / flat[0].element_size()
+        self.buckets = bucket_ranges(part.flat.padded_numel, part.n, cap)
+        self._mask, self._got = [True] * len(flat), [False] * len(flat)
+        self.offloaded = None
+        if offload is None:
+            self.optim = self._local_optimizer(part.shard, optimizer_cls, defaults)
+        else:
+            build = lambda ps: self._local_optimizer(ps[0], optimizer_cls, defaults)  # noqa: E731
+            self.offloaded = OffloadedOptimizer(part.shard, build, where=offload, directory=offload_dir)
+            self.optim = self.offloaded.optimizer
+        self.state = self.optim.state  # this rank's shard of the state, keyed by its pieces
+        for mine, local in zip(self.param_groups, self.optim.param_groups):
+            for k, v in local.items():  # show the inner optimizer's defaults (betas, eps, ...) too
+                if k != "params":
+                    mine.setdefault(k, v)
+        self._index = {id(p): i for i, p in enumerate(flat)}
+        trained = [p for p in flat if p.requires_grad]
+        if stage < 2:  # gradients are gathered into one flat buffer (DDP's gradient_as_bucket_view)
+            self.flat_grad = part.flat.empty()
+            self._grad_views = part.flat.views(self.flat_grad)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._into_flat_grad) for p in trained]
+        else:
+            self.flat_grad = None  # never exists: each bucket is reduced and dropped during backward
+            self._plan_buckets(trained)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trained]
+        self._built = True
+
+    def _local_optimizer(self, shard: torch.Tensor, optimizer_cls, defaults) -> torch.optim.Optimizer:
+        """``optimizer_cls`` over this rank's pieces of ``shard``, grouped as the caller's groups."""
+        self._pieces = self.partition.pieces(shard)
+        self._master = shard  # whose ``.grad`` the pieces' gradients are cut from
+        groups = [_options(g) | {"params": []} for g in self.param_groups]
+        for i, piece in zip(self._group_of, self._pieces):
+            groups[i]["params"].append(piece)
+        opt = optimizer_cls(groups, **defaults)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer_cls must build a torch.optim.Optimizer, got {type(opt).__name__}")
+        opt.register_step_pre_hook(lambda *_: self._give_piece_grads())
+        return opt
+
+    def _give_piece_grads(self) -> None:
+        """Each piece's gradient: its slice of the shard's gradient, or None if no rank had one."""
+        g = self._master.grad
+        for piece, (a, z), has in zip(self._pieces, self.partition.spans, self._mask):
+            piece.grad = g[a:z] if has and g is not None else None
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._built:
+            raise NotImplementedError("ShardedOptimizer partitions its parameters once, when it is built: "
+                                      "pass every parameter group to the constructor")
+        super().add_param_group(param_group)
+
+    # --- gradients: stages 0 and 1, one flat buffer reduced in step() ------------------------------
+    def _into_flat_grad(self, p: torch.Tensor) -> None:
+        """A gradient arrived: keep it in the flat gradient buffer, as a view (nothing if it is one)."""
+        v = self._grad_views[self._index[id(p)]]
+        if p.grad.data_ptr() != v.data_ptr():
+            v.copy_(p.grad)  # autograd made a fresh gradient (p.grad was None): it starts the sum
+            p.grad = v
+
+    def _reduce_flat(self) -> None:
+        for p, v in zip(self.partition.flat.params, self._grad_views):
+            if p.grad is None:
+                v.zero_()  # no gradient on this rank: it adds nothing to the average
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)  # set by hand, not by backward
+                p.grad = v
+        self.partition.shard.grad = self.partition.reduce(self.flat_grad)
+
+    # --- gradients: stage 2, bucket by bucket during backward (§5.2) -------------------------------
+    def _plan_buckets(self, trained) -> None:
+        flat = self.partition.flat
+        spans = [(o, o + k) for o, k in zip(flat.offsets, flat.numels)]
+        waits = {self._index[id(p)] for p in trained}  # a frozen tensor never produces a gradient
+        # which tensors each bucket waits for, and the buckets of each tensor (ascending)
+        self._members = [[i for i, (a, z) in enumerate(spans) if a < hi and lo < z]
+                         for lo, hi in self.buckets]
+        self._wait_for = [sum(i in waits for i in ms) for ms in self._members]
+        self._buckets_of = [[b for b, ms in enumerate(self._members) if i in ms] for i in range(len(spans))]
+        self._in_backward, self._in_flight = False, None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A gradient is ready: count it towards its buckets, launch every bucket now complete."""
+        if not self._in_backward:  # the first gradient of this backward
+            self._in_backward = True
+            self._waiting = list(self._wait_for)
+            self._next = len(self.buckets) - 1  # launch order: last bucket first, the same on every rank
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        i = self._index[id(p)]
+        self._got[i] = True
+        for b in self._buckets_of[i]:
+            self._waiting[b] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self._next >= 0 and (flush or self._waiting[self._next] == 0):
+            self._launch(self._next)
+            self._next -= 1
+
+    def _launch(self, b: int) -> None:
+        """Copy bucket b's gradients out of the parameters, free them, start its reduce-scatter."""
+        lo, hi = self.buckets[b]
+        flat = self.partition.flat
+        g = self.partition.flat_param.new_zeros(hi - lo)  # zeros: padding, tensors without a gradient
+        for i in self._members[b]:
+            p, off = flat.params[i], flat.offsets[i]
+            if p.grad is None:
+                continue
+            a, z = max(lo, off), min(hi, off + flat.numels[i])
+            g[a - lo:z - lo].copy_(p.grad.reshape(-1)[a - off:z - off])
+            if b == self._buckets_of[i][0]:  # its lowest bucket goes last: the gradient is no longer needed
+                p.grad = None
+        send = self.partition.rank_major(g)
+        del g  # only the rank-major copy goes on the wire
+        mine = send.new_empty((hi - lo) // self.partition.n)
+        self._finish()  # at most one reduce-scatter in flight: the memory stays one bucket or two
+        work = comm.reduce_scatter(mine, send, group=self.group, async_op=True)
+        self._in_flight = (b, mine, send, work)
+
+    def _finish(self) -> None:
+        """Wait for the bucket in flight; add its averaged chunk into this rank's gradient shard."""
+        if self._in_flight is None:
+            return
+        b, mine, _send, work = self._in_flight  # ``_send`` kept alive until the collective is done
+        self._in_flight = None
+        work.wait()
+        shard, n = self.partition.shard, self.partition.n
+        if shard.grad is None:
+            shard.grad = mine.new_zeros(self.partition.flat.shard_numel)
+            if self.offloaded is None:
+                self._give_piece_grads()  # the pieces' gradients are views of it from now on
+        lo, hi = self.buckets[b]
+        shard.grad[lo // n:hi // n].add_(mine.div_(n))  # several backwards before a step accumulate
+
+    def _end_of_backward(self) -> None:
+        """Launch what is left (buckets with a tensor that got no gradient) and wait for it."""
+        self._launch_ready(flush=True)
+        self._finish()
+        self._in_backward = False
+
+    # --- the step ------------------------------------------------------------------------------------
+    def _agreed_mask(self) -> list[bool]:
+        """Which tensors have a gradient on at least one rank: a MAX all-reduce of one byte each."""
+        flat = self.partition.flat
+        local = self._got if self.stage == 2 else [p.grad is not None for p in flat.params]
+        mask = torch.tensor(local, dtype=torch.uint8, device=self.partition.flat_param.device)
+        comm.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
+        return mask.bool().tolist()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Agree on the tensors with a gradient, reduce (stages 0/1), update this rank's pieces of
+        those, all-gather (stages 1/2). Without a gradient on any rank nothing happens at all."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        mask = self._agreed_mask()
+        if not any(mask):
+            return loss
+        if self.stage < 2:
+            self._reduce_flat()
+        elif self.partition.shard.grad is None:
+            raise RuntimeError("stage 2 reduces gradients during backward, and this rank saw none: call "
+                               "loss.backward() on every rank before step()")
+        self._mask = mask
+        for mine, local in zip(self.param_groups, self.optim.param_groups):  # an LR scheduler edits ours
+            local.update(_options(mine))
+        if self.offloaded is not None:
+            self.offloaded.step(self.partition.shard.grad)
+        else:
+            self.optim.step()
+        if self.stage > 0:
+            self.partition.all_gather(self.buckets)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: gradients to None (the flat buffers stay allocated), or existing ones zeroed."""
+        shard = self.partition.shard
+        if set_to_none:
+            shard.grad = None
+            for t in (*self.partition.flat.params, *self._pieces):
+                t.grad = None
+            self._got = [False] * len(self._got)
+        else:
+            for t in (shard, *self.partition.flat.params):
+                if t.grad is not None:
+                    t.grad.zero_()
+        self._mask = [True] * len(self._mask)
+
+    # --- saving ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """The consolidated state dict (a collective: every rank calls it and gets the whole): what
+        ``optimizer_cls`` holds in one process -- ``{"state": {index: {key: full tensor or scalar}},
+        "param_groups": [{options, "params": [indices]}]}``, tensors numbered across the groups."""
+        part = self.partition
+        local = [self.optim.state.get(piece, {}) for piece in self._pieces]
+        keys = sorted({k for s in local for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+        full: dict = {i: {} for i, s in enumerate(local) if s}
+        for key in keys:  # one all-gather per per-element state (exp_avg, exp_avg_sq, momentum_buffer, ...)
+            have = [(i, s[key]) for i, s in enumerate(local) if key in s]
+            values = have[0][1].new_zeros(part.shard.numel())
+            for i, v in have:
+                if v.shape != self._pieces[i].shape:
+                    raise ValueError(f"state {key!r} of shape {tuple(v.shape)} is not per element (its piece "
+                                     f"has {tuple(self._pieces[i].shape)}): ShardedOptimizer needs an "
+                                     f"elementwise optimizer (SGD, Adam, AdamW, ...)")
+                a, z = part.spans[i]
+                values[a:z] = v
+            whole = part.gather(values)
+            for i, _ in have:
+                full[i][key] = whole[i].to(have[0][1].device)
+        for i, s in enumerate(local):
+            for key, v in s.items():
+                if key not in keys:  # scalars (Adam's step), the same on every rank
+                    full[i][key] = v.clone() if torch.is_tensor(v) else v
+        groups, start = [], 0
+        for g in self.param_groups:
+            indices = list(range(start, start + len(g["params"])))
+            groups.append(_options(g) | {"params": indices})
+            start += len(g["params"])
+        return {"state": full, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated state dict (from :meth:`state_dict` at any world size, or from a plain
+        ``optimizer_cls`` over the same parameter groups): every rank keeps its pieces of it."""
+        groups = state_dict["param_groups"]
+        saved_sizes, sizes = [len(g["params"]) for g in groups], [len(g["params"]) for g in self.param_groups]
+        if saved_sizes != sizes:
+            raise ValueError(f"the state dict has groups of {saved_sizes} tensors, this optimizer {sizes}: "
+                             f"build it with the same parameter groups as the optimizer that was saved")
+        saved = [i for g in groups for i in g["params"]]
+        params, part = self.partition.flat.params, self.partition
+        state = {}
+        for pos, i in enumerate(saved):
+            s = state_dict["state"].get(i, state_dict["state"].get(str(i)))
+            if s is None:
+                continue
+            state[pos] = {k: part.own_elements(pos, v).clone() if _elementwise(k, v, params[pos])
+                          else (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        for mine, g in zip(self.param_groups, groups):
+            mine.update(_options(g))
+        local_groups = [_options(g) | {"params": []} for g in self.param_groups]
+        for j, gi in enumerate(self._group_of):
+            local_groups[gi]["params"].append(j)
+        self.optim.load_state_dict({"state": state, "param_groups": local_groups})
+        self.state = self.optim.state
+
+    def close(self) -> None:
+        """Done training: remove the gradient hooks from the parameters (a new optimizer may then be
+        built on them) and release the offloaded master and state (files, with ``offload="disk"``)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.offloaded is not None:
+            self.offloaded.close()
+
+    def __repr__(self) -> str:
+        inner = type(self.optim).__name__
+        return (f"ShardedOptimizer({inner}, stage={self.stage}, {len(self.param_groups)} groups, "
+                f"{self.partition!r})")

@@ -1,0 +1,60 @@
+"""The tour's headline experiments (minitorch_dist.course.headlines) in smoke mode: every row is ok.
+
+Each chapter module's ``headline(smoke=True)`` launches its own ranks and returns the rows the tour
+prints; a row's ``ok`` is the check (theory == measured within the chapter's tolerance). The byte
+counts are recomputed here from the formula, independently of the headline.
+"""
+import importlib.util
+
+import pytest
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.models.gpt import GPT, GPTConfig
+
+KEYS = {"chapter", "experiment", "theory", "measured", "ok"}
+
+
+def _assert_rows(rows, chapter, count):
+    assert len(rows) == count
+    for row in rows:
+        assert set(row) >= KEYS
+        assert row["chapter"] == chapter and row["ok"], row
+
+
+@pytest.mark.ch00
+def test_ch00_smoke_rows_are_ok():
+    from minitorch_dist.course.headlines.ch00_foundations import headline
+
+    rows = headline(smoke=True)
+    _assert_rows(rows, "ch00", 3)
+    assert rows[1]["measured"] == costmodel.bus_bytes("all_reduce", 4 * 2**14, 4)
+
+
+@pytest.mark.ch01
+def test_ch01_smoke_rows_are_ok():
+    from minitorch_dist.course.headlines.ch01_data_parallel import headline
+
+    rows = headline(smoke=True)
+    _assert_rows(rows, "ch01", 3)
+    grad_bytes = sum(p.numel() * 4 for p in GPT(GPTConfig.tiny()).parameters())
+    assert rows[1]["measured"] == 2 * 3 / 4 * grad_bytes
+
+
+@pytest.mark.ch10
+def test_ch10_smoke_rows_are_ok():
+    from minitorch_dist.course.headlines.ch10_moe import headline
+
+    _assert_rows(headline(smoke=True), "ch10", 4)
+
+
+@pytest.mark.ch11
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="chapter 11 needs Triton: pip install triton")
+def test_ch11_smoke_rows_are_ok():
+    from minitorch_dist.course.headlines.ch11_fused_kernels import headline
+
+    rows = headline(smoke=True)
+    assert len(rows) == 5
+    for row in rows:
+        assert set(row) == KEYS and row["chapter"] == "ch11"
+        assert row["ok"], row

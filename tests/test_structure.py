@@ -1,0 +1,244 @@
+"""The package's shape, read from its source with ``ast`` (nothing is imported).
+
+Three rules of the design (DESIGN.md, "The library"): no import cycles between modules; modules
+use each other's public names only; ``runtime/`` is the floor and imports nothing above it.
+Each rule is a plain function returning a list of problems (empty = fine); each is also run on a
+small fake package that breaks it, so a rule that can never fail would be caught too.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1] / "minitorch_dist"
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module doing the import
+    target: str  # dotted module imported (a submodule when ``from pkg import sub`` names one)
+    name: str  # the name taken from ``target`` ("" for ``import x`` / a submodule import)
+    line: int
+    top_level: bool  # runs when the importer is imported (not inside a function, not TYPE_CHECKING)
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of the package at ``root`` (``pkg/a/__init__.py``: ``pkg.a``)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _walk(node, top_level: bool):
+    """(import node, top_level) for every import under ``node``; function bodies are not top level."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, top_level
+        inner = top_level and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            inner = False
+        yield from _walk(child, inner)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def collect_imports(root: Path) -> list[Import]:
+    """Every import inside the package at ``root`` whose target is a module of that package."""
+    modules = module_names(root)
+    pkg = root.name
+    out = []
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node, top in _walk(tree, True):
+            if isinstance(node, ast.Import):
+                out += [Import(mod, a.name, "", node.lineno, top) for a in node.names
+                        if a.name == pkg or a.name.startswith(pkg + ".")]
+                continue
+            base = _resolve(mod, path.name == "__init__.py", node)
+            if not (base == pkg or base.startswith(pkg + ".")):
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append(Import(mod, sub, "", node.lineno, top) if sub in modules
+                           else Import(mod, base, a.name, node.lineno, top))
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _parent(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
+def private_import_problems(root: Path) -> list[str]:
+    """Imports of another module's ``_private`` name, or of a ``_private`` module from outside the
+    package that holds it (``kernels/_runtime.py`` is for ``kernels/`` only). Dunders are public."""
+    problems = []
+    for imp in collect_imports(root):
+        where = f"{imp.importer}:{imp.line}"
+        if imp.name and _private(imp.name) and imp.target != imp.importer:
+            problems.append(f"{where} imports private name {imp.name!r} from {imp.target}")
+        for i, part in enumerate(imp.target.split(".")):
+            owner = ".".join(imp.target.split(".")[:i])
+            if _private(part) and not (imp.importer == owner or imp.importer.startswith(owner + ".")):
+                problems.append(f"{where} imports private module {imp.target} from outside {owner}")
+    return problems
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (or a self-loop), Tarjan's algorithm."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def import_cycle_problems(root: Path, top_level_only: bool = True) -> list[str]:
+    """Cycles among module-level imports (with ``top_level_only=False``, imports inside functions
+    count too: a function-level import that closes a loop only hides the cycle). ``from pkg import
+    sub`` is an edge to ``pkg.sub``; ``from pkg import name`` (a name re-exported by
+    ``pkg/__init__``) is an edge to ``pkg``. A package's ``__init__`` importing its own submodules
+    is fine; a submodule importing back from its package's ``__init__`` closes a cycle."""
+    graph: dict[str, set[str]] = {}
+    for imp in collect_imports(root):
+        if (imp.top_level or not top_level_only) and imp.target != imp.importer:
+            graph.setdefault(imp.importer, set()).add(imp.target)
+    return [" -> ".join(c + c[:1]) for c in _cycles(graph)]
+
+
+def runtime_floor_problems(root: Path, floor: str = "runtime") -> list[str]:
+    """Imports, anywhere in ``<pkg>.<floor>``, of a module of the package outside ``<pkg>.<floor>``
+    (the package's own ``__init__`` included: it imports everything)."""
+    base = f"{root.name}.{floor}"
+    return [f"{imp.importer}:{imp.line} imports {imp.target} (the {floor}/ floor imports nothing above it)"
+            for imp in collect_imports(root)
+            if (imp.importer == base or imp.importer.startswith(base + "."))
+            and not (imp.target == base or imp.target.startswith(base + "."))]
+
+
+# --- the real package -------------------------------------------------------------------------------
+
+
+def test_the_package_is_found():
+    mods = module_names(ROOT)
+    assert "minitorch_dist.runtime.comm" in mods and "minitorch_dist" in mods
+    assert any(i.target == "minitorch_dist.runtime.comm" for i in collect_imports(ROOT))
+
+
+def test_no_import_cycles():
+    assert import_cycle_problems(ROOT) == []
+
+
+def test_no_import_cycles_hidden_in_functions():
+    assert import_cycle_problems(ROOT, top_level_only=False) == []
+
+
+def test_no_private_imports_between_modules():
+    assert private_import_problems(ROOT) == []
+
+
+def test_runtime_imports_nothing_above_it():
+    assert runtime_floor_problems(ROOT) == []
+
+
+# --- each rule catches its violation on a fake package ----------------------------------------------
+
+
+def _fake(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "fakepkg"
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        (d / "__init__.py").touch()
+    return root
+
+
+def test_cycle_rule_catches_a_cycle(tmp_path):
+    root = _fake(tmp_path, {
+        "a.py": "from . import b\n",
+        "b.py": "from .sub.c import thing\n",
+        "sub/c.py": "import fakepkg.a\nthing = 1\n",
+        "d.py": "def f():\n    from . import e\n",  # inside a function: not a cycle
+        "e.py": "from .d import f\n",
+        "sub/__init__.py": "from .c import thing\n",  # a package importing its own module: fine
+    })
+    assert import_cycle_problems(root) == ["fakepkg.a -> fakepkg.b -> fakepkg.sub.c -> fakepkg.a"]
+    assert import_cycle_problems(root, top_level_only=False) == [
+        "fakepkg.a -> fakepkg.b -> fakepkg.sub.c -> fakepkg.a", "fakepkg.d -> fakepkg.e -> fakepkg.d"]
+
+
+def test_cycle_rule_catches_a_module_importing_its_package_init(tmp_path):
+    root = _fake(tmp_path, {"__init__.py": "from .m import x\nY = 2\n", "m.py": "from . import Y\nx = Y\n"})
+    assert import_cycle_problems(root) == ["fakepkg -> fakepkg.m -> fakepkg"]
+
+
+def test_private_rule_catches_private_names_and_modules(tmp_path):
+    root = _fake(tmp_path, {
+        "a.py": "_helper = 1\n__version__ = '1'\n",
+        "b.py": "from .a import __version__\ndef f():\n    from .a import _helper\n",
+        "k/_impl.py": "x = 1\n",
+        "k/use.py": "from ._impl import x\n",  # its own package: fine
+        "c.py": "from .k._impl import x\n",
+    })
+    assert private_import_problems(root) == [
+        "fakepkg.b:3 imports private name '_helper' from fakepkg.a",
+        "fakepkg.c:1 imports private module fakepkg.k._impl from outside fakepkg.k",
+    ]
+
+
+def test_floor_rule_catches_runtime_importing_above(tmp_path):
+    root = _fake(tmp_path, {
+        "runtime/comm.py": "from . import env\nimport torch\n",
+        "runtime/env.py": "def f():\n    from ..analysis.cost import g\n",
+        "analysis/cost.py": "from ..runtime import comm\ndef g():\n    pass\n",
+    })
+    assert runtime_floor_problems(root) == [
+        "fakepkg.runtime.env:2 imports fakepkg.analysis.cost (the runtime/ floor imports nothing above it)"]
