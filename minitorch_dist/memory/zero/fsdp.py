@@ -26,7 +26,7 @@ shared by its units: the order they ran in (each pass prefetches by the last pas
 unit computes, the all-gather of the next one is issued, in forward and in backward), the
 replicated parameters, and the statistics (units and bytes gathered at once, a trace).
 
-**Each unit runs as one autograd node** (:class:`_UnitFunction`). Its ``forward`` gathers, runs the
+**Each unit runs as one autograd node** (:class:`.fsdp_unit.UnitFunction`). Its ``forward`` gathers, runs the
 module *with grad enabled* on detached inputs (building the unit's own small graph, whose leaves
 are the gathered weights), frees the weights by resizing their storage to 0 and returns detached
 outputs. Autograd calls its ``backward`` exactly when the gradient of the unit's output is ready,
@@ -48,11 +48,11 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from ...parallelism.mesh import RankGrid
 from ...runtime import comm, require_process_group
-from .fsdp_unit import FlatUnit, MixedPrecisionPolicy
+from .fsdp_unit import FlatUnit, MixedPrecisionPolicy, UnitCall, UnitFunction
 
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardingState", "sharding_state",
            "sharded_units", "full_state_dict", "hybrid_groups"]
@@ -154,78 +154,6 @@ class ShardingState:
         self.peak_gathered, self.peak_gathered_bytes = len(self.gathered_now), self.gathered_bytes_now
 
 
-class _UnitCall:
-    """One call of a unit: the module's forward, where the tensors sit in (args, kwargs), the outputs."""
-
-    def __init__(self, unit, forward, args, kwargs):
-        self.unit, self.forward = unit, forward
-        self.leaves, self.spec = tree_flatten((args, kwargs))
-        self.slots = [i for i, x in enumerate(self.leaves) if torch.is_tensor(x)]
-        self.out_leaves, self.out_spec, self.out_slots = None, None, None
-
-    def tensors(self):
-        return [self.leaves[i] for i in self.slots]
-
-    def run(self, tensors):
-        leaves = list(self.leaves)
-        for i, t in zip(self.slots, tensors):
-            leaves[i] = t
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        out = self.forward(*args, **kwargs)
-        self.out_leaves, self.out_spec = tree_flatten(out)
-        self.out_slots = [i for i, x in enumerate(self.out_leaves) if torch.is_tensor(x)]
-        return [self.out_leaves[i] for i in self.out_slots]
-
-    def output(self, tensors):
-        leaves = list(self.out_leaves)
-        for i, t in zip(self.out_slots, tensors):
-            leaves[i] = t
-        return tree_unflatten(leaves, self.out_spec)
-
-
-class _UnitFunction(torch.autograd.Function):
-    """A unit as one autograd node: gather -> run -> free; gather -> backward -> reduce-scatter -> free."""
-
-    @staticmethod
-    def forward(ctx, call, handle, *tensors):
-        unit, state = call.unit, call.unit.state
-        ctx.outermost = state.depth == 0
-        state.depth += 1
-        try:
-            state.enter(unit, "forward")
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-            with torch.enable_grad():
-                ctx.leaves = unit.bind()  # the unit's own graph: leaves are the gathered weights
-                try:
-                    outs = call.run(inputs)
-                finally:
-                    unit.unbind()
-        finally:
-            state.depth -= 1
-        state.trace("forward_end", unit.name)
-        if unit.reshard_after_forward:
-            unit.free()
-        ctx.call, ctx.inner_outs, ctx.inner_inputs = call, outs, inputs
-        ctx.set_materialize_grads(False)
-        return tuple(o.detach() for o in outs)
-
-    @staticmethod
-    def backward(ctx, *grad_outs):
-        unit, state = ctx.call.unit, ctx.call.unit.state
-        if ctx.outermost:
-            state.queue_end_of_backward()
-        state.enter(unit, "backward")  # re-gathers into the storage the saved tensors view
-        pairs = [(o, g) for o, g in zip(ctx.inner_outs, grad_outs) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        state.trace("backward_end", unit.name)
-        unit.reduce_grads(ctx.leaves)
-        unit.free()
-        grads = tuple(x.grad if x.requires_grad else None for x in ctx.inner_inputs)
-        ctx.call = ctx.leaves = ctx.inner_outs = ctx.inner_inputs = None
-        return (None, None, *grads)
-
-
 def _cast(tree, dtype):
     return tree_map(lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x, tree)
 
@@ -243,9 +171,9 @@ class FSDPModule:
         mp = unit.mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), mp.param_dtype)
-        call = _UnitCall(unit, super().forward, args, kwargs)
+        call = UnitCall(unit, super().forward, args, kwargs)
         if torch.is_grad_enabled():
-            out = call.output(_UnitFunction.apply(call, unit.handle, *call.tensors()))
+            out = call.output(UnitFunction.apply(call, unit.handle, *call.tensors()))
         else:  # inference: gather, run, free; no graph to keep
             unit.state.enter(unit, "forward")
             leaves = unit.bind()

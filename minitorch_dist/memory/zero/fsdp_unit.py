@@ -21,6 +21,8 @@ replaced on its module by an ``nn.Parameter`` that is *this rank's piece of it*:
                reduce-scatter([grads | has-grad flags]) / n -> each sharded parameter's .grad
 
 so Ψ_u is all-gathered twice and reduce-scattered once per step: ``3·Ψ_u·(n-1)/n`` on the wire.
+One call of a unit is one autograd node, :class:`UnitFunction` (the why is in :mod:`.fsdp`);
+:class:`UnitCall` carries the call's arguments and outputs through it as flat lists of tensors.
 
 **Who got a gradient.** A parameter that received no gradient on any rank (unused this step, or
 frozen) keeps ``grad = None``, so the optimizer leaves it alone, as torch's optimizers do. Each rank
@@ -38,11 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...runtime import comm
 from .flat import FlatParams, shard_range
 
-__all__ = ["MixedPrecisionPolicy", "FlatUnit"]
+__all__ = ["MixedPrecisionPolicy", "FlatUnit", "UnitCall", "UnitFunction"]
 
 
 @dataclass(frozen=True)
@@ -215,3 +218,75 @@ class FlatUnit:
                 p.grad = g
             else:
                 p.grad += g  # several backwards before a step accumulate, as in one process
+
+
+class UnitCall:
+    """One call of a unit: the module's forward, where the tensors sit in (args, kwargs), the outputs."""
+
+    def __init__(self, unit, forward, args, kwargs):
+        self.unit, self.forward = unit, forward
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.slots = [i for i, x in enumerate(self.leaves) if torch.is_tensor(x)]
+        self.out_leaves, self.out_spec, self.out_slots = None, None, None
+
+    def tensors(self):
+        return [self.leaves[i] for i in self.slots]
+
+    def run(self, tensors):
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, tensors):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        out = self.forward(*args, **kwargs)
+        self.out_leaves, self.out_spec = tree_flatten(out)
+        self.out_slots = [i for i, x in enumerate(self.out_leaves) if torch.is_tensor(x)]
+        return [self.out_leaves[i] for i in self.out_slots]
+
+    def output(self, tensors):
+        leaves = list(self.out_leaves)
+        for i, t in zip(self.out_slots, tensors):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.out_spec)
+
+
+class UnitFunction(torch.autograd.Function):
+    """A unit as one autograd node: gather -> run -> free; gather -> backward -> reduce-scatter -> free."""
+
+    @staticmethod
+    def forward(ctx, call, handle, *tensors):
+        unit, state = call.unit, call.unit.state
+        ctx.outermost = state.depth == 0
+        state.depth += 1
+        try:
+            state.enter(unit, "forward")
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+            with torch.enable_grad():
+                ctx.leaves = unit.bind()  # the unit's own graph: leaves are the gathered weights
+                try:
+                    outs = call.run(inputs)
+                finally:
+                    unit.unbind()
+        finally:
+            state.depth -= 1
+        state.trace("forward_end", unit.name)
+        if unit.reshard_after_forward:
+            unit.free()
+        ctx.call, ctx.inner_outs, ctx.inner_inputs = call, outs, inputs
+        ctx.set_materialize_grads(False)
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        unit, state = ctx.call.unit, ctx.call.unit.state
+        if ctx.outermost:
+            state.queue_end_of_backward()
+        state.enter(unit, "backward")  # re-gathers into the storage the saved tensors view
+        pairs = [(o, g) for o, g in zip(ctx.inner_outs, grad_outs) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        state.trace("backward_end", unit.name)
+        unit.reduce_grads(ctx.leaves)
+        unit.free()
+        grads = tuple(x.grad if x.requires_grad else None for x in ctx.inner_inputs)
+        ctx.call = ctx.leaves = ctx.inner_outs = ctx.inner_inputs = None
+        return (None, None, *grads)
