@@ -108,10 +108,31 @@ class NormLM(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+class Half(nn.Module):
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return self.second(nn.functional.gelu(self.first(x)))
+
+
+class SharedMLP(nn.Module):
+    """Two halves that share one Linear (``proj``): x -> a(x) -> b(.), a = (inp, proj), b = (proj, out)."""
+
+    def __init__(self, d=24):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.a, self.b = Half(nn.Linear(13, d), self.proj), Half(self.proj, nn.Linear(d, 5))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(nn.functional.gelu(self.a(x))), y)
+
+
 def _batch(kind, step, rank=0, n=1):
     """Rows ``rank::n``-free: rank r takes the r-th of n equal slices of the global batch."""
     g = torch.Generator().manual_seed(1000 + step)
-    if kind in ("mlp", "frozen", "unused"):
+    if kind in ("mlp", "frozen", "unused", "shared"):
         x, y = torch.randn(B, 13, generator=g), torch.randn(B, 5, generator=g)
     else:
         x, y = torch.randint(0, 29, (B, 6), generator=g), torch.randint(0, 29, (B, 6), generator=g)
@@ -122,7 +143,7 @@ def _batch(kind, step, rank=0, n=1):
 def _build(kind):
     torch.manual_seed(SEED)
     return {"mlp": MLP, "frozen": lambda: MLP(frozen=True), "unused": lambda: MLP(unused=True),
-            "tied": TiedLM, "norm": NormLM}[kind]()
+            "tied": TiedLM, "norm": NormLM, "shared": SharedMLP}[kind]()
 
 
 def _shard(kind, model, shard=fully_shard, **kw):
@@ -132,6 +153,9 @@ def _shard(kind, model, shard=fully_shard, **kw):
             shard(model.net[i], **kw)
     elif kind == "tied":
         shard(model.mid, **kw)
+    elif kind == "shared":  # the shared module first: a unit of its own, which both halves skip
+        for m in (model.proj, model.a, model.b):
+            shard(m, **kw)
     elif kind == "norm":
         shard(model.emb, **kw)
         for layer in model.layers:
@@ -154,7 +178,7 @@ def _steps(model, kind, rank=0, n=1):
     return losses
 
 
-KINDS = ("mlp", "frozen", "unused", "tied", "norm")
+KINDS = ("mlp", "frozen", "unused", "tied", "norm", "shared")
 
 
 # --- what each rank runs --------------------------------------------------------------------------
@@ -195,8 +219,8 @@ def _gpt(opt, **kw):
     out["step_events"] = {"fwd": _events(fwd), "bwd": _events(bwd)}
     out["memory"] = MemoryMeter(model, optim).current()
     units = sharded_units(model)
-    out["resharded"] = all(u.full.untyped_storage().nbytes() == 0 for u in units)
-    out["shard_numels"] = {u.name: u.shard.numel() for u in units}
+    out["resharded"] = not any(u.gathered for u in units)
+    out["shard_numels"] = {u.name: u.shard_numel for u in units}
     return out
 
 
@@ -235,6 +259,8 @@ def _any_model(kind, torch_too=True):
     with comm.meter() as m:
         losses = _steps(model, kind, r, n)
     out = {"losses": losses, "full": full_state_dict(model), "ops": sorted({e.op for e in m.events}),
+           "bytes": {op: sum(e.nbytes for e in m.events if e.op == op)
+                     for op in ("all_gather", "reduce_scatter")},
            "local": {k: p.numel() for k, p in model.named_parameters()}}
     if torch_too:
         ref = _shard(kind, _build(kind), _torch_shard)
@@ -254,7 +280,7 @@ def _hybrid():
     ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]  # noqa: E731
     return {"losses": run.losses, "full": full_state_dict(model),
             "events": {"fwd": ev(run.meters[0]), "bwd": ev(run.meters[1])},
-            "shard_numels": [u.shard.numel() for u in sharded_units(model)]}
+            "shard_numels": [u.shard_numel for u in sharded_units(model)]}
 
 
 def _inference():
@@ -286,12 +312,18 @@ def _errors():
         fully_shard(lm.emb)
         fully_shard(lm.head)
 
+    def shared_apart():
+        model = SharedMLP()
+        fully_shard(model.a)
+        fully_shard(model.b)
+
     def top_down():
         mlp = MLP()
         fully_shard(mlp)
         fully_shard(mlp.net[0])
 
     out = {"twice": _error(twice), "tied": _error(tied_apart), "top_down": _error(top_down),
+           "shared": _error(shared_apart),
            "grid": _error(lambda: hybrid_groups(3)),
            "dtype": _error(lambda: fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(torch.int8))),
            "policy": _error(lambda: fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16})),
@@ -602,7 +634,9 @@ def test_bad_input_is_a_clear_error(n):
     errors = _results(n)[0]["errors"]
     assert "already sharded" in errors["twice"]
     assert "weight is already in another unit" in errors["tied"] and "common parent" in errors["tied"]
-    assert "bottom-up" in errors["top_down"]
+    assert "top-down" in errors["top_down"]
+    assert "Linear is already in another module's unit" in errors["top_down"]
+    assert "first (Linear)" in errors["shared"] and "shard it first" in errors["shared"]  # b.first is proj
     assert f"world size {n} is not divisible by shard_size 3" in errors["grid"]
     assert "floating-point" in errors["dtype"] and errors["policy"].startswith("TypeError")
     assert "replicate_group needs group" in errors["replicate"]
@@ -632,3 +666,27 @@ def test_a_rank_that_raises_inside_a_unit_surfaces_through_launch():
 
 def test_an_fsdp_module_is_the_module():
     assert issubclass(FSDPModule, object) and callable(full_state_dict)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_frozen_tensor_is_gathered_but_never_reduced(n):
+    """MLP units: net.0 = (weight, bias), net.2, net.4; with net.0.weight frozen it is a part of its
+    own: all-gathered in forward and backward, absent from the reduce-scatter (fewer bytes)."""
+    shapes = {"net.0": [(24, 13), (24,)], "net.2": [(24, 24), (24,)], "net.4": [(5, 24), (5,)]}
+    numel = lambda ts: sum(math.prod(s) for s in ts)  # noqa: E731
+
+    def elements(frozen):  # per step, summed over the units' parts (costmodel.fsdp_unit_elements each)
+        ag = rs = 0
+        for unit, ts in shapes.items():
+            parts = [ts[:1], ts[1:]] if frozen and unit == "net.0" else [ts]
+            for k, part in enumerate(parts):
+                e = costmodel.fsdp_unit_elements(numel(part), len(part), n)
+                ag += e["all_gather"]
+                rs += e["reduce_scatter"] if not (frozen and unit == "net.0" and k == 0) else 0
+        return ag, rs
+
+    for res in _results(n):
+        for kind, frozen in (("mlp", False), ("frozen", True)):
+            ag, rs = elements(frozen)
+            assert res[kind]["bytes"] == {"all_gather": F32 * STEPS * ag, "reduce_scatter": F32 * STEPS * rs}
+        assert res["frozen"]["bytes"]["reduce_scatter"] < res["mlp"]["bytes"]["reduce_scatter"]

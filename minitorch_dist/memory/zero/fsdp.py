@@ -18,7 +18,8 @@ Each call makes one unit of the parameters under ``module`` that no earlier call
 Modules no call covers (no ``fully_shard`` on the root) stay *replicated*: their parameters are
 broadcast from rank 0 and their gradients all-reduced and averaged at the end of backward, as in
 chapter 01. So "shard the Linear and Embedding layers, keep the norms replicated" is just not
-calling ``fully_shard`` on the norms or the root.
+calling ``fully_shard`` on the norms or the root. A submodule two parents share is sharded
+first: its own unit, which both parents skip. Frozen tensors are gathered but never reduced.
 
 **The root** is found at the first forward: the outermost module that runs and holds units (a
 global forward pre-hook looks for it once, then removes itself). Its :class:`ShardingState` is
@@ -236,9 +237,11 @@ def _slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
             if p is None or id(p) in sharded:
                 continue
             if p in _SHARDS:
-                raise ValueError(f"fully_shard: {mname or type(module).__name__} is inside a module that is "
-                                 "already sharded; call fully_shard bottom-up: "
-                                 "submodules first, then the root")
+                where = f"{mname} ({type(m).__name__})" if mname else type(m).__name__
+                raise ValueError(f"fully_shard: {where} is already in another module's unit. Either it is "
+                                 f"shared by two modules: shard it first, fully_shard(<the shared module>), "
+                                 f"and both will skip its unit; or fully_shard was called top-down: call it "
+                                 f"on submodules first, then the root")
             if p in _TAKEN:
                 raise ValueError(f"fully_shard: parameter {mname or type(module).__name__}.{a} is already in "
                                  f"another unit (tied weights?); put every module that uses it in one unit: "
@@ -285,7 +288,6 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
     if slots:
         unit = FlatUnit(slots, group, replicate_group, mp_policy, reshard_after_forward)
         unit.prefetch = prefetch
-        unit.flat.params = []  # drop the dense parameters: only the shard stays on this rank
         for _, _, p in slots:
             _TAKEN.add(p)
         for p in unit.sharded:
@@ -319,10 +321,11 @@ def full_state_dict(module: nn.Module) -> dict:
     """``{name: full tensor}`` of the unsharded weights, named as in the dense model (a collective)."""
     full = {}
     for u in sharded_units(module):
-        buf = u.shard.new_empty(u.flat.padded_numel)
-        comm.all_gather(buf, u.shard.detach(), group=u.group)
-        for p, v in zip(u.sharded, u.flat.views(buf)):
-            full[id(p)] = v.clone()
+        for part in u.parts:
+            buf = part.shard.new_empty(part.flat.padded_numel)
+            comm.all_gather(buf, part.shard.detach(), group=u.group)
+            for p, v in zip(part.sharded, part.flat.views(buf)):
+                full[id(p)] = v.clone()
     return {k: full[id(p)] if id(p) in full else p.detach().clone() for k, p in module.named_parameters()}
 
 

@@ -67,128 +67,60 @@ class MixedPrecisionPolicy:
                                  f"dtype such as torch.bfloat16, torch.float16 or torch.float32")
 
 
-class FlatUnit:
-    """One unit: the parameters in ``slots`` (``(module, attribute, parameter)``; a tied parameter
-    appears once per module that holds it) sharded over ``group``.
-
-    Attributes: ``shard`` (this rank's S elements, the parameters' dtype), ``sharded`` (one
-    ``nn.Parameter`` per distinct parameter, a view into ``shard``), ``full`` (the gathered padded
-    buffer in the compute dtype; 0 bytes whenever resharded), ``flat`` (:class:`.flat.FlatParams`).
+class FlatPart:
+    """Some of a unit's tensors, all of one dtype and one ``requires_grad``, as one sharded padded
+    buffer: ``shard`` (this rank's S elements), ``sharded`` (an ``nn.Parameter`` per tensor, a view
+    into ``shard``), ``full`` (the gathered buffer in the compute dtype; 0 bytes when resharded).
     """
 
-    def __init__(self, slots, group, replicate_group, mp_policy, reshard_after_forward):
-        self.name, self.state = "?", None  # set when the root is found (see fsdp.ShardingState)
-        self.group, self.replicate_group = group, replicate_group
-        self.reshard_after_forward = reshard_after_forward
-        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        unique = list({id(p): p for _, _, p in slots}.values())
-        dtypes = {p.dtype for p in unique}
-        if len(dtypes) > 1:
-            raise ValueError(f"fully_shard: one unit flattens one dtype, got {sorted(map(str, dtypes))}; "
-                             f"call fully_shard on submodules of one dtype each, or cast the model first")
-        self.flat = FlatParams(unique, self.n)
-        self.dtype = unique[0].dtype
-        mp = mp_policy or MixedPrecisionPolicy()
-        self.mp = mp
-        self.compute_dtype = mp.param_dtype or self.dtype
-        self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
-        self.slots = [(m, a, next(i for i, u in enumerate(unique) if u is p)) for m, a, p in slots]
-        self.shard = self._take_shard(unique)
-        self.sharded = self._sharded_params(unique)
-        for m, a, i in self.slots:
-            m._parameters[a] = self.sharded[i]
+    def __init__(self, params, unit):
+        self.unit, self.flat = unit, FlatParams(params, unit.n)
+        self.dtype, self.trains = params[0].dtype, params[0].requires_grad
+        self.compute_dtype = unit.mp.param_dtype or self.dtype
+        self.reduce_dtype = unit.mp.reduce_dtype or self.compute_dtype
+        self.shard = self._take_shard(params)
+        lo, hi = shard_range(self.flat.numel, unit.n, unit.rank)
+        self.sharded = []  # parameter i's piece of shard: [o, o+k) ∩ [r·S, (r+1)·S), 1-D (maybe empty)
+        for p, off, k in zip(params, self.flat.offsets, self.flat.numels):
+            a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
+            self.sharded.append(nn.Parameter(self.shard[a - lo:b - lo], requires_grad=p.requires_grad))
         self.full = self.shard.new_empty(self.flat.padded_numel, dtype=self.compute_dtype)
         self.full_bytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
-        self.handle = self.shard.new_empty(0).requires_grad_()  # makes autograd call the unit's backward
-        self._pending = None  # (work, version guard, send buffer) of an all-gather in flight
+        self.flat.params = []  # drop the dense tensors: only the shard stays on this rank
+        self.pending = None  # (work, version guard, send buffer) of an all-gather in flight
 
-    # --- building -----------------------------------------------------------------------------
-    def _take_shard(self, unique) -> torch.Tensor:
+    def _take_shard(self, params) -> torch.Tensor:
         """Rank 0's weights (of the group, then of the replicate group), flattened; keep our S."""
+        u = self.unit
         with torch.no_grad():
-            buf = self.flat.flatten([p.detach() for p in unique])
-            for g in (self.group, *([self.replicate_group] if self.replicate_group is not None else [])):
+            buf = self.flat.flatten([p.detach() for p in params])
+            for g in (u.group, *([u.replicate_group] if u.replicate_group is not None else [])):
                 comm.broadcast(buf, 0 if g is None else dist.get_global_rank(g, 0), group=g)
-            return self.flat.shard(buf, self.rank).clone()
+            return self.flat.shard(buf, u.rank).clone()
 
-    def _sharded_params(self, unique) -> list[nn.Parameter]:
-        """Each parameter's piece of ``shard``: ``[o, o+k) ∩ [r·S, (r+1)·S)``, a 1-D view (maybe empty)."""
-        lo, hi = shard_range(self.flat.numel, self.n, self.rank)
-        out = []
-        for p, off, k in zip(unique, self.flat.offsets, self.flat.numels):
-            a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
-            out.append(nn.Parameter(self.shard[a - lo:b - lo], requires_grad=p.requires_grad))
-        return out
-
-    def piece(self, i: int) -> tuple[int, int]:
-        """``[a, b)`` of parameter i's elements (in its own flattened order) held by this rank."""
-        lo, hi = shard_range(self.flat.numel, self.n, self.rank)
-        off, k = self.flat.offsets[i], self.flat.numels[i]
-        return min(max(lo - off, 0), k), min(max(hi - off, 0), k)
-
-    # --- gather / free ------------------------------------------------------------------------
-    @property
-    def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0 or self._pending is not None
-
-    def issue_all_gather(self, async_op: bool) -> None:
-        """Re-allocate ``full`` and all-gather the shards into it (a no-op if already there)."""
-        if self.gathered:
-            return
+    def all_gather(self, async_op: bool) -> None:
         self.full.untyped_storage().resize_(self.full_bytes)
-        self.state.note_gathered(self, +1)
-        guard = torch.autograd._unsafe_preserve_version_counter(self.full)  # see wait()
+        guard = torch.autograd._unsafe_preserve_version_counter(self.full)  # see FlatUnit.wait
         send = self.shard.detach().to(self.compute_dtype)  # the cast of mixed precision (a copy if any)
-        work = comm.all_gather(self.full, send, group=self.group, async_op=async_op)
-        self.state.trace("all_gather", self.name)
-        self._pending = (work, guard, send)
+        work = comm.all_gather(self.full, send, group=self.unit.group, async_op=async_op)
+        self.pending = (work, guard, send)
 
-    def wait(self) -> None:
-        """Make sure ``full`` holds this step's weights, gathering now if nobody prefetched them."""
-        if not self.gathered:
-            self.issue_all_gather(async_op=False)
-        if self._pending is None:
-            return
-        work, guard, _send = self._pending
-        self._pending = None
-        # The all-gather wrote into tensors autograd saved; their version counter would say
-        # "modified in place". The guard (whose docstring names this use) restores it.
-        with guard:
-            if work is not None:
-                work.wait()
-
-    def free(self) -> None:
-        """Reshard: drop ``full``'s storage, keep the shard."""
-        self.full.untyped_storage().resize_(0)
-        self.state.note_gathered(self, -1)
-        self.state.trace("free", self.name)
-
-    def bind(self) -> list[torch.Tensor]:
-        """Swap in a leaf per parameter, a shaped view of ``full``; return the leaves."""
+    def leaves(self) -> list[nn.Parameter]:
+        """A leaf per tensor, a shaped view of ``full`` (one ``split``: its backward is one ``cat``)."""
         flat = self.flat
         pieces = self.full.split([*flat.numels, flat.padding] if flat.padding else flat.numels)
-        leaves = [nn.Parameter(t.view(shape), requires_grad=p.requires_grad)
-                  for t, shape, p in zip(pieces, flat.shapes, self.sharded)]
-        for m, a, i in self.slots:
-            m._parameters[a] = leaves[i]
-        return leaves
+        return [nn.Parameter(t.view(shape), requires_grad=p.requires_grad)
+                for t, shape, p in zip(pieces, flat.shapes, self.sharded)]
 
-    def unbind(self) -> None:
-        """Put the sharded parameters back on the modules."""
-        for m, a, i in self.slots:
-            m._parameters[a] = self.sharded[i]
-
-    # --- gradients ----------------------------------------------------------------------------
     def reduce_grads(self, leaves) -> None:
         """Average the leaves' gradients over every data-parallel rank into the sharded ``.grad``s.
 
         Rank-major send buffer, row r for rank r: ``[grad elements r·S..(r+1)·S | flags]``, where
-        ``flags[i] = 1`` if this rank has a gradient for parameter i. After the reduce-scatter (and
-        the all-reduce over ``replicate_group``) a rank holds its S summed elements and the counts.
+        ``flags[i] = 1`` if this rank has a gradient for tensor i. After the reduce-scatter (and the
+        all-reduce over ``replicate_group``) a rank holds its S summed elements and the counts.
         """
-        if not any(p.requires_grad for p in self.sharded):
-            return  # a frozen unit: nothing to reduce, on every rank alike
+        u, n = self.unit, self.unit.n
         grads = [leaf.grad for leaf in leaves]
         flags = torch.tensor([g is not None for g in grads], dtype=self.reduce_dtype,
                              device=self.shard.device)
@@ -196,28 +128,110 @@ class FlatUnit:
                   for g, k in zip(grads, self.flat.numels)]
         flat = torch.cat([*pieces, self.full.new_zeros(self.flat.padding)]).to(self.reduce_dtype)
         S, F = self.flat.shard_numel, flags.numel()
-        send = torch.cat([flat.view(self.n, S), flags.expand(self.n, F)], dim=1)  # (n, S + F)
+        send = torch.cat([flat.view(n, S), flags.expand(n, F)], dim=1)  # (n, S + F)
         got = send.new_empty(S + F)
-        comm.reduce_scatter(got, send.view(-1), group=self.group)
-        world = self.n
-        if self.replicate_group is not None:
-            comm.all_reduce(got, group=self.replicate_group)
-            world *= dist.get_world_size(self.replicate_group)
-        self.state.trace("reduce_scatter", self.name)
-        self._accumulate(got[:S].div(world).to(self.dtype), got[S:])  # a gradient shard of S, no flags
+        comm.reduce_scatter(got, send.view(-1), group=u.group)
+        world = n
+        if u.replicate_group is not None:
+            comm.all_reduce(got, group=u.replicate_group)
+            world *= dist.get_world_size(u.replicate_group)
+        self._accumulate(got[:S].div(world).to(self.dtype), got[S:].tolist())  # a shard of S, no flags
 
-    def _accumulate(self, shard_grad: torch.Tensor, counts: torch.Tensor) -> None:
-        """Each sharded parameter with a gradient on some rank gets its piece of ``shard_grad``."""
-        lo, _ = shard_range(self.flat.numel, self.n, self.rank)
-        for i, (p, count) in enumerate(zip(self.sharded, counts.tolist())):
+    def _accumulate(self, shard_grad: torch.Tensor, counts: list) -> None:
+        """Each sharded tensor with a gradient on some rank gets its piece of ``shard_grad``."""
+        lo, hi = shard_range(self.flat.numel, self.unit.n, self.unit.rank)
+        for p, off, k, count in zip(self.sharded, self.flat.offsets, self.flat.numels, counts):
             if count == 0 or not p.requires_grad:
                 continue  # no rank computed a gradient: leave .grad as it is (None after zero_grad)
-            a, b = self.piece(i)
-            g = shard_grad[self.flat.offsets[i] + a - lo:self.flat.offsets[i] + b - lo]
+            g = shard_grad[min(max(off, lo), hi) - lo:min(max(off + k, lo), hi) - lo]
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad += g  # several backwards before a step accumulate, as in one process
+
+
+class FlatUnit:
+    """One unit: the parameters in ``slots`` (``(module, attribute, parameter)``; a tied parameter
+    appears once per module that holds it) sharded over ``group``.
+
+    Its tensors are grouped into :class:`FlatPart` s by dtype and ``requires_grad``: usually one
+    part; a frozen tensor goes in a part of its own that is gathered but never reduced (fewer bytes
+    on the wire, and no gradient), and a unit may mix dtypes.
+    """
+
+    def __init__(self, slots, group, replicate_group, mp_policy, reshard_after_forward):
+        self.name, self.state = "?", None  # set when the root is found (see fsdp.ShardingState)
+        self.group, self.replicate_group = group, replicate_group
+        self.reshard_after_forward = reshard_after_forward
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.mp = mp_policy or MixedPrecisionPolicy()
+        unique = list({id(p): p for _, _, p in slots}.values())
+        kinds = list(dict.fromkeys((p.dtype, p.requires_grad) for p in unique))  # in order of appearance
+        groups = [[p for p in unique if (p.dtype, p.requires_grad) == kind] for kind in kinds]
+        self.parts = [FlatPart(ps, self) for ps in groups]
+        where = {id(p): (k, i) for k, ps in enumerate(groups) for i, p in enumerate(ps)}
+        self.slots = [(m, a, *where[id(p)]) for m, a, p in slots]  # (module, name, part, index)
+        for m, a, k, i in self.slots:
+            m._parameters[a] = self.parts[k].sharded[i]
+        self.sharded = [p for part in self.parts for p in part.sharded]
+        self.shard_numel = sum(part.flat.shard_numel for part in self.parts)
+        self.full_bytes = sum(part.full_bytes for part in self.parts)
+        self.handle = self.parts[0].shard.new_empty(0).requires_grad_()  # so autograd calls backward
+
+    # --- gather / free ------------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return any(p.full.untyped_storage().nbytes() > 0 or p.pending is not None for p in self.parts)
+
+    def issue_all_gather(self, async_op: bool) -> None:
+        """Re-allocate the full buffers and all-gather the shards into them (a no-op if there)."""
+        if self.gathered:
+            return
+        self.state.note_gathered(self, +1)
+        for part in self.parts:
+            part.all_gather(async_op)
+        self.state.trace("all_gather", self.name)
+
+    def wait(self) -> None:
+        """Make sure the full buffers hold this step's weights, gathering now if nobody prefetched."""
+        if not self.gathered:
+            self.issue_all_gather(async_op=False)
+        for part in self.parts:
+            if part.pending is None:
+                continue
+            work, guard, _send = part.pending
+            part.pending = None
+            # The all-gather wrote into tensors autograd saved; their version counter would say
+            # "modified in place". The guard (whose docstring names this use) restores it.
+            with guard:
+                if work is not None:
+                    work.wait()
+
+    def free(self) -> None:
+        """Reshard: drop the full buffers' storage, keep the shards."""
+        for part in self.parts:
+            part.full.untyped_storage().resize_(0)
+        self.state.note_gathered(self, -1)
+        self.state.trace("free", self.name)
+
+    def bind(self) -> list[list[nn.Parameter]]:
+        """Swap in a leaf per parameter, a shaped view of its part's ``full``; return them per part."""
+        leaves = [part.leaves() for part in self.parts]
+        for m, a, k, i in self.slots:
+            m._parameters[a] = leaves[k][i]
+        return leaves
+
+    def unbind(self) -> None:
+        """Put the sharded parameters back on the modules."""
+        for m, a, k, i in self.slots:
+            m._parameters[a] = self.parts[k].sharded[i]
+
+    def reduce_grads(self, leaves) -> None:
+        """Reduce-scatter every part that trains (a frozen part sends nothing)."""
+        for part, part_leaves in zip(self.parts, leaves):
+            if any(p.requires_grad for p in part.sharded):  # the same on every rank
+                part.reduce_grads(part_leaves)
+        self.state.trace("reduce_scatter", self.name)
 
 
 class UnitCall:
