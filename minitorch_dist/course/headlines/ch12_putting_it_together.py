@@ -11,7 +11,8 @@ def _traffic(results, cfg, p, m, act):
     """Over one pipeline: DP all-reduce bytes and PP send bytes; over all ranks: the set of TP
     all-reduces of b·s·h per layer and microbatch."""
     one_pipeline = [r for r in results if r.coords.dp == 0 and r.coords.tp == 0]
-    dp_bytes = sum(e.nbytes for r in one_pipeline for e in r.events["dp"] if e.op == "all_reduce")
+    dp_bytes = sum(e.nbytes for r in one_pipeline for e in r.events["dp"]  # the gradients, not the
+                   if e.op == "all_reduce" and e.dtype != "torch.uint8")  # 1-byte has-grad mask (ch06)
     p2p = sum(e.nbytes for r in one_pipeline for e in r.events["pipeline"] if e.op == "send")
     per_layer = set()
     for r in results:  # TP all-reduces of b·s·h per layer and microbatch, less the embedding's and lm_head's

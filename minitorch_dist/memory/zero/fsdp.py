@@ -133,7 +133,8 @@ class ShardingState:
         for g in self._groups():
             comm.all_reduce(flat, group=g)
             world *= dist.get_world_size(g)
-        counts, off = flat[-len(ps):].tolist(), 0
+        mine = [float(p.grad is not None) for p in ps]  # on meta (a dry run) counts have no values
+        counts, off = (mine if flat.is_meta else flat[-len(ps):].tolist()), 0
         for p, c in zip(ps, counts):
             if c > 0:
                 p.grad = flat[off:off + p.numel()].view_as(p).div(world)

@@ -135,7 +135,9 @@ class FlatPart:
         if u.replicate_group is not None:
             comm.all_reduce(got, group=u.replicate_group)
             world *= dist.get_world_size(u.replicate_group)
-        self._accumulate(got[:S].div(world).to(self.dtype), got[S:].tolist())  # a shard of S, no flags
+        # On the meta device (a dry run) the counts have no values: take this rank's own flags.
+        counts = [float(g is not None) for g in grads] if got.is_meta else got[S:].tolist()
+        self._accumulate(got[:S].div(world).to(self.dtype), counts)  # a shard of S, no flags
 
     def _accumulate(self, shard_grad: torch.Tensor, counts: list) -> None:
         """Each sharded tensor with a gradient on some rank gets its piece of ``shard_grad``."""
