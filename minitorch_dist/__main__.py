@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 #: Published parameter counts for ``estimate --model``.
@@ -28,6 +29,23 @@ MODELS = {
 STAGES = {0: "none (plain data parallel)", 1: "optimizer states (P_os)",
           2: "+ gradients (P_os+g)", 3: "+ parameters (P_os+g+p)"}
 
+#: ``schedule`` simulates at most this many (stage, microbatch, chunk) triples, p*m*v: a few seconds.
+MAX_SCHEDULE_WORK = 100_000
+#: ``schedule`` draws its chart only up to this many columns; wider, it prints the summary alone.
+MAX_CHART_COLUMNS = 1000
+
+
+def positive(kind: type, what: str, example: str):
+    """An argparse ``type``: a finite ``kind`` (int or float) > 0, else an error that shows ``example``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be {what} (e.g. {example}), got {text!r}")
+        return value
+    return parse
 
 
 def _gb(nbytes: float) -> str:
@@ -51,8 +69,8 @@ def estimate(args) -> int:
         what = f"{args.model} ({num_params:.4g} parameters; {source})"
     else:
         num_params, what = args.params, f"{args.params:.4g} parameters"
-    if num_params <= 0 or args.dp < 1:
-        print("error: --params must be > 0 and --dp >= 1", file=sys.stderr)
+    if not (math.isfinite(num_params) and num_params > 0 and args.dp >= 1 and args.gpu_mem_gb > 0):
+        print("error: --params and --gpu-mem-gb must be finite numbers > 0, and --dp >= 1", file=sys.stderr)
         return 2
     try:
         from .analysis import costmodel
@@ -104,44 +122,66 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ZeRO stage 0-3 (analysis.costmodel). Example, ZeRO's Table 1: "
                                    "--params 7.5e9 --dp 64 gives 120 / 31.4 / 16.6 / 1.88 GB.")
     size = e.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
+    size.add_argument("--params", help="number of parameters, e.g. 7.5e9",
+                      type=positive(float, "a positive, finite number of parameters", "--params 7.5e9"))
     size.add_argument("--model", choices=sorted(MODELS), help="a published model size")
-    e.add_argument("--dp", type=int, default=1, help="data-parallel degree N_d (default 1)")
+    e.add_argument("--dp", type=positive(int, "a whole number >= 1", "--dp 64"), default=1,
+                   help="data-parallel degree N_d (default 1)")
     e.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("mixed", "fp32"), default="mixed",
                    help="default mixed (fp16/bf16)")
     e.add_argument("--optimizer", default="adamw", help="adamw (default), sgd, ... (see costmodel)")
-    e.add_argument("--gpu-mem-gb", type=float, default=80,
+    e.add_argument("--gpu-mem-gb", type=positive(float, "a positive, finite number of GB", "--gpu-mem-gb 80"),
+                   default=80,
                    help="device memory for the 'fits' column (default 80)")
     e.set_defaults(func=estimate)
-    from .analysis import planner
+    from .analysis import planner, planner_cli
 
     pl = sub.add_parser("plan",
                         help="search DP x TP x PP x ZeRO x recompute for a model on a cluster (chapter 12)",
                         description=(planner.__doc__.split("\n\n")[0] + " Example: --model gpt3-175b "
                                      "--gpus 1024 --gpu a100 (Narayanan et al. 2021's cluster)."))
-    planner.add_arguments(pl)
-    pl.set_defaults(func=planner.main)
+    planner_cli.add_arguments(pl)
+    pl.set_defaults(func=planner_cli.main)
     sc = sub.add_parser("schedule", help="print a pipeline schedule as a text Gantt chart (chapter 03)",
                         description="Each stage's actions (F forward, B backward, W weight gradient; "
                                     "microbatch.chunk) on a time axis, replayed by the chapter 03 simulator "
                                     "with unit times, then its bubble and peak stashed activations. "
+                                    f"At most p*m*v = {MAX_SCHEDULE_WORK:,}; a chart wider than "
+                                    f"{MAX_CHART_COLUMNS:,} columns is left out. "
                                     "Example: --name 1f1b -p 4 -m 8")
     sc.add_argument("--name", default="1f1b", help="gpipe, 1f1b (default), interleaved, zb-h1")
-    sc.add_argument("-p", type=int, default=4, help="pipeline stages (default 4)")
-    sc.add_argument("-m", type=int, default=8, help="microbatches per step (default 8)")
-    sc.add_argument("-v", type=int, default=1, help="model chunks per stage, interleaved only (default 1)")
+    whole = positive(int, "a whole number >= 1", "-p 4 -m 8")
+    sc.add_argument("-p", type=whole, default=4, help="pipeline stages (default 4)")
+    sc.add_argument("-m", type=whole, default=8, help="microbatches per step (default 8)")
+    sc.add_argument("-v", type=whole, default=1, help="model chunks per stage, interleaved only (default 1)")
     sc.set_defaults(func=schedule)
     return p
 
 
+def _formula(args) -> str:
+    """``costmodel.pipeline_bubble_fraction`` for the schedule, or "" where it has no formula."""
+    from .analysis import costmodel
+
+    if args.name not in costmodel.SCHEDULES:
+        return ""
+    v = args.v if args.name == "interleaved" else 1
+    bubble = costmodel.pipeline_bubble_fraction(args.name, args.p, args.m, v)
+    return f"costmodel.pipeline_bubble_fraction: {bubble:.3f}"
+
+
 def schedule(args) -> int:
     """Print ``make_schedule(name, p, m, v)`` as one row of time slots per stage (t_F = t_B = t_W = 1,
-    so a slot is 1/v and an unsplit backward B takes two)."""
-    from .analysis import costmodel
-    from .parallelism.pipeline.schedules import make_schedule
+    so a slot is 1/v and an unsplit backward B takes two); over `MAX_CHART_COLUMNS`, the summary only."""
+    from .parallelism.pipeline.schedules import SCHEDULES, make_schedule
     from .parallelism.pipeline.simulator import simulate
 
+    work = args.p * args.m * args.v
+    if work > MAX_SCHEDULE_WORK and args.name in SCHEDULES:  # an unknown name: make_schedule says so
+        print(f"error: p*m*v = {work:,} (stages x microbatches x chunks) is over the {MAX_SCHEDULE_WORK:,} "
+              f"the simulator replays in a few seconds; use smaller -p or -m. {_formula(args)}",
+              file=sys.stderr)
+        return 2
     try:
         sched = make_schedule(args.name, args.p, args.m, args.v)
     except ValueError as e:
@@ -152,18 +192,21 @@ def schedule(args) -> int:
     width = max(len(e.name) for e in sim.events) + 1
     print(f"{sched.name}: p={sched.p} stages, m={sched.m} microbatches, v={sched.v}; one slot = 1/{sched.v} "
           f"of t_F (t_F = t_B = t_W)")
-    for r in range(sched.p):
+    columns = len(f"stage {sched.p - 1}: ") + slots * width - 1
+    if columns > MAX_CHART_COLUMNS:
+        print(f"(chart left out: {columns:,} columns wide, over {MAX_CHART_COLUMNS:,}; use smaller -p or -m "
+              f"to see it)")
+    for r in range(sched.p if columns <= MAX_CHART_COLUMNS else 0):
         row = ["." * (width - 1)] * slots
         for e in sim.stage_events(r):
             a, b = round(e.t_start * sched.v), round(e.t_end * sched.v)
             row[a:b] = [e.name] + ["-" * (width - 1)] * (b - a - 1)
         print(f"stage {r}: " + " ".join(c.ljust(width - 1) for c in row))
-    print(f"bubble fraction {sim.bubble_fraction:.3f}; peak stashed microbatches per stage "
-          f"{sim.peak_stashed}")
-    if args.name in costmodel.SCHEDULES:
-        formula = costmodel.pipeline_bubble_fraction(args.name, args.p, args.m, args.v) \
-            if args.name == "interleaved" else costmodel.pipeline_bubble_fraction(args.name, args.p, args.m)
-        print(f"costmodel.pipeline_bubble_fraction: {formula:.3f}")
+    peak = sim.peak_stashed if sched.p <= 32 else \
+        f"{max(sim.peak_stashed):g} at most, {min(sim.peak_stashed):g} at least"
+    print(f"bubble fraction {sim.bubble_fraction:.3f}; peak stashed microbatches per stage {peak}")
+    if _formula(args):
+        print(_formula(args))
     return 0
 
 

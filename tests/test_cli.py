@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
-from minitorch_dist.__main__ import MODELS, main
+from minitorch_dist.__main__ import MAX_CHART_COLUMNS, MAX_SCHEDULE_WORK, MODELS, main
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.course.registry import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(120)
 
 COMMANDS = ("tour", "grade", "estimate", "plan", "schedule")
 
@@ -127,3 +130,85 @@ def test_estimate_rejects_unknown_optimizer(capsys):
 def test_unknown_chapter_exits_2(cmd, flag, capsys):
     assert main([cmd, flag, "ch13"]) == 2
     assert "no chapter 'ch13'" in capsys.readouterr().err
+
+
+# --- bad numbers, impossible plans and oversized schedules: clear errors, never a hang or a table of nan ---
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv, message", [
+    (["estimate", "--params", "nan"], "argument --params: must be a positive, finite number of parameters "
+                                      "(e.g. --params 7.5e9), got 'nan'"),
+    (["estimate", "--params", "inf"], "argument --params: must be a positive, finite number"),
+    (["estimate", "--params", "-1"], "argument --params: must be a positive, finite number"),
+    (["estimate", "--params", "1e9", "--gpu-mem-gb", "-1"],
+     "argument --gpu-mem-gb: must be a positive, finite number of GB (e.g. --gpu-mem-gb 80), got '-1'"),
+    (["estimate", "--params", "1e9", "--gpu-mem-gb", "nan"], "argument --gpu-mem-gb: must be a positive"),
+    (["estimate", "--params", "1e9", "--dp", "0"],
+     "argument --dp: must be a whole number >= 1 (e.g. --dp 64), got '0'"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--top", "-3"],
+     "argument --top: must be a whole number >= 1 (e.g. --top 5), got '-3'"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--top", "0"], "argument --top: must be a whole number >= 1"),
+    (["grade", "--timeout", "-1"],
+     "argument --timeout: must be a positive number of seconds (e.g. --timeout 120), got '-1'"),
+    (["grade", "--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
+    (["grade", "--timeout", "nan"], "argument --timeout: must be a positive number of seconds"),
+    (["schedule", "-p", "0"], "argument -p: must be a whole number >= 1 (e.g. -p 4 -m 8), got '0'"),
+    (["schedule", "-m", "-3"], "argument -m: must be a whole number >= 1"),
+    (["schedule", "--name", "interleaved", "-v", "0"], "argument -v: must be a whole number >= 1"),
+])
+def test_bad_numbers_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_plan_says_which_divisibility_rule_fails_and_which_gpu_counts_work(capsys):
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "1000"]) == 1
+    out = capsys.readouterr().out
+    assert "0 configurations satisfy divisibility" in out
+    assert ("Nothing fits: 1000 GPUs = tp*pp*dp has no factorization with tp | 8 GPUs per node" in out
+            and "dp*b | global batch 1536; use 768 or 1024 GPUs." in out), out
+    assert "--recompute" not in out and "--zero" not in out  # neither would help
+
+
+@pytest.mark.timeout(60)
+def test_plan_says_how_far_memory_is_from_fitting(capsys):
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "8"]) == 1
+    out = capsys.readouterr().out
+    assert ("Nothing fits: the smallest memory per GPU among the 564 valid configurations is 355.1 GB" in out
+            and "> 72.0 GB usable (90% of 80 GB" in out), out
+    assert "the model states alone are 2,794 GB, more than 8 GPUs hold: use at least 48 GPUs." in out
+    # a narrower search is told what it left out, and only that
+    narrow = ["--zero", "0", "1", "--recompute", "none"]
+    assert main(["plan", "--model", "gpt3-175b", "--gpus", "64", *narrow]) == 1
+    out = capsys.readouterr().out
+    assert ("try full recomputation (--recompute full), ZeRO-3 (--zero 3), sequence parallelism "
+            "(--sequence-parallel), more GPUs." in out), out
+
+
+@pytest.mark.timeout(30)
+def test_schedule_refuses_more_than_it_can_simulate_in_seconds(capsys):
+    start = time.monotonic()
+    assert main(["schedule", "-p", "1024", "-m", "8192"]) == 2
+    assert time.monotonic() - start < 5
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert (f"p*m*v = 8,388,608 (stages x microbatches x chunks) is over the {MAX_SCHEDULE_WORK:,} the "
+            f"simulator replays in a few seconds; use smaller -p or -m." in out.err)
+    assert "costmodel.pipeline_bubble_fraction: 0.111" in out.err  # the formula still answers
+
+
+@pytest.mark.timeout(60)
+def test_schedule_at_the_limit_runs_in_seconds_and_leaves_out_a_wide_chart(capsys):
+    """The naive schedule is the simulator's worst case (one stage busy at a time); at the limit it
+    still replays in seconds, and its chart, far wider than a screen, is left out."""
+    start = time.monotonic()
+    assert main(["schedule", "--name", "naive", "-p", "316", "-m", "316"]) == 0
+    elapsed = time.monotonic() - start
+    out = capsys.readouterr().out
+    assert 316 * 316 <= MAX_SCHEDULE_WORK and elapsed < 30, elapsed
+    assert "chart left out: " in out and f"over {MAX_CHART_COLUMNS:,}; use smaller -p or -m" in out
+    assert not any(line.startswith("stage ") for line in out.splitlines())
+    assert "bubble fraction 0.997; peak stashed microbatches per stage 1 at most, 1 at least" in out

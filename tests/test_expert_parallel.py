@@ -16,10 +16,14 @@ Tolerances: the experts see the same rows in a different grouping (all ranks' ro
 one matmul), and the router gradient is n partial sums added by an all-reduce: fp32 rounding only,
 atol 1e-6 / rtol 1e-5. A row sent to the wrong expert or returned to the wrong token moves outputs
 by O(0.1); a missing all-reduce leaves ~1/n of the router gradient.
+
+Built under a different seed on each rank, the layer (and a whole model through ``expert_parallel``)
+still holds rank 0's router, experts and replicated weights, bitwise: broadcast when it is built.
 """
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.runtime import comm
@@ -27,6 +31,7 @@ from minitorch_dist.runtime.launch import launch
 from minitorch_dist.sparsity.expert_parallel import (
     ExpertParallelMoE,
     all_to_all,
+    expert_parallel,
     replicated_parameters,
     sync_replicated_grads,
 )
@@ -44,8 +49,8 @@ CASES = {
 }
 
 
-def _layer(case, n_experts=E):
-    torch.manual_seed(SEED)
+def _layer(case, n_experts=E, seed=SEED):
+    torch.manual_seed(seed)
     router = CASES[case]() if n_experts == E else SwitchRouter(H, n_experts)
     return MoELayer(H, D_FF, n_experts, router)
 
@@ -56,6 +61,26 @@ def _data(case, n):
     if case == "skewed":  # all of a rank's tokens are one token: they all pick the same expert
         x = x[::TOK].repeat_interleave(TOK, 0)
     return x.view(n, TOK, H), G.view(n, TOK, H)
+
+
+def _model(seed):
+    """A replicated linear layer, then an MoE layer."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(H, H)
+    return nn.Sequential(lin, MoELayer(H, D_FF, E, SwitchRouter(H, E, capacity_factor=1.0)))
+
+
+def _seeded():
+    """Each rank builds its layer and model under its own seed (rank 0's is SEED)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    layer = _layer("switch", seed=SEED + 1000 * r)
+    built = layer.router.w_gate.detach().clone()
+    ep = ExpertParallelMoE(layer)
+    with torch.no_grad():
+        y = ep(_data("switch", n)[0][r])
+    model = expert_parallel(_model(SEED + 1000 * r))
+    return {"built": built, "y": y, "layer": {k: p.detach().clone() for k, p in ep.named_parameters()},
+            "model": {k: p.detach().clone() for k, p in model.named_parameters()}}
 
 
 def _events(m):
@@ -89,6 +114,7 @@ def _rank_run():
     got = all_to_all(rows, [r + 1] * n, [j + 1 for j in range(n)])
     (got * (torch.arange(got.size(0), dtype=torch.float32)[:, None] + 1)).sum().backward()
     out["a2a"] = (got.detach(), rows.grad)
+    out["seeded"] = _seeded()
     return out
 
 
@@ -160,6 +186,36 @@ def test_uneven_all_to_all_and_its_backward(ranks):
         for j in range(n):  # rank r's block for rank j: rows at positions r·(j+1) + 1 ... on rank j
             want_grad += [float(r * (j + 1) + m + 1) for m in range(j + 1)]
         torch.testing.assert_close(grad, torch.tensor(want_grad)[:, None].expand(-1, 2))
+
+
+def _local(params, r, per, prefix):
+    """Rank r's part of a dense layer's parameters: router whole, experts [r·per, (r+1)·per) renumbered."""
+    out = {}
+    for k, p in params.items():
+        rest = k[len(prefix):]
+        if rest.startswith("experts."):
+            i, tail = rest[len("experts."):].split(".", 1)
+            if r * per <= int(i) < (r + 1) * per:
+                out[f"{prefix}experts.{int(i) - r * per}.{tail}"] = p
+        else:
+            out[k] = p
+    return out
+
+
+def test_per_rank_seeds_give_the_first_ranks_layer_and_model(ranks):
+    n, results = ranks
+    per = E // n
+    layer = {k: p.detach() for k, p in _layer("switch").named_parameters()}
+    model = {k: p.detach() for k, p in _model(SEED).named_parameters()}
+    _, ref = _reference("switch", n)
+    assert not torch.equal(results[1]["seeded"]["built"], layer["router.w_gate"])  # rank 1's own differed
+    for r in range(n):
+        got = results[r]["seeded"]
+        for name, want in (("layer", _local(layer, r, per, "")), ("model", _local(model, r, per, "1."))):
+            assert got[name].keys() == want.keys(), name
+            for k in want:
+                assert torch.equal(got[name][k], want[k]), f"{name} {k} r={r}"
+        torch.testing.assert_close(got["y"], ref[r]["y"], atol=ATOL, rtol=RTOL)
 
 
 def test_experts_not_divisible_by_ranks_is_a_clear_error(ranks):

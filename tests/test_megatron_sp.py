@@ -19,6 +19,10 @@ with SP, vs 2 x 34 = 68 by the formula: the formula's two dropout masks (1 byte 
 absent at dropout 0 (-4), the LayerNorms' mean / rstd and SDPA's log-sum-exp are not in it (+1 at
 h = 32, a = 4). TP alone: 16.5 + 48.5/t vs 20 + 48/t. Both within ±15%. ``regather=False`` keeps
 the two column layers' gathered inputs whole: exactly 2·(1 - 1/t)·s·b·h·4 bytes more.
+
+Per-rank seeds (each rank built its dense model under its own seed) must still give rank 0's dense
+model, bitwise: the wrappers broadcast the group's first rank's weights before slicing. Padded
+targets (-100) are ignored by the sequence-parallel loss as by the dense GPT's F.cross_entropy.
 """
 import copy
 import functools
@@ -122,6 +126,40 @@ def _gpt():
             "events": {"fwd": _ev(fwd), "bwd": _ev(bwd)}}
 
 
+def _padded_targets(y):
+    """``y`` with padding (-100): the tail of row 0 (it spans several sequence slices), all of row 2."""
+    y = y.clone()
+    y[0, T // 4:] = -100
+    y[2] = -100
+    return y
+
+
+def _batch():
+    from minitorch_dist.models.data import MarkovCorpus
+    return MarkovCorpus(V, seed=0).batch(0, B, T)
+
+
+def _seeded_and_padded():
+    """Per-rank seeds (rank 0's is SEED): the GPT's and a block's weights after the wrappers. Then
+    the loss and (all-reduced) gradients of a batch with padded targets."""
+    r, out = dist.get_rank(), {}
+    torch.manual_seed(SEED + 1000 * r)
+    dense = GPT(CFG)
+    out["built"] = dense.wte.weight.detach().clone()
+    out["params"] = {k: q.detach().clone() for k, q in SP.parallelize_gpt_sp(dense).named_parameters()}
+    torch.manual_seed(SEED + 1000 * r)
+    block = SP.sequence_parallel_block(Block(CFG))
+    out["block"] = {k: q.detach().clone() for k, q in block.named_parameters()}
+    torch.manual_seed(SEED)
+    model = SP.parallelize_gpt_sp(GPT(CFG))
+    x, y = _batch()
+    _, loss = model(x, _padded_targets(y))
+    loss.backward()
+    SP.allreduce_sequence_parallel_grads(model)
+    out["padded"] = {"loss": loss.item(), "grads": {k: q.grad.clone() for k, q in model.named_parameters()}}
+    return out
+
+
 def _errors():
     t, out = dist.get_world_size(), {}
     cases = {
@@ -139,7 +177,7 @@ def _errors():
 
 
 def _run_every_case():
-    return {"block": _block_cases(), "gpt": _gpt(), "errors": _errors()}
+    return {"block": _block_cases(), "gpt": _gpt(), "errors": _errors(), "seeded": _seeded_and_padded()}
 
 
 @functools.cache
@@ -238,6 +276,48 @@ def test_sp_gpt_loss_and_gradients_equal_the_dense_gpt_after_several_steps(t):
         for k in ref["grads"]:
             _close(g["grads"][k], _shard(k, ref["grads"][k], t, r), f"grad {k} r={r}")
             _close(g["params"][k], _shard(k, ref["params"][k], t, r), f"param {k} r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_per_rank_seeds_give_the_first_ranks_dense_model(t):
+    with single_thread():
+        torch.manual_seed(SEED)
+        dense = {k: q.detach() for k, q in GPT(CFG).named_parameters()}
+        torch.manual_seed(SEED)
+        block = {k: q.detach() for k, q in Block(CFG).named_parameters()}
+    res = _results(t)
+    assert not torch.equal(res[1]["seeded"]["built"], dense["wte.weight"])  # rank 1's own model differed
+    for r, p in enumerate(res):
+        got = p["seeded"]
+        assert got["params"].keys() == dense.keys() and got["block"].keys() == block.keys()
+        for k in dense:
+            assert torch.equal(got["params"][k], _shard(k, dense[k], t, r)), f"{k} r={r}"
+        for k in block:
+            assert torch.equal(got["block"][k], _shard(k, block[k], t, r)), f"block {k} r={r}"
+
+
+@functools.cache
+def _dense_padded():
+    with single_thread():
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        x, y = _batch()
+        _, loss = model(x, _padded_targets(y))
+        loss.backward()
+        counted = model(x, _padded_targets(y).clamp(min=0))[1].item()  # were the padding counted
+        return {"loss": loss.item(), "counted": counted,
+                "grads": {k: q.grad for k, q in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_padded_targets_are_ignored_like_the_dense_gpt(t):
+    ref = _dense_padded()
+    assert abs(ref["counted"] - ref["loss"]) > 1e-3
+    for r, p in enumerate(_results(t)):
+        got = p["seeded"]["padded"]
+        assert got["loss"] == pytest.approx(ref["loss"], abs=2e-6)
+        for k, want in ref["grads"].items():
+            _close(got["grads"][k], _shard(k, want, t, r), f"padded grad {k} r={r}")
 
 
 @pytest.mark.parametrize("t", [2, 4])

@@ -163,6 +163,45 @@ def test_disabled_scaler_is_a_pass_through():
     assert torch.isinf(p[0]) and s.skipped_steps == 0
 
 
+def _half_grads_run(scaler):
+    """fp32 and fp16 parameters under one optimizer, scaled by 2^25, unscaled: what ``unscale_`` and
+    ``step`` raise, and the gradients afterwards."""
+    a, h = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt = torch.optim.SGD([a, h], lr=0.1)
+    scaler.scale(torch.tensor(1.0))
+    a.grad, h.grad = torch.full((2,), 2.0**26), torch.full((2,), 2.0**10, dtype=torch.float16)
+    errors = []
+    for call in (lambda: scaler.unscale_(opt), lambda: scaler.step(opt)):
+        with pytest.raises(ValueError) as err:
+            call()
+        errors.append(str(err.value))
+    return errors, a.grad.tolist(), h.grad.tolist(), [a[0].item(), h[0].item()]
+
+
+def test_unscale_refuses_fp16_gradients_like_gradscaler():
+    """GradScaler refuses fp16 gradients before touching any; so does ours, naming the fix. Had it
+    unscaled them, 1/S = 2^-25 rounds to 0 in fp16 and every gradient would silently be 0."""
+    assert (torch.full((2,), 2.0**10, dtype=torch.float16) * torch.tensor(2.0**-25).half()).eq(0).all()
+    ours = _half_grads_run(DynamicLossScaler(init_scale=2.0**25))
+    theirs = _half_grads_run(torch.amp.GradScaler("cpu", init_scale=2.0**25))
+    assert ours[1:] == theirs[1:] == ([2.0**26] * 2, [2.0**10] * 2, [1.0, 1.0])  # nothing unscaled, no step
+    for got, want in zip(ours[0], theirs[0]):
+        assert got.startswith(want) and want == "Attempting to unscale FP16 gradients."
+        assert "fp32 master" in got and "MixedPrecisionTrainer" in got
+    with pytest.raises(ValueError, match="Attempting to unscale FP16"):
+        DynamicLossScaler().unscale_([torch.ones(2, dtype=torch.float16)])
+    # bf16 gradients (fp32's exponent range) are unscaled, as GradScaler does, to the same values
+    got = []
+    for scaler in (DynamicLossScaler(init_scale=2.0**25), torch.amp.GradScaler("cpu", init_scale=2.0**25)):
+        p = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler.scale(torch.tensor(1.0))
+        p.grad = torch.full((2,), 3.0 * 2.0**25, dtype=torch.bfloat16)
+        scaler.unscale_(opt)
+        got.append(p.grad.tolist())
+    assert got[0] == got[1] == [3.0, 3.0]
+
+
 # --- the half copy ---------------------------------------------------------------------------
 def test_half_copy_keeps_norms_fp32_and_ties():
     torch.manual_seed(0)

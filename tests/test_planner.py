@@ -40,7 +40,7 @@ from minitorch_dist.analysis.planner_presets import (
 )
 from minitorch_dist.models.gpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.ch12
+pytestmark = [pytest.mark.ch12, pytest.mark.timeout(120)]
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)  # chapter 12's 3D model
 
@@ -347,6 +347,45 @@ def test_bad_names_and_shapes_say_how_to_fix_them():
         P.check_config(P.Config(8, 5, 1, 1, 1536), get_model("gpt3-175b"), P.Cluster(GPUS["h100"], 40))
     with pytest.raises(ValueError, match="efficiency"):
         P.Assumptions(efficiency=1.5)
+
+
+@pytest.mark.timeout(60)
+def test_why_nothing_fits_names_the_failed_divisibility_rule_and_counts_that_work():
+    model, h100 = get_model("gpt3-175b"), GPUS["h100"]
+    msg = P.why_nothing_fits(model, P.Cluster(h100, 1000))
+    assert msg.startswith("1000 GPUs = tp*pp*dp has no factorization with tp | 8 GPUs per node, the heads, "
+                          "vocab and MLP width (tp in [1, 2, 4, 8]), pp | 96 layers"), msg
+    assert msg.endswith("and dp*b | global batch 1536; use 768 or 1024 GPUs"), msg
+    one = dict(zero=(0,), recompute=("full",))  # enough to tell whether a count divides at all
+    assert all(P.candidates(model, P.Cluster(h100, n), **one) for n in (768, 1024))
+    assert not any(P.candidates(model, P.Cluster(h100, n), **one) for n in range(776, 1024, 8))
+    # 10 GPUs per node: tp can only be 1 or 2, and no count of whole nodes divides
+    assert P.why_nothing_fits(model, P.Cluster(h100, 1000, 10)).endswith(
+        "use 9 GPUs (no larger count works with 10 per node)")
+    assert P.why_nothing_fits("tiny", P.Cluster(GPUS["cpu"], 8), micro_batches=[3]).endswith(
+        "no GPU count works with microbatch sizes [3]: use sizes that divide it")
+    assert P.why_nothing_fits("tiny", P.Cluster(GPUS["cpu"], 1), zero=(1,)) == (
+        "ZeRO [1] fits none of the shapes (tp, pp, dp) [(1, 1, 1)]: ZeRO-1/2/3 need dp > 1 and ZeRO-2/3 "
+        "need pp = 1; add stage 0 (--zero 0)")
+
+
+@pytest.mark.timeout(60)
+def test_why_nothing_fits_gives_the_memory_gap_and_suggests_only_what_was_not_searched():
+    model, h100 = get_model("gpt3-175b"), GPUS["h100"]
+    msg = P.why_nothing_fits(model, P.Cluster(h100, 8))
+    assert "the smallest memory per GPU among the 564 valid configurations is 355.1 GB" in msg
+    assert msg.endswith("the model states alone are 2,794 GB, more than 8 GPUs hold: use at least 48 GPUs")
+    cap = 0.9 * h100.memory_bytes  # 39 GPUs would hold the states; 40 (5 nodes) divides nothing, 48 does
+    assert 38 * cap < 2794e9 < 39 * cap and not P.candidates(model, P.Cluster(h100, 40))
+    assert P.candidates(model, P.Cluster(h100, 48))
+    # everything searched but sequence parallelism: only it, and more GPUs, are suggested
+    msg = P.why_nothing_fits("megatron-1t", P.Cluster(h100, 256))
+    assert msg.endswith("try sequence parallelism (--sequence-parallel), more GPUs"), msg
+    assert not P.plan("megatron-1t", 256, "h100")
+    msg = P.why_nothing_fits(model, P.Cluster(h100, 64), zero=(0, 1), recompute=("none",))
+    assert msg.endswith("try full recomputation (--recompute full), ZeRO-3 (--zero 3), sequence parallelism "
+                        "(--sequence-parallel), more GPUs"), msg
+    assert P.why_nothing_fits("tiny", P.Cluster(GPUS["cpu"], 8)).startswith("nothing is wrong: ")
 
 
 def test_cli_plan_prints_the_search_and_the_published_configuration(capsys):

@@ -69,10 +69,26 @@ def _equivalence():
     res["float32"] = _ring(t, r, True, "zigzag", dtype=torch.float32)
     res["scale"] = _ring(t, r, True, "contiguous", scale=0.3)
     res["bfloat16"] = _ring(t, r, True, "zigzag", dtype=torch.bfloat16)
+    res["strided"] = _strided(t, r)
     if t == 4:  # two rings of 2 inside the 4 ranks: peers must be the group's, not the world's
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         res["subgroup"] = _ring(2, r % 2, True, "zigzag", group=groups[r // 2], seed=SEED + r // 2)
     return res
+
+
+def _strided(t, r):
+    """q a transposed view of a (B, S/t, h, d) shard, k and v slices of one fused (B, h, S/t, 2d)
+    tensor (none of them contiguous), causal, contiguous layout: output and the leaves' gradients."""
+    Q, K, V, G = _full()
+    q_leaf = RA.shard_sequence(Q, t, r).transpose(1, 2).contiguous().requires_grad_(True)
+    kv_leaf = torch.cat([RA.shard_sequence(K, t, r), RA.shard_sequence(V, t, r)], -1).requires_grad_(True)
+    q, k, v = q_leaf.transpose(1, 2), kv_leaf[..., :D], kv_leaf[..., D:]
+    strided = [not x.is_contiguous() for x in (q, k, v)]
+    out = RA.ring_attention(q, k, v, causal=True)
+    (out * RA.shard_sequence(G, t, r)).sum().backward()
+    dkv = kv_leaf.grad
+    return {"grads": [out.detach(), q_leaf.grad.transpose(1, 2), dkv[..., :D], dkv[..., D:]],
+            "strided": strided}
 
 
 def _memory():
@@ -158,6 +174,15 @@ def test_float32_and_a_custom_scale(t):
            "scale=0.3")
     _check([x["eq"]["bfloat16"]["grads"] for x in res], _dense(True, torch.bfloat16), "zigzag",
            torch.bfloat16, "bfloat16")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_non_contiguous_shards_are_accepted(t):
+    """A transposed q and k, v sliced from one fused tensor (as Ulysses accepts them): the result and
+    the gradients are those of contiguous shards."""
+    res = _results(t)
+    assert all(x["eq"]["strided"]["strided"] == [True, True, True] for x in res)
+    _check([x["eq"]["strided"]["grads"] for x in res], _dense(True), "contiguous", torch.float64, "strided")
 
 
 def test_rings_inside_a_larger_world_use_their_group():

@@ -15,8 +15,14 @@ size ~10-100, i.e. ~1e-7 relative; <= 3e-8 on the GPT's gradients and 1e-8 on it
 steps; 1 ulp, 4.8e-7, on its loss ~4.2; bitwise equal to DTensor). We allow atol 1e-6 / rtol 1e-5
 (2e-6 on losses); a lost all-reduce halves (t = 2) or quarters (t = 4) a whole output or
 gradient, a shard taken from the wrong heads moves it by O(1).
+
+Two ways the parallel model could silently leave the dense one are checked too: ranks that built
+the dense GPT under different seeds (every wrapper broadcasts the group's first rank's weights
+before slicing: the result is rank 0's dense model, bitwise), and padded targets (-100, which
+the dense GPT's ``F.cross_entropy`` ignores: the vocabulary-parallel loss must ignore them too).
 """
 import functools
+import math
 
 import pytest
 import torch
@@ -28,6 +34,7 @@ from minitorch_dist.analysis import costmodel
 from minitorch_dist.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from minitorch_dist.models.train import train_steps
 from minitorch_dist.parallelism import tensor_parallel as TP
+from minitorch_dist.parallelism.replicas import broadcast_from_first_rank
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import RankError, launch
@@ -47,8 +54,8 @@ def _inputs():
             "G": torch.randn(B, T, 4 * H, generator=g)}
 
 
-def _dense_layers():
-    torch.manual_seed(SEED)
+def _dense_layers(seed=SEED):
+    torch.manual_seed(seed)
     return {"col": nn.Linear(H, 4 * H), "row": nn.Linear(4 * H, H), "mlp": MLP(CFG),
             "attn": CausalSelfAttention(CFG)}
 
@@ -128,6 +135,49 @@ def _gpt():
             "n_params": sum(q.numel() for q in model.parameters())}
 
 
+def _padded_targets(y):
+    """``y`` with positions that are padding (-100): the tail of row 0, all of row 2."""
+    y = y.clone()
+    y[0, T // 2:] = -100
+    y[2] = -100
+    return y
+
+
+def _seeded_and_padded():
+    """Per-rank seeds (rank 0's is SEED): the weights each rank ends with, and the dense weights it
+    built. Then the loss and gradients of a batch with padded targets, and of one that is all padding."""
+    r, out = dist.get_rank(), {}
+    torch.manual_seed(SEED + 1000 * r)
+    dense = GPT(CFG)
+    out["built"] = dense.wte.weight.detach().clone()
+    out["params"] = {k: q.detach().clone() for k, q in TP.parallelize_gpt(dense).named_parameters()}
+    d = _dense_layers(SEED + 1000 * r)
+    out["layers"] = {name: {k: q.detach().clone() for k, q in cls(d[name]).named_parameters()}
+                     for name, cls in (("mlp", TP.ParallelMLP), ("attn", TP.ParallelAttention))}
+    torch.manual_seed(SEED)
+    model = TP.parallelize_gpt(GPT(CFG))
+    x, y = _batch()
+    for case, targets in (("padded", _padded_targets(y)), ("all", torch.full_like(y, -100))):
+        model.zero_grad()
+        _, loss = model(x, targets)
+        loss.backward()
+        out[case] = {"loss": loss.item(), "grads": {k: q.grad.clone() for k, q in model.named_parameters()}}
+    if dist.get_world_size() == 4:  # the helper on two groups of 2: each group takes its first rank's
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        torch.manual_seed(r)
+        lin = nn.Linear(3, 2)
+        lin.register_buffer("count", torch.tensor([r, r]))
+        lin.register_buffer("mask", torch.tensor([r % 2 == 0, True]))
+        broadcast_from_first_rank(lin, groups[r // 2])
+        out["subgroup"] = [t.detach().clone() for t in (lin.weight, lin.bias, lin.count, lin.mask)]
+    return out
+
+
+def _batch():
+    from minitorch_dist.models.data import MarkovCorpus
+    return MarkovCorpus(V, seed=0).batch(0, B, T)
+
+
 def _errors():
     t, out = dist.get_world_size(), {}
     bad_heads = 3 if t == 2 else 6
@@ -147,7 +197,8 @@ def _errors():
 
 
 def _run_every_case():
-    return {"layers": _layers(), "torch": _torch_dtensor(), "gpt": _gpt(), "errors": _errors()}
+    return {"layers": _layers(), "torch": _torch_dtensor(), "gpt": _gpt(), "errors": _errors(),
+            "seeded": _seeded_and_padded()}
 
 
 @functools.cache
@@ -272,6 +323,77 @@ def test_equals_torch_dtensor_parallelize_module(t):
         assert ours[2].keys() == theirs[2].keys()
         for k in ours[2]:
             _close(ours[2][k], theirs[2][k], f"{k} grad vs DTensor r={r}")
+
+
+# --- the same dense model on every rank; padding ignored ------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_per_rank_seeds_give_the_first_ranks_dense_model(t):
+    """Each rank built its dense GPT (and MLP, attention) under its own seed: the wrappers broadcast
+    rank 0's before slicing, so every rank holds its slice of rank 0's dense model, bitwise."""
+    with single_thread():
+        torch.manual_seed(SEED)
+        dense = {k: q.detach() for k, q in GPT(CFG).named_parameters()}
+        layers = {name: {k: q.detach() for k, q in m.named_parameters()}
+                  for name, m in _dense_layers().items() if name in ("mlp", "attn")}
+    results = _results(t)
+    assert not torch.equal(results[1]["seeded"]["built"], dense["wte.weight"])  # it did differ
+    for r, res in enumerate(results):
+        got = res["seeded"]
+        assert got["params"].keys() == dense.keys()
+        for k in dense:
+            assert torch.equal(got["params"][k], _shard(k, dense[k], t, r)), f"{k} r={r}"
+        for name, want in layers.items():
+            for k in want:
+                assert torch.equal(got["layers"][name][k], _shard(k, want[k], t, r)), f"{name}.{k} r={r}"
+
+
+def test_broadcast_from_first_rank_uses_the_groups_first_rank():
+    for r, res in enumerate(_results(4)):
+        first = 2 * (r // 2)  # groups {0, 1} and {2, 3}
+        torch.manual_seed(first)
+        lin = nn.Linear(3, 2)
+        weight, bias, count, mask = res["seeded"]["subgroup"]
+        assert torch.equal(weight, lin.weight.detach()) and torch.equal(bias, lin.bias.detach())
+        assert count.tolist() == [first, first] and mask.tolist() == [first % 2 == 0, True]
+
+
+@functools.cache
+def _dense_padded():
+    with single_thread():
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        x, y = _batch()
+        out = {}
+        for case, targets in (("padded", _padded_targets(y)), ("all", torch.full_like(y, -100))):
+            model.zero_grad()
+            _, loss = model(x, targets)
+            loss.backward()
+            out[case] = {"loss": loss.item(),
+                         "grads": {k: q.grad.clone() for k, q in model.named_parameters()}}
+        return out
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_padded_targets_are_ignored_like_the_dense_gpt(t):
+    """Targets -100 add nothing: the loss is the mean over the other positions, and the gradients
+    those of the dense GPT; a batch of padding only gives NaN and zero gradients, as F.cross_entropy."""
+    ref = _dense_padded()
+    with single_thread():  # the loss the padding would have given if it were counted: far from it
+        x, y = _batch()
+        torch.manual_seed(SEED)
+        counted = GPT(CFG)(x, _padded_targets(y).clamp(min=0))[1].item()
+    assert abs(counted - ref["padded"]["loss"]) > 1e-3
+    for r, res in enumerate(_results(t)):
+        got = res["seeded"]["padded"]
+        assert got["loss"] == pytest.approx(ref["padded"]["loss"], abs=2e-6)
+        for k, want in ref["padded"]["grads"].items():
+            _close(got["grads"][k], _shard(k, want, t, r), f"padded grad {k} r={r}")
+        every = res["seeded"]["all"]
+        assert math.isnan(every["loss"]) and math.isnan(ref["all"]["loss"])
+        for k, want in ref["all"]["grads"].items():
+            assert torch.equal(every["grads"][k], _shard(k, want, t, r)), f"all-padding grad {k} r={r}"
 
 
 # --- the mechanism: the collectives and their bytes ----------------------------------------------------

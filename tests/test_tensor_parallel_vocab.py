@@ -8,6 +8,7 @@ One launch per t runs every case; the dense references run in this process, one 
 Tolerances as in ``test_tensor_parallel.py``: the same sums in another order, float32 ulps apart.
 """
 import functools
+import math
 
 import pytest
 import torch
@@ -34,9 +35,15 @@ def _inputs():
     g = torch.Generator().manual_seed(SEED + 1)
     idx = torch.randint(0, V, (B, T), generator=g)
     idx[0, :4] = torch.tensor([0, V // 4 - 1, V // 4, V - 1])  # the edges of the shards
+    target = torch.randint(0, V, (B, T), generator=g)
+    padded = target.clone()
+    padded[0, T // 2:], padded[3] = -100, -100  # padding: F.cross_entropy's default ignore_index
+    other = target.clone()
+    other[1, :5] = 7  # a custom ignore_index, here a real token id
     return {"idx": idx, "G": torch.randn(B, T, H, generator=g),
-            "logits": 3 * torch.randn(B, T, V, generator=g),
-            "target": torch.randint(0, V, (B, T), generator=g)}
+            "logits": 3 * torch.randn(B, T, V, generator=g), "target": target,
+            "ignored": {"padded": (padded, -100), "all": (torch.full_like(target, -100), -100),
+                        "custom": (other, 7)}}
 
 
 def _dense_embedding():
@@ -83,6 +90,14 @@ def _run_every_case():
                    "on_gathered": F.cross_entropy(gathered.reshape(-1, V), inp["target"].reshape(-1)).item(),
                    "events": [(e.op, e.nbytes) for e in cm.events]}
     out["memory"] = _loss_memory(inp["logits"].chunk(t, -1)[r], inp["target"])
+    out["ignored"] = {}
+    for case, (target, ignore) in inp["ignored"].items():
+        z = inp["logits"].chunk(t, -1)[r].clone().requires_grad_(True)
+        with comm.meter() as cm:
+            loss = TPV.vocab_parallel_cross_entropy(z, target, ignore_index=ignore)
+        loss.backward()
+        out["ignored"][case] = {"loss": loss.item(), "grad": z.grad.clone(),
+                                "events": [(e.op, e.nbytes) for e in cm.events]}
     try:
         TPV.VocabParallelEmbedding(V + 1, H)
         out["error"] = None
@@ -105,7 +120,14 @@ def _dense():
         logits = inp["logits"].clone().requires_grad_(True)
         loss = F.cross_entropy(logits.reshape(-1, V), inp["target"].reshape(-1))
         loss.backward()
-        return {"y": y.detach(), "emb_grad": emb.weight.grad, "loss": loss.item(), "logits_grad": logits.grad}
+        ignored = {}
+        for case, (target, ignore) in inp["ignored"].items():
+            z = inp["logits"].clone().requires_grad_(True)
+            ce = F.cross_entropy(z.reshape(-1, V), target.reshape(-1), ignore_index=ignore)
+            ce.backward()
+            ignored[case] = {"loss": ce.item(), "grad": z.grad}
+        return {"y": y.detach(), "emb_grad": emb.weight.grad, "loss": loss.item(), "logits_grad": logits.grad,
+                "ignored": ignored}
 
 
 def _close(got, want, where):
@@ -136,6 +158,27 @@ def test_vocab_parallel_loss_equals_cross_entropy_on_the_gathered_logits(t):
         assert lo["loss"] == pytest.approx(lo["on_gathered"], abs=2e-6)
         assert lo["loss"] == pytest.approx(ref["loss"], abs=2e-6)
         _close(lo["grad"], ref["logits_grad"].chunk(t, -1)[r], f"loss dlogits r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("case", ["padded", "all", "custom"])
+def test_vocab_parallel_loss_ignores_targets_like_cross_entropy(t, case):
+    """Positions whose target is ``ignore_index`` add nothing: the loss is the mean over the others
+    and their gradient rows are 0, as F.cross_entropy; only padding gives NaN and zero gradients.
+    The three all-reduces are unchanged (the ignored positions ride along)."""
+    ref = _dense()["ignored"][case]
+    counted = _dense()["loss"] if case == "custom" else None
+    for r, res in enumerate(_results(t)):
+        got = res["ignored"][case]
+        if case == "all":
+            assert math.isnan(got["loss"]) and math.isnan(ref["loss"])
+            assert torch.equal(got["grad"], torch.zeros_like(got["grad"]))
+        else:
+            assert got["loss"] == pytest.approx(ref["loss"], abs=2e-6)
+            _close(got["grad"], ref["grad"].chunk(t, -1)[r], f"dlogits {case} r={r}")
+        if counted is not None:
+            assert abs(got["loss"] - counted) > 1e-3  # the ignored positions did change the loss
+        assert got["events"] == [("all_reduce", B * T * 4)] * 3, got["events"]
 
 
 @pytest.mark.parametrize("t", [2, 4])

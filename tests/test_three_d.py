@@ -25,16 +25,22 @@ Meters (the last step of each run; every collective records the global ranks of 
   rank's parameters (``three_d.local_param_count``, counted from the dense model; padded to a multiple
   of d), and over one pipeline those add up to ``costmodel.tensor_parallel_params_per_rank`` plus the
   tied copy.
+
+Built with a different seed on each rank, the 3D model still holds global rank 0's dense GPT,
+bitwise, on every rank (one broadcast before slicing): TP slices, pipeline stages and the tied
+embedding's two copies agree.
 """
 import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.memory.zero import shard_size
 from minitorch_dist.models.gpt import GPTConfig
 from minitorch_dist.parallelism import three_d as D
+from minitorch_dist.parallelism.mesh import RankGrid, init_groups
 from minitorch_dist.runtime.launch import launch
 
 pytestmark = pytest.mark.ch12
@@ -153,6 +159,25 @@ def test_interleaved_schedule_through_device_mesh_groups_equals_one_process():
     results = _run(1, 2, 2, m=4, schedule="interleaved", virtual_stages=2, use_device_mesh=True)
     _check_equal_to_one_process(results)
     _check_meters(results, 1, 2, 2, m=4, v=2)
+
+
+# --- per-rank seeds --------------------------------------------------------------------------------
+
+
+def _seeded_model(d, t, p):
+    groups = init_groups(RankGrid(dist.get_world_size(), d, t, p, "tp-dp-pp"), False)
+    model = D.Model3D(CFG, groups, M, seed=dist.get_rank())
+    return D.Result3D(groups.rank, groups.coords, [], {}, model.full_param_pieces(), groups.ranks)
+
+
+def test_per_rank_seeds_give_rank_0s_dense_model():
+    results = launch(_seeded_model, 4, 1, 2, 2, timeout_s=120)
+    full, spread = D.merge_full_params(results, CFG)
+    assert spread == 0.0
+    _, _, initial = _reference(False)  # the dense GPT of seed 0, rank 0's
+    assert set(full) == set(initial)
+    for k in initial:
+        assert torch.equal(full[k], initial[k]), k
 
 
 # --- bad input -----------------------------------------------------------------------------------

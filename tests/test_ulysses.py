@@ -15,6 +15,9 @@ the replicated weights' gradients are t partial sums added by an all-reduce inst
 ulps apart (measured <= 1.7e-6 absolute, inside rtol 1e-5). We allow atol 1e-6 / rtol 1e-5; a
 wrong permutation moves values by O(1), a missing all-reduce shrinks a weight gradient to ~1/t
 of itself, a gradient scaled by 1 + 1e-4 already fails.
+
+The replicated projections must start equal: built under a different seed on each rank, the layer
+still holds rank 0's weights (broadcast when it is built), bitwise, and computes rank 0's layer.
 """
 import functools
 
@@ -102,6 +105,18 @@ def _module():
             "fwd": _events(fwd), "bwd": _events(bwd), "sync": _events(sync)}
 
 
+def _seeded():
+    """Each rank builds the dense attention under its own seed (rank 0's is SEED)."""
+    r = dist.get_rank()
+    torch.manual_seed(SEED + 1000 * r)
+    attn = CausalSelfAttention(CFG)
+    built = attn.c_attn.weight.detach().clone()
+    m = U.UlyssesAttention.from_dense(attn)
+    with torch.no_grad():
+        y = m(_shard(_module_inputs()[0], 1))
+    return {"built": built, "params": {k: p.detach().clone() for k, p in m.named_parameters()}, "y": y}
+
+
 def _errors():
     t, out = dist.get_world_size(), {}
     bad_heads, bad_seq = (3 if t == 2 else 6), 4 * t + 1
@@ -127,7 +142,8 @@ def _errors():
 
 
 def _run_every_case():
-    return {"attention": _attention(), "layout": _layout(), "module": _module(), "errors": _errors()}
+    return {"attention": _attention(), "layout": _layout(), "module": _module(), "errors": _errors(),
+            "seeded": _seeded()}
 
 
 @functools.cache
@@ -193,6 +209,22 @@ def test_wrapped_dense_attention_equals_it_on_the_full_sequence(t):
         assert got["grads"].keys() == ref["grads"].keys()
         for k in ref["grads"]:
             _close(got["grads"][k], ref["grads"][k], f"{k} grad r={r}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_per_rank_seeds_give_the_first_ranks_dense_layer(t):
+    ref = _dense_module()
+    with single_thread():
+        want = {k: p.detach() for k, p in _dense_attn().named_parameters()
+                if k.startswith(("c_attn", "c_proj"))}
+    res = _results(t)
+    assert not torch.equal(res[1]["seeded"]["built"], want["c_attn.weight"])  # rank 1's own layer differed
+    for r, p in enumerate(res):
+        got = p["seeded"]
+        assert got["params"].keys() == want.keys()
+        for k in want:
+            assert torch.equal(got["params"][k], want[k]), f"{k} r={r}"
+        _close(got["y"], _tokens(ref["y"], t, r, 1), f"out r={r}")
 
 
 @pytest.mark.parametrize("t", [2, 4])

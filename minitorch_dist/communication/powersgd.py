@@ -25,6 +25,15 @@ QR otherwise), three all-reduces per step (uncompressed, all Ps, all Qs). One di
 keeps its error memory for the whole bucket, so a 1-D tensor's "error" is its local value minus
 the mean; those errors sum to zero over ranks, so they change the mean only by rounding (ulps).
 We keep error only for compressed matrices.
+
+Memory across steps. Warm start and error feedback remember one Q and one residual per position
+in the list of gradients, from the first compressed step on (torch's hook: per bucket index, and it
+needs ``start_powerSGD_iter`` >= 2 with either on, because DDP rebuilds its buckets after the
+first iteration). A list of other shapes or order after that is refused with the fix: pass the
+same list, or :meth:`PowerSGD.reset` the memory (torch's equivalent is a new bucket index: fresh
+Qs and zero residuals). Only shapes are seen: two tensors of one shape swapped go unnoticed.
+With both off nothing is remembered: every step draws fresh Qs, as torch's hook does, and any
+list, in any order, is accepted.
 """
 from __future__ import annotations
 
@@ -76,7 +85,18 @@ class PowerSGD(Compressor):
         self.error = {}  # index -> residual of a compressed matrix
         self.qs = None  # warm-start Qs, one per compressed matrix
         self._local_q = {}
-        self._shapes = None  # the gradients' shapes at the first compressed step
+        self._shapes = None  # the gradients' shapes at the first compressed step (only with memory)
+
+    @property
+    def has_memory(self) -> bool:
+        """Does a step depend on the last one (warm start or error feedback)?"""
+        return self.warm_start or self.error_feedback
+
+    def reset(self) -> None:
+        """Forget the warm-start Qs and the error memory (the step counter and the random stream go on):
+        the next compressed step starts afresh, on any list of gradients. Call it after the list
+        changes, e.g. after DDP rebuilds its buckets."""
+        self.error, self.qs, self._shapes = {}, None, None
 
     def _r(self, shape):
         return min(shape[0], int(np.prod(shape[1:])), self.rank)
@@ -123,12 +143,8 @@ class PowerSGD(Compressor):
             return grads
         big = [i for i, g in enumerate(grads) if self.compresses(g.shape)]
         small = [i for i, g in enumerate(grads) if not self.compresses(g.shape)]
-        shapes = [tuple(g.shape) for g in grads]
-        if self._shapes is not None and shapes != self._shapes:
-            raise ValueError("PowerSGD.reduce got gradients of other shapes than last step: pass the same "
-                             "list, in the same order, every step "
-                             "(warm start and error memory are per tensor)")
-        self._shapes = shapes
+        if self.has_memory:
+            self._check_same_list([tuple(g.shape) for g in grads])
         ms = []
         for i in big:
             mat = grads[i].view(grads[i].shape[0], -1)
@@ -165,6 +181,16 @@ class PowerSGD(Compressor):
             self.qs = qs
         self.iter += 1
         return grads
+
+    def _check_same_list(self, shapes) -> None:
+        if self._shapes is not None and shapes != self._shapes:
+            raise ValueError(f"PowerSGD.reduce got gradients of shapes {shapes}, in this order, but the "
+                             f"warm-start Qs and the error memory belong to {self._shapes}: pass the same "
+                             f"list, in the same order, every step; after the list changes (e.g. DDP rebuilt "
+                             f"its buckets) call reset() to start the memory afresh, or use "
+                             f"warm_start=False, error_feedback=False, which keep no memory and accept any "
+                             f"order")
+        self._shapes = shapes
 
     # single-process view: one power-iteration step on one tensor
     def compress(self, tensor, key=0):

@@ -12,21 +12,35 @@ none is reported under its own name. Each exercise gets one status:
     todo     a test hit the stub's NotImplementedError: not attempted yet
     blocked  its tests were skipped because they need a GPU this machine lacks
     skipped  its tests were skipped for another reason
-    timeout  the chapter's tests ran past --timeout and were killed
+    timeout  the chapter's tests ran past --timeout and were killed, with every process they started
     missing  the chapter has no exercise tests file; "no tests": no test maps to the exercise
 
 The command exits 0 whenever grading ran, whatever the results (the report *is* the result);
 ``--strict`` exits 1 if any exercise is not passed, except ``blocked`` ones, which this machine
 cannot run.
+
+**Nothing outlives a chapter's run.** Each pytest run starts in a session of its own, with its
+output going to a file (never a pipe that a stray rank could hold open), and with
+``MTD_GRADE_RUN=<a fresh id>`` in its environment, which every process it starts inherits. When
+the run ends, or passes ``--timeout``, `kill_run` stops and then SIGKILLs the whole tree: pytest,
+its descendants (found through ``/proc``, whichever process group they moved to: ``launch``'s
+ranks call ``setpgrp``), its process group, and every process whose environment carries the id,
+even one whose parent died. Where there is no ``/proc`` (not Linux), only the process group is
+killed.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +50,9 @@ from .exercises import MarkerError, exercise_names
 
 _ORDER = ("timeout", "missing", "failed", "todo", "passed", "blocked", "skipped", "no tests")
 _TODO = re.compile(r"NotImplementedError\W+exercise:")
+
+#: The environment variable that tags every process of one chapter's run (see the module docstring).
+RUN_MARKER = "MTD_GRADE_RUN"
 
 
 @dataclass(frozen=True)
@@ -114,27 +131,118 @@ def summarize(tag: str, exercises: list[str], results: list[TestResult],
     return rows
 
 
-def run_pytest(test_file: Path, impl: str, timeout: float, cwd: Path) -> tuple[str, list[TestResult], str]:
-    """Run one test file in its own process group; return (outcome, results, output).
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, process group, session) of every process, from ``/proc``; {} without it."""
+    table = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (d / "stat").read_text().rpartition(")")[2].split()  # after "pid (comm)"
+            table[int(d.name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not a process
+    return table
 
-    outcome is "ok" (pytest ran: its tests may still have failed), "timeout", or "error".
+
+def _carries(pid: int, marker: bytes) -> bool:
+    try:
+        return marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or another user's
+        return False
+
+
+def run_processes(marker: str, root: int | None = None) -> set[int]:
+    """The live processes of one run: those whose environment holds ``marker`` (``KEY=value``) and,
+    given the still-unreaped pid ``root`` of a session leader: root, its process group, its session
+    and all its descendants."""
+    table, tag = _proc_table(), marker.encode()
+    found = {pid for pid in table if _carries(pid, tag)}
+    if root is not None:
+        found |= {pid for pid, (_, group, session) in table.items() if root in (group, session)}
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _, _) in table.items():
+            children.setdefault(parent, []).append(pid)
+        tree, todo = set(), [root]
+        while todo:
+            pid = todo.pop()
+            if pid not in tree:
+                tree.add(pid)
+                todo += children.get(pid, [])
+        found |= tree
+    found.discard(os.getpid())
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _signal(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def kill_run(marker: str, root: int | None = None, rounds: int = 100) -> set[int]:
+    """SIGKILL every process of a run (see `run_processes`); return their pids.
+
+    They are first stopped (SIGSTOP), round after round until a scan finds no new one, so none can
+    start another, nor be re-parented out of the tree, before all of them die together."""
+    stopped: set[int] = set()
+    for _ in range(rounds):
+        new = run_processes(marker, root) - stopped
+        if not new:
+            break
+        _signal(new, signal.SIGSTOP)
+        stopped |= new
+        time.sleep(0.005)
+    _signal(stopped, signal.SIGKILL)
+    if root is not None:
+        try:
+            os.killpg(root, signal.SIGKILL)  # without /proc, the only kill there is
+        except OSError:
+            pass
+    deadline = time.monotonic() + 2  # SIGKILL is not instant: return once they are gone (or zombies)
+    while any(_running(pid) for pid in stopped) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stopped
+
+
+def run_pytest(test_file: Path, impl: str, timeout: float, cwd: Path) -> tuple[str, list[TestResult], str]:
+    """Run one test file in its own session; return (outcome, results, output).
+
+    outcome is "ok" (pytest ran: its tests may still have failed), "timeout", or "error". However
+    it ends (a timeout, Ctrl-C), no process of the run is left behind (`kill_run`).
     """
-    env = dict(os.environ, MTD_IMPL=impl)
+    run_id = uuid.uuid4().hex
+    env = dict(os.environ, MTD_IMPL=impl, **{RUN_MARKER: run_id})
+    marker = f"{RUN_MARKER}={run_id}"
     with tempfile.TemporaryDirectory(prefix="mtd-grade-") as tmp:
-        report = Path(tmp) / "report.xml"
+        report, log = Path(tmp) / "report.xml", Path(tmp) / "output.txt"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                "-o", "junit_family=xunit2", str(test_file)]
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        with open(log, "wb") as out:  # a file: a rank holding it open blocks nobody
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        outcome = "timeout"
         try:
-            output, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
+            outcome = "ok" if report.exists() else "error"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the tests' own rank processes go with it
-            output, _ = proc.communicate()
-            return "timeout", [], output
-        if not report.exists():
-            return "error", [], output
-        return "ok", parse_junit(report), output
+            pass
+        finally:  # pytest's pid is safe to walk from only while it is unreaped
+            kill_run(marker, proc.pid if proc.returncode is None else None)
+            proc.wait()
+        output = log.read_text(errors="replace")
+        try:
+            results = parse_junit(report) if outcome == "ok" else []
+        except ET.ParseError as e:
+            return "error", [], f"{output}\nunreadable JUnit report: {e}"
+        return outcome, results, output
 
 
 def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float = 120,
@@ -168,15 +276,31 @@ def report(rows: list[Row], impl: str) -> str:
     return f"{table}\n\n{score}"
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (e.g. --timeout 120), "
+                                         f"got {text!r}")
+    return value
+
+
 def add_arguments(p) -> None:
     p.add_argument("--impl", choices=("exercises", "solutions"), default="exercises",
                    help="grade the stubs in exercises/ (default) or the worked solutions/")
     p.add_argument("--chapter",
                    help="comma-separated chapters (ch00, 0 or 00_foundations); default: all written")
-    p.add_argument("--timeout", type=float, default=120,
-                   help="seconds per chapter before its tests are killed")
+    p.add_argument("--timeout", type=_seconds, default=120,
+                   help="seconds per chapter before its tests, and every process they started, are killed")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 if any exercise is not passed (blocked excepted)")
+    p.add_argument("--root", type=Path,
+                   help="grade another course tree laid out like this checkout (ROOT/solutions, "
+                        "ROOT/exercises, ROOT/tests/exercises); its tests run in ROOT "
+                        "(default: this checkout)")
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
 
 
@@ -187,6 +311,13 @@ def main(args) -> int:
     except KeyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    root = getattr(args, "root", None)
+    if root is not None:
+        if not (root / "tests" / "exercises").is_dir():
+            print(f"error: --root {root} has no tests/exercises/ folder; point it at a course tree laid out "
+                  f"like this checkout", file=sys.stderr)
+            return 2
+        chapters = [dataclasses.replace(ch, root=root.resolve()) for ch in chapters]
     if not chapters:
         print("No chapter is written yet: there is nothing to grade. The planned chapters:\n")
         print(registry.planned_table())

@@ -104,6 +104,12 @@ class DynamicLossScaler:
         Takes an optimizer (its parameters' ``.grad``) or a list of gradient tensors. Call it
         before anything that reads true gradient values (clipping, norms); ``step`` calls it
         otherwise. Once per optimizer per iteration, as ``GradScaler.unscale_``.
+
+        fp16 gradients are refused, as ``GradScaler`` refuses them (a ``ValueError``, nothing
+        unscaled): 1/S would be rounded to fp16 (11 significant bits, fewer once S > 2^14, and 0
+        once S > 2^24: every gradient would silently become 0). Unscale fp32 master gradients
+        (``MixedPrecisionTrainer`` does). bf16 gradients are accepted, as by ``GradScaler``: bf16
+        has fp32's exponent range.
         """
         if not self.enabled:
             return False
@@ -117,9 +123,11 @@ class DynamicLossScaler:
                 raise RuntimeError("unscale_() is being called after step(); call update() first")
             grads = [p.grad for g in optimizer_or_grads.param_groups for p in g["params"]
                      if p.grad is not None]
+            _refuse_fp16(grads)
             self._stage[key] = self._UNSCALED
         else:
             key, grads = "grads", [g for g in optimizer_or_grads if g is not None]
+            _refuse_fp16(grads)
         # 1/S in fp64, rounded once to fp32 (as torch), then one multiply per gradient.
         inv_scale = self._scale.double().reciprocal().float()
         found = torch.zeros((), dtype=torch.bool, device=self._scale.device)
@@ -202,6 +210,15 @@ class DynamicLossScaler:
         self.growth_interval, self._growth_tracker = (int(state["growth_interval"]),
                                                       int(state["_growth_tracker"]))
         self.steps, self.skipped_steps = int(state.get("steps", 0)), int(state.get("skipped_steps", 0))
+
+
+def _refuse_fp16(grads) -> None:
+    """``GradScaler``'s check (its message first), with the fix: keep fp32 master gradients."""
+    if any(g.dtype == torch.float16 for g in grads):
+        raise ValueError("Attempting to unscale FP16 gradients. In fp16, 1/S rounds to 0 for a loss scale "
+                         "S > 2^24 and every gradient would become 0: keep fp32 master weights and unscale "
+                         "their fp32 gradients (MixedPrecisionTrainer does: it folds the half gradients "
+                         "into fp32 before unscaling)")
 
 
 class Fp32LayerNorm(nn.LayerNorm):

@@ -24,6 +24,12 @@ so a transformer layer costs 2 all-reduces forward (g after attention, g after M
 lookups) and the loss is computed on the vocabulary-sharded logits with three all-reduces of b·s
 numbers, never gathering the b·s·V logits (those two live in :mod:`.tensor_parallel_vocab`).
 f, g and the other region-crossing operators live in :mod:`.mappings` (re-exported here).
+
+Every rank must slice the *same* dense weights. Each constructor that takes a dense module
+(``from_dense``, :class:`ParallelMLP`, :class:`ParallelAttention`, :func:`parallelize_gpt`) first
+broadcasts it from the group's first rank (:func:`.replicas.broadcast_from_first_rank`, as DDP
+does), so a model built under a different seed on each rank still becomes one dense model's
+tensor-parallel version. ``broadcast_weights=False`` skips that when the caller already did it.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from .mappings import (
     scatter_to_tp,
     size_and_rank,
 )
+from .replicas import broadcast_from_first_rank
 from .tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 # --- layers ------------------------------------------------------------------------------------
@@ -54,21 +61,31 @@ class ColumnParallelLinear(nn.Module):
     a row-parallel layer (Megatron's MLP and attention never gather).
     """
 
-    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None):
+    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None, *,
+                 device=None, dtype=None):
         super().__init__()
         t, _ = size_and_rank(group)
+        like = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
-        self.weight = nn.Parameter(torch.empty(divide(out_features, t, "out_features"), in_features))
-        self.bias = nn.Parameter(torch.zeros(self.weight.size(0))) if bias else None
+        self.weight = nn.Parameter(torch.empty(divide(out_features, t, "out_features"), in_features, **like))
+        self.bias = nn.Parameter(torch.zeros(self.weight.size(0), **like)) if bias else None
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group=None, gather_output=False, rows=None):
-        """This rank's shard of ``linear``: rows ``rows`` (default: the r-th contiguous block)."""
+    def from_dense(cls, linear: nn.Linear, group=None, gather_output=False, rows=None, *,
+                   broadcast_weights=True):
+        """This rank's shard of ``linear`` (first made the group's first rank's, unless
+        ``broadcast_weights=False``): rows ``rows`` (default: the r-th contiguous block)."""
         t, r = size_and_rank(group)
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group)
-        rows = torch.arange(r * m.weight.size(0), (r + 1) * m.weight.size(0)) if rows is None else rows
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
+                device=w.device, dtype=w.dtype)
+        if broadcast_weights:
+            broadcast_from_first_rank(linear, group)
+        n = m.weight.size(0)
+        rows = torch.arange(r * n, (r + 1) * n) if rows is None else rows
+        rows = rows.to(w.device)
         with torch.no_grad():
             m.weight.copy_(linear.weight[rows])
             if m.bias is not None:
@@ -84,19 +101,26 @@ class RowParallelLinear(nn.Module):
     """Y = g(X_i A_i^T) + b with this rank's in_features/t columns of the weight; b replicated
     (added once, after the sum). ``input_is_parallel=False`` first takes X_i from a full X."""
 
-    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None):
+    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None, *,
+                 device=None, dtype=None):
         super().__init__()
         t, _ = size_and_rank(group)
+        like = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
-        self.weight = nn.Parameter(torch.empty(out_features, divide(in_features, t, "in_features")))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, divide(in_features, t, "in_features"), **like))
+        self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group=None, input_is_parallel=True):
+    def from_dense(cls, linear: nn.Linear, group=None, input_is_parallel=True, *, broadcast_weights=True):
+        """This rank's columns of ``linear`` (first made the group's first rank's, unless
+        ``broadcast_weights=False``); the bias whole."""
         t, r = size_and_rank(group)
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group)
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
+                device=linear.weight.device, dtype=linear.weight.dtype)
+        if broadcast_weights:
+            broadcast_from_first_rank(linear, group)
         n = m.weight.size(1)
         with torch.no_grad():
             m.weight.copy_(linear.weight[:, r * n:(r + 1) * n])
@@ -113,14 +137,17 @@ class RowParallelLinear(nn.Module):
 
 class ParallelMLP(nn.Module):
     """Megatron's MLP (§3, Fig. 3a): c_fc column-parallel, GeLU on the slice, c_proj row-parallel.
-    One f (backward all-reduce) and one g (forward all-reduce); names as in the dense ``MLP``."""
+    One f (backward all-reduce) and one g (forward all-reduce); names as in the dense ``MLP``.
+    ``mlp`` is first made the group's first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, mlp: nn.Module, group=None):
+    def __init__(self, mlp: nn.Module, group=None, *, broadcast_weights=True):
         super().__init__()
         divide(mlp.c_fc.out_features, size_and_rank(group)[0], "MLP hidden width (mlp_ratio * n_embd)")
-        self.c_fc = ColumnParallelLinear.from_dense(mlp.c_fc, group)
+        if broadcast_weights:
+            broadcast_from_first_rank(mlp, group)
+        self.c_fc = ColumnParallelLinear.from_dense(mlp.c_fc, group, broadcast_weights=False)
         self.gelu = mlp.gelu
-        self.c_proj = RowParallelLinear.from_dense(mlp.c_proj, group)
+        self.c_proj = RowParallelLinear.from_dense(mlp.c_proj, group, broadcast_weights=False)
         self.dropout = mlp.dropout
 
     def forward(self, x):
@@ -138,17 +165,20 @@ def head_rows(n_head: int, head_dim: int, t: int, r: int) -> torch.Tensor:
 
 class ParallelAttention(nn.Module):
     """Megatron's self-attention (§3, Fig. 3b): each rank runs n_head/t heads. c_attn (the fused
-    q|k|v) is column-parallel per head; c_proj is row-parallel over the heads' outputs."""
+    q|k|v) is column-parallel per head; c_proj is row-parallel over the heads' outputs.
+    ``attn`` is first made the group's first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, attn: nn.Module, group=None):
+    def __init__(self, attn: nn.Module, group=None, *, broadcast_weights=True):
         super().__init__()
         t, r = size_and_rank(group)
         n_head = attn.c_attn.in_features // attn.head_dim
         divide(n_head, t, "n_head")
+        if broadcast_weights:
+            broadcast_from_first_rank(attn, group)
         self.head_dim, self.dropout = attn.head_dim, attn.dropout
         rows = head_rows(n_head, attn.head_dim, t, r)
-        self.c_attn = ColumnParallelLinear.from_dense(attn.c_attn, group, rows=rows)
-        self.c_proj = RowParallelLinear.from_dense(attn.c_proj, group)
+        self.c_attn = ColumnParallelLinear.from_dense(attn.c_attn, group, rows=rows, broadcast_weights=False)
+        self.c_proj = RowParallelLinear.from_dense(attn.c_proj, group, broadcast_weights=False)
         self.resid_dropout = attn.resid_dropout
 
     def forward(self, x):
@@ -170,9 +200,10 @@ class TensorParallelGPT(nn.Module):
     full logits); ``loss`` is the same number on every rank. Parameter names are the dense
     model's, each holding this rank's shard; LayerNorms, wpe and row-parallel biases are
     replicated and receive identical gradients on every rank (their inputs are replicated).
+    ``dense`` is first made the group's first rank's (``broadcast_weights=False``: already is).
     """
 
-    def __init__(self, dense, group=None):
+    def __init__(self, dense, group=None, *, broadcast_weights=True):
         super().__init__()
         cfg = dense.cfg
         t, _ = size_and_rank(group)
@@ -181,15 +212,17 @@ class TensorParallelGPT(nn.Module):
         refuse_dropout(cfg.dropout, "tensor-parallel dropout needs Megatron's two RNG streams (same mask in "
                                     "replicated regions, different in sharded ones)")
         self.cfg, self.group = cfg, group
-        self.wte = VocabParallelEmbedding.from_dense(dense.wte, group)
+        if broadcast_weights:  # once, for the whole model: every rank slices the same dense weights
+            broadcast_from_first_rank(dense, group)
+        self.wte = VocabParallelEmbedding.from_dense(dense.wte, group, broadcast_weights=False)
         # copies: the dense model stays as it was; replicated pieces keep their full weights
         self.wpe, self.drop, self.ln_f = (copy.deepcopy(m) for m in (dense.wpe, dense.drop, dense.ln_f))
         self.blocks = copy.deepcopy(dense.blocks)
         for block in self.blocks:  # attention and MLP swapped for their TP versions, the rest replicated
-            block.attn = ParallelAttention(block.attn, group)
-            block.mlp = ParallelMLP(block.mlp, group)
+            block.attn = ParallelAttention(block.attn, group, broadcast_weights=False)
+            block.mlp = ParallelMLP(block.mlp, group, broadcast_weights=False)
         # output layer: column-parallel over the vocabulary, sharing wte's shard when tied
-        self.lm_head = ColumnParallelLinear.from_dense(dense.lm_head, group)
+        self.lm_head = ColumnParallelLinear.from_dense(dense.lm_head, group, broadcast_weights=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -206,11 +239,12 @@ class TensorParallelGPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def parallelize_gpt(model, group=None) -> TensorParallelGPT:
+def parallelize_gpt(model, group=None, *, broadcast_weights=True) -> TensorParallelGPT:
     """Turn a dense ``GPT`` into its tensor-parallel version with the same weights: each rank keeps
-    its slice (``model`` itself is left unchanged). Every rank must pass identical dense weights
-    (build it under the same seed on every rank)."""
-    return TensorParallelGPT(model, group)
+    its slice. Like DDP, ``model``'s parameters are first overwritten with those of the group's first
+    rank (one broadcast per tensor; otherwise ``model`` is left unchanged), so ranks that built it
+    under different seeds still hold slices of one model: the first rank's."""
+    return TensorParallelGPT(model, group, broadcast_weights=broadcast_weights)
 
 
 def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
@@ -224,4 +258,6 @@ def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
     with torch.no_grad():
         for k, q in holder.named_parameters():
             q.copy_(tensors[k])
-    return {k: q.detach() for k, q in parallelize_gpt(holder, group).named_parameters()}
+    # the tensors are this rank's own (e.g. its gradients): sliced as they are, never broadcast
+    sharded = parallelize_gpt(holder, group, broadcast_weights=False)
+    return {k: q.detach() for k, q in sharded.named_parameters()}

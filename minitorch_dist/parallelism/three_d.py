@@ -44,6 +44,7 @@ from ..runtime.launch import device
 from .mesh import Coords, RankGrid, check_model, init_groups
 from .pipeline import GPTStage, make_schedule, run_schedule, split_gpt
 from .pipeline.executor import sync_tied_embedding
+from .replicas import broadcast_from_first_rank
 from .tensor_parallel import parallelize_gpt, shard_dense_tensors
 from .tensor_parallel_vocab import vocab_parallel_cross_entropy
 
@@ -93,11 +94,12 @@ def _check_options(schedule, pp, microbatches, virtual_stages, checkpoint):
 class Model3D:
     """This rank's part of the 3D model: its (virtual) stages, sliced over TP, and its optimizer.
 
-    Every rank builds the whole dense GPT from ``seed`` (identical weights everywhere), makes its
-    TP slice (:func:`parallelize_gpt`, skipped when t = 1), and keeps the stages of its pipeline
-    position. The optimizer and the DP gradient reduction are ch06's :class:`ZeroDataParallel` on
-    the stages' parameters over the DP group: stage 0 (one all-reduce of a flat buffer, as
-    Megatron's contiguous gradient buffer) or stage 1 with ``zero1``.
+    Every rank builds the whole dense GPT from ``seed``, takes global rank 0's weights (one broadcast
+    over all ranks, so a rank-dependent ``seed`` still gives one model), makes its TP slice
+    (:func:`parallelize_gpt`, skipped when t = 1), and keeps the stages of its pipeline position.
+    The optimizer and the DP gradient reduction are ch06's :class:`ZeroDataParallel` on the
+    stages' parameters over the DP group: stage 0 (one all-reduce of a flat buffer, as Megatron's
+    contiguous gradient buffer) or stage 1 with ``zero1``.
     """
 
     def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
@@ -107,8 +109,9 @@ class Model3D:
         self.cfg, self.groups = cfg, groups
         self.schedule = _check_options(schedule, grid.pp, microbatches, virtual_stages, checkpoint)
         torch.manual_seed(seed)  # on the CPU, then moved: the same weights on every rank and device
-        dense = GPT(cfg)
-        self.model = (parallelize_gpt(dense, groups.tp_group) if grid.tp > 1 else dense).to(device())
+        dense = broadcast_from_first_rank(GPT(cfg))  # every TP, PP and DP copy is rank 0's
+        tp_model = parallelize_gpt(dense, groups.tp_group, broadcast_weights=False) if grid.tp > 1 else dense
+        self.model = tp_model.to(device())
         vocab_group = groups.tp_group if grid.tp > 1 else None
         cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
         self.stages = {}

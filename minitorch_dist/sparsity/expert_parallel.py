@@ -27,6 +27,11 @@ home). The replicated parameters (the router here; attention and the rest in a m
 this rank's tokens: :func:`sync_replicated_grads` all-reduces them, as data parallelism would.
 It sums: the result is the gradient of Σ_r loss_r; to train on the mean, scale each rank's loss
 by 1/n before backward (then experts and router are both the mean's gradient).
+
+Initial weights. The sharded layer is the dense layer only if every rank holds the same dense
+layer before keeping its experts: the wrappers broadcast it from the group's first rank first
+(:func:`..parallelism.replicas.broadcast_from_first_rank`, as DDP does), router and experts, so
+ranks that built the model under different seeds still train one model.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import torch
 from torch import nn
 
 from ..parallelism.mappings import AllToAll, all_to_all, size_and_rank
+from ..parallelism.replicas import broadcast_from_first_rank
 from ..runtime import comm
 from .moe import MoELayer, Routing, combine, dispatch, run_experts
 
@@ -50,19 +56,23 @@ def check_divisible(n_experts: int, n: int) -> None:
 class ExpertParallelMoE(nn.Module):
     """An :class:`~.moe.MoELayer` with its experts sharded over the ranks of ``group``.
 
-    Shares the router and the local experts (``layer.experts[r·E/n:(r+1)·E/n]``) with ``layer``
-    (every rank builds the same layer from the same seed, then keeps its shard). ``forward(x)`` on
-    this rank's tokens [..., h] returns their outputs, as ``layer(x)`` would on this rank alone.
+    Shares the router and the local experts (``layer.experts[r·E/n:(r+1)·E/n]``) with ``layer``,
+    after making ``layer`` the group's first rank's (a broadcast of the whole layer, once;
+    ``broadcast_weights=False`` when it already is): every rank keeps its shard of one layer.
+    ``forward(x)`` on this rank's tokens [..., h] returns their outputs, as ``layer(x)`` would on
+    this rank alone.
     After a forward: ``last_routing`` (this rank's routing), ``aux_loss``, and ``send_counts`` /
     ``recv_counts``: the rows sent to / received from each rank by the dispatch all-to-all.
     """
 
-    def __init__(self, layer: MoELayer, group=None):
+    def __init__(self, layer: MoELayer, group=None, *, broadcast_weights=True):
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise ValueError(f"ExpertParallelMoE wraps an MoELayer, got {type(layer).__name__}")
         n, r = size_and_rank(group, "expert parallelism")
         check_divisible(layer.n_experts, n)
+        if broadcast_weights:
+            broadcast_from_first_rank(layer, group)
         self.group, self.n, self.rank = group, n, r
         self.h, self.n_experts, self.local = layer.h, layer.n_experts, layer.n_experts // n
         self.first_expert = r * self.local
@@ -73,9 +83,9 @@ class ExpertParallelMoE(nn.Module):
         self.recv_counts: list[int] = []
 
     @classmethod
-    def from_dense(cls, layer: MoELayer, group=None) -> ExpertParallelMoE:
+    def from_dense(cls, layer: MoELayer, group=None, *, broadcast_weights=True) -> ExpertParallelMoE:
         """The same as ``ExpertParallelMoE(layer, group)``: this rank's shard of a dense layer."""
-        return cls(layer, group)
+        return cls(layer, group, broadcast_weights=broadcast_weights)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -112,13 +122,20 @@ class ExpertParallelMoE(nn.Module):
                 f"on rank {self.rank} of {self.n}")
 
 
-def expert_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Replace every :class:`~.moe.MoELayer` inside ``model`` by its :class:`ExpertParallelMoE`, in place."""
+def expert_parallel(model: nn.Module, group=None, *, broadcast_weights=True) -> nn.Module:
+    """Replace every :class:`~.moe.MoELayer` inside ``model`` by its :class:`ExpertParallelMoE`, in place.
+    The whole ``model`` (the replicated parameters too) is first made the group's first rank's, once
+    (``broadcast_weights=False`` when it already is). A model without MoE layers is left alone."""
+    if not any(isinstance(m, MoELayer) for m in model.modules()):
+        return model
+    if broadcast_weights:
+        size_and_rank(group, "expert parallelism")
+        broadcast_from_first_rank(model, group)
     for name, child in list(model.named_children()):
         if isinstance(child, MoELayer):
-            setattr(model, name, ExpertParallelMoE(child, group))
+            setattr(model, name, ExpertParallelMoE(child, group, broadcast_weights=False))
         else:
-            expert_parallel(child, group)
+            expert_parallel(child, group, broadcast_weights=False)
     return model
 
 

@@ -38,7 +38,7 @@ Weight versions under asynchronous pipelining (PipeDream, PipeDream-2BW) are in 
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from minitorch_dist.analysis.timeline import Event, plot_gantt
@@ -114,38 +114,54 @@ def _check_structure(schedule: Schedule) -> None:
                                          f"every stage{extra}")
 
 
+def _waiting_on(schedule: Schedule, rank: int, a: Action) -> int | None:
+    """The other stage whose next action may wait for ``a`` (run on ``rank``): F feeds the next
+    virtual stage's F, B the previous one's B; W feeds nobody."""
+    s = schedule.virtual_stage(rank, a.chunk)
+    if a.kind == "F" and s < schedule.p * schedule.v - 1:
+        return schedule.placement(s + 1)[0]
+    if a.kind == "B" and s > 0:
+        return schedule.placement(s - 1)[0]
+    return None
+
+
 def _replay(schedule: Schedule, duration: dict[str, float],
             p2p: float) -> dict[tuple[int, Action], tuple[float, float]]:
     """List-schedule every stage's actions in order; ``{(rank, action): (start, end)}``.
 
-    Rounds over the stages, starting each one's next action as soon as all its dependencies have
-    *run* (times then follow from the max rule, so the visiting order does not change them).
-    Raises ValueError naming the stuck actions when a round makes no progress: a deadlock.
+    A stage runs its next actions as long as all their dependencies have *run* (times then follow
+    from the max rule, so the visiting order does not change them); a finished action puts the
+    stage that may wait for it back on the to-visit list. Each action is run once, so the replay
+    takes time proportional to the number of actions. Raises ValueError naming the stuck actions
+    when nothing is left to visit but actions are: a deadlock.
     """
     _check_structure(schedule)
     p = schedule.p
     done: dict[tuple[int, Action], tuple[float, float]] = {}
     nxt = [0] * p
     free = [0.0] * p
-    while True:
-        progress = False
-        for r in range(p):
-            acts = schedule.stages[r]
-            while nxt[r] < len(acts):
-                a = acts[nxt[r]]
-                deps = _dependencies(schedule, r, a)
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[r]] + [done[(dr, da)][1] + (p2p if dr != r else 0.0) for dr, da in deps])
-                end = start + duration[a.kind]
-                done[(r, a)] = (start, end)
-                free[r] = end
-                nxt[r] += 1
-                progress = True
-        if all(nxt[r] == len(schedule.stages[r]) for r in range(p)):
-            return done
-        if not progress:
-            raise ValueError(_deadlock_message(schedule, nxt, done))
+    todo, listed = deque(range(p)), [True] * p
+    while todo:
+        r = todo.popleft()
+        listed[r] = False
+        acts = schedule.stages[r]
+        while nxt[r] < len(acts):
+            a = acts[nxt[r]]
+            deps = _dependencies(schedule, r, a)
+            if any(d not in done for d in deps):
+                break
+            start = max([free[r]] + [done[(dr, da)][1] + (p2p if dr != r else 0.0) for dr, da in deps])
+            end = start + duration[a.kind]
+            done[(r, a)] = (start, end)
+            free[r] = end
+            nxt[r] += 1
+            q = _waiting_on(schedule, r, a)
+            if q is not None and q != r and not listed[q]:
+                todo.append(q)
+                listed[q] = True
+    if all(nxt[r] == len(schedule.stages[r]) for r in range(p)):
+        return done
+    raise ValueError(_deadlock_message(schedule, nxt, done))
 
 
 def _deadlock_message(schedule: Schedule, nxt: list[int], done: dict) -> str:

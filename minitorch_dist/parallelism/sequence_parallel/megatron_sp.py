@@ -36,7 +36,10 @@ ranks, so :func:`allreduce_sequence_parallel_grads` all-reduces them (Megatron d
 flagging them ``sequence_parallel``) before the optimizer steps.
 
 The operators g, ḡ and the scatter live in :mod:`..mappings` with every other region crossing
-(re-exported here); this module builds the layers on them.
+(re-exported here); this module builds the layers on them. As in chapter 04, every constructor
+that takes a dense module first broadcasts it from the group's first rank
+(:func:`..replicas.broadcast_from_first_rank`; ``broadcast_weights=False`` when already done), so
+every rank slices the same dense weights whatever seed it built them under.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ from ..mappings import (
     scatter_to_sequence,
     size_and_rank,
 )
+from ..replicas import broadcast_from_first_rank
 from ..tensor_parallel import (
     ColumnParallelLinear,
     ParallelAttention,
@@ -105,8 +109,9 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
     regather = True
 
     @classmethod
-    def from_dense(cls, linear, group=None, rows=None, regather=True):
-        m = super().from_dense(linear, group, gather_output=False, rows=rows)
+    def from_dense(cls, linear, group=None, rows=None, regather=True, *, broadcast_weights=True):
+        m = super().from_dense(linear, group, gather_output=False, rows=rows,
+                               broadcast_weights=broadcast_weights)
         m.regather = regather
         return m
 
@@ -121,8 +126,8 @@ class SequenceParallelRowLinear(RowParallelLinear):
     once, on the slice, so its gradient is partial (flagged for the all-reduce)."""
 
     @classmethod
-    def from_dense(cls, linear, group=None):
-        m = super().from_dense(linear, group, input_is_parallel=True)
+    def from_dense(cls, linear, group=None, *, broadcast_weights=True):
+        m = super().from_dense(linear, group, input_is_parallel=True, broadcast_weights=broadcast_weights)
         if m.bias is not None:
             setattr(m.bias, SP_ATTR, True)
         return m
@@ -136,13 +141,14 @@ class SequenceParallelAttention(ParallelAttention):
     """Chapter 04's attention (n_head/t heads per rank) between g and ḡ: (b, s/t, h) -> (b, s/t, h).
     Attention itself sees the whole sequence (after g) for this rank's heads."""
 
-    def __init__(self, attn, group=None, regather=True):
-        super().__init__(attn, group)  # checks n_head % t, keeps head_dim / dropout / resid_dropout
+    def __init__(self, attn, group=None, regather=True, *, broadcast_weights=True):
+        # checks n_head % t, broadcasts attn, keeps head_dim / dropout / resid_dropout
+        super().__init__(attn, group, broadcast_weights=broadcast_weights)
         t, r = size_and_rank(group, "sequence parallelism")
         rows = head_rows(attn.c_attn.in_features // attn.head_dim, attn.head_dim, t, r)
         self.c_attn = SequenceParallelColumnLinear.from_dense(attn.c_attn, group, rows=rows,
-                                                              regather=regather)
-        self.c_proj = SequenceParallelRowLinear.from_dense(attn.c_proj, group)
+                                                              regather=regather, broadcast_weights=False)
+        self.c_proj = SequenceParallelRowLinear.from_dense(attn.c_proj, group, broadcast_weights=False)
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (b, s, 3h/t): the full sequence, this rank's heads
@@ -156,10 +162,11 @@ class SequenceParallelAttention(ParallelAttention):
 class SequenceParallelMLP(ParallelMLP):
     """Chapter 04's MLP between g and ḡ (§4.2.2, Fig. 6): GeLU on the (b, s, 4h/t) column slice."""
 
-    def __init__(self, mlp, group=None, regather=True):
-        super().__init__(mlp, group)
-        self.c_fc = SequenceParallelColumnLinear.from_dense(mlp.c_fc, group, regather=regather)
-        self.c_proj = SequenceParallelRowLinear.from_dense(mlp.c_proj, group)
+    def __init__(self, mlp, group=None, regather=True, *, broadcast_weights=True):
+        super().__init__(mlp, group, broadcast_weights=broadcast_weights)
+        self.c_fc = SequenceParallelColumnLinear.from_dense(mlp.c_fc, group, regather=regather,
+                                                            broadcast_weights=False)
+        self.c_proj = SequenceParallelRowLinear.from_dense(mlp.c_proj, group, broadcast_weights=False)
 
 
 def _refuse_dropout(p):
@@ -170,25 +177,31 @@ def _refuse_dropout(p):
 class SequenceParallelBlock(nn.Module):
     """Pre-LN block on the sequence slice (Fig. 5): x^s + ḡ(attn(g(ln_1(x^s)))), then the MLP alike.
     LayerNorms and residual adds run on s/t positions; LayerNorm parameters are flagged for
-    :func:`allreduce_sequence_parallel_grads`."""
+    :func:`allreduce_sequence_parallel_grads`. ``block`` is first made the group's first rank's
+    (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, block, group=None, regather=True):
+    def __init__(self, block, group=None, regather=True, *, broadcast_weights=True):
         super().__init__()
         _refuse_dropout(block.attn.dropout)
+        size_and_rank(group, "sequence parallelism")
         self.group = group
+        if broadcast_weights:
+            broadcast_from_first_rank(block, group)
         self.ln_1, self.ln_2 = _mark(copy.deepcopy(block.ln_1)), _mark(copy.deepcopy(block.ln_2))
-        self.attn = SequenceParallelAttention(block.attn, group, regather)
-        self.mlp = SequenceParallelMLP(block.mlp, group, regather)
+        self.attn = SequenceParallelAttention(block.attn, group, regather, broadcast_weights=False)
+        self.mlp = SequenceParallelMLP(block.mlp, group, regather, broadcast_weights=False)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
-def sequence_parallel_block(block, group=None, regather=True) -> SequenceParallelBlock:
-    """This rank's sequence-parallel copy of a dense ``Block`` (same weights; ``block`` unchanged).
-    Input and output are this rank's (b, s/t, h) slice (:func:`scatter_to_sequence` makes one)."""
-    return SequenceParallelBlock(block, group, regather)
+def sequence_parallel_block(block, group=None, regather=True, *, broadcast_weights=True
+                            ) -> SequenceParallelBlock:
+    """This rank's sequence-parallel copy of a dense ``Block``: the weights of the group's first rank
+    (broadcast into ``block`` first, as DDP does; otherwise ``block`` is unchanged). Input and output
+    are this rank's (b, s/t, h) slice (:func:`scatter_to_sequence` makes one)."""
+    return SequenceParallelBlock(block, group, regather, broadcast_weights=broadcast_weights)
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
@@ -224,9 +237,10 @@ class SequenceParallelGPT(nn.Module):
     h^s = ḡ(wte_r[idx]) + wpe[positions of the slice]; blocks on the slice; ln_f on the slice;
     g before the vocab-parallel lm_head, the loss fused with it. Parameter names are the dense
     model's. Call :func:`allreduce_sequence_parallel_grads` after backward (LayerNorms, row
-    biases, wpe and ln_f hold partial gradients until then)."""
+    biases, wpe and ln_f hold partial gradients until then). ``dense`` is first made the group's
+    first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, dense, group=None, regather=True):
+    def __init__(self, dense, group=None, regather=True, *, broadcast_weights=True):
         super().__init__()
         cfg = dense.cfg
         t, _ = size_and_rank(group, "sequence parallelism")
@@ -234,10 +248,14 @@ class SequenceParallelGPT(nn.Module):
         divide(cfg.vocab_size, t, "vocab_size")
         _refuse_dropout(cfg.dropout)
         self.cfg, self.group = cfg, group
-        self.wte = _SequenceParallelEmbedding.from_dense(dense.wte, group)
+        if broadcast_weights:  # once, for the whole model
+            broadcast_from_first_rank(dense, group)
+        self.wte = _SequenceParallelEmbedding.from_dense(dense.wte, group, broadcast_weights=False)
         self.wpe, self.ln_f = _mark(copy.deepcopy(dense.wpe)), _mark(copy.deepcopy(dense.ln_f))
-        self.blocks = nn.ModuleList(SequenceParallelBlock(b, group, regather) for b in dense.blocks)
-        self.lm_head = SequenceParallelColumnLinear.from_dense(dense.lm_head, group, regather=regather)
+        self.blocks = nn.ModuleList(SequenceParallelBlock(b, group, regather, broadcast_weights=False)
+                                    for b in dense.blocks)
+        self.lm_head = SequenceParallelColumnLinear.from_dense(dense.lm_head, group, regather=regather,
+                                                               broadcast_weights=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -251,9 +269,11 @@ class SequenceParallelGPT(nn.Module):
         return logits, None if targets is None else vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def parallelize_gpt_sp(model, group=None, regather=True) -> SequenceParallelGPT:
-    """A dense ``GPT`` as TP + SP with the same weights (``model`` unchanged; same weights on every rank)."""
-    return SequenceParallelGPT(model, group, regather)
+def parallelize_gpt_sp(model, group=None, regather=True, *, broadcast_weights=True) -> SequenceParallelGPT:
+    """A dense ``GPT`` as TP + SP with the same weights: the group's first rank's, broadcast into
+    ``model`` first (as DDP does; otherwise ``model`` is unchanged). The loss ignores targets equal
+    to -100, as the dense GPT's ``F.cross_entropy`` does."""
+    return SequenceParallelGPT(model, group, regather, broadcast_weights=broadcast_weights)
 
 
 __all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence",

@@ -332,7 +332,8 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale
     q, k, v: this rank's shard, (B, n_head, S/t, head_dim), cut from the full sequence by
     ``shard_sequence(x, t, rank, -2, layout)``; the result is this rank's shard of
     ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)``.
-    Every rank of ``group`` must call it with same-shaped shards.
+    Every rank of ``group`` must call it with same-shaped shards; any strides (a transposed or
+    sliced view is made contiguous first: the ring sends k and v, and a transfer needs one block).
     """
     _check_layout(layout)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -347,4 +348,5 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale
         raise ValueError(f"local sequence length {q.shape[-2]} is odd: a zigzag shard holds two equal "
                          f"chunks, so the sequence length must be divisible by 2*t")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (x.contiguous() for x in (q, k, v))  # a no-op for contiguous shards
     return RingAttention.apply(q, k, v, group, causal, layout, scale)

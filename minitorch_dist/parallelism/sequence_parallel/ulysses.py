@@ -40,6 +40,7 @@ from torch import nn
 
 from ...runtime import comm
 from ..mappings import heads_per_rank, heads_to_seq, refuse_dropout, seq_to_heads, size_and_rank
+from ..replicas import broadcast_from_first_rank
 
 __all__ = ["seq_to_heads", "heads_to_seq", "ulysses_attention", "UlyssesAttention"]
 
@@ -85,21 +86,30 @@ class UlyssesAttention(nn.Module):
     weight gradients cover its tokens only: the dense gradient is their sum over the group, which
     :meth:`allreduce_gradients` computes (in a full model this all-reduce is folded into the
     data-parallel one, over the data x sequence ranks: DeepSpeed's ZeRO does exactly that).
+
+    The replicas must start equal: the projections are made the group's first rank's (one
+    broadcast per tensor, as DDP does; ``broadcast_weights=False`` when they already are), so
+    ranks that built the dense layer under different seeds still compute one layer.
     """
 
-    def __init__(self, c_attn: nn.Linear, c_proj: nn.Linear, head_dim: int, group=None):
+    def __init__(self, c_attn: nn.Linear, c_proj: nn.Linear, head_dim: int, group=None, *,
+                 broadcast_weights=True):
         super().__init__()
         t, _ = size_and_rank(group, "Ulysses sequence parallelism")
         self.n_head = c_attn.in_features // head_dim
         heads_per_rank(self.n_head, t)
         self.head_dim, self.group = head_dim, group
         self.c_attn, self.c_proj = c_attn, c_proj
+        if broadcast_weights:
+            broadcast_from_first_rank(self, group)
 
     @classmethod
-    def from_dense(cls, attn: nn.Module, group=None) -> UlyssesAttention:
+    def from_dense(cls, attn: nn.Module, group=None, *, broadcast_weights=True) -> UlyssesAttention:
+        """Copies of ``attn``'s projections (``attn`` itself is left unchanged), the first rank's."""
         refuse_dropout(getattr(attn, "dropout", 0.0), "attention dropout on head shards would draw "
                                                        "different masks from the dense layer's")
-        return cls(copy.deepcopy(attn.c_attn), copy.deepcopy(attn.c_proj), attn.head_dim, group)
+        return cls(copy.deepcopy(attn.c_attn), copy.deepcopy(attn.c_proj), attn.head_dim, group,
+                   broadcast_weights=broadcast_weights)
 
     def forward(self, x):
         B, s, _ = x.shape  # s = S/t local tokens

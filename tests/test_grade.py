@@ -1,0 +1,162 @@
+"""The grader's limits: an exercise that never returns is killed at ``--timeout`` with every process
+it started, and nothing of a finished run is left behind. (Bad ``--timeout`` values: test_cli.py.)
+
+The looping exercise lives in a small course tree built in a temporary folder and graded through
+``grade --root``, the way a user runs it: ``python -m minitorch_dist grade`` in a subprocess. Its
+stub loops forever inside two ``launch`` ranks (which leave pytest's process group: ``launch``
+calls ``setpgrp`` in each), and rank 0 first starts a helper whose parent exits at once, so only
+the grader's environment tag can still find it. Every process the test starts carries a tag of
+its own, so whatever the grader misses, the test finds, reports, and kills.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from minitorch_dist.__main__ import main
+from minitorch_dist.course import grade
+from minitorch_dist.course.registry import REPO_ROOT
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
+                                reason="needs Linux /proc to find every process of a run")
+
+SOLUTIONS = textwrap.dedent('''\
+    """A course tree with one exercise, for the grader's own tests."""
+
+
+    def spin(x):
+        """Return x."""
+        # BEGIN SOLUTION
+        return x
+        # END SOLUTION
+    ''')
+
+# A wrong attempt: it never returns, and rank 0 leaves behind a helper whose parent is gone.
+LOOPING_STUB = textwrap.dedent('''\
+    import os
+    import subprocess
+    import sys
+    import time
+
+    FLAGS = os.environ["GRADE_TEST_FLAGS"]
+    ORPHAN = ("import os, sys, time; open(os.path.join(sys.argv[1], 'orphan'), 'w').close()\\n"
+              "while True: time.sleep(0.2)")
+
+
+    def spin(x):
+        if os.environ.get("RANK") == "0":
+            middle = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+                      "sys.argv[2]], start_new_session=True)")
+            subprocess.run([sys.executable, "-c", middle, ORPHAN, FLAGS], check=True)  # exits at once
+        open(os.path.join(FLAGS, "rank" + os.environ.get("RANK", "?")), "w").close()
+        while True:
+            time.sleep(0.05)
+    ''')
+
+EXERCISE_TESTS = textwrap.dedent('''\
+    import importlib.util
+    import os
+    import pathlib
+
+    from minitorch_dist import launch
+
+    path = pathlib.Path(__file__).parents[2] / os.environ.get("MTD_IMPL", "solutions") / "ch00_foundations.py"
+    spec = importlib.util.spec_from_file_location("spin_impl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+
+    def _on_rank():
+        return mod.spin(1)
+
+
+    def test_spin():
+        assert launch(_on_rank, 2, timeout_s=600) == [1, 1]
+    ''')
+
+
+def tagged(tag: str) -> set[int]:
+    """Live (not zombie) processes whose environment holds ``tag`` (``KEY=value``)."""
+    found = set()
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if tag.encode() in (d / "environ").read_bytes().split(b"\0") and \
+                    (d / "stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                found.add(int(d.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@pytest.fixture
+def course(tmp_path):
+    """A course tree whose only chapter, ch00, has one exercise, `spin`, that loops in its stub."""
+    for rel, text in [("solutions/ch00_foundations.py", SOLUTIONS),
+                      ("exercises/ch00_foundations.py", LOOPING_STUB),
+                      ("tests/exercises/test_ch00_foundations.py", EXERCISE_TESTS)]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "flags").mkdir()
+    return tmp_path
+
+
+@pytest.mark.timeout(90)
+def test_a_looping_exercise_is_killed_at_the_timeout_with_its_ranks(course):
+    tag = f"GRADE_TEST_TAG={uuid.uuid4().hex}"
+    env = dict(os.environ, GRADE_TEST_FLAGS=str(course / "flags"), **dict([tag.split("=")]))
+    cmd = [sys.executable, "-m", "minitorch_dist", "grade", "--root", str(course), "--chapter", "ch00",
+           "--timeout", "8"]
+    log = course / "grade.out"
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        left = tagged(tag)
+    finally:
+        grade.kill_run(tag, proc.pid if proc.poll() is None else None)
+        proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    assert elapsed < 20, f"the grader took {elapsed:.1f} s to give up after an 8 s timeout"
+    row = next(line for line in text.splitlines() if line.startswith("ch00"))
+    assert row.split()[:3] == ["ch00", "spin", "timeout"] and "ran past 8 s" in row, text
+    assert sorted(p.name for p in (course / "flags").iterdir()) == ["orphan", "rank0", "rank1"], \
+        "the ranks were not yet looping when the grader gave up: the test proves nothing (raise --timeout)"
+    assert not left, f"processes of the graded run outlived it: {sorted(left)}"
+
+
+@pytest.mark.timeout(90)
+def test_a_finished_run_leaves_no_stray_process(course, monkeypatch):
+    """After a run that ends on its own, what it left behind (here: the orphaned helper of a stub
+    that returns) is swept by the run's tag; the grader itself survives."""
+    stub = LOOPING_STUB.replace("    while True:\n        time.sleep(0.05)\n", "    return x\n")
+    assert stub != LOOPING_STUB
+    (course / "exercises" / "ch00_foundations.py").write_text(stub)
+    monkeypatch.setenv("GRADE_TEST_FLAGS", str(course / "flags"))
+    tag = f"GRADE_TEST_FLAGS={course / 'flags'}"
+    try:
+        outcome, results, output = grade.run_pytest(course / "tests/exercises/test_ch00_foundations.py",
+                                                    "exercises", 60, course)
+        left = tagged(tag) - {os.getpid()}
+    finally:
+        for pid in tagged(tag) - {os.getpid()}:
+            os.kill(pid, 9)
+    assert outcome == "ok" and [r.status for r in results] == ["passed"], output
+    assert (course / "flags" / "orphan").exists()
+    assert not left, f"processes of the finished run outlived it: {sorted(left)}"
+
+
+@pytest.mark.timeout(30)
+def test_grade_root_must_hold_exercise_tests(tmp_path, capsys):
+    assert main(["grade", "--root", str(tmp_path), "--chapter", "ch00"]) == 2
+    assert f"--root {tmp_path} has no tests/exercises/ folder" in capsys.readouterr().err
