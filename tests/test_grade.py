@@ -110,7 +110,9 @@ def course(tmp_path):
 @pytest.mark.timeout(90)
 def test_a_looping_exercise_is_killed_at_the_timeout_with_its_ranks(course):
     tag = f"GRADE_TEST_TAG={uuid.uuid4().hex}"
-    env = dict(os.environ, GRADE_TEST_FLAGS=str(course / "flags"), **dict([tag.split("=")]))
+    tmp = course / "tmp"  # the grader's own temporary files; the graded run gets a folder of its own
+    tmp.mkdir()
+    env = dict(os.environ, GRADE_TEST_FLAGS=str(course / "flags"), TMPDIR=str(tmp), **dict([tag.split("=")]))
     cmd = [sys.executable, "-m", "minitorch_dist", "grade", "--root", str(course), "--chapter", "ch00",
            "--timeout", "8"]
     log = course / "grade.out"
@@ -133,6 +135,7 @@ def test_a_looping_exercise_is_killed_at_the_timeout_with_its_ranks(course):
     assert sorted(p.name for p in (course / "flags").iterdir()) == ["orphan", "rank0", "rank1"], \
         "the ranks were not yet looping when the grader gave up: the test proves nothing (raise --timeout)"
     assert not left, f"processes of the graded run outlived it: {sorted(left)}"
+    assert not list(tmp.iterdir()), f"the killed run left files behind: {list(tmp.rglob('*'))}"
 
 
 @pytest.mark.timeout(90)

@@ -219,10 +219,12 @@ def run_pytest(test_file: Path, impl: str, timeout: float, cwd: Path) -> tuple[s
     it ends (a timeout, Ctrl-C), no process of the run is left behind (`kill_run`).
     """
     run_id = uuid.uuid4().hex
-    env = dict(os.environ, MTD_IMPL=impl, **{RUN_MARKER: run_id})
     marker = f"{RUN_MARKER}={run_id}"
     with tempfile.TemporaryDirectory(prefix="mtd-grade-") as tmp:
         report, log = Path(tmp) / "report.xml", Path(tmp) / "output.txt"
+        scratch = Path(tmp) / "tmp"  # the run's temporary files (launch's run folders): gone with it,
+        scratch.mkdir()  # even when a timeout kills the ranks and their reaper together
+        env = dict(os.environ, MTD_IMPL=impl, TMPDIR=str(scratch), **{RUN_MARKER: run_id})
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                "-o", "junit_family=xunit2", str(test_file)]
         with open(log, "wb") as out:  # a file: a rank holding it open blocks nobody
