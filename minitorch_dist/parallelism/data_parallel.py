@@ -375,6 +375,8 @@ class DistributedDataParallel(nn.Module):
         local = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
                              device=self._buckets[0].flat.device)  # (n_params,)
         comm.all_reduce(local, group=self.group)
+        if local.is_meta:  # meta tensors hold no values to agree on: this rank's flags stand in
+            return [p.grad is not None for p in params]
         return (local > 0).tolist()
 
     def _record_spans(self, t_end: float) -> None:

@@ -40,7 +40,7 @@ from ..memory.zero import ZeroDataParallel
 from ..models.data import MarkovCorpus
 from ..models.gpt import GPT
 from ..runtime import comm, require_process_group
-from ..runtime.launch import device
+from ..runtime.launch import device as rank_device
 from .mesh import Coords, RankGrid, check_model, init_groups
 from .pipeline import GPTStage, make_schedule, run_schedule, split_gpt
 from .pipeline.executor import sync_tied_embedding
@@ -99,19 +99,25 @@ class Model3D:
     (:func:`parallelize_gpt`, skipped when t = 1), and keeps the stages of its pipeline position.
     The optimizer and the DP gradient reduction are ch06's :class:`ZeroDataParallel` on the
     stages' parameters over the DP group: stage 0 (one all-reduce of a flat buffer, as Megatron's
-    contiguous gradient buffer) or stage 1 with ``zero1``.
+    contiguous gradient buffer) or stage 1 with ``zero1``. ``device``: where the model lives (None:
+    this rank's device); ``"meta"`` builds it on meta tensors, shapes without values (the fake process
+    group's stand-in for a GPU at any scale: :func:`~..replicas.broadcast_from_first_rank` and every
+    step follow the parameters there).
     """
 
     def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
-                 checkpoint=False, optimizer=None, lr=0.1, seed=0):
+                 checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None):
         grid = groups.grid
         check_model(cfg, grid.tp, grid.pp, virtual_stages)
         self.cfg, self.groups = cfg, groups
         self.schedule = _check_options(schedule, grid.pp, microbatches, virtual_stages, checkpoint)
+        where = torch.device(rank_device() if device is None else device)
         torch.manual_seed(seed)  # on the CPU, then moved: the same weights on every rank and device
-        dense = broadcast_from_first_rank(GPT(cfg))  # every TP, PP and DP copy is rank 0's
+        with torch.device("meta") if where.type == "meta" else contextlib.nullcontext():
+            dense = GPT(cfg)  # on meta: shapes only, never a whole model's values
+        dense = broadcast_from_first_rank(dense)  # every TP, PP and DP copy is rank 0's
         tp_model = parallelize_gpt(dense, groups.tp_group, broadcast_weights=False) if grid.tp > 1 else dense
-        self.model = tp_model.to(device())
+        self.model = tp_model.to(where)
         vocab_group = groups.tp_group if grid.tp > 1 else None
         cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
         self.stages = {}
@@ -207,7 +213,7 @@ def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", 
     data = data or MarkovCorpus(cfg.vocab_size, seed=0)
     losses = []
     for step in range(steps):
-        x, y = data.batch(step, batch, seq, rank=groups.coords.dp, world_size=dp, device=device())
+        x, y = data.batch(step, batch, seq, rank=groups.coords.dp, world_size=dp, device=rank_device())
         loss, events = model.step(x, y)
         losses.append(loss)
     return Result3D(groups.rank, groups.coords, losses, events, model.full_param_pieces(), groups.ranks,

@@ -229,7 +229,12 @@ def batch_isend_irecv(p2p_ops):
         record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape,
                _group_ranks(p.group))
     set_status(f"in batch_isend_irecv of {len(p2p_ops)} ops")
-    works = dist.batch_isend_irecv(p2p_ops)
+    if any(p.tensor.is_meta for p in p2p_ops):
+        # torch batches by the tensors' device, and no backend is registered for meta (the tensors of
+        # a dry run under torch's fake process group): there each op is issued alone
+        works = [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_ops]
+    else:
+        works = dist.batch_isend_irecv(p2p_ops)
     set_status(f"launched batch_isend_irecv of {len(p2p_ops)} ops")
     return works
 

@@ -95,6 +95,9 @@ class ExpertParallelMoE(nn.Module):
         if x.size(-1) != self.h:
             raise ValueError(f"ExpertParallelMoE expects [..., h={self.h}] inputs, got shape "
                              f"{tuple(x.shape)}")
+        if x.is_meta or self.router.w_gate.is_meta:
+            raise RuntimeError("expert parallelism routes by values: run it on real tensors (the all-to-all "
+                               "splits are the token counts per expert, which meta tensors do not hold)")
         n, El = self.n, self.local
         tokens = x.reshape(-1, self.h)
         routing = self.last_routing = self.router(tokens)

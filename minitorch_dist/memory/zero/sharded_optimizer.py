@@ -79,6 +79,12 @@ def _check_flat(params) -> None:
         raise ValueError("a parameter is listed twice: pass each tensor (a tied weight too) once")
 
 
+def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``grad`` already lives in the flat buffer at ``view`` (meta tensors all sit at address 0:
+    there only the view itself counts)."""
+    return grad is view or (not view.is_meta and grad.data_ptr() == view.data_ptr())
+
+
 def _options(group: dict) -> dict:
     """A parameter group's options: everything but its ``params``."""
     return {k: v for k, v in group.items() if k != "params"}
@@ -169,7 +175,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _into_flat_grad(self, p: torch.Tensor) -> None:
         """A gradient arrived: keep it in the flat gradient buffer, as a view (nothing if it is one)."""
         v = self._grad_views[self._index[id(p)]]
-        if p.grad.data_ptr() != v.data_ptr():
+        if not _is_view(p.grad, v):
             v.copy_(p.grad)  # autograd made a fresh gradient (p.grad was None): it starts the sum
             p.grad = v
 
@@ -177,7 +183,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p, v in zip(self.partition.flat.params, self._grad_views):
             if p.grad is None:
                 v.zero_()  # no gradient on this rank: it adds nothing to the average
-            elif p.grad.data_ptr() != v.data_ptr():
+            elif not _is_view(p.grad, v):
                 v.copy_(p.grad)  # set by hand, not by backward
                 p.grad = v
         self.partition.shard.grad = self.partition.reduce(self.flat_grad)
@@ -260,6 +266,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = self._got if self.stage == 2 else [p.grad is not None for p in flat.params]
         mask = torch.tensor(local, dtype=torch.uint8, device=self.partition.flat_param.device)
         comm.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
+        if mask.is_meta:  # meta tensors hold no values to agree on: this rank's flags stand in
+            return list(local)
         return mask.bool().tolist()
 
     @torch.no_grad()

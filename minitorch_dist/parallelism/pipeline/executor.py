@@ -110,7 +110,7 @@ class PipelineResult:
 
     rank: int
     loss: float | None  # mean loss over the global batch, on the rank holding the last stage
-    losses: list[float]  # per-microbatch mean losses (last stage's rank), unscaled
+    losses: list[float]  # per-microbatch mean losses (last stage's rank), unscaled; NaN on meta tensors
     actions: list[str]  # this rank's actions, in the order run
     stashed: list[float]  # microbatches whose activations were held while each action ran
     peak_stashed: float  # max(stashed), in microbatch units (a chunk counts 1/v)
@@ -294,7 +294,7 @@ class _Runner:
                 self.taps.active = st["taps"]
             if vs == self.n_vs - 1:
                 loss = self.stages[a.chunk](inp, self.ys[a.mb])
-                self.losses.append(loss.item())
+                self.losses.append(float("nan") if loss.is_meta else loss.item())  # meta: no value
                 st["y"] = loss / self.m  # mean of the m microbatch means = the batch mean
             else:
                 st["y"] = self.stages[a.chunk](inp)  # (B/m, T, n_embd)
