@@ -293,3 +293,14 @@ def test_byte_counter_counts_reads_writes_and_skips_views():
         x[:, 0]
     assert (c.read, c.written) == (4 * 160, 2 * 160)
     assert c.ops == ["add", "add_"]
+
+
+def test_memory_meter_tells_meta_storages_apart():
+    """Every meta storage sits at address 0: keyed by address, a meta model would count as one tensor."""
+    from minitorch_dist.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        meta = GPT(GPTConfig.tiny())
+    cpu = GPT(GPTConfig.tiny())
+    assert MemoryMeter(meta).current() == MemoryMeter(cpu).current()
+    assert MemoryMeter(meta).current()["parameters"] == 4 * cpu.num_params()

@@ -50,7 +50,9 @@ def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
         return ((str(t.device), "id", id(t)), n) if n else None
     if s.nbytes() == 0:
         return None
-    return (str(t.device), s.data_ptr()), s.nbytes()
+    # Every meta storage sits at address 0: tell them apart by the storage itself.
+    where = s._cdata if t.device.type == "meta" else s.data_ptr()
+    return (str(t.device), where), s.nbytes()
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -275,13 +277,13 @@ class MemoryMeter:
         for k in (*CATEGORIES, "total", "cuda_peak_allocated", "cuda_allocated"):
             if k in self.peak or k in cur:
                 rows.append(f"{k:<20}{cell(self.peak, k)}{cell(cur, k)}")
-        return _Table("\n".join(rows))
+        return TextTable("\n".join(rows))
 
 
 _UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
 
 
-class _Table(str):
+class TextTable(str):
     """A string that a notebook displays as itself (no quotes, real newlines)."""
 
     def __repr__(self) -> str:
