@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.init import record_cut
 from .mappings import (
     copy_to_tp,
     divide,
@@ -85,6 +86,9 @@ class ColumnParallelLinear(nn.Module):
             broadcast_from_first_rank(linear, group)
         n = m.weight.size(0)
         rows = torch.arange(r * n, (r + 1) * n) if rows is None else rows
+        record_cut(m.weight, w.shape, 0, rows)  # where the shard comes from: deferred init (ch12)
+        if m.bias is not None:
+            record_cut(m.bias, linear.bias.shape, 0, rows)
         rows = rows.to(w.device)
         with torch.no_grad():
             m.weight.copy_(linear.weight[rows])
@@ -122,6 +126,7 @@ class RowParallelLinear(nn.Module):
         if broadcast_weights:
             broadcast_from_first_rank(linear, group)
         n = m.weight.size(1)
+        record_cut(m.weight, linear.weight.shape, 1, range(r * n, (r + 1) * n))  # deferred init (ch12)
         with torch.no_grad():
             m.weight.copy_(linear.weight[:, r * n:(r + 1) * n])
             if m.bias is not None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.init import record_cut
 from .mappings import all_reduce_copy, divide, reduce_from_tp, size_and_rank
 from .replicas import broadcast_from_first_rank
 
@@ -41,6 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         m = cls(emb.num_embeddings, emb.embedding_dim, group, device=w.device, dtype=w.dtype)
         if broadcast_weights:
             broadcast_from_first_rank(emb, group)
+        record_cut(m.weight, w.shape, 0, range(m.vocab_start, m.vocab_end))  # deferred init (ch12)
         with torch.no_grad():
             m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
         return m

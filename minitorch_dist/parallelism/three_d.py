@@ -39,6 +39,7 @@ from ..memory.checkpointing import checkpoint as _checkpoint
 from ..memory.zero import ZeroDataParallel
 from ..models.data import MarkovCorpus
 from ..models.gpt import GPT
+from ..models.init import materialize, rebind
 from ..runtime import comm, require_process_group
 from ..runtime.launch import device as rank_device
 from .mesh import Coords, RankGrid, check_model, init_groups
@@ -102,16 +103,19 @@ class Model3D:
     contiguous gradient buffer) or stage 1 with ``zero1``. ``device``: where the model lives (None:
     this rank's device); ``"meta"`` builds it on meta tensors, shapes without values (the fake process
     group's stand-in for a GPU at any scale: :func:`~..replicas.broadcast_from_first_rank` and every
-    step follow the parameters there).
+    step follow the parameters there). ``materialize_on``: deferred initialisation (ch12): build on meta,
+    then give only this rank's stages storage on that device, initialised by
+    :func:`..models.init.materialize` with ``seed`` (the dense model is never whole anywhere).
     """
 
     def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
-                 checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None):
+                 checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None, materialize_on=None):
         grid = groups.grid
         check_model(cfg, grid.tp, grid.pp, virtual_stages)
         self.cfg, self.groups = cfg, groups
         self.schedule = _check_options(schedule, grid.pp, microbatches, virtual_stages, checkpoint)
         where = torch.device(rank_device() if device is None else device)
+        where = torch.device("meta") if materialize_on is not None else where
         torch.manual_seed(seed)  # on the CPU, then moved: the same weights on every rank and device
         with torch.device("meta") if where.type == "meta" else contextlib.nullcontext():
             dense = GPT(cfg)  # on meta: shapes only, never a whole model's values
@@ -120,12 +124,15 @@ class Model3D:
         self.model = tp_model.to(where)
         vocab_group = groups.tp_group if grid.tp > 1 else None
         cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
-        self.stages = {}
+        self.stages, memo = {}, {}  # memo: a tensor two of this rank's stages share stays one
         for c in range(virtual_stages):  # chunk c of this rank is virtual stage c·p + (its pp coordinate)
             s = cut[self.schedule.virtual_stage(groups.coords.pp, c)]
             layers = [int(k) for k in s.blocks]
             self.stages[c] = Stage3D(self.model, s.index, s.n_stages, range(layers[0], layers[-1] + 1),
                                      vocab_group, checkpoint)
+            if materialize_on is not None:  # this rank's layers only, each shard drawn as its dense slice
+                materialize(self.stages[c], materialize_on, seed, memo=memo)
+        rebind(self.model, memo)  # the model around the stages shares their new tensors (a tied embedding)
         factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr))
         self.zero = ZeroDataParallel(nn.ModuleDict({str(c): s for c, s in self.stages.items()}), factory,
                                      stage=1 if zero1 else 0, group=groups.dp_group)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ...models.init import cut_of
 from ...runtime import comm
 from .flat import FlatParams, shard_range
 
@@ -78,17 +79,38 @@ class FlatPart:
         self.dtype, self.trains = params[0].dtype, params[0].requires_grad
         self.compute_dtype = unit.mp.param_dtype or self.dtype
         self.reduce_dtype = unit.mp.reduce_dtype or self.compute_dtype
-        self.shard = self._take_shard(params)
-        lo, hi = shard_range(self.flat.numel, unit.n, unit.rank)
-        self.sharded = []  # parameter i's piece of shard: [o, o+k) ∩ [r·S, (r+1)·S), 1-D (maybe empty)
-        for p, off, k in zip(params, self.flat.offsets, self.flat.numels):
-            a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
-            self.sharded.append(nn.Parameter(self.shard[a - lo:b - lo], requires_grad=p.requires_grad))
-        self.full = self.shard.new_empty(self.flat.padded_numel, dtype=self.compute_dtype)
-        self.full_bytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
+        self.cuts = [cut_of(p) for p in params]  # where each tensor came from (deferred init, ch12)
+        self._adopt(self._take_shard(params), [p.requires_grad for p in params])
         self.flat.params = []  # drop the dense tensors: only the shard stays on this rank
         self.pending = None  # (work, version guard, send buffer) of an all-gather in flight
+
+    def _pieces(self):
+        """Per tensor: (its offset a in the shard, b), and where in the tensor: [a - o, b - o)."""
+        lo, hi = shard_range(self.flat.numel, self.unit.n, self.unit.rank)
+        for off, k in zip(self.flat.offsets, self.flat.numels):
+            a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
+            yield a - lo, b - lo, a - off, b - off
+
+    def _adopt(self, shard: torch.Tensor, trains: list) -> None:
+        """Keep ``shard``; a sharded parameter per tensor, its piece of ``shard`` (1-D, maybe empty:
+        [o, o+k) ∩ [r·S, (r+1)·S)); ``full`` allocated then freed (0 bytes until gathered)."""
+        self.shard = shard
+        self.sharded = [nn.Parameter(shard[a:b], requires_grad=t)
+                        for (a, b, _, _), t in zip(self._pieces(), trains)]
+        self.full = shard.new_empty(self.flat.padded_numel, dtype=self.compute_dtype)
+        self.full_bytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def materialize(self, device, piece) -> None:
+        """A shard built on ``meta`` made real on ``device``: ``piece(self, i)`` gives tensor i's values
+        (its own shape, e.g. from :func:`..models.init.materialize`); only this rank's elements are kept.
+        The sharded parameters are new tensors, views of the new shard."""
+        shard = torch.zeros(self.flat.shard_numel, dtype=self.dtype, device=device)  # padding stays 0
+        for i, (a, b, u, v) in enumerate(self._pieces()):
+            if b > a:
+                shard[a:b].copy_(piece(self, i).reshape(-1)[u:v])
+        self._adopt(shard, [p.requires_grad for p in self.sharded])
 
     def _take_shard(self, params) -> torch.Tensor:
         """Rank 0's weights (of the group, then of the replicate group), flattened; keep our S."""
@@ -179,6 +201,22 @@ class FlatUnit:
         self.shard_numel = sum(part.flat.shard_numel for part in self.parts)
         self.full_bytes = sum(part.full_bytes for part in self.parts)
         self.handle = self.parts[0].shard.new_empty(0).requires_grad_()  # so autograd calls backward
+
+    @property
+    def is_meta(self) -> bool:
+        return any(part.shard.is_meta for part in self.parts)
+
+    def materialize(self, device, piece) -> None:
+        """Deferred initialisation (ch12): each part's meta shard made real on ``device`` (see
+        :meth:`FlatPart.materialize`), the new sharded parameters put on the modules. Call it before
+        the first forward (the root's replicated parameters are found then)."""
+        if self.state is not None:
+            raise RuntimeError("materialize an FSDP unit before its first forward")
+        for part in self.parts:
+            part.materialize(device, piece)
+        self.sharded = [p for part in self.parts for p in part.sharded]
+        self.unbind()
+        self.handle = self.parts[0].shard.new_empty(0).requires_grad_()
 
     # --- gather / free ------------------------------------------------------------------------
     @property
