@@ -1,4 +1,4 @@
-"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule}``
+"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule,dryrun}``
 (or ``minitorch-dist``).
 
     tour      run each written chapter's headline experiment; print theory vs measured
@@ -6,6 +6,7 @@
     estimate  model-state memory per device under ZeRO stages 0-3, from analysis.costmodel
     plan      search DP x TP x PP x ZeRO for a model on a cluster (chapter 12)
     schedule  print a pipeline schedule (chapter 03)
+    dryrun    one rank's training step at the papers' scale, on meta tensors (chapter 12)
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="examples:\n  python -m minitorch_dist tour --smoke\n"
                                        "  python -m minitorch_dist grade --chapter ch00\n"
                                        "  python -m minitorch_dist estimate --params 7.5e9 --dp 64\n")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{tour,grade,estimate,plan,schedule}")
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{tour,grade,estimate,plan,schedule,dryrun}")
     t = sub.add_parser("tour", help="run each written chapter's headline experiment: theory vs measured",
                        description=tour.__doc__.split("\n\n")[0])
     tour.add_arguments(t)
@@ -156,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("-m", type=whole, default=8, help="microbatches per step (default 8)")
     sc.add_argument("-v", type=whole, default=1, help="model chunks per stage, interleaved only (default 1)")
     sc.set_defaults(func=schedule)
+    from .analysis import dryrun
+
+    dr = sub.add_parser("dryrun", help="one rank's training step at the papers' scale, on meta tensors "
+                                       "(chapter 12)",
+                        description=dryrun.__doc__.split("\n\n")[0] + " Example: --model gpt3-175b "
+                                    "--dp 8 --tp 8 --pp 16 --zero 1 --dtype bf16-mixed")
+    dryrun.add_arguments(dr)
+    dr.set_defaults(func=dryrun.main)
     return p
 
 

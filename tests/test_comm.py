@@ -135,3 +135,13 @@ def test_single_rank_moves_nothing_and_unknown_ops_are_rejected():
     assert m.wire_bytes["all_reduce"] == 0
     with pytest.raises(ValueError, match="unknown collective"):
         comm.record("all_reduce_typo", 10, 2)
+
+
+def test_nested_meters_that_counted_the_same_calls_both_close():
+    """Meters compare equal when they counted the same calls: leaving one must not remove the other."""
+    with comm.meter() as outer:
+        with comm.meter() as inner:
+            pass
+        assert inner == outer and inner is not outer
+        comm.record("all_reduce", 8, 2)  # the outer meter goes on counting
+    assert outer.calls["all_reduce"] == 1 and not inner.calls.get("all_reduce")

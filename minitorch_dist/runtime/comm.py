@@ -109,8 +109,8 @@ def meter():
     try:
         yield m
     finally:
-        with _lock:
-            _active.remove(m)
+        with _lock:  # by identity: two meters that counted the same calls compare equal
+            del _active[next(i for i, a in enumerate(_active) if a is m)]
 
 
 def set_status_sink(sink) -> None:

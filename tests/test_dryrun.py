@@ -1,0 +1,156 @@
+"""Chapter 12: ``python -m minitorch_dist dryrun`` -- one rank's step of the 3D model on meta tensors under
+the fake process group -- measures what the formulas say.
+
+Every run goes through the command line in a subprocess (the fake process group is held by that
+process, never by pytest). The 2 x 2 x 2 grid is chapter 12's test model (tests/test_three_d.py): on
+rank 0 (first pipeline stage) and rank 7 (last stage) the parameter, gradient and ZeRO-1 bytes equal
+``costmodel.pipeline_stage_params`` (and ``three_d.local_param_count``, padded as ZeRO pads), the
+sends and the DP reduce-scatter / all-gather equal their formulas exactly, and the all-reduces equal
+the TP layers' formula plus what the costmodel leaves out: the embedding's or output layer's f/g,
+the vocabulary-parallel loss's three all-reduces of b·s on the last stage, and ZeRO's one byte per
+tensor. Bad input is refused by the checks alone (no process group), with the fix named.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.dryrun import COMM_OPS, MAX_WORLD, DryRun
+from minitorch_dist.course.registry import REPO_ROOT
+from minitorch_dist.memory.zero import shard_size
+from minitorch_dist.models.gpt import GPTConfig
+from minitorch_dist.parallelism.three_d import local_param_count
+
+pytestmark = [pytest.mark.ch12, pytest.mark.timeout(180)]
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
+D, T, P, M, B = 2, 2, 2, 2, 8  # grid, microbatches, rows per microbatch
+SMALL = ("--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "64", "--seq", "16",
+         "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--micro-batch-size", "8",
+         "--dtype", "fp32")
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "minitorch_dist", "dryrun", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+def run_json(tmp_path, *args, timeout=120) -> tuple[dict, str]:
+    path = tmp_path / "out.json"
+    out = cli(*args, "--json", str(path), timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(path.read_text()), out.stdout
+
+
+@pytest.mark.parametrize("rank", [0, 7])
+def test_small_grid_measures_the_formulas(tmp_path, rank):
+    res, stdout = run_json(tmp_path, *SMALL, "--rank", str(rank))
+    stage = res["coords"]["pp"]
+    first, last = stage == 0, stage == P - 1
+    mem, wire, pred = res["measured"]["memory_bytes"], res["measured"]["comm_bytes"], res["predicted"]
+    local = costmodel.pipeline_stage_params(CFG, T, P)[stage]
+    assert local == local_param_count(CFG, T, P, stage)
+    padded = D * shard_size(local, D)
+    assert mem["parameters"] == mem["gradients"] == 4 * padded == pred["memory_bytes"]["parameters"]
+    # ZeRO-1: AdamW's two fp32 moments of this rank's 1/d shard (torch adds a few bytes of step counters)
+    assert 0 <= mem["optimizer_states"] - 8 * shard_size(local, D) < 256
+    assert 0 < mem["activations"] <= mem["peak"]
+    assert mem["peak"] >= mem["parameters"] + mem["gradients"] + mem["optimizer_states"]
+    # pipeline sends: m activations forward (not the last stage) and m gradients back (not the first)
+    act = B * CFG.block_size * CFG.n_embd * 4
+    assert wire["send"] == pred["comm_bytes"]["send"] == M * ((not last) + (not first)) * act
+    assert res["measured"]["comm_calls"]["send"] == M * ((not last) + (not first))
+    # ZeRO-1 over the DP group: one reduce-scatter and one all-gather of the (padded) flat buffer
+    for op in ("reduce_scatter", "all_gather"):
+        assert wire[op] == pred["comm_bytes"][op] == costmodel.bus_bytes(op, 4 * padded, D)
+    # all-reduces: TP layers + tied embedding (predicted), plus the edges and the loss (measured only)
+    layers = M * (CFG.n_layer // P) * costmodel.tensor_parallel_bytes_per_layer(B, CFG.block_size, CFG.n_embd,
+                                                                                 T, bytes_per_element=4)
+    emb = costmodel.bus_bytes("all_reduce", 4 * CFG.vocab_size * CFG.n_embd // T, 2)
+    assert pred["comm_bytes"]["all_reduce"] == layers + emb
+    edges = M * costmodel.bus_bytes("all_reduce", act, T)
+    loss = 3 * M * costmodel.bus_bytes("all_reduce", act // CFG.n_embd, T) if last else 0
+    one_byte_per_tensor = wire["all_reduce"] - (layers + emb + edges + loss)
+    assert 0 < one_byte_per_tensor < 64
+    assert wire["all_to_all"] == wire["broadcast"] == 0
+    assert "measured" in stdout and "predicted" in stdout and res["fits"] is True
+
+
+def test_json_schema(tmp_path):
+    res, _ = run_json(tmp_path, *SMALL, "--gpu", "a100")
+    assert {"config", "world_size", "rank", "measured", "predicted", "fits", "seconds"} <= set(res)
+    assert res["world_size"] == 8 and res["rank"] == 0
+    assert res["config"]["params"] == costmodel.transformer_params(CFG)
+    mem_keys = {"parameters", "gradients", "optimizer_states", "activations", "peak"}
+    for side in ("measured", "predicted"):
+        assert mem_keys <= set(res[side]["memory_bytes"])
+    for part in ("comm_bytes", "comm_calls"):
+        assert set(res["measured"][part]) == set(COMM_OPS)
+    assert set(res["predicted"]["comm_bytes"]) == set(COMM_OPS)
+    assert isinstance(res["fits"], bool) and res["seconds"] > 0
+
+
+def test_a_model_that_does_not_fit_is_a_result(tmp_path):
+    """A 1.7B-parameter model on 8 ranks of 4 GB ('--gpu cpu') does not fit: reported, with its largest
+    category, not raised."""
+    res, stdout = run_json(tmp_path, "--n-layer", "8", "--n-embd", "4096", "--n-head", "32", "--vocab-size",
+                           "51200", "--seq", "512", "--dp", "2", "--tp", "2", "--pp", "2", "--gpu", "cpu")
+    assert res["fits"] is False and res["largest"] in res["measured"]["memory_bytes"]
+    assert "does NOT fit" in stdout
+
+
+BAD = [
+    (dict(model="no-such-model"), "unknown model"),
+    (dict(model="gpt3-175b", dp=8, tp=8, pp=16, world=512), "is not the world size 512"),
+    (dict(model="gpt3-175b", tp=7), "not divisible by tp=7"),
+    (dict(model="gpt3-175b", pp=97), "more than the 96 layers"),
+    (dict(model="gpt3-175b", dp=64, tp=8, pp=16), f"over the {MAX_WORLD} ranks"),
+    (dict(model="gpt3-175b", zero=3), "use --zero 0 or --zero 1"),
+    (dict(model="gpt3-175b", recompute="selective"), "use --recompute none or --recompute full"),
+    (dict(model="gpt3-175b", sequence_parallel=True), "no sequence-parallel path"),
+    (dict(model="gpt3-175b", rank=1), "outside the grid of 1 ranks"),
+    (dict(n_layer=4, n_embd=32), "missing: --n-head, --vocab-size, --seq"),
+]
+
+
+@pytest.mark.parametrize("kw, message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_names_the_fix(kw, message):
+    with pytest.raises(ValueError, match=message):
+        DryRun(**kw)
+
+
+def test_bad_input_on_the_command_line():
+    out = cli("--model", "gpt3-175b", "--dp", "8", "--tp", "8", "--pp", "16", "--world", "1000")
+    assert out.returncode == 2 and "error:" in out.stderr and "not the world size 1000" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_gpt3_175b_on_1024_ranks_under_a_minute(tmp_path):
+    t0 = time.perf_counter()
+    res, _ = run_json(tmp_path, "--model", "gpt3-175b", "--dp", "8", "--tp", "8", "--pp", "16", "--zero", "1",
+                      "--dtype", "bf16-mixed", timeout=90)
+    wall = time.perf_counter() - t0
+    assert wall < 60, f"took {wall:.0f} s"
+    assert res["world_size"] == 1024 and res["config"]["params"] > 174e9
+    mem, pred = res["measured"]["memory_bytes"], res["predicted"]["memory_bytes"]
+    assert mem["parameters"] == pytest.approx(pred["parameters"], rel=1e-6)  # padding to a multiple of d
+    assert mem["optimizer_states"] == pytest.approx(pred["optimizer_states"], rel=1e-6)
+
+
+def test_flash_accounting_drops_the_attention_scores(tmp_path):
+    """On meta, attention's math path holds the b·a/t·s·s scores (and their softmax) per layer; flash
+    accounting holds none of them, and nothing else changes."""
+    wide = [a if a != "16" else "128" for a in SMALL]  # seq 128: the scores dominate
+    flash, _ = run_json(tmp_path, *wide)
+    math, _ = run_json(tmp_path, *wide, "--attention", "math")
+    scores = B * (CFG.n_head // T) * 128 * 128 * 4  # one layer's scores of one microbatch, fp32
+    held = {k: r["measured"]["memory_bytes"] for k, r in (("flash", flash), ("math", math))}
+    assert held["math"]["activations"] - held["flash"]["activations"] >= 2 * scores
+    assert held["math"]["parameters"] == held["flash"]["parameters"]
+    assert math["measured"]["comm_bytes"] == flash["measured"]["comm_bytes"]
