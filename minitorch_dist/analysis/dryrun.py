@@ -293,7 +293,8 @@ def format_result(res: dict) -> str:
 def add_arguments(p) -> None:
     from .planner_presets import GPUS, MODELS
 
-    p.add_argument("--model", help=f"a preset ({', '.join(sorted(MODELS))}); explicit dims override it")
+    names = sorted({*MODELS, *(a for m in MODELS.values() for a in m.aliases)})
+    p.add_argument("--model", help=f"a preset ({', '.join(names)}); explicit dims override it")
     for flag in ("--n-layer", "--n-embd", "--n-head", "--vocab-size", "--seq"):
         p.add_argument(flag, type=int)
     for flag in ("--dp", "--tp", "--pp"):

@@ -37,8 +37,9 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, choices=sorted(MODELS),
-                   help="a named model (planner_presets.MODELS)")
+    names = sorted({*MODELS, *(a for m in MODELS.values() for a in m.aliases)})
+    p.add_argument("--model", required=True, choices=names,
+                   help="a named model (planner_presets.MODELS, or one of its aliases)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs, e.g. 1024")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="accelerator (default h100)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing one NVLink domain (default 8)")

@@ -3,8 +3,9 @@
 Every number here is a published one, with its source next to it; the planner's formulas live in
 ``analysis.costmodel``. Three tables:
 
-* :data:`MODELS`: shapes of GPT-3 (Brown et al. 2020, Table 2.1), LLaMA (Touvron et al. 2023,
-  Table 2), Megatron's weak-scaling models (Narayanan et al. 2021, Table 1) and the course's tiny GPTs;
+* :data:`MODELS`: shapes of GPT-2 XL (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1),
+  LLaMA (Touvron et al. 2023, Table 2), Megatron's weak-scaling models (Narayanan et al. 2021,
+  Table 1; MT-NLG 530B and "GPT 1T" as aliases) and the course's tiny GPTs;
 * :data:`GPUS`: memory and dense bf16 peak from ``costmodel.DEVICES`` (the vendor datasheets),
   plus the two links the planner needs: NVLink inside a node, InfiniBand between nodes;
 * :data:`NARAYANAN_TABLE1` and :data:`PUBLISHED`: configurations Megatron-LM reported, to set the
@@ -37,6 +38,7 @@ class ModelSpec:
     bias: bool = True
     tie_embeddings: bool = True
     source: str = ""
+    aliases: tuple = ()  #: other names :func:`get_model` accepts for this model
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "mlp_ratio"):
@@ -117,6 +119,8 @@ _MEGATRON_VOCAB = 51200  # GPT-2's 50,257 BPE tokens padded by Megatron-LM (Nara
 #: SwiGLU (3 matrices of 2/3 * 4h ~ 8h^2) is modelled as a 4h GELU MLP (the same 8h^2), no biases,
 #: untied output layer, 4M-token batches; its 32000-token vocabulary as printed.
 MODELS = {m.name: m for m in (
+    ModelSpec("gpt2-1.5b", 48, 1600, 25, 1024, _MEGATRON_VOCAB, 512,
+              source="Radford et al. 2019, Table 2 (GPT-2 XL, 1542M; 25 heads of 64); batch 512 as printed"),
     ModelSpec("gpt3-1.3b", 24, 2048, 16, 2048, _MEGATRON_VOCAB, 512,
               source="Brown et al. 2020, Table 2.1 (GPT-3 XL)"),
     ModelSpec("gpt3-13b", 40, 5120, 40, 2048, _MEGATRON_VOCAB, 1024, source="Brown et al. 2020, Table 2.1"),
@@ -128,10 +132,11 @@ MODELS = {m.name: m for m in (
               source="Touvron et al. 2023, Table 2 (SwiGLU as a 4h MLP)"),
     ModelSpec("megatron-145b", 80, 12288, 96, 2048, _MEGATRON_VOCAB, 2304,
               source=_NARAYANAN + " (145.6B row)"),
+    # Megatron-Turing NLG 530B (Smith et al. 2022: 105 layers, hidden 20480, 128 heads) is this row
     ModelSpec("megatron-530b", 105, 20480, 128, 2048, _MEGATRON_VOCAB, 2520,
-              source=_NARAYANAN + " (529.6B row)"),
+              source=_NARAYANAN + " (529.6B row)", aliases=("mt-nlg-530b",)),
     ModelSpec("megatron-1t", 128, 25600, 160, 2048, _MEGATRON_VOCAB, 3072,
-              source=_NARAYANAN + " (1008.0B row)"),
+              source=_NARAYANAN + " (1008.0B row)", aliases=("gpt-1t",)),
     # the course's own: GPTConfig.tiny(), GPTConfig.small(), and chapter 12's 3D test model
     ModelSpec("tiny", 2, 64, 4, 64, 64, 8, source="models.gpt.GPTConfig.tiny()"),
     ModelSpec("small", 4, 256, 8, 128, 256, 16, source="models.gpt.GPTConfig.small()"),
@@ -219,8 +224,8 @@ def _lookup(table: dict, name, what: str):
 
 
 def get_model(name) -> ModelSpec:
-    """A :class:`ModelSpec` by name (or the spec itself); unknown names list the valid ones."""
-    return _lookup(MODELS, name, "model")
+    """A :class:`ModelSpec` by name or alias (or the spec itself); unknown names list the valid ones."""
+    return _lookup({**{a: m for m in MODELS.values() for a in m.aliases}, **MODELS}, name, "model")
 
 
 def get_gpu(name) -> GPUSpec:

@@ -1,0 +1,136 @@
+"""Chapter 12: papers' tables measured on the library's own steps (meta tensors, fake process group).
+
+The presets the papers name are accepted by ``dryrun``; ZeRO's Table 1 (Rajbhandari et al. 2020)
+measured on rank 0 of N_d ranks with ``ShardedOptimizer`` (stages 1, 2) and ``fully_shard`` (stage 3)
+lies within 2% of the numbers the paper prints and of ``costmodel.zero_memory_bytes`` for every row
+and stage. Every measurement runs in a subprocess: the fake process group never lives in pytest.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_costmodel_zero import PAPER_TABLE1  # the paper's printed values, kept in one place
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.dryrun import DryRun
+from minitorch_dist.analysis.paper_tables import (
+    KORTHIKANTI_SETTINGS,
+    ZERO_DPS,
+    ZERO_MODELS,
+    ZERO_STAGES,
+    korthikanti_table2_measured,
+    narayanan_table1_measured,
+    zero_table1_measured,
+)
+from minitorch_dist.analysis.planner_presets import MODELS, get_model
+from minitorch_dist.course.registry import REPO_ROOT
+
+pytestmark = [pytest.mark.ch12, pytest.mark.timeout(120)]
+
+PAPER_NAMES = {"gpt2-1.5b": (1.5e9, 1.6e9), "gpt3-175b": (174e9, 176e9), "mt-nlg-530b": (529e9, 531e9),
+               "gpt-1t": (1.0e12, 1.01e12)}
+
+
+# --- presets --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PAPER_NAMES))
+def test_the_papers_model_names_are_presets(name):
+    low, high = PAPER_NAMES[name]
+    assert low <= get_model(name).params <= high
+    run = DryRun(model=name, dp=1, tp=1 if name == "gpt2-1.5b" else 8, pp=1)  # the checks, no step
+    assert run.cfg.n_embd == get_model(name).hidden
+
+
+def test_aliases_share_one_entry_and_gpt2_has_its_shape():
+    assert get_model("mt-nlg-530b") is MODELS["megatron-530b"]
+    assert get_model("GPT-1T") is MODELS["megatron-1t"]
+    assert "gpt2-1.5b" in MODELS and "gpt-1t" not in MODELS  # one entry per shape, aliases on it
+    gpt2 = get_model("gpt2-1.5b")
+    assert (gpt2.layers, gpt2.hidden, gpt2.heads, gpt2.seq) == (48, 1600, 25, 1024)
+
+
+def test_dryrun_accepts_an_alias_end_to_end(tmp_path):
+    path = tmp_path / "out.json"
+    args = ["--model", "gpt-1t", "--tp", "8", "--pp", "64", "--microbatches", "1", "--json", str(path)]
+    out = subprocess.run([sys.executable, "-m", "minitorch_dist", "dryrun", *args], capture_output=True,
+                         text=True, timeout=60, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(path.read_text())
+    assert res["config"]["n_layer"] == 128 and res["config"]["n_embd"] == 25600
+
+
+# --- ZeRO Table 1 ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zero_table():
+    return zero_table1_measured()
+
+
+def test_zero_table1_measured_matches_the_paper_and_the_formula(zero_table):
+    assert sorted(zero_table) == sorted(ZERO_DPS) == sorted(PAPER_TABLE1)
+    for dp in ZERO_DPS:
+        for psi in ZERO_MODELS:
+            for stage in ZERO_STAGES:
+                got = zero_table[dp][psi][stage]
+                paper = float(PAPER_TABLE1[dp][psi][stage - 1]) * 1e9
+                formula = costmodel.zero_memory_bytes(psi, dp, stage)
+                assert got == pytest.approx(paper, rel=0.02), (dp, psi, stage, got / 1e9, paper / 1e9)
+                assert got == pytest.approx(formula, rel=0.02), (dp, psi, stage)
+
+
+def test_zero3_of_one_trillion_on_1024_ranks(zero_table):
+    got = zero_table[1024][1e12][3]
+    assert got == pytest.approx(15.6e9, rel=0.02) and got < zero_table[1024][1e12][2] / 100
+
+
+def test_stages_shard_what_they_name(zero_table):
+    """The measurement distinguishes the stages: a table that ignored the stage would fail here."""
+    row = zero_table[64][7.5e9]
+    assert row[1] > row[2] > row[3]
+    assert row[1] - row[2] == pytest.approx(2 * 7.5e9 * 63 / 64, rel=0.02)  # gradients sharded
+    assert row[2] - row[3] == pytest.approx(2 * 7.5e9 * 63 / 64, rel=0.02)  # parameters sharded
+
+
+# --- Korthikanti et al. 2022, Table 2 -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def table2():
+    return korthikanti_table2_measured()
+
+
+def test_table2_measured_matches_the_formula_for_gpt3_at_t8(table2):
+    assert list(table2) == list(KORTHIKANTI_SETTINGS)
+    for setting, row in table2.items():
+        assert row["total"] == pytest.approx(row["formula"], rel=0.05), (setting, row)
+    sbh = 2048 * 12288
+    assert table2["full"]["measured"] == 2 * sbh  # only the layer's input is kept
+    assert table2["tp+sp+selective"]["total"] == pytest.approx(34 * sbh / 8, rel=0.001)
+
+
+def test_table2_orders_the_techniques_as_the_paper(table2):
+    m = {k: v["total"] for k, v in table2.items()}
+    assert m["tp"] > m["tp+sp"] > m["tp+selective"] > m["tp+sp+selective"] > m["full"]
+    assert m["tp"] / m["tp+sp+selective"] == pytest.approx(578.8 / 107.0, rel=0.01)  # about 5x
+
+
+def test_the_dropout_term_agrees_with_a_layer_run_with_dropout(table2):
+    """Where the layer takes dropout (TP without SP) the measured difference is the added term plus one
+    byte per mask element (masks are 2-byte tensors on meta, 1-byte bools on a GPU)."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    masks = {"tp": 2 * s * b * h + a * s * s * b / t, "tp+selective": 2 * s * b * h}
+    for setting, mask_elements in masks.items():
+        row = table2[setting]
+        assert row["measured_dropout"] - row["measured"] == pytest.approx(row["dropout"] + mask_elements,
+                                                                          rel=0.001)
+
+
+# --- Narayanan et al. 2021, Table 1 ---------------------------------------------------------------
+def test_table1_rows_fit_in_80_gb_with_full_recomputation():
+    """The smallest (1.7B, d = 32), a TP + PP row (145.6B on 1536 GPUs) and the 1T row (t = 8, p = 64)."""
+    rows = narayanan_table1_measured(rows=(0, 6, 9), timeout=60)
+    assert [r["params_billion"] for r in rows] == [1.7, 145.6, 1008.0]
+    for r in rows:
+        assert r["fits"] and r["peak"] < r["capacity"] == 80e9, r
+    one_t = rows[2]
+    assert (one_t["dp"], one_t["tp"], one_t["pp"]) == (6, 8, 64)
+    assert one_t["peak"] > 35e9  # 2 layers' fp16 weights, grads and fp32 Adam state alone: 35 GB
