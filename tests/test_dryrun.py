@@ -81,6 +81,43 @@ def test_small_grid_measures_the_formulas(tmp_path, rank):
     assert "measured" in stdout and "predicted" in stdout and res["fits"] is True
 
 
+def test_zero2_reduces_once_after_the_last_microbatch(tmp_path):
+    """--zero 2: the same reduce-scatter and all-gather bytes as ZeRO-1 (Model3D reduces the bucketed
+    gradients once, after the pipeline), the same sharded optimizer state, and gradients freed bucket by
+    bucket before the update, so the peak is no higher than ZeRO-1's."""
+    one, _ = run_json(tmp_path, *SMALL, "--zero", "1")
+    two, stdout = run_json(tmp_path, *SMALL, "--zero", "2")
+    assert two["config"]["zero"] == 2 and "ZeRO-2" in stdout
+    padded = D * shard_size(costmodel.pipeline_stage_params(CFG, T, P)[0], D)
+    wire, pred = two["measured"]["comm_bytes"], two["predicted"]["comm_bytes"]
+    for op in ("reduce_scatter", "all_gather"):
+        assert wire[op] == pred[op] == costmodel.bus_bytes(op, 4 * padded, D)
+        assert wire[op] == one["measured"]["comm_bytes"][op]
+    assert wire["all_reduce"] == one["measured"]["comm_bytes"]["all_reduce"]
+    mem1, mem2 = one["measured"]["memory_bytes"], two["measured"]["memory_bytes"]
+    assert mem2["optimizer_states"] == mem1["optimizer_states"]
+    assert mem2["parameters"] == mem1["parameters"] and mem2["peak"] <= mem1["peak"]
+
+
+def test_selective_recomputation_drops_the_attention_scores(tmp_path):
+    """--recompute selective (Korthikanti §5) under math accounting: backward keeps q, k, v, not the
+    b·a/t·s·s scores, so the activations fall to near flash accounting's and to the costmodel's "selective"
+    prediction; no communication changes (the core has no collective)."""
+    wide = [a if a != "16" else "128" for a in SMALL]
+    none, _ = run_json(tmp_path, *wide, "--attention", "math")
+    sel, _ = run_json(tmp_path, *wide, "--attention", "math", "--recompute", "selective")
+    flash, _ = run_json(tmp_path, *wide)
+    scores = B * (CFG.n_head // T) * 128 * 128 * 4
+    act = {k: r["measured"]["memory_bytes"]["activations"] for k, r in (("none", none), ("sel", sel),
+                                                                         ("flash", flash))}
+    assert act["none"] - act["sel"] >= 2 * scores
+    assert abs(act["sel"] - act["flash"]) < scores  # flash keeps its output and log-sum-exp too
+    pred = {k: r["predicted"]["memory_bytes"]["activations"] for k, r in (("none", none), ("sel", sel))}
+    assert pred["sel"] == flash["predicted"]["memory_bytes"]["activations"] < pred["none"]
+    assert abs(act["sel"] - pred["sel"]) <= 0.25 * pred["sel"]
+    assert sel["measured"]["comm_bytes"] == none["measured"]["comm_bytes"]
+
+
 def test_json_schema(tmp_path):
     res, _ = run_json(tmp_path, *SMALL, "--gpu", "a100")
     assert {"config", "world_size", "rank", "measured", "predicted", "fits", "seconds"} <= set(res)
@@ -110,8 +147,8 @@ BAD = [
     (dict(model="gpt3-175b", tp=7), "not divisible by tp=7"),
     (dict(model="gpt3-175b", pp=97), "more than the 96 layers"),
     (dict(model="gpt3-175b", dp=64, tp=8, pp=16), f"over the {MAX_WORLD} ranks"),
-    (dict(model="gpt3-175b", zero=3), "use --zero 0 or --zero 1"),
-    (dict(model="gpt3-175b", recompute="selective"), "use --recompute none or --recompute full"),
+    (dict(model="gpt3-175b", zero=3), "use --zero 0, 1 or 2"),
+    (dict(model="gpt3-175b", recompute="some"), "use --recompute none, selective or full"),
     (dict(model="gpt3-175b", sequence_parallel=True), "no sequence-parallel path"),
     (dict(model="gpt3-175b", rank=1), "outside the grid of 1 ranks"),
     (dict(n_layer=4, n_embd=32), "missing: --n-head, --vocab-size, --seq"),

@@ -21,7 +21,8 @@ Meters (the last step of each run; every collective records the global ranks of 
   layer's f (last stage); the vocabulary-parallel loss adds 3 of b·s numbers per microbatch;
 * every send / recv ran on the PP group; one pipeline's sends add up to ``costmodel.pipeline_p2p_bytes``;
 * the tied embedding's gradient: one all-reduce of (V/t)·h on the embedding group (first, last stage);
-* the DP step: one all-reduce (ZeRO-1: reduce-scatter + all-gather) on the DP group of 4 bytes x this
+* the DP step: one all-reduce (ZeRO-1: reduce-scatter + all-gather; ZeRO-2: the same bytes, the
+  reduce-scatter bucketed, once after the last microbatch) on the DP group of 4 bytes x this
   rank's parameters (``three_d.local_param_count``, counted from the dense model; padded to a multiple
   of d), and over one pipeline those add up to ``costmodel.tensor_parallel_params_per_rank`` plus the
   tied copy.
@@ -81,7 +82,7 @@ def _check_equal_to_one_process(results, adam=False):
                                rtol=0, atol=1e-5)
 
 
-def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1):
+def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1, zero2=False):
     act = B // d // m * T * CFG.n_embd * 4  # one microbatch's b·s·h, fp32
     layers = CFG.n_layer // p
     for r in results:
@@ -115,7 +116,12 @@ def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1):
         want = [("reduce_scatter", padded), ("all_gather", padded)] if zero1 else [("all_reduce", padded)]
         # ... after ch06's one byte per tensor: which tensors got a gradient on some DP rank
         assert [e.op for e in ev["dp"] if e.dtype == "torch.uint8"] == ["all_reduce"]
-        assert [(e.op, e.nbytes) for e in ev["dp"] if e.dtype != "torch.uint8"] == want
+        if zero2:  # ZeRO-2: bucketed reduce-scatters (once, after the last microbatch), then the all-gather
+            moved = {op: sum(e.nbytes for e in ev["dp"] if e.op == op and e.dtype != "torch.uint8")
+                     for op in ("reduce_scatter", "all_gather", "all_reduce")}
+            assert moved == {"reduce_scatter": padded, "all_gather": padded, "all_reduce": 0}
+        else:
+            assert [(e.op, e.nbytes) for e in ev["dp"] if e.dtype != "torch.uint8"] == want
         assert all(e.ranks == tuple(ranks["dp"]) for e in ev["dp"])
     for dp_i in range(d):  # per pipeline (fixed dp, tp): its sends, and its parameters
         for tp_i in range(t):
@@ -143,6 +149,50 @@ def test_2x2x2_with_zero1_checkpointing_and_adamw_equals_one_process():
     results = _run(2, 2, 2, adam=True, zero1=True, checkpoint=True)
     _check_equal_to_one_process(results, adam=True)
     _check_meters(results, 2, 2, 2, zero1=True, checkpoint=True)
+
+
+def test_2x2x2_with_zero2_and_adamw_equals_one_process():
+    """ZeRO-2 under the pipeline: one bucketed reduce-scatter after the last microbatch, not m of them."""
+    results = _run(2, 2, 2, adam=True, zero_stage=2)
+    _check_equal_to_one_process(results, adam=True)
+    _check_meters(results, 2, 2, 2, zero2=True)
+
+
+def test_2x2x2_with_selective_recomputation_equals_one_process():
+    """Only the attention core is recomputed: the TP all-reduces are those of no recomputation."""
+    results = _run(2, 2, 2, recompute="selective")
+    _check_equal_to_one_process(results)
+    _check_meters(results, 2, 2, 2)
+
+
+def test_selective_recomputation_keeps_no_attention_output():
+    """On one process: the stage saves fewer tensors with the core checkpointed, and its gradients agree."""
+    from minitorch_dist.models.gpt import GPT
+
+    x = torch.randint(0, CFG.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+    grads, saved = {}, {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        stage = D.Stage3D(model, 0, 1, range(CFG.n_layer), recompute=mode)
+        count = [0]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.__setitem__(0, count[0] + 1) or t,
+                                                      lambda t: t):
+            loss = stage(x, x)
+        loss.backward()
+        saved[mode] = count[0]
+        grads[mode] = [p.grad for p in model.parameters()]
+    assert saved["selective"] < saved["none"]
+    for a, b in zip(grads["none"], grads["selective"]):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="choose one of none, selective, full"):
+        D.recompute_of(False, "some")
+
+
+def test_zero_stage_3_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="every microbatch"):
+        D.train_3d(CFG, 2, 2, 2, 1, B, T, 2, zero_stage=3)
+    assert D.zero_stage_of(True) == 1 and D.zero_stage_of(False) == 0 and D.zero_stage_of(True, 2) == 2
 
 
 # --- 4 ranks: every axis of size 1 once --------------------------------------------------------------

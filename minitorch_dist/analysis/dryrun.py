@@ -4,7 +4,7 @@
 plays one rank of a d x t x p grid (up to 4096 ranks) under torch's *fake* process group (every
 collective returns at once, moving nothing) with the model on ``meta`` tensors (shapes without
 values). The step is the library's own: :class:`~..parallelism.three_d.Model3D` (Megatron's TP
-slices, the pipeline schedule, the tied-embedding all-reduce, ZeRO-0/1 over the DP group), run twice:
+slices, the pipeline schedule, the tied-embedding all-reduce, ZeRO-0/1/2 over the DP group), run twice:
 a first step creates the optimizer state, the second -- the one measured -- starts as a training step
 does, with it. :class:`.meta_memory.MetaMemoryMeter` records this rank's peak bytes per category and
 the comm meter's events (``Model3D.step``'s phases) the bytes this rank puts on the wire (ring model).
@@ -96,16 +96,18 @@ class DryRun:
         if not 0 <= rank < self.world:
             raise ValueError(f"--rank {rank} is outside the grid of {self.world} ranks; "
                              f"choose 0..{self.world - 1}")
-        if zero not in (0, 1):
+        if zero not in (0, 1, 2):
             raise ValueError(f"--zero {zero}: the 3D step (parallelism/three_d.Model3D) shards with ZeRO "
-                             f"stage 0 or 1 only (ZeRO-2/3 communicate every microbatch; DeepSpeed refuses "
-                             f"them with pipelining too); use --zero 0 or --zero 1")
+                             f"stage 0, 1 or 2 only (ZeRO-3 would all-gather the parameters for every "
+                             f"microbatch; Megatron-LM and DeepSpeed refuse it with pipelining too); "
+                             f"use --zero 0, 1 or 2")
         if sequence_parallel:
             raise ValueError("--sequence-parallel: the 3D step (Model3D) has no sequence-parallel path; "
                              "run without it (analysis.costmodel models it: `plan --sequence-parallel`)")
-        if recompute not in ("none", "full"):
-            raise ValueError(f"--recompute {recompute}: the 3D step recomputes whole blocks (full) or "
-                             f"nothing; use --recompute none or --recompute full")
+        if recompute not in ("none", "selective", "full"):
+            raise ValueError(f"--recompute {recompute}: the 3D step recomputes whole blocks (full), the "
+                             f"attention core (selective) or nothing; "
+                             f"use --recompute none, selective or full")
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         if attention not in ("flash", "math"):
@@ -166,8 +168,8 @@ def _step(run: DryRun):
     try:
         torch.set_default_dtype(DTYPES[run.dtype][0])
         groups = init_groups(RankGrid(run.world, run.dp, run.tp, run.pp))
-        model = Model3D(run.cfg, groups, run.microbatches, run.schedule, zero1=run.zero == 1,
-                        checkpoint=run.recompute == "full", device="meta",
+        model = Model3D(run.cfg, groups, run.microbatches, run.schedule, zero_stage=run.zero,
+                        recompute=run.recompute, device="meta",
                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False))
         rows = run.micro_batch_size * run.microbatches  # this DP rank's share of the global batch
         x = torch.randint(0, run.cfg.vocab_size, (rows, run.cfg.block_size), device="meta")
@@ -186,20 +188,22 @@ def _step(run: DryRun):
 def predicted(run: DryRun, stage: int) -> dict:
     """``analysis.costmodel``'s value for each measured key of this rank (pipeline stage ``stage``);
     None where it has no formula. Activations: Korthikanti et al. 2022 in the element size of the
-    run, "selective" (no attention scores) under flash accounting, times the microbatches the
-    schedule stashes on this stage; with full recomputation one layer's working set is added."""
+    run, "selective" (no attention scores) under flash accounting or selective recomputation, times the
+    microbatches the schedule stashes on this stage; with full recomputation one layer's working set is
+    added."""
     cfg, e = run.cfg, torch.finfo(DTYPES[run.dtype][0]).bits // 8
     local = costmodel.pipeline_stage_params(cfg, run.tp, run.pp)[stage]
     states = costmodel.model_state_bytes(local, DTYPES[run.dtype][1], "adamw")
     b, s, h, a, layers = run.micro_batch_size, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer // run.pp
-    kind = "full" if run.recompute == "full" else ("selective" if run.attention == "flash" else "none")
+    selective = run.attention == "flash" or run.recompute == "selective"  # no a·s² scores kept
+    kind = "full" if run.recompute == "full" else ("selective" if selective else "none")
     act = costmodel.activation_memory_bytes(s, b, h, a, layers, run.tp, False, kind) * e / 2
     act *= costmodel.pipeline_stashed_microbatches(run.schedule, run.pp, run.microbatches, stage=stage)
     if run.recompute == "full":
         one = "selective" if run.attention == "flash" else "none"
         act += costmodel.activation_memory_bytes(s, b, h, a, 1, run.tp, False, one) * e / 2
     mem = {"parameters": local * e, "gradients": local * e,
-           "optimizer_states": states["optimizer"] / (run.dp if run.zero == 1 else 1),
+           "optimizer_states": states["optimizer"] / (run.dp if run.zero >= 1 else 1),
            "activations": act, "temporaries": None}
     mem["peak"] = sum(v for v in mem.values() if v is not None)
     m, tp_factor = run.microbatches, 6 / 4 if run.recompute == "full" else 1
@@ -207,11 +211,12 @@ def predicted(run: DryRun, stage: int) -> dict:
     first, last = stage == 0, stage == run.pp - 1
     tied_sync = cfg.tie_embeddings and run.pp > 1 and (first or last)  # Megatron's embedding group
     emb = costmodel.bus_bytes("all_reduce", cfg.vocab_size * h // run.tp * e, 2) if tied_sync else 0.0
-    dp_op = costmodel.zero_dp_bytes_per_step(local, run.dp, run.zero, m, e)
+    # ZeRO-2 in Model3D reduce-scatters once, after the last microbatch: the collectives of m = 1
+    dp_op = costmodel.zero_dp_bytes_per_step(local, run.dp, run.zero, 1 if run.zero == 2 else m, e)
     msg = costmodel.pipeline_p2p_message_bytes(b, s, h, run.tp, e, scatter_gather=False)
     comm = {"all_reduce": tp_bytes + emb + (dp_op if run.zero == 0 else 0.0),
-            "all_gather": dp_op / 2 if run.zero == 1 else 0.0,
-            "reduce_scatter": dp_op / 2 if run.zero == 1 else 0.0,
+            "all_gather": dp_op / 2 if run.zero >= 1 else 0.0,
+            "reduce_scatter": dp_op / 2 if run.zero >= 1 else 0.0,
             "all_to_all": 0.0, "send": m * ((not last) + (not first)) * msg, "broadcast": 0.0}
     return {"memory_bytes": mem, "comm_bytes": comm}
 
@@ -300,9 +305,9 @@ def add_arguments(p) -> None:
     for flag in ("--dp", "--tp", "--pp"):
         p.add_argument(flag, type=int, default=1, help="degree (default 1); dp·tp·pp = world size")
     p.add_argument("--world", type=int, help="world size, checked against dp·tp·pp (default: their product)")
-    p.add_argument("--zero", type=int, default=1, help="ZeRO stage, 0 or 1 (default 1)")
+    p.add_argument("--zero", type=int, default=1, help="ZeRO stage, 0, 1 or 2 (default 1)")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--recompute", default="none", help="none (default) or full")
+    p.add_argument("--recompute", default="none", help="none (default), selective or full")
     p.add_argument("--microbatches", type=int, help="microbatches per step (default: pp)")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--schedule", default="1f1b", help="1f1b (default), gpipe, zb-h1")

@@ -22,18 +22,32 @@ and the same optimizer gives the same update. Replicated copies -- a LayerNorm o
 TP group, the tied embedding on the first and last stage, a shard on the d DP ranks -- receive
 identical gradients and stay identical (``merge_full_params`` checks it).
 
-Options: ``checkpoint=True`` recomputes every block in backward (ch07, "full" recomputation:
-Korthikanti et al. 2022 §5; with TP the recomputed forward repeats its two all-reduces);
+ZeRO-2 (``zero_stage=2``, Rajbhandari et al. §5.2): ch06's stage 2 reduce-scatters each gradient bucket
+as backward produces it, so under a pipeline it would reduce every one of the m microbatches ((m + 1)·Psi
+on the wire, ``costmodel.zero_dp_bytes_per_step``) and do it before the tied-embedding all-reduce has
+summed the word embedding's two parts. Here the bucket hooks are paused for the pipeline, and after the
+embedding sync the accumulated gradients are passed through autograd once (``torch.autograd.backward``
+on the parameters themselves), which fires stage 2's hooks: its bucketed reduce-scatter runs once,
+after the last microbatch, and the full gradients are freed bucket by bucket (2·Psi, as stage 1).
+ZeRO-3 is refused: it would all-gather the parameters for every microbatch's forward and backward
+(Megatron-LM and DeepSpeed do not combine it with pipeline parallelism either).
+
+Options: ``checkpoint=True`` (``recompute="full"``) recomputes every block in backward (ch07, "full"
+recomputation: Korthikanti et al. 2022 §5; with TP the recomputed forward repeats its two all-reduces);
+``recompute="selective"`` recomputes only the attention core (Korthikanti §5: no extra communication);
 ``virtual_stages=v`` with ``schedule="interleaved"`` (Narayanan et al. §2.2.2).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..memory.checkpointing import checkpoint as _checkpoint
 from ..memory.zero import ZeroDataParallel
@@ -50,22 +64,50 @@ from .tensor_parallel import parallelize_gpt, shard_dense_tensors
 from .tensor_parallel_vocab import vocab_parallel_cross_entropy
 
 __all__ = ["Stage3D", "Model3D", "Result3D", "train_3d", "merge_full_params", "global_losses",
-           "reference_run", "local_param_count"]
+           "reference_run", "local_param_count", "zero_stage_of",
+           "recompute_of", "RECOMPUTE"]
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class _SelectiveAttention(TorchFunctionMode):
+    """Selective recomputation (Korthikanti et al. 2022 §5): ``F.scaled_dot_product_attention`` inside
+    ch07's ``checkpoint``: backward keeps q, k, v and recomputes the attention core (scores, softmax,
+    their product with v), the a·s² part of a layer's activations; the rest of the block is kept."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+            return _checkpoint(functools.partial(F.scaled_dot_product_attention, **kwargs), *args,
+                               preserve_rng_state=kwargs.get("dropout_p", 0.0) > 0)
+        return func(*args, **kwargs)
+
+
+def recompute_of(checkpoint=False, recompute=None) -> str:
+    """``recompute`` ("none", "selective" or "full") when given, else "full" with ``checkpoint``."""
+    mode = ("full" if checkpoint else "none") if recompute is None else recompute
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute {mode!r}: choose one of {', '.join(RECOMPUTE)}")
+    return mode
 
 
 class Stage3D(GPTStage):
     """A pipeline stage of the (tensor-parallel) GPT: :class:`GPTStage` whose loss is the
     vocabulary-parallel cross-entropy when the logits are sharded over ``vocab_group`` (None: whole
-    logits, the dense loss), and whose blocks are checkpointed when ``recompute``."""
+    logits, the dense loss), and whose blocks are recomputed in backward: ``recompute`` "full" (or True)
+    whole blocks, "selective" the attention core only, "none" (or False) nothing."""
 
     def __init__(self, model, index, n_stages, layers, vocab_group=None, recompute=False):
         super().__init__(model, index, n_stages, layers)
-        self.vocab_group, self.recompute = vocab_group, recompute
+        self.vocab_group = vocab_group
+        self.recompute = {True: "full", False: "none"}.get(recompute, recompute)
 
     def forward(self, x, targets=None):
         h = GPT.embed(self, x) if self.is_first else x
-        for block in self.blocks.values():
-            h = _checkpoint(block, h) if self.recompute else block(h)
+        with _SelectiveAttention() if self.recompute == "selective" else contextlib.nullcontext():
+            for block in self.blocks.values():
+                h = _checkpoint(block, h) if self.recompute == "full" else block(h)
         if not self.is_last:
             return h
         logits = GPT.head(self, h)
@@ -83,11 +125,51 @@ def _check_batch(batch, dp, microbatches):
                          f"dp·m = {dp * microbatches}")
 
 
+def zero_stage_of(zero1=False, zero_stage=None) -> int:
+    """The ZeRO stage: ``zero_stage`` (0, 1 or 2) when given, else 1 with ``zero1`` and 0 without."""
+    stage = (1 if zero1 else 0) if zero_stage is None else zero_stage
+    if stage == 3:
+        raise ValueError("ZeRO-3 with pipeline parallelism would all-gather the parameters for every "
+                         "microbatch's forward and backward (Megatron-LM and DeepSpeed refuse the pair too); "
+                         "use zero_stage 0, 1 or 2")
+    if isinstance(stage, bool) or stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2, got {stage!r}")
+    return stage
+
+
+@contextlib.contextmanager
+def _bucket_hooks_paused(zero):
+    """ZeRO-2: no per-backward reduction inside the block (gradients accumulate in ``.grad``)."""
+    if zero.stage < 2:
+        yield
+        return
+    sharded = zero.sharded
+    for h in sharded._hooks:
+        h.remove()
+    try:
+        yield
+    finally:
+        sharded._hooks = [p.register_post_accumulate_grad_hook(sharded._on_grad)
+                          for p in sharded.partition.flat.params if p.requires_grad]
+
+
+def _reduce_accumulated(zero) -> None:
+    """ZeRO-2: pass each accumulated gradient through autograd once, firing the bucket hooks."""
+    if zero.stage < 2:
+        return
+    params = [p for p in zero.sharded.partition.flat.params if p.grad is not None]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    if params:
+        torch.autograd.backward(params, grads)
+
+
 def _check_options(schedule, pp, microbatches, virtual_stages, checkpoint):
     """The schedule (a clear error for an unknown one); recomputation needs a fused backward."""
     sched = make_schedule(schedule, pp, microbatches, virtual_stages)
     if checkpoint and sched.splits_backward:
-        raise ValueError(f"checkpoint=True recomputes inside loss.backward(), which the split B/W backward "
+        raise ValueError(f"recomputation runs inside loss.backward(), which the split B/W backward "
                          f"of {schedule!r} does not use; choose a schedule without W (e.g. '1f1b')")
     return sched
 
@@ -109,8 +191,12 @@ class Model3D:
     """
 
     def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
-                 checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None, materialize_on=None):
+                 checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None, materialize_on=None,
+                 zero_stage=None, recompute=None):
         grid = groups.grid
+        stage = zero_stage_of(zero1, zero_stage)
+        recompute = recompute_of(checkpoint, recompute)
+        checkpoint = recompute != "none"
         check_model(cfg, grid.tp, grid.pp, virtual_stages)
         self.cfg, self.groups = cfg, groups
         self.schedule = _check_options(schedule, grid.pp, microbatches, virtual_stages, checkpoint)
@@ -129,13 +215,13 @@ class Model3D:
             s = cut[self.schedule.virtual_stage(groups.coords.pp, c)]
             layers = [int(k) for k in s.blocks]
             self.stages[c] = Stage3D(self.model, s.index, s.n_stages, range(layers[0], layers[-1] + 1),
-                                     vocab_group, checkpoint)
+                                     vocab_group, recompute)
             if materialize_on is not None:  # this rank's layers only, each shard drawn as its dense slice
                 materialize(self.stages[c], materialize_on, seed, memo=memo)
         rebind(self.model, memo)  # the model around the stages shares their new tensors (a tied embedding)
         factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr))
         self.zero = ZeroDataParallel(nn.ModuleDict({str(c): s for c, s in self.stages.items()}), factory,
-                                     stage=1 if zero1 else 0, group=groups.dp_group)
+                                     stage=stage, group=groups.dp_group)
 
     def parameters(self):
         return list(self.zero.module.parameters())
@@ -144,11 +230,12 @@ class Model3D:
         """One optimizer step on this DP shard ``(x, y)``. Returns (loss or None, comm events by phase):
         the loss is the shard's mean on the last stage's ranks."""
         self.zero.zero_grad()
-        with comm.meter() as pipe:
+        with comm.meter() as pipe, _bucket_hooks_paused(self.zero):
             res = run_schedule(self.schedule, self.stages, x, y, group=self.groups.pp_group, sync_tied=False)
         with comm.meter() as emb:  # Megatron-LM's _allreduce_word_embedding_grads, over the mesh's group
             sync_tied_embedding(self.stages, self.schedule, self.groups.pp_group, self.groups.embedding_group)
         with comm.meter() as dp:
+            _reduce_accumulated(self.zero)  # ZeRO-2: its bucketed reduce-scatter, once
             self.zero.step()  # DP average (all-reduce, or ZeRO-1 reduce-scatter) and the update
         return res.loss, {"pipeline": pipe.events, "embedding": emb.events, "dp": dp.events}
 
@@ -198,7 +285,7 @@ class Result3D:
 
 def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", zero1=False, checkpoint=False,
              lr=0.1, seed=0, optimizer=None, virtual_stages=1, data=None, order="tp-dp-pp",
-             use_device_mesh=False) -> Result3D:
+             use_device_mesh=False, zero_stage=None, recompute=None) -> Result3D:
     """``steps`` optimizer steps of the GPT ``cfg`` on d x t x p ranks; run it with
     ``launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, steps, batch, seq, microbatches, ...)``.
 
@@ -211,12 +298,13 @@ def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", 
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     check_model(cfg, tp, pp, virtual_stages)
     _check_batch(batch, dp, microbatches)
-    _check_options(schedule, pp, microbatches, virtual_stages, checkpoint)
+    zero_stage_of(zero1, zero_stage)
+    _check_options(schedule, pp, microbatches, virtual_stages, recompute_of(checkpoint, recompute) != "none")
     require_process_group("train_3d")
     grid = RankGrid(dist.get_world_size(), dp, tp, pp, order)  # checks dp·tp·pp = world size
     groups = init_groups(grid, use_device_mesh)
     model = Model3D(cfg, groups, microbatches, schedule, virtual_stages, zero1, checkpoint, optimizer, lr,
-                    seed)
+                    seed, zero_stage=zero_stage, recompute=recompute)
     data = data or MarkovCorpus(cfg.vocab_size, seed=0)
     losses = []
     for step in range(steps):
