@@ -118,6 +118,47 @@ def test_selective_recomputation_drops_the_attention_scores(tmp_path):
     assert sel["measured"]["comm_bytes"] == none["measured"]["comm_bytes"]
 
 
+def test_sequence_parallel_measures_the_formulas(tmp_path):
+    """--sequence-parallel: the layers' all-reduces become the costmodel's all-gathers and reduce-scatters
+    (with the re-gather), plus the embedding's ḡ (first stage) or the output layer's g (last); the stage
+    sends its s/t slice; the TP group sums the partial LayerNorm / bias / wpe gradients in one all-reduce;
+    activations fall below TP's (Korthikanti Table 2: 34/t against 10 + 24/t per s·b·h)."""
+    for rank in (0, 7):
+        tp, _ = run_json(tmp_path, *SMALL, "--rank", str(rank))
+        sp, stdout = run_json(tmp_path, *SMALL, "--rank", str(rank), "--sequence-parallel")
+        first = rank == 0
+        wire, calls = sp["measured"]["comm_bytes"], sp["measured"]["comm_calls"]
+        pred = sp["predicted"]["comm_bytes"]
+        act = B * CFG.block_size * CFG.n_embd * 4
+        edge = costmodel.bus_bytes("all_gather", act, T)
+        zero1 = {op: costmodel.bus_bytes(op, 4 * D * shard_size(costmodel.pipeline_stage_params(CFG, T, P)[
+            sp["coords"]["pp"]], D), D) for op in ("all_gather", "reduce_scatter")}
+        edges = {"all_gather": M * edge * (1 if first else 2), "reduce_scatter": M * edge}  # ḡ / g; re-gather
+        for op in ("all_gather", "reduce_scatter"):
+            assert wire[op] == pytest.approx(pred[op] + edges[op])
+            assert pred[op] - zero1[op] == pytest.approx(M * (CFG.n_layer // P) * sum(
+                n[op] * costmodel.bus_bytes(op, act, T)
+                for n in costmodel.sequence_parallel_collectives_per_layer(regather=True).values()))
+        assert wire["send"] == pred["send"] == tp["measured"]["comm_bytes"]["send"] / T
+        assert calls["send"] == tp["measured"]["comm_calls"]["send"]
+        held = {k: r["measured"]["memory_bytes"]["activations"] for k, r in (("tp", tp), ("sp", sp))}
+        assert held["sp"] < held["tp"]
+        assert sp["config"]["sequence_parallel"] is True and "sequence parallel" in stdout
+
+
+def test_temporaries_do_not_grow_with_the_microbatches(tmp_path):
+    """The fake group's sends never report completion, so a pipeline that kept each sent tensor until its
+    send completed would hold every microbatch's boundary activation to the end of the step, and the
+    temporaries would grow with m; the executor keeps none under it."""
+    pipe = ("--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "64", "--seq", "16",
+            "--pp", "2", "--micro-batch-size", "8", "--dtype", "fp32")
+    tmp = {}
+    for m in (2, 8):
+        res, _ = run_json(tmp_path, *pipe, "--microbatches", str(m))
+        tmp[m] = res["measured"]["memory_bytes"]["temporaries"]
+    assert tmp[8] == tmp[2] > 0
+
+
 def test_json_schema(tmp_path):
     res, _ = run_json(tmp_path, *SMALL, "--gpu", "a100")
     assert {"config", "world_size", "rank", "measured", "predicted", "fits", "seconds"} <= set(res)
@@ -149,7 +190,8 @@ BAD = [
     (dict(model="gpt3-175b", dp=64, tp=8, pp=16), f"over the {MAX_WORLD} ranks"),
     (dict(model="gpt3-175b", zero=3), "use --zero 0, 1 or 2"),
     (dict(model="gpt3-175b", recompute="some"), "use --recompute none, selective or full"),
-    (dict(model="gpt3-175b", sequence_parallel=True), "no sequence-parallel path"),
+    (dict(model="gpt3-175b", sequence_parallel=True), "with --tp 1 there is none"),
+    (dict(model="gpt3-175b", seq=2050, tp=8, sequence_parallel=True), "choose --seq as a multiple of 8"),
     (dict(model="gpt3-175b", rank=1), "outside the grid of 1 ranks"),
     (dict(n_layer=4, n_embd=32), "missing: --n-head, --vocab-size, --seq"),
 ]

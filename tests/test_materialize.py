@@ -96,12 +96,14 @@ def _pp():
 
 
 GRIDS = {2: (1, 1, 2), 4: (1, 2, 2)}  # world size -> (dp, tp, pp)
+SP_GRIDS = {2: (1, 2, 1), 4: (1, 2, 2)}  # sequence parallelism needs t > 1
 
 
-def _three_d():
+def _three_d(sequence_parallel=False):
     n = dist.get_world_size()
-    groups = init_groups(RankGrid(n, *GRIDS[n]))
-    model = Model3D(CFG, groups, MB, lr=LR, seed=SEED, materialize_on="cpu")
+    groups = init_groups(RankGrid(n, *(SP_GRIDS if sequence_parallel else GRIDS)[n]))
+    model = Model3D(CFG, groups, MB, lr=LR, seed=SEED, materialize_on="cpu",
+                    sequence_parallel=sequence_parallel)
     out = {"meta_left": [k for k, p in model.zero.module.named_parameters() if p.is_meta],
            "init": model.full_param_pieces()}
     out["loss"], _ = model.step(*_batch(CFG))
@@ -110,7 +112,7 @@ def _three_d():
 
 
 def _every_case():
-    return {"fsdp": _fsdp(), "tp": _tp(), "pp": _pp(), "3d": _three_d()}
+    return {"fsdp": _fsdp(), "tp": _tp(), "pp": _pp(), "3d": _three_d(), "3d-sp": _three_d(True)}
 
 
 @functools.cache
@@ -255,10 +257,13 @@ def test_tp_records_where_each_shard_comes_from():
     assert "blocks.0.ln_1.weight" not in cuts and "wpe.weight" not in cuts
 
 
+@pytest.mark.parametrize("case", ["3d", "3d-sp"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_3d_from_meta_holds_the_dense_init_and_takes_the_dense_step(n):
-    """Model3D(materialize_on=...): (dp, tp, pp) = (1, 1, 2) at n = 2, (1, 2, 2) at n = 4."""
-    res = [r["3d"] for r in _results(n)]
+def test_3d_from_meta_holds_the_dense_init_and_takes_the_dense_step(n, case):
+    """Model3D(materialize_on=...): (dp, tp, pp) = (1, 1, 2) at n = 2, (1, 2, 2) at n = 4; with sequence
+    parallelism (1, 2, 1) and (1, 2, 2) -- its LayerNorms keep their flag through materialisation, or
+    their gradients would stay partial sums."""
+    res = [r[case] for r in _results(n)]
     assert all(r["meta_left"] == [] for r in res)
     init, spread = merge_full_params([SimpleNamespace(pieces=r["init"]) for r in res], CFG)
     assert spread == 0.0  # replicas (tied embedding, LayerNorms over TP) drew the same numbers

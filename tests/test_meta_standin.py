@@ -55,7 +55,8 @@ WORLD_SIZES = (8, 1024)
 WRAPPERS = ("broadcast_from_first_rank", "ddp", "ddp-find_unused_parameters", "sharded_optimizer-1",
             "sharded_optimizer-2", "zero-0", "zero-1", "zero-2", "fully_shard", "tensor_parallel",
             "sequence_parallel", "ulysses", "ring_attention", "pipeline-gpipe", "pipeline-1f1b",
-            "pipeline-interleaved", "pipeline-zb-h1", "three_d", "three_d-zero1-recompute", "expert_parallel",
+            "pipeline-interleaved", "pipeline-zb-h1", "three_d", "three_d-zero1-recompute",
+            "three_d-zero2-sequence_parallel", "expert_parallel",
             "tensor_parallel-fp64-cpu", "sequence_parallel-fp64-cpu")
 REFUSED = {"expert_parallel": "expert parallelism routes by values: run it on real tensors"}
 SUBPROCESS_TIMEOUT_S = 180
@@ -271,12 +272,12 @@ def _run_pipeline(name, world):
         raise AssertionError(f"PipelineResult.loss must be a float, got {type(res.loss).__name__}")
 
 
-def _run_three_d(world, zero1=False, checkpoint=False):
+def _run_three_d(world, zero1=False, checkpoint=False, **kw):
     """dp x tp x pp = 2 x 2 x 2 or 64 x 4 x 4; the model is built in the default dtype (float32)."""
     dp, tp, pp = (2, 2, 2) if world == 8 else (world // 16, 4, 4)
     groups = init_groups(RankGrid(world, dp, tp, pp))
     model = Model3D(_cfg(n_layer=pp), groups, microbatches=2, zero1=zero1, checkpoint=checkpoint,
-                    optimizer=_adamw, device="meta")
+                    optimizer=_adamw, device="meta", **kw)
     model.step(*_tokens())
     flat = model.zero.flat_param
     _check(model.zero.module, model.zero.sharded.optim, [("flat_param", flat)], want=torch.float32)
@@ -308,6 +309,7 @@ RUNNERS = {
     "sequence_parallel": run_sequence_parallel, "ulysses": run_ulysses, "ring_attention": run_ring_attention,
     **{f"pipeline-{s}": (lambda w, s=s: _run_pipeline(s, w)) for s in PIPELINES},
     "three_d": _run_three_d, "three_d-zero1-recompute": lambda w: _run_three_d(w, True, True),
+    "three_d-zero2-sequence_parallel": lambda w: _run_three_d(w, zero_stage=2, sequence_parallel=True),
     "expert_parallel": run_expert_parallel,
     "tensor_parallel-fp64-cpu": lambda w: run_tensor_parallel(w, "cpu"),
     "sequence_parallel-fp64-cpu": lambda w: run_sequence_parallel(w, "cpu"),

@@ -22,6 +22,7 @@ elements it owns; ``step(closure)``; offload; and bad input named with its fix.
 One launch per world size runs every case; the tests inspect what it returns. Tolerances as
 tests/test_zero.py: averaged gradients differ from one process's by float32 ulps.
 """
+import contextlib
 import functools
 
 import pytest
@@ -211,6 +212,28 @@ def _mechanism():
     return out
 
 
+def _no_sync():
+    """Stage 2, two half-batches each: reduced in each backward, or accumulated under ``no_sync()`` and
+    reduce-scattered once by ``reduce_accumulated()``: the same step, half the reduce-scatters."""
+    out = {}
+    for pause in (False, True):
+        model, sharded = _ours("mlp", "sgd", 2)
+        x, y = _batch(0, _rows())
+        with comm.meter() as m:
+            sharded.zero_grad()
+            with sharded.no_sync() if pause else contextlib.nullcontext():
+                for half in range(2):
+                    rows = slice(half * len(x) // 2, (half + 1) * len(x) // 2)
+                    (model(x[rows], y[rows], 1) / 2).backward()
+                inside = sum(e.op == "reduce_scatter" for e in m.events)
+            sharded.reduce_accumulated()
+            sharded.step()
+        out[pause] = {"inside": inside, "rs": sum(e.op == "reduce_scatter" for e in m.events),
+                      "buckets": len(sharded.buckets), "weights": _snapshot(model)}
+        sharded.close()
+    return out
+
+
 def _errors():
     def err(call):
         try:
@@ -235,7 +258,7 @@ def _errors():
 
 def _everything(single):
     return {"eq": _equivalence(), "zro": _zero_redundancy(), "trip": _round_trip(single),
-            "mech": _mechanism(), "errors": _errors(), "closure": _closure()}
+            "mech": _mechanism(), "errors": _errors(), "closure": _closure(), "no_sync": _no_sync()}
 
 
 @functools.cache
@@ -339,6 +362,18 @@ def test_state_dict_is_one_process_state_dict_and_round_trips(n):
             # one process's state dict loads too, and the run goes on as that process's
             torch.testing.assert_close(trip["continued"], ref_final, atol=ATOL, rtol=RTOL,
                                        msg=lambda m: f"rank {r} stage {stage}: {m}")
+
+
+@pytest.mark.parametrize("n", NS)
+def test_no_sync_accumulates_then_reduces_once(n):
+    """Gradient accumulation under stage 2 (the 3D model's pipeline uses it): nothing is reduced inside
+    ``no_sync()``; ``reduce_accumulated()`` reduce-scatters every bucket once; the step is the same."""
+    for res in _results(n):
+        each, once = res["no_sync"][False], res["no_sync"][True]
+        assert each["inside"] == each["rs"] == 2 * each["buckets"]
+        assert once["inside"] == 0 and once["rs"] == once["buckets"] > 1
+        for k, w in each["weights"].items():
+            torch.testing.assert_close(once["weights"][k], w, atol=ATOL, rtol=RTOL, msg=k)
 
 
 @pytest.mark.parametrize("n", NS)

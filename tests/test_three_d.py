@@ -211,6 +211,63 @@ def test_interleaved_schedule_through_device_mesh_groups_equals_one_process():
     _check_meters(results, 1, 2, 2, m=4, v=2)
 
 
+# --- sequence parallelism (ch05 inside the grid) ------------------------------------------------------
+
+
+def _sp_flagged(stage, p):
+    """Elements of one stage whose gradient is a per-slice partial sum: per layer ln_1, ln_2 (2h each)
+    and the two row-parallel biases (h each); wpe on the first stage, ln_f on the last."""
+    h = CFG.n_embd
+    ends = (CFG.block_size * h if stage == 0 else 0) + (2 * h if stage == p - 1 else 0)
+    return (CFG.n_layer // p) * 6 * h + ends
+
+
+def _check_sp_meters(results, d, t, p, m=M, recompute=False):
+    """TP + SP: no b·s·h all-reduce in the pipeline step, its all-gathers and reduce-scatters on the TP
+    group (per layer the costmodel's, with the re-gather; the embedding's ḡ on the first stage, the
+    output layer's g on the last), sends of the (b, s/t, h) slice, and one all-reduce over the TP group
+    of the partial LayerNorm / bias / wpe gradients."""
+    b = B // d // m
+    act = b * T * CFG.n_embd * 4  # the whole sequence's b·s·h, fp32
+    for r in results:
+        ev, ranks, first, last = r.events, r.ranks, r.coords.pp == 0, r.coords.pp == p - 1
+        pipe = ev["pipeline"]
+        assert {e.op for e in pipe} <= {"all_gather", "reduce_scatter", "all_reduce", "send", "recv"}
+        loss = [act // CFG.n_embd] * 3 * m if last else []  # the vocabulary-parallel loss: 3 of b·s
+        assert [e.nbytes for e in pipe if e.op == "all_reduce"] == loss
+        sp = [e for e in pipe if e.op in ("all_gather", "reduce_scatter")]
+        assert all(e.ranks == tuple(ranks["tp"]) and e.nbytes == act for e in sp)
+        per_layer = costmodel.sequence_parallel_bytes_per_layer(b, T, CFG.n_embd, t, 4, regather=True,
+                                                                recompute=recompute)
+        edges = m * (2 * first + 3 * last) * costmodel.bus_bytes("all_gather", act, t)
+        assert sum(e.wire_bytes for e in sp) == pytest.approx(m * CFG.n_layer // p * per_layer + edges)
+        sends = [e.nbytes for e in pipe if e.op == "send"]
+        assert sends == [act // t] * (m * ((not first) + (not last)))
+        assert [(e.op, e.nbytes, e.ranks) for e in ev["sequence"]] == [
+            ("all_reduce", 4 * _sp_flagged(r.coords.pp, p), tuple(ranks["tp"]))]
+
+
+@pytest.mark.parametrize("shape, kw", [((2, 2, 2), {}), ((1, 2, 2), dict(zero_stage=2, adam=True)),
+                                       ((2, 2, 1), dict(recompute="full")),
+                                       ((1, 2, 2), dict(schedule="zb-h1"))],
+                         ids=["2x2x2", "1x2x2-zero2-adamw", "2x2x1-full-recompute", "1x2x2-zb-h1"])
+def test_sequence_parallel_3d_equals_one_process(shape, kw):
+    """TP + SP inside the grid: the same weights and losses as one process, the collectives of ch05."""
+    results = _run(*shape, sequence_parallel=True, **kw)
+    _check_equal_to_one_process(results, adam=kw.get("adam", False))
+    _check_sp_meters(results, *shape, recompute=kw.get("recompute") == "full")
+
+
+def test_sequence_parallel_without_the_tp_gradient_sum_is_wrong(monkeypatch):
+    """The all-reduce of the partial gradients is what makes SP exact: without it the LayerNorms drift."""
+    monkeypatch.setattr(D, "allreduce_sequence_parallel_grads", lambda module, group: None)
+    results = _run(1, 2, 2, sequence_parallel=True)
+    _, spread = D.merge_full_params(results, CFG)
+    assert spread > 1e-6  # each TP rank stepped its LayerNorms with its own slice's partial gradient
+    with pytest.raises(AssertionError):
+        _check_equal_to_one_process(results)
+
+
 # --- per-rank seeds --------------------------------------------------------------------------------
 
 
@@ -244,6 +301,8 @@ def test_bad_input_names_the_fix():
         D.train_3d(CFG, 2, 2, 2, 1, B, T, 2, schedule="zb-h1", checkpoint=True)
     with pytest.raises(ValueError, match="unknown schedule"):
         D.train_3d(CFG, 2, 2, 2, 1, B, T, 2, schedule="2f2b")
+    with pytest.raises(ValueError, match="choose seq as a multiple of 2"):
+        D.train_3d(CFG, 2, 2, 2, 1, B, 15, 2, sequence_parallel=True)
     with pytest.raises(ValueError, match="steps must be a positive int"):
         D.train_3d(CFG, 2, 2, 2, 0, B, T, 2)
     with pytest.raises(RuntimeError, match="launch"):

@@ -4,7 +4,8 @@
 plays one rank of a d x t x p grid (up to 4096 ranks) under torch's *fake* process group (every
 collective returns at once, moving nothing) with the model on ``meta`` tensors (shapes without
 values). The step is the library's own: :class:`~..parallelism.three_d.Model3D` (Megatron's TP
-slices, the pipeline schedule, the tied-embedding all-reduce, ZeRO-0/1/2 over the DP group), run twice:
+slices, with ``--sequence-parallel`` ch05's sequence-parallel layers, the pipeline schedule, the
+tied-embedding all-reduce, ZeRO-0/1/2 over the DP group), run twice:
 a first step creates the optimizer state, the second -- the one measured -- starts as a training step
 does, with it. :class:`.meta_memory.MetaMemoryMeter` records this rank's peak bytes per category and
 the comm meter's events (``Model3D.step``'s phases) the bytes this rank puts on the wire (ring model).
@@ -101,9 +102,13 @@ class DryRun:
                              f"stage 0, 1 or 2 only (ZeRO-3 would all-gather the parameters for every "
                              f"microbatch; Megatron-LM and DeepSpeed refuse it with pipelining too); "
                              f"use --zero 0, 1 or 2")
-        if sequence_parallel:
-            raise ValueError("--sequence-parallel: the 3D step (Model3D) has no sequence-parallel path; "
-                             "run without it (analysis.costmodel models it: `plan --sequence-parallel`)")
+        if sequence_parallel and tp == 1:
+            raise ValueError("--sequence-parallel splits the regions tensor parallelism leaves replicated "
+                             "over the TP group; with --tp 1 there is none: give --tp > 1 or drop the flag")
+        if sequence_parallel and self.cfg.block_size % tp:
+            raise ValueError(f"--sequence-parallel gives each of the tp={tp} ranks seq/tp tokens: seq "
+                             f"{self.cfg.block_size} is not divisible by {tp}; "
+                             f"choose --seq as a multiple of {tp}")
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute {recompute}: the 3D step recomputes whole blocks (full), the "
                              f"attention core (selective) or nothing; "
@@ -113,6 +118,7 @@ class DryRun:
         if attention not in ("flash", "math"):
             raise ValueError(f"attention {attention!r}: choose flash or math")
         self.zero, self.recompute, self.schedule, self.dtype = zero, recompute, schedule, dtype
+        self.sequence_parallel = bool(sequence_parallel)
         self.attention, self.gpu = attention, get_gpu(gpu)
         self.gpu_name = gpu
 
@@ -169,7 +175,7 @@ def _step(run: DryRun):
         torch.set_default_dtype(DTYPES[run.dtype][0])
         groups = init_groups(RankGrid(run.world, run.dp, run.tp, run.pp))
         model = Model3D(run.cfg, groups, run.microbatches, run.schedule, zero_stage=run.zero,
-                        recompute=run.recompute, device="meta",
+                        recompute=run.recompute, device="meta", sequence_parallel=run.sequence_parallel,
                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False))
         rows = run.micro_batch_size * run.microbatches  # this DP rank's share of the global batch
         x = torch.randint(0, run.cfg.vocab_size, (rows, run.cfg.block_size), device="meta")
@@ -197,28 +203,43 @@ def predicted(run: DryRun, stage: int) -> dict:
     b, s, h, a, layers = run.micro_batch_size, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer // run.pp
     selective = run.attention == "flash" or run.recompute == "selective"  # no a·s² scores kept
     kind = "full" if run.recompute == "full" else ("selective" if selective else "none")
-    act = costmodel.activation_memory_bytes(s, b, h, a, layers, run.tp, False, kind) * e / 2
+    sp = run.sequence_parallel
+    act = costmodel.activation_memory_bytes(s, b, h, a, layers, run.tp, sp, kind) * e / 2
     act *= costmodel.pipeline_stashed_microbatches(run.schedule, run.pp, run.microbatches, stage=stage)
     if run.recompute == "full":
         one = "selective" if run.attention == "flash" else "none"
-        act += costmodel.activation_memory_bytes(s, b, h, a, 1, run.tp, False, one) * e / 2
+        act += costmodel.activation_memory_bytes(s, b, h, a, 1, run.tp, sp, one) * e / 2
     mem = {"parameters": local * e, "gradients": local * e,
            "optimizer_states": states["optimizer"] / (run.dp if run.zero >= 1 else 1),
            "activations": act, "temporaries": None}
     mem["peak"] = sum(v for v in mem.values() if v is not None)
     m, tp_factor = run.microbatches, 6 / 4 if run.recompute == "full" else 1
     tp_bytes = m * layers * costmodel.tensor_parallel_bytes_per_layer(b, s, h, run.tp, e) * tp_factor
+    sp_bytes = dict.fromkeys(("all_gather", "reduce_scatter"), 0.0)
+    if sp:  # the layers' all-reduces become all-gathers and reduce-scatters
+        sp_bytes, tp_bytes = _sequence_parallel_bytes(run, m * layers), 0.0
     first, last = stage == 0, stage == run.pp - 1
     tied_sync = cfg.tie_embeddings and run.pp > 1 and (first or last)  # Megatron's embedding group
     emb = costmodel.bus_bytes("all_reduce", cfg.vocab_size * h // run.tp * e, 2) if tied_sync else 0.0
     # ZeRO-2 in Model3D reduce-scatters once, after the last microbatch: the collectives of m = 1
     dp_op = costmodel.zero_dp_bytes_per_step(local, run.dp, run.zero, 1 if run.zero == 2 else m, e)
-    msg = costmodel.pipeline_p2p_message_bytes(b, s, h, run.tp, e, scatter_gather=False)
+    msg = costmodel.pipeline_p2p_message_bytes(b, s, h, run.tp, e, scatter_gather=sp)  # SP: the s/t slice
     comm = {"all_reduce": tp_bytes + emb + (dp_op if run.zero == 0 else 0.0),
-            "all_gather": dp_op / 2 if run.zero >= 1 else 0.0,
-            "reduce_scatter": dp_op / 2 if run.zero >= 1 else 0.0,
+            "all_gather": sp_bytes["all_gather"] + (dp_op / 2 if run.zero >= 1 else 0.0),
+            "reduce_scatter": sp_bytes["reduce_scatter"] + (dp_op / 2 if run.zero >= 1 else 0.0),
             "all_to_all": 0.0, "send": m * ((not last) + (not first)) * msg, "broadcast": 0.0}
     return {"memory_bytes": mem, "comm_bytes": comm}
+
+
+def _sequence_parallel_bytes(run: DryRun, layer_passes: int) -> dict:
+    """Wire bytes of the all-gathers and reduce-scatters of ``layer_passes`` layer forward+backwards with
+    sequence parallelism (Model3D's SP layers re-gather their input for the weight gradient)."""
+    cfg, e = run.cfg, torch.finfo(DTYPES[run.dtype][0]).bits // 8
+    full = run.micro_batch_size * cfg.block_size * cfg.n_embd * e  # a (b, s, h) buffer
+    counts = costmodel.sequence_parallel_collectives_per_layer(regather=True,
+                                                               recompute=run.recompute == "full")
+    return {op: layer_passes * sum(phase[op] for phase in counts.values())
+            * costmodel.bus_bytes(op, full, run.tp) for op in ("all_gather", "reduce_scatter")}
 
 
 def dryrun(run: DryRun) -> dict:
@@ -247,13 +268,17 @@ def dryrun(run: DryRun) -> dict:
              "have no formula",
              "predicted all_reduce: TP layers, the tied-embedding sync and DP; the embedding/output layer's "
              "f/g and the vocabulary-parallel loss's all-reduces are measured only"]
+    if run.sequence_parallel:
+        notes.append("sequence parallel: predicted all_gather / reduce_scatter are the layers' (with the "
+                     "re-gather for weight gradients); the embedding's and output layer's g / ḡ and the "
+                     "all-reduce of the LayerNorm / bias / wpe partial gradients over TP are measured only")
     if run.dtype == "bf16-mixed":
         notes.append("bf16-mixed: optimizer_states = 3 x the measured bf16 AdamW moments (fp32 master "
                      "and moments of the same elements); the extra 2 x is added to peak")
     return {"config": {"model": run.name, "n_layer": run.cfg.n_layer, "n_embd": run.cfg.n_embd,
                        "n_head": run.cfg.n_head, "vocab_size": run.cfg.vocab_size, "seq": run.cfg.block_size,
                        "dp": run.dp, "tp": run.tp, "pp": run.pp, "zero": run.zero, "recompute": run.recompute,
-                       "sequence_parallel": False, "microbatches": run.microbatches,
+                       "sequence_parallel": run.sequence_parallel, "microbatches": run.microbatches,
                        "micro_batch_size": run.micro_batch_size, "schedule": run.schedule, "dtype": run.dtype,
                        "attention": run.attention, "gpu": run.gpu_name, "params": run.params},
             "world_size": run.world, "rank": run.rank, "coords": coords._asdict(),
@@ -280,7 +305,8 @@ def format_result(res: dict) -> str:
              f"{c['n_embd']}, {c['n_head']} heads, vocab {c['vocab_size']}, seq {c['seq']})",
              f"rank {res['rank']} of {res['world_size']} = dp {c['dp']} x tp {c['tp']} x pp {c['pp']} "
              f"(coords {res['coords']}); ZeRO-{c['zero']}, {c['dtype']}, {c['schedule']}, "
-             f"m={c['microbatches']} x b={c['micro_batch_size']}, recompute {c['recompute']}", "",
+             f"m={c['microbatches']} x b={c['micro_batch_size']}, recompute {c['recompute']}"
+             + (", sequence parallel" if c["sequence_parallel"] else ""), "",
              f"{'memory':<18}{'measured':>12}{'predicted':>12}"]
     for k in MEMORY_KEYS:
         lines.append(f"{k:<18}{_gb(meas['memory_bytes'][k]):>12}{_gb(pred['memory_bytes'][k]):>12}")

@@ -143,8 +143,7 @@ def materialize(module: nn.Module, device, seed: int, n_layer: int | None = None
                 continue
             if id(p) not in done:
                 new = nn.Parameter(draw.values(p, p.shape, cut_of(p)), requires_grad=p.requires_grad)
-                if cut_of(p) is not None:
-                    new.dense_cut = cut_of(p)
+                new.__dict__.update(p.__dict__)  # what wrappers noted on it: its cut, an SP flag
                 done[id(p)] = (p, new)
             m._parameters[a] = done[id(p)][1]
         for a, b in list(m._buffers.items()):

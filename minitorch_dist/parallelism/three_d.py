@@ -25,17 +25,22 @@ identical gradients and stay identical (``merge_full_params`` checks it).
 ZeRO-2 (``zero_stage=2``, Rajbhandari et al. §5.2): ch06's stage 2 reduce-scatters each gradient bucket
 as backward produces it, so under a pipeline it would reduce every one of the m microbatches ((m + 1)·Psi
 on the wire, ``costmodel.zero_dp_bytes_per_step``) and do it before the tied-embedding all-reduce has
-summed the word embedding's two parts. Here the bucket hooks are paused for the pipeline, and after the
-embedding sync the accumulated gradients are passed through autograd once (``torch.autograd.backward``
-on the parameters themselves), which fires stage 2's hooks: its bucketed reduce-scatter runs once,
-after the last microbatch, and the full gradients are freed bucket by bucket (2·Psi, as stage 1).
+summed the word embedding's two parts. Here the pipeline runs under the optimizer's ``no_sync()`` and,
+after the embedding sync, ``reduce_accumulated()`` passes the accumulated gradients through autograd once
+(``torch.autograd.backward`` on the parameters themselves), which fires stage 2's hooks: its bucketed
+reduce-scatter runs once, after the last microbatch, and the full gradients are freed bucket by bucket
+(2·Psi, as stage 1).
 ZeRO-3 is refused: it would all-gather the parameters for every microbatch's forward and backward
 (Megatron-LM and DeepSpeed do not combine it with pipeline parallelism either).
 
 Options: ``checkpoint=True`` (``recompute="full"``) recomputes every block in backward (ch07, "full"
 recomputation: Korthikanti et al. 2022 §5; with TP the recomputed forward repeats its two all-reduces);
 ``recompute="selective"`` recomputes only the attention core (Korthikanti §5: no extra communication);
-``virtual_stages=v`` with ``schedule="interleaved"`` (Narayanan et al. §2.2.2).
+``virtual_stages=v`` with ``schedule="interleaved"`` (Narayanan et al. §2.2.2); ``sequence_parallel=True``
+(t > 1) slices the TP group's replicated regions along the sequence (ch05, Korthikanti et al. 2022 §4.2.2):
+each TP all-reduce becomes a reduce-scatter and an all-gather, a stage sends its (b, s/t, h) slice, and the
+LayerNorm, row-bias and wpe gradients, partial sums over the slice, are all-reduced over the TP group
+before the DP step.
 """
 from __future__ import annotations
 
@@ -56,10 +61,16 @@ from ..models.gpt import GPT
 from ..models.init import materialize, rebind
 from ..runtime import comm, require_process_group
 from ..runtime.launch import device as rank_device
+from .mappings import divide
 from .mesh import Coords, RankGrid, check_model, init_groups
 from .pipeline import GPTStage, make_schedule, run_schedule, split_gpt
 from .pipeline.executor import sync_tied_embedding
 from .replicas import broadcast_from_first_rank
+from .sequence_parallel.megatron_sp import (
+    SequenceParallelGPT,
+    allreduce_sequence_parallel_grads,
+    parallelize_gpt_sp,
+)
 from .tensor_parallel import parallelize_gpt, shard_dense_tensors
 from .tensor_parallel_vocab import vocab_parallel_cross_entropy
 
@@ -96,15 +107,29 @@ class Stage3D(GPTStage):
     """A pipeline stage of the (tensor-parallel) GPT: :class:`GPTStage` whose loss is the
     vocabulary-parallel cross-entropy when the logits are sharded over ``vocab_group`` (None: whole
     logits, the dense loss), and whose blocks are recomputed in backward: ``recompute`` "full" (or True)
-    whole blocks, "selective" the attention core only, "none" (or False) nothing."""
+    whole blocks, "selective" the attention core only, "none" (or False) nothing.
 
-    def __init__(self, model, index, n_stages, layers, vocab_group=None, recompute=False):
+    ``sequence_parallel`` (the model is ch05's :class:`SequenceParallelGPT` over ``vocab_group``): the
+    stage's hidden states are this rank's (b, s/t, h) sequence slice, so the embedding is the sequence-
+    parallel one and the message to the next stage is t times smaller (Korthikanti et al. 2022 §4.2.3:
+    the scatter/gather of Narayanan et al. §4.1 comes for free)."""
+
+    def __init__(self, model, index, n_stages, layers, vocab_group=None, recompute=False,
+                 sequence_parallel=False):
         super().__init__(model, index, n_stages, layers)
         self.vocab_group = vocab_group
         self.recompute = {True: "full", False: "none"}.get(recompute, recompute)
+        self.sequence_parallel = sequence_parallel and vocab_group is not None
+
+    def boundary_shape(self, rows, seq):
+        """(rows, seq, n_embd), or (rows, seq/t, n_embd) with sequence parallelism."""
+        if not self.sequence_parallel:
+            return super().boundary_shape(rows, seq)
+        return (rows, divide(seq, dist.get_world_size(self.vocab_group), "sequence length"), self.cfg.n_embd)
 
     def forward(self, x, targets=None):
-        h = GPT.embed(self, x) if self.is_first else x
+        embed = SequenceParallelGPT.embed if self.sequence_parallel else GPT.embed
+        h = embed(self, x) if self.is_first else x  # (b, s, h), or (b, s/t, h) with sequence parallelism
         with _SelectiveAttention() if self.recompute == "selective" else contextlib.nullcontext():
             for block in self.blocks.values():
                 h = _checkpoint(block, h) if self.recompute == "full" else block(h)
@@ -137,34 +162,6 @@ def zero_stage_of(zero1=False, zero_stage=None) -> int:
     return stage
 
 
-@contextlib.contextmanager
-def _bucket_hooks_paused(zero):
-    """ZeRO-2: no per-backward reduction inside the block (gradients accumulate in ``.grad``)."""
-    if zero.stage < 2:
-        yield
-        return
-    sharded = zero.sharded
-    for h in sharded._hooks:
-        h.remove()
-    try:
-        yield
-    finally:
-        sharded._hooks = [p.register_post_accumulate_grad_hook(sharded._on_grad)
-                          for p in sharded.partition.flat.params if p.requires_grad]
-
-
-def _reduce_accumulated(zero) -> None:
-    """ZeRO-2: pass each accumulated gradient through autograd once, firing the bucket hooks."""
-    if zero.stage < 2:
-        return
-    params = [p for p in zero.sharded.partition.flat.params if p.grad is not None]
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    if params:
-        torch.autograd.backward(params, grads)
-
-
 def _check_options(schedule, pp, microbatches, virtual_stages, checkpoint):
     """The schedule (a clear error for an unknown one); recomputation needs a fused backward."""
     sched = make_schedule(schedule, pp, microbatches, virtual_stages)
@@ -192,7 +189,7 @@ class Model3D:
 
     def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
                  checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None, materialize_on=None,
-                 zero_stage=None, recompute=None):
+                 zero_stage=None, recompute=None, sequence_parallel=False):
         grid = groups.grid
         stage = zero_stage_of(zero1, zero_stage)
         recompute = recompute_of(checkpoint, recompute)
@@ -206,7 +203,9 @@ class Model3D:
         with torch.device("meta") if where.type == "meta" else contextlib.nullcontext():
             dense = GPT(cfg)  # on meta: shapes only, never a whole model's values
         dense = broadcast_from_first_rank(dense)  # every TP, PP and DP copy is rank 0's
-        tp_model = parallelize_gpt(dense, groups.tp_group, broadcast_weights=False) if grid.tp > 1 else dense
+        self.sequence_parallel = sequence_parallel and grid.tp > 1  # over t = 1 it is the dense model
+        slicer = parallelize_gpt_sp if self.sequence_parallel else parallelize_gpt
+        tp_model = slicer(dense, groups.tp_group, broadcast_weights=False) if grid.tp > 1 else dense
         self.model = tp_model.to(where)
         vocab_group = groups.tp_group if grid.tp > 1 else None
         cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
@@ -215,7 +214,7 @@ class Model3D:
             s = cut[self.schedule.virtual_stage(groups.coords.pp, c)]
             layers = [int(k) for k in s.blocks]
             self.stages[c] = Stage3D(self.model, s.index, s.n_stages, range(layers[0], layers[-1] + 1),
-                                     vocab_group, recompute)
+                                     vocab_group, recompute, self.sequence_parallel)
             if materialize_on is not None:  # this rank's layers only, each shard drawn as its dense slice
                 materialize(self.stages[c], materialize_on, seed, memo=memo)
         rebind(self.model, memo)  # the model around the stages shares their new tensors (a tied embedding)
@@ -228,16 +227,22 @@ class Model3D:
 
     def step(self, x, y):
         """One optimizer step on this DP shard ``(x, y)``. Returns (loss or None, comm events by phase):
-        the loss is the shard's mean on the last stage's ranks."""
+        the loss is the shard's mean on the last stage's ranks. Phases: "pipeline", "embedding",
+        "sequence" (sequence parallelism: the LayerNorm / bias / wpe partial gradients summed over the
+        TP group; empty without it) and "dp"."""
         self.zero.zero_grad()
-        with comm.meter() as pipe, _bucket_hooks_paused(self.zero):
+        with comm.meter() as pipe, self.zero.sharded.no_sync():  # ZeRO-2: accumulate the m microbatches
             res = run_schedule(self.schedule, self.stages, x, y, group=self.groups.pp_group, sync_tied=False)
         with comm.meter() as emb:  # Megatron-LM's _allreduce_word_embedding_grads, over the mesh's group
             sync_tied_embedding(self.stages, self.schedule, self.groups.pp_group, self.groups.embedding_group)
+        with comm.meter() as seq:  # Megatron's all-reduce of the grads flagged sequence_parallel
+            if self.sequence_parallel:
+                allreduce_sequence_parallel_grads(self.zero.module, self.groups.tp_group)
         with comm.meter() as dp:
-            _reduce_accumulated(self.zero)  # ZeRO-2: its bucketed reduce-scatter, once
+            self.zero.sharded.reduce_accumulated()  # ZeRO-2: its bucketed reduce-scatter, once
             self.zero.step()  # DP average (all-reduce, or ZeRO-1 reduce-scatter) and the update
-        return res.loss, {"pipeline": pipe.events, "embedding": emb.events, "dp": dp.events}
+        return res.loss, {"pipeline": pipe.events, "embedding": emb.events, "sequence": seq.events,
+                          "dp": dp.events}
 
     @torch.no_grad()
     def full_param_pieces(self) -> dict:
@@ -285,7 +290,7 @@ class Result3D:
 
 def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", zero1=False, checkpoint=False,
              lr=0.1, seed=0, optimizer=None, virtual_stages=1, data=None, order="tp-dp-pp",
-             use_device_mesh=False, zero_stage=None, recompute=None) -> Result3D:
+             use_device_mesh=False, zero_stage=None, recompute=None, sequence_parallel=False) -> Result3D:
     """``steps`` optimizer steps of the GPT ``cfg`` on d x t x p ranks; run it with
     ``launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, steps, batch, seq, microbatches, ...)``.
 
@@ -298,13 +303,16 @@ def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", 
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     check_model(cfg, tp, pp, virtual_stages)
     _check_batch(batch, dp, microbatches)
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"sequence parallelism splits the {seq} tokens of a sequence over tp={tp} ranks: "
+                         f"choose seq as a multiple of {tp}")
     zero_stage_of(zero1, zero_stage)
     _check_options(schedule, pp, microbatches, virtual_stages, recompute_of(checkpoint, recompute) != "none")
     require_process_group("train_3d")
     grid = RankGrid(dist.get_world_size(), dp, tp, pp, order)  # checks dp·tp·pp = world size
     groups = init_groups(grid, use_device_mesh)
     model = Model3D(cfg, groups, microbatches, schedule, virtual_stages, zero1, checkpoint, optimizer, lr,
-                    seed, zero_stage=zero_stage, recompute=recompute)
+                    seed, zero_stage=zero_stage, recompute=recompute, sequence_parallel=sequence_parallel)
     data = data or MarkovCorpus(cfg.vocab_size, seed=0)
     losses = []
     for step in range(steps):

@@ -39,31 +39,36 @@ def _check_seq(seq, t):
 # --- Megatron sequence parallelism ---------------------------------------------------------------
 
 
-def sequence_parallel_collectives_per_layer() -> dict:
+def sequence_parallel_collectives_per_layer(regather=False, recompute=False) -> dict:
     """Collectives of b·s·h activations per transformer layer with tensor + sequence parallelism
     (Korthikanti et al. 2022, §4.2.2, Fig. 5): each of tensor parallelism's f / g becomes a g / ḡ
     pair: an all-gather (sequence shards -> full sequence) before each column-parallel layer and a
     reduce-scatter (partial sums -> summed sequence shards) after each row-parallel one; backward
     swaps them. "Tensor parallelism requires four all-reduces in a single forward and backward
     pass whereas tensor together with sequence parallelism requires four all-gathers and four
-    reduce-scatters." (An implementation that keeps only the sequence shard of a column-parallel
-    layer's input re-gathers it for the weight gradient: +2 all-gathers backward, not counted.)"""
-    return {"forward": {"all_gather": 2, "reduce_scatter": 2},
-            "backward": {"all_gather": 2, "reduce_scatter": 2}}
+    reduce-scatters." ``regather``: the column-parallel layers keep only their input's sequence
+    shard and all-gather it again for the weight gradient (Megatron's choice, ch05's default): +2
+    all-gathers backward. ``recompute`` (full recomputation): the forward's 2 + 2 run again in backward."""
+    backward = {"all_gather": 2 + (2 if regather else 0), "reduce_scatter": 2}
+    if recompute:
+        backward = {op: n + 2 for op, n in backward.items()}
+    return {"forward": {"all_gather": 2, "reduce_scatter": 2}, "backward": backward}
 
 
-def sequence_parallel_bytes_per_layer(batch, seq, hidden, t, bytes_per_element=2) -> float:
+def sequence_parallel_bytes_per_layer(batch, seq, hidden, t, bytes_per_element=2, regather=False,
+                                      recompute=False) -> float:
     """Bytes one rank sends per layer per step with Megatron sequence parallelism, forward and
     backward: four all-gathers and four reduce-scatters of b·s·h elements, each (t-1)/t of its
     buffer under the ring model, i.e. ``8 b s h e (t-1)/t`` — exactly
     :func:`tensor_parallel_bytes_per_layer`, because a ring all-reduce *is* a reduce-scatter
     followed by an all-gather (Korthikanti et al. 2022, §4.2.2: "the communication bandwidth
     used for tensor parallelism and tensor together with sequence parallelism are the same").
+    ``regather`` / ``recompute`` add the collectives of :func:`sequence_parallel_collectives_per_layer`.
     Computed from :func:`bus_bytes` of the two collectives, not from the all-reduce's factor."""
     _check(batch, seq, hidden, t)
     nbytes = batch * seq * hidden * bytes_per_element
-    return sum(n * bus_bytes(op, nbytes, t)
-               for phase in sequence_parallel_collectives_per_layer().values() for op, n in phase.items())
+    counts = sequence_parallel_collectives_per_layer(regather, recompute)
+    return sum(n * bus_bytes(op, nbytes, t) for phase in counts.values() for op, n in phase.items())
 
 
 # --- DeepSpeed-Ulysses ----------------------------------------------------------------------------

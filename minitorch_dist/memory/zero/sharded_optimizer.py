@@ -42,6 +42,8 @@ dtype). ``offload="cpu"|"disk"`` steps the shard with :class:`.offload.Offloaded
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -198,10 +200,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
                          for lo, hi in self.buckets]
         self._wait_for = [sum(i in waits for i in ms) for ms in self._members]
         self._buckets_of = [[b for b, ms in enumerate(self._members) if i in ms] for i in range(len(spans))]
-        self._in_backward, self._in_flight = False, None
+        self._in_backward, self._in_flight, self._paused = False, None, False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 2: inside the block backward reduces nothing; gradients accumulate in each ``.grad``
+        (DDP's ``no_sync``: several microbatches, one reduction). :meth:`reduce_accumulated` then
+        reduce-scatters them once. Stages 0 and 1 reduce in :meth:`step` anyway: nothing to pause."""
+        if self.stage < 2:
+            yield
+            return
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def reduce_accumulated(self) -> None:
+        """Stage 2: reduce-scatter the gradients accumulated under :meth:`no_sync`, bucket by bucket,
+        freeing each full gradient as its last bucket goes (the memory of one backward's reduction).
+        The gradients are passed through autograd once (``torch.autograd.backward`` on the parameters
+        themselves), so the bucket hooks fire in the order and with the overlap of a real backward."""
+        if self.stage < 2:
+            return
+        params = [p for p in self.partition.flat.params if p.grad is not None]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        if params:
+            torch.autograd.backward(params, grads)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """A gradient is ready: count it towards its buckets, launch every bucket now complete."""
+        if self._paused:  # under no_sync: it stays in p.grad, accumulating
+            return
         if not self._in_backward:  # the first gradient of this backward
             self._in_backward = True
             self._waiting = list(self._wait_for)

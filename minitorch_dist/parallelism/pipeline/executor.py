@@ -61,10 +61,16 @@ class GPTStage(nn.Module):
         self.cfg, self.index, self.n_stages = model.cfg, index, n_stages
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         if self.is_first:
-            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+            self.wte, self.wpe = model.wte, model.wpe
+            self.drop = getattr(model, "drop", nn.Identity())  # ch05's sequence-parallel GPT refuses dropout
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})  # keys keep the model's names
         if self.is_last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def boundary_shape(self, rows: int, seq: int) -> tuple:
+        """The shape of the hidden states a stage passes to the next, for a microbatch of ``rows``
+        sequences of ``seq`` tokens: (rows, seq, n_embd)."""
+        return (rows, seq, self.cfg.n_embd)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = GPT.embed(self, x) if self.is_first else x  # the model's own code, on the modules we share
@@ -211,7 +217,7 @@ class _Messages:
         self.pending[:] = [(w, t) for w, t in self.pending if not w.is_completed()]
 
     def recv(self, vs_from: int, mb: int, vs: int, grad: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)  # (B/m, T, n_embd)
+        buf = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)  # the boundary shape
         op = dist.P2POp(dist.irecv, buf, self._peer(vs_from), self.group, self._tag(mb, vs, grad))
         for w in comm.batch_isend_irecv([op]):
             w.wait()
@@ -269,7 +275,7 @@ class _Runner:
         self.rank, self.n_vs, self.m = dist.get_rank(group), schedule.p * schedule.v, schedule.m
         param = next(next(iter(stages.values())).parameters())
         self.xs, self.ys = x.to(param.device).chunk(self.m), y.to(param.device).chunk(self.m)  # m x (B/m, T)
-        shape = (self.xs[0].shape[0], self.xs[0].shape[1], stages[0].cfg.n_embd)  # (B/m, T, n_embd)
+        shape = stages[0].boundary_shape(*self.xs[0].shape)  # (B/m, T, n_embd); T/t with sequence parallelism
         self.messages = _Messages(schedule, group, shape, param)
         self.split = schedule.splits_backward
         self.taps = LinearTap(stages.values()) if self.split else None

@@ -259,10 +259,16 @@ class SequenceParallelGPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, idx, targets=None):
-        t, r = size_and_rank(self.group, "sequence parallelism")
+    def embed(self, idx):
+        """(b, s) token ids -> (b, s/t, h): this rank's slice of token + position embeddings,
+        ḡ(wte_r[idx]) + wpe[r·s/t : (r+1)·s/t]. Uses only ``wte`` and ``wpe``, so a pipeline stage
+        holding those two modules calls it as ``SequenceParallelGPT.embed(stage, idx)``."""
+        t, r = size_and_rank(self.wte.group, "sequence parallelism")
         n = divide(idx.size(1), t, "sequence length")
-        h = self.wte(idx) + self.wpe(torch.arange(r * n, (r + 1) * n, device=idx.device))
+        return self.wte(idx) + self.wpe(torch.arange(r * n, (r + 1) * n, device=idx.device))
+
+    def forward(self, idx, targets=None):
+        h = self.embed(idx)  # (b, s/t, h)
         for block in self.blocks:
             h = block(h)
         logits = self.lm_head(self.ln_f(h))  # (b, s, V/t)
