@@ -1,0 +1,178 @@
+"""Chapter 00 — machine profiles: the measured (or cited) numbers every time prediction starts from.
+
+A time prediction is only as good as the machine description it is fed. The course never uses a free
+"efficiency" knob: every rate comes from a *profile*, either measured here by
+``python -m minitorch_dist calibrate`` or shipped for a GPU with a citation for each number
+(``h100``, ``h200``, ``a100``: JSON files beside this module). A profile holds:
+
+    matmul            seconds of one fp32 / bf16 GEMM against its FLOPs, a table measured (or cited)
+                      with every rank busy at once, as in a real step; interpolated log-log
+    op_overhead_s     the fixed cost of one eager op (Python dispatch + kernel launch)
+    copy_bytes_per_s  bytes an elementwise op moves per second (memory bandwidth of one rank)
+    collectives       α (seconds per ring step) and β (seconds per byte) of each collective, fitted
+                      to a size sweep at ``world_size`` ranks (Hockney's model, ``costmodel.collectives``)
+    collective_overhead_s   the Python-level cost of one metered collective call, above α
+    overlap           the fraction of an asynchronous collective's time hidden under compute that runs
+                      at the same moment (0: the communication takes the core from the computation)
+    kernels           (calibrated) every op the course's techniques run, by name and shapes, timed alone
+    framework_overhead_s  (calibrated) the cost per op that the ops alone do not explain in a whole step
+    peak_flops        the dense peak per device, for MFU (datasheet; a CPU's: the best measured GEMM)
+
+The formulas that turn these into seconds live in :mod:`..costmodel.step_time`; this module only
+loads, checks and saves profiles. ``load_profile("h100")`` reads a shipped one, ``load_profile(path)``
+a file; a file missing a key is refused with the key named.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["COLLECTIVES", "SHIPPED", "REQUIRED", "MachineProfile", "load_profile", "default_profile_path",
+           "shipped_path"]
+
+#: The collectives a profile times (``send`` is one point-to-point message: a pipeline's).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+#: Shipped profiles by name.
+SHIPPED = ("h100", "h200", "a100")
+#: Keys every profile must have (``sources`` and ``notes`` are optional).
+REQUIRED = ("name", "device", "kind", "world_size", "threads_per_rank", "memory_bytes", "peak_flops",
+            "matmul", "op_overhead_s", "copy_bytes_per_s", "collective_overhead_s", "collectives", "overlap")
+
+_HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class MachineProfile:
+    """One machine's rates (see the module docstring); every time formula reads them from here."""
+
+    name: str
+    device: str
+    kind: str  # "calibrated" (measured here) or "shipped" (datasheets and published measurements)
+    world_size: int  # ranks the collectives were measured on (a node, for a shipped GPU profile)
+    threads_per_rank: int
+    memory_bytes: float
+    peak_flops: dict  # dtype -> FLOP/s
+    matmul: dict  # dtype -> [[flops, seconds], ...] ascending in flops
+    op_overhead_s: float
+    copy_bytes_per_s: float
+    collective_overhead_s: float
+    collectives: dict  # op -> {"alpha_s": α, "beta_s_per_byte": β}
+    overlap: float
+    framework_overhead_s: float = 0.0  # per op, beyond its kernel: Python, dispatch, autograd (calibrated)
+    kernels: dict = field(default_factory=dict)  # workload.Op.key -> seconds, timed alone (calibrated)
+    collective_sweeps: dict = field(default_factory=dict)  # op -> [[bytes, seconds], ...] at world_size
+    inter_node: dict | None = None  # {"alpha_s", "beta_s_per_byte"} between nodes (shipped GPU profiles)
+    gpus_per_node: int | None = None
+    hardware: str = ""
+    created: str = ""
+    sources: dict = field(default_factory=dict)  # key -> citation
+    notes: list = field(default_factory=list)
+
+    # --- reading the rates -----------------------------------------------------------------------------
+    def matmul_seconds(self, flops: float, dtype: str = "fp32") -> float:
+        """Seconds of one GEMM of ``flops`` FLOPs: the table interpolated on log-log axes; below its
+        smallest entry the smallest entry's time (a launch-bound floor), above its largest the largest
+        entry's rate."""
+        if flops <= 0:
+            return 0.0
+        table = self.matmul.get(dtype) or self.matmul["fp32"]
+        if flops <= table[0][0]:
+            return table[0][1]
+        if flops >= table[-1][0]:
+            return table[-1][1] * flops / table[-1][0]
+        return _loglog(table, flops)
+
+    def swept_seconds(self, op: str, nbytes: float, n: int) -> float | None:
+        """The measured sweep of ``op`` interpolated at ``nbytes`` (log-log), when it was measured on
+        ``n`` ranks and ``nbytes`` lies inside it; None otherwise (the α-β fit stands in)."""
+        sweep = self.collective_sweeps.get("send" if op == "recv" else op)
+        if not sweep or (n != self.world_size and op not in ("send", "recv")):
+            return None
+        if not sweep[0][0] <= nbytes <= sweep[-1][0]:
+            return None
+        return _loglog(sweep, nbytes)
+
+    def alpha_beta(self, op: str) -> tuple[float, float]:
+        """(α, β) of collective ``op`` (``recv`` is charged to its ``send``)."""
+        c = self.collectives["send" if op == "recv" else op]
+        return c["alpha_s"], c["beta_s_per_byte"]
+
+    # --- files -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path) -> Path:
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "the profile") -> MachineProfile:
+        missing = [k for k in REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}: write a complete one with "
+                             f"`python -m minitorch_dist calibrate --out PATH`, or use a shipped one "
+                             f"({', '.join(SHIPPED)})")
+        absent = [op for op in COLLECTIVES if op not in data["collectives"]]
+        if absent:
+            raise ValueError(f"{where} has no α, β for {', '.join(absent)}: recalibrate with "
+                             f"`python -m minitorch_dist calibrate`")
+        for op, c in data["collectives"].items():
+            if not {"alpha_s", "beta_s_per_byte"} <= set(c):
+                raise ValueError(f"{where}: collectives.{op} needs alpha_s and beta_s_per_byte")
+        if "fp32" not in data["matmul"] or len(data["matmul"]["fp32"]) < 2:
+            raise ValueError(f"{where}: matmul.fp32 needs at least two [flops, seconds] points")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _loglog(table, x: float) -> float:
+    """``table`` ([[x, y], ...], ascending in x) interpolated at ``x`` on log-log axes (x inside it)."""
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x0 <= x <= x1:
+            if x1 == x0:
+                return y0
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return table[0][1] if x < table[0][0] else table[-1][1]
+
+
+def shipped_path(name: str) -> Path:
+    return _HERE / f"{name}.json"
+
+
+def default_profile_path() -> Path:
+    """Where ``calibrate`` writes by default: ``$MTD_PROFILE`` if set, else the user's cache directory
+    (``$XDG_CACHE_HOME`` or ``~/.cache``) / minitorch_dist / profile.json."""
+    if os.environ.get("MTD_PROFILE"):
+        return Path(os.environ["MTD_PROFILE"]).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "minitorch_dist" / "profile.json"
+
+
+def load_profile(which=None) -> MachineProfile:
+    """A profile: a shipped name (``h100``, ``h200``, ``a100``), a path to a JSON file, or None for this
+    machine's calibrated profile at :func:`default_profile_path` (a clear error if there is none)."""
+    if isinstance(which, MachineProfile):
+        return which
+    if which is None:
+        path = default_profile_path()
+        if not path.exists():
+            raise ValueError(f"no calibrated profile at {path}: run `python -m minitorch_dist calibrate` "
+                             f"first (about two minutes), or pass --profile h100|h200|a100|PATH")
+    elif str(which).lower() in SHIPPED:
+        path = shipped_path(str(which).lower())
+    else:
+        path = Path(which).expanduser()
+        if not path.exists():
+            raise ValueError(f"profile {which!r} is neither a shipped name ({', '.join(SHIPPED)}) nor a "
+                             f"file; run `python -m minitorch_dist calibrate --out {which}` to make it")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {path} is not valid JSON ({e}); recalibrate or fix the file") from None
+    return MachineProfile.from_dict(data, where=f"profile {path}")
