@@ -13,7 +13,8 @@ and stashed activations of each schedule) · :mod:`.data_parallel` (DDP buckets 
 (Megatron-SP, Ulysses and ring attention bytes) · :mod:`.checkpointing` (saved bytes with k checkpoints, the
 √n optimum, recompute FLOPs, offload bytes) · :mod:`.moe` (expert capacity, expected dropped tokens, total vs
 active parameters and FLOPs, all-to-all bytes) · :mod:`.kernels` (bytes moved eager vs fused for softmax,
-LayerNorm, AdamW, cross-entropy; roofline, ridge point, device specs) · :mod:`.three_d` (per-stage parameters,
+LayerNorm, AdamW, cross-entropy; roofline, ridge point, device specs) · :mod:`.step_time` (a step's seconds
+from a machine profile: ops, collectives, the ranks replayed) · :mod:`.three_d` (per-stage parameters,
 ZeRO bytes with microbatches, pipeline messages and activations of 3D parallelism) · :mod:`.precision` (fp32 /
 fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates). Units: bytes, seconds,
 FLOPs; ``GB`` = 1e9 bytes as the papers print, ``GiB`` = 2**30.
@@ -52,6 +53,7 @@ from .collectives import (  # noqa: E402
 )
 from .compute import (  # noqa: E402
     megatron_flops_per_step,
+    model_flops_per_token,
     model_flops_utilization,
     training_flops,
     transformer_params,
@@ -135,6 +137,7 @@ from .sequence_parallel import (  # noqa: E402
     ulysses_bytes_per_layer,
     ulysses_max_degree,
 )
+from .step_time import comm_seconds, op_seconds, replay_step  # noqa: E402
 from .tensor_parallel import (  # noqa: E402
     tensor_parallel_allreduces_per_layer,
     tensor_parallel_bytes_per_layer,
@@ -162,13 +165,13 @@ from .zero import (  # noqa: E402
 )
 
 __all__ = [
-    "GB", "GiB",
+    "GB", "GiB", "comm_seconds", "op_seconds", "replay_step",
     "BUS_FACTORS", "LINKS", "all_gather_time", "all_to_all_time", "allreduce_time", "broadcast_time",
     "bus_bytes", "collective_time", "fit_alpha_beta", "naive_allreduce_time", "p2p_time",
     "recursive_doubling_allreduce_time", "reduce_scatter_time", "ring_latency_bandwidth_crossover",
     "tree_allreduce_time",
-    "megatron_flops_per_step", "model_flops_utilization", "training_flops", "transformer_params",
-    "transformer_params_approx",
+    "megatron_flops_per_step", "model_flops_per_token", "model_flops_utilization", "training_flops",
+    "transformer_params", "transformer_params_approx",
     "bucket_assignment", "bucket_sizes", "ddp_allreduce_schedule", "ddp_step_time",
     "byteps_optimal_bytes", "hogwild_conflict_probability", "hogwild_sparsity", "ps_bytes_per_step",
     "ps_step_time",

@@ -5,6 +5,9 @@ step with and without recomputation); Chowdhery et al. 2022, PaLM, App. B (MFU).
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 # --- model size and compute -----------------------------------------------------------------
 
 def transformer_params(cfg) -> int:
@@ -68,8 +71,44 @@ def model_flops_utilization(flops_per_step, step_time_s, peak_flops_per_device, 
     """MFU (Chowdhery et al. 2022, PaLM, Appendix B): achieved model FLOP/s over peak FLOP/s,
     ``flops_per_step / (step_time_s * peak_flops_per_device * n_devices)``. Pass *model* FLOPs
     (e.g. ``megatron_flops_per_step(..., recompute=False)`` or ``training_flops``): recomputation
-    is work the hardware does but not progress, so it is left out."""
+    is work the hardware does but not progress, so it is left out.
+
+    From a throughput instead of a step time, one second is one step:
+    ``model_flops_utilization(model_flops_per_token(cfg) * tokens_per_s, 1.0, peak, n_devices)``."""
     if step_time_s <= 0 or peak_flops_per_device <= 0 or n_devices < 1:
         raise ValueError("step_time_s and peak_flops_per_device must be > 0 and n_devices >= 1")
     return flops_per_step / (step_time_s * peak_flops_per_device * n_devices)
 
+
+def model_flops_per_token(cfg, seq=None) -> float:
+    """Model FLOPs per token of one training step (forward + backward, no recomputation):
+    ``6*N + 12*L*h*s`` (Chowdhery et al. 2022, PaLM, App. B; Narayanan et al. 2021 §5.1 divided by B*s).
+
+    A matmul-only count of the course GPT (``cfg`` duck-typed like :func:`transformer_params`:
+    h = ``n_embd``, L = ``n_layer``, V = ``vocab_size``, f = ``int(mlp_ratio*h)``, s = ``seq``,
+    default ``block_size``), 2 FLOPs per multiply-add, backward = 2x forward:
+
+    * **N = the parameters that multiply an activation**: per layer the weights of ``c_attn``
+      (3h^2), attention ``c_proj`` (h^2), ``c_fc`` (h*f) and MLP ``c_proj`` (f*h), i.e. 12h^2 with
+      f = 4h, plus the LM head's V*h, counted once whether tied to ``wte`` or not (6*V*h per
+      token; PaLM shares it too, and its 46.2% MFU comes out only with it in N). Left out: the
+      embedding lookups ``wte``/``wpe`` (an index, 0 FLOPs), biases and LayerNorms (elementwise,
+      not matmuls). So ``N = L*(4h^2 + 2hf) + V*h``, not ``transformer_params(cfg)``.
+    * **Attention**: scores QK^T and the weighted sum AV, 2 matmuls x 2 FLOPs x s*h per token
+      forward, x3 for forward + backward = ``12*L*h*s``. The full s x s score matrix is counted,
+      as both papers and ``torch.utils.flop_counter`` do; a causal kernel that skips the masked
+      half does about half of this, so the convention flatters it slightly.
+
+    With f = 4h this is ``megatron_flops_per_step(B, s, L, h, V) / (B*s)`` exactly. Softmax,
+    GELU, norms and the loss are not counted: MFU is about matmuls. Times B*s it equals, FLOP for
+    FLOP, what ``torch.utils.flop_counter.FlopCounterMode`` counts for a forward + backward of
+    ``GPT(cfg)`` run with the math SDPA backend (tests/test_mfu.py).
+    """
+    s = cfg.block_size if seq is None else seq
+    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s) or s <= 0:
+        raise ValueError(f"seq must be a positive number of tokens, got {s!r} "
+                         f"(leave it out to use cfg.block_size)")
+    h, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    f = int(getattr(cfg, "mlp_ratio", 4) * h)
+    n_matmul = L * (4 * h * h + 2 * h * f) + V * h
+    return float(6 * n_matmul + 12 * L * h * s)
