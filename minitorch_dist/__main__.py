@@ -1,4 +1,4 @@
-"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule,dryrun}``
+"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,...,dryrun,calibrate,predict}``
 (or ``minitorch-dist``).
 
     tour      run each written chapter's headline experiment; print theory vs measured
@@ -7,6 +7,8 @@
     plan      search DP x TP x PP x ZeRO for a model on a cluster (chapter 12)
     schedule  print a pipeline schedule (chapter 03)
     dryrun    one rank's training step at the papers' scale, on meta tensors (chapter 12)
+    calibrate measure this machine into a profile (collectives' α-β, GEMMs, ops); --show h100 (chapter 00)
+    predict   a technique's step time from a profile, and with --measure the clock's (chapter 12)
 """
 from __future__ import annotations
 
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "  python -m minitorch_dist grade --chapter ch00\n"
                                        "  python -m minitorch_dist estimate --params 7.5e9 --dp 64\n")
     sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{tour,grade,estimate,plan,schedule,dryrun}")
+                           metavar="{tour,grade,estimate,plan,schedule,dryrun,calibrate,predict}")
     t = sub.add_parser("tour", help="run each written chapter's headline experiment: theory vs measured",
                        description=tour.__doc__.split("\n\n")[0])
     tour.add_arguments(t)
@@ -166,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--dp 8 --tp 8 --pp 16 --zero 1 --dtype bf16-mixed")
     dryrun.add_arguments(dr)
     dr.set_defaults(func=dryrun.main)
+    from .analysis import calibrate, predict
+
+    ca = sub.add_parser("calibrate", help="measure this machine: α-β per collective, GEMMs, ops (chapter 00)",
+                        description=calibrate.__doc__.split("\n\n")[0] + " Example: --world 2; "
+                                    "--show h100 prints a shipped GPU profile.")
+    calibrate.add_arguments(ca)
+    ca.set_defaults(func=calibrate.main)
+    pr = sub.add_parser("predict", help="a technique's step time from the machine profile, then measured "
+                                        "(chapter 12)",
+                        description=predict.__doc__.split("\n\n")[0] + " Example: --technique ddp --world 2 "
+                                    "--measure")
+    predict.add_arguments(pr)
+    pr.set_defaults(func=predict.main)
     return p
 
 

@@ -50,6 +50,8 @@ class CommEvent:
     shape: tuple
     t: float  # time.perf_counter() at launch
     ranks: tuple = ()  # global ranks of the group it ran on: tells a 3D run's TP, DP and PP calls apart
+    async_op: bool = False  # launched without waiting (a DDP bucket): it may overlap the compute after it
+    peer: int | None = None  # send / recv: the global rank at the other end
 
 
 @dataclass
@@ -155,19 +157,47 @@ def record(op: str, nbytes: int, n: int, dtype="", shape=(), ranks=()) -> CommEv
 
 
 _calls_so_far = Counter()
+_wait_listeners: list = []  # called with a CommEvent when the work of an asynchronous call is waited on
 
 
-def _run(op, tensor, nbytes, group, async_op, fn):
+class MeteredWork:
+    """The ``Work`` of an asynchronous call, unchanged except that ``wait()`` is reported first to the
+    listeners of :func:`on_wait` (analysis.workload records where a step waits for its communication)."""
+
+    def __init__(self, work, event: CommEvent):
+        self._work, self.event = work, event
+
+    def wait(self, *args, **kwargs):
+        for listener in list(_wait_listeners):
+            listener(self.event)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def on_wait(listener):
+    """Within the block, ``listener(event)`` runs whenever an asynchronous call's work is waited on."""
+    _wait_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _wait_listeners.remove(listener)
+
+
+def _run(op, tensor, nbytes, group, async_op, fn, peer=None):
     """Record the call, run it, keep the status line current."""
     n = _group_size(group)
-    record(op, nbytes, n, tensor.dtype, tensor.shape, _group_ranks(group))
+    ev = record(op, nbytes, n, tensor.dtype, tensor.shape, _group_ranks(group))
+    ev.async_op, ev.peer = bool(async_op), peer
     _calls_so_far[op] += 1
     desc = (f"{op} {str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)} on {n} ranks "
             f"(call #{_calls_so_far[op]})")
     set_status(f"in {desc}")
     work = fn()
     set_status(f"launched {desc}" if async_op else f"after {desc}")
-    return work
+    return MeteredWork(work, ev) if async_op and work is not None else work
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -207,11 +237,13 @@ def broadcast(tensor, src, group=None, async_op=False):
 
 
 def send(tensor, dst, group=None):
-    return _run("send", tensor, _nbytes(tensor), group, False, lambda: dist.send(tensor, dst, group=group))
+    return _run("send", tensor, _nbytes(tensor), group, False, lambda: dist.send(tensor, dst, group=group),
+                peer=dst)
 
 
 def recv(tensor, src=None, group=None):
-    return _run("recv", tensor, _nbytes(tensor), group, False, lambda: dist.recv(tensor, src, group=group))
+    return _run("recv", tensor, _nbytes(tensor), group, False, lambda: dist.recv(tensor, src, group=group),
+                peer=src)
 
 
 def isend(tensor, dst, group=None):
@@ -224,10 +256,13 @@ def irecv(tensor, src=None, group=None):
 
 def batch_isend_irecv(p2p_ops):
     """Launch a list of ``dist.P2POp`` together; each send / recv is counted on its own."""
+    events = []
     for p in p2p_ops:
         name = "send" if p.op in (dist.isend, dist.send) else "recv"
-        record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape,
-               _group_ranks(p.group))
+        ev = record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape,
+                    _group_ranks(p.group))
+        ev.async_op, ev.peer = p.op is dist.isend, p.peer
+        events.append(ev)
     set_status(f"in batch_isend_irecv of {len(p2p_ops)} ops")
     if any(p.tensor.is_meta for p in p2p_ops):
         # torch batches by the tensors' device, and no backend is registered for meta (the tensors of
@@ -236,6 +271,8 @@ def batch_isend_irecv(p2p_ops):
     else:
         works = dist.batch_isend_irecv(p2p_ops)
     set_status(f"launched batch_isend_irecv of {len(p2p_ops)} ops")
+    if works and len(works) == len(events):
+        return [MeteredWork(w, ev) for w, ev in zip(works, events)]
     return works
 
 

@@ -1,0 +1,363 @@
+"""Chapter 00 — calibrate: measure this machine once, so that every time is predicted before it is measured.
+
+``python -m minitorch_dist calibrate [--world N] [--out PATH]`` runs N ranks (one thread each, all of
+them busy at once, as in a real step) and measures what :mod:`.costmodel.step_time` needs:
+
+* **collectives**: each of all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and a
+  point-to-point message, timed over a size sweep (4 kB - 4 MB); α and β fitted to the ring model
+  (``costmodel.fit_alpha_beta``; Hockney 1994, Thakur et al. 2005);
+* **GEMMs**: seconds against FLOPs over a sweep of shapes: the roofline's compute side, and the peak
+  this machine reaches (a CPU has no datasheet number the course could trust);
+* **copy bandwidth** and the **fixed cost of one op** (a one-element add in a loop) and **of one
+  metered collective call** (the wrapper over the raw call);
+* **overlap**: an asynchronous all-reduce beside GEMMs, against the two alone -- how much of the
+  communication the computation hides (on a CPU, gloo's thread needs a core too);
+* **the kernel table**: one step of every technique of :mod:`.techniques` at both sizes is recorded
+  (:mod:`.workload`), and every distinct op (name and shapes) is run again alone and timed;
+* **a whole step** of the course GPT (forward, backward, AdamW) per rank: the part of it that its
+  ops, each timed alone, do not explain is the framework's cost per op (Python, dispatch, autograd).
+
+It writes a profile (:mod:`.profiles`; default in the user's cache directory, path printed) and prints
+a table. ``--show h100`` prints a shipped profile instead.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import comm
+from . import costmodel
+from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
+from .workload import Op, WorkloadRecorder, rebuild_args
+
+__all__ = ["calibrate", "median_seconds", "time_kernels", "main"]
+
+SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(11))  # 4 kB ... 4 MB
+GEMM_SHAPES = ((16, 16, 16), (64, 64, 64), (256, 64, 64), (1024, 64, 64), (1024, 64, 256), (1024, 256, 64),
+               (256, 256, 256), (1024, 128, 512), (512, 512, 512), (2048, 512, 512))
+
+
+def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup``; each run starts after a barrier
+    (every rank begins together) when ``barrier`` and a process group exists."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _repeat(fn, floor_s: float = 2e-4):
+    """``fn`` looped enough times to take ~``floor_s``, and the loop count: short ops timed reliably."""
+    t0 = time.perf_counter()
+    fn()
+    inner = max(1, int(floor_s / max(time.perf_counter() - t0, 1e-7)))
+
+    def loop():
+        for _ in range(inner):
+            fn()
+    return loop, inner
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+
+def _collective_call(op: str, nbytes: int):
+    n, r = dist.get_world_size(), dist.get_rank()
+    numel = max(n, nbytes // 4 // n * n)
+    full, part = torch.ones(numel), torch.ones(numel // n)
+    calls = {"all_reduce": lambda: comm.all_reduce(full), "broadcast": lambda: comm.broadcast(full, 0),
+             "all_gather": lambda: comm.all_gather(full, part),
+             "reduce_scatter": lambda: comm.reduce_scatter(part, full),
+             "all_to_all": lambda: comm.all_to_all(full.clone(), full)}
+    if op != "send":
+        return calls[op]
+
+    def one_way():  # rank 0 sends, rank 1 receives (both just computed, as pipeline stages have)
+        if r == 0:
+            dist.send(full, 1)
+        elif r == 1:
+            dist.recv(full, 0)
+    return one_way
+
+
+def _mean_after_compute(fn, reps: int = 30) -> float:
+    """Mean seconds of ``fn()``, each call right after a short burst of GEMMs on every rank, as a
+    collective follows compute in a step (a barrier first would time the barrier's wake-up too). The
+    mean, not the best or the median: a step pays every slow call, and on a loaded CPU some are slow."""
+    a = torch.randn(128, 128)
+    fn()
+    times = []
+    for _ in range(reps):
+        for _ in range(8):
+            a @ a
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+def _alpha_beta() -> dict:
+    """Per collective: the measured sweep (full-buffer bytes, mean seconds) and its α-β fit."""
+    n, out = dist.get_world_size(), {}
+    sizes = [max(n, s // 4 // n * n) * 4 for s in SWEEP_BYTES]
+    for op in COLLECTIVES:
+        times = [_mean_after_compute(_collective_call(op, s)) for s in SWEEP_BYTES]
+        if op == "send":  # the receiver's clock: from the end of its compute to the message's arrival
+            agreed = torch.tensor(times, dtype=torch.float64) * (dist.get_rank() == 1)
+            dist.all_reduce(agreed)
+            times = agreed.tolist()
+        alpha, beta = costmodel.fit_alpha_beta(sizes, times, n if op != "send" else 2, op)
+        out[op] = {"alpha_s": alpha, "beta_s_per_byte": beta, "sweep": [[b, t] for b, t in zip(sizes, times)]}
+    return out
+
+
+def _collective_overhead(calls: int = 200) -> float:
+    """What the metered wrapper adds to a collective call: its bookkeeping (the event, the status line),
+    timed alone -- beside the call itself it is too small to see in the noise of the network."""
+    x = torch.ones(1)
+
+    def book():
+        for _ in range(calls):
+            ev = comm.record("all_reduce", 4, 2, x.dtype, x.shape, (0, 1))
+            comm.set_status(f"in all_reduce {ev.op}")
+            comm.set_status("after")
+    return median_seconds(book, barrier=False) / calls
+
+
+def _overlap(nbytes: int = 4 * 2 ** 20) -> float:
+    """Fraction of an asynchronous all-reduce hidden by GEMMs that run meanwhile (clamped to [0, 1])."""
+    buf, a = torch.ones(nbytes // 4), torch.randn(256, 256)
+    t_comm = median_seconds(lambda: comm.all_reduce(buf, async_op=True).wait(), reps=5)
+    loop, _ = _repeat(lambda: a @ a, t_comm)
+    t_math = median_seconds(loop, reps=5)
+
+    def both():
+        work = comm.all_reduce(buf, async_op=True)
+        loop()
+        work.wait()
+    t_both = median_seconds(both, reps=5)
+    return min(1.0, max(0.0, (t_comm + t_math - t_both) / min(t_comm, t_math)))
+
+
+# --- compute ---------------------------------------------------------------------------------------
+
+
+def _gemm_table() -> list:
+    table = []
+    for m, k, n in GEMM_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        loop, inner = _repeat(lambda: torch.mm(a, b))
+        table.append([2.0 * m * k * n, median_seconds(loop, reps=5) / inner])
+    table.sort()
+    for i in range(1, len(table)):  # more FLOPs never take less time
+        table[i][1] = max(table[i][1], table[i - 1][1])
+    return table
+
+
+def _copy_bandwidth(nbytes: int = 32 * 2 ** 20) -> float:
+    """Bytes moved per second by ``y.copy_(x)`` (read x, write y) on a buffer larger than the caches."""
+    x = torch.randn(nbytes // 4)
+    y = torch.empty_like(x)
+    return 2 * nbytes / median_seconds(lambda: y.copy_(x), reps=5)
+
+
+def _op_overhead() -> float:
+    x = torch.zeros(1)
+    loop, inner = _repeat(lambda: x.add_(1.0), 1e-3)
+    return median_seconds(loop) / inner
+
+
+def time_kernels(items, table: dict | None = None, reps: int = 5) -> dict:
+    """``{op key: seconds}`` for every distinct op of a recorded workload, each run again alone on
+    fresh tensors of its shapes (no barrier: every rank replays its own ops, all of them busy)."""
+    table = {} if table is None else table
+    for op in items:
+        if not isinstance(op, Op) or op.key in table:
+            continue
+        args, kwargs = rebuild_args(op)
+        try:
+            loop, inner = _repeat(lambda: op.func(*args, **kwargs))
+            table[op.key] = median_seconds(loop, reps=reps, warmup=1, barrier=False) / inner
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            table[op.key] = None  # not replayable alone (the roofline stands in for it)
+    return table
+
+
+def _framework_overhead(table: dict) -> dict:
+    """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
+    The difference per op is the framework's fixed cost, which no op timed alone contains."""
+    from ..models.data import MarkovCorpus
+    from ..models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig.tiny()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, 8, cfg.block_size)
+
+    def step():
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()
+    measured = median_seconds(step, reps=9)
+    with WorkloadRecorder() as rec:
+        step()
+    ops = [o for o in rec.items if isinstance(o, Op)]
+    time_kernels(ops, table)
+    alone = sum(table.get(o.key) or 0.0 for o in ops)
+    flops = sum(o.flops for o in ops)
+    return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
+            "per_op_s": max(0.0, (measured - alone) / len(ops))}
+
+
+def _technique_kernels(table: dict, sizes, techniques) -> list:
+    """Record one step of each technique at each size on this rank and time its ops alone."""
+    from . import techniques as T
+
+    done = []
+    for size in sizes:
+        for name in techniques:
+            try:
+                T.check(name, dist.get_world_size())
+            except ValueError:
+                continue
+            spec = T.make_step(name, size, dist.get_world_size())
+            spec.step()  # warm-up: optimizer state, buffers
+            with WorkloadRecorder() as rec:
+                spec.step()
+            time_kernels(rec.items, table)
+            done.append(f"{name}/{size}")
+    return done
+
+
+def _rank(sizes, techniques) -> dict:
+    """Everything one rank measures (all ranks at once)."""
+    out = {"collectives": _alpha_beta(), "collective_overhead_s": _collective_overhead(),
+           "overlap": _overlap(), "matmul": _gemm_table(), "copy_bytes_per_s": _copy_bandwidth(),
+           "op_overhead_s": _op_overhead()}
+    table: dict = {}
+    out["reference"] = _framework_overhead(table)
+    out["recorded"] = _technique_kernels(table, sizes, techniques)
+    out["kernels"] = table
+    return out
+
+
+def _merge_kernels(per_rank) -> dict:
+    """One table for all ranks: the mean of the ranks that timed a key (None where none could)."""
+    keys = {k for r in per_rank for k in r["kernels"]}
+    merged = {}
+    for k in keys:
+        ts = [r["kernels"][k] for r in per_rank if r["kernels"].get(k) is not None]
+        merged[k] = sum(ts) / len(ts) if ts else None
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
+              timeout_s: float = 600) -> tuple[MachineProfile, dict]:
+    """Measure this machine on ``world`` ranks; write the profile to ``out`` (default: the user's cache);
+    return ``(profile, details)`` (details: the sweeps, the reference step)."""
+    from ..runtime.env import hardware_summary
+    from ..runtime.launch import launch
+    from . import techniques as T
+
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"--world {world!r}: collectives need at least 2 ranks; "
+                         f"use --world 2 (one rank per core)")
+    for name in techniques or ():
+        T.check(name, world)
+    for size in sizes:
+        T.model_config(size)
+    res = launch(_rank, world, tuple(sizes), tuple(techniques or T.TECHNIQUES), timeout_s=timeout_s)
+    r0 = res[0]
+    ref = [r["reference"] for r in res]
+    gemm_peak = max(f / t for f, t in r0["matmul"])
+    med = lambda key: statistics.median(r[key] for r in res)  # noqa: E731
+    profile = MachineProfile(
+        name="calibrated", device=hardware_summary().split(" | ")[0], kind="calibrated", world_size=world,
+        threads_per_rank=1, memory_bytes=_memory_bytes(), peak_flops={"fp32": gemm_peak},
+        matmul={"fp32": r0["matmul"]}, op_overhead_s=med("op_overhead_s"),
+        copy_bytes_per_s=med("copy_bytes_per_s"), collective_overhead_s=med("collective_overhead_s"),
+        collectives={op: {k: v[k] for k in ("alpha_s", "beta_s_per_byte")}
+                     for op, v in r0["collectives"].items()},
+        collective_sweeps={op: v["sweep"] for op, v in r0["collectives"].items()},
+        overlap=med("overlap"), framework_overhead_s=statistics.median(x["per_op_s"] for x in ref),
+        kernels=_merge_kernels(res), hardware=hardware_summary(), created=date.today().isoformat(),
+        sources={"peak_flops.fp32": "the fastest GEMM of the sweep on this machine (measured)"},
+        notes=[f"{world} ranks, one thread each, all busy while measuring",
+               f"recorded: {', '.join(r0['recorded'])}"])
+    path = profile.save(out or default_profile_path())
+    return profile, {"path": str(path), "collectives": r0["collectives"], "reference": ref}
+
+
+def _memory_bytes() -> float:
+    try:
+        import os
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+# --- the table and the command line ----------------------------------------------------------------
+
+
+def format_profile(p: MachineProfile, details: dict | None = None) -> str:
+    """A profile as a readable table (and, after a calibration, what the reference step showed)."""
+    lines = [f"profile {p.name!r} ({p.kind}): {p.device}", f"  {p.hardware}" if p.hardware else "",
+             f"  collectives on {p.world_size} ranks (ring model: steps·α + bus bytes·β)",
+             f"  {'op':<16}{'α (µs)':>10}{'1/β (GB/s)':>12}"]
+    for op in COLLECTIVES:
+        a, b = p.alpha_beta(op)
+        bandwidth = 1 / b / 1e9 if b > 0 else float("inf")
+        lines.append(f"  {op:<16}{a * 1e6:>10.1f}{bandwidth:>12.2f}")
+    peak = ", ".join(f"{k} {v / 1e12:.3g} TF/s" for k, v in p.peak_flops.items() if v)
+    big_flops, big_s = p.matmul["fp32"][-1]
+    lines += [f"  peak: {peak}", f"  largest GEMM of the table: {big_flops / big_s / 1e9:.1f} GF/s fp32",
+              f"  copy bandwidth {p.copy_bytes_per_s / 1e9:.1f} GB/s; one op {p.op_overhead_s * 1e6:.1f} µs; "
+              f"one metered collective call +{p.collective_overhead_s * 1e6:.1f} µs",
+              f"  overlap of an asynchronous all-reduce with compute: {p.overlap:.2f}",
+              f"  framework cost per op in a whole step: {p.framework_overhead_s * 1e6:.1f} µs; "
+              f"kernel table: {len(p.kernels)} ops",
+              f"  memory: {p.memory_bytes / 1e9:.0f} GB"]
+    for ref in (details or {}).get("reference", [])[:1]:
+        lines.append(f"  reference step (tiny GPT, 8 sequences, AdamW): {ref['step_s'] * 1e3:.2f} ms, "
+                     f"its {ref['n_ops']} ops alone {ref['ops_alone_s'] * 1e3:.2f} ms "
+                     f"({ref['flops'] / ref['step_s'] / 1e9:.2f} GF/s achieved)")
+    for k, v in sorted(p.sources.items()):
+        lines.append(f"  source {k}: {v}")
+    return "\n".join(x for x in lines if x)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks (default 2: one per core)")
+    parser.add_argument("--out", help="where to write the profile (default: the user's cache directory)")
+    parser.add_argument("--show", metavar="NAME|PATH", help="print a profile (h100, h200, a100, file)")
+    parser.add_argument("--techniques", help="comma-separated techniques whose ops to time (default: all)")
+    parser.add_argument("--sizes", default="tiny,10x", help="model sizes whose ops to time (default: both)")
+
+
+def main(args) -> int:
+    """``python -m minitorch_dist calibrate``."""
+    try:
+        if args.show:
+            print(format_profile(load_profile(args.show)))
+            return 0
+        t0 = time.perf_counter()
+        techniques = args.techniques.split(",") if args.techniques else None
+        profile, details = calibrate(args.world, args.out, args.sizes.split(","), techniques)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_profile(profile, details))
+    print(f"wrote {details['path']} in {time.perf_counter() - t0:.0f} s")
+    return 0

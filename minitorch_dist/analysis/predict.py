@@ -1,0 +1,129 @@
+"""Chapter 12 — predict, then measure: a technique's step time from the machine profile, beside the clock.
+
+``python -m minitorch_dist predict --technique zero2 --world 2 [--size tiny|10x] [--profile P] [--measure]``
+
+1. **Record** what one step of the technique does on every rank: ranks are launched, each builds the
+   course's implementation (:mod:`.techniques`), takes one warm-up step, and records the next one with
+   :class:`.workload.WorkloadRecorder` -- every op with its shapes, every collective with its group and
+   bytes, and for a pipeline where each F, B and W action begins and ends. Nothing is timed.
+2. **Predict** by replaying those records on the profile (:func:`.costmodel.replay_step`): each op's
+   seconds from the kernel table or the roofline, each collective's from its α-β fit, the ranks'
+   clocks kept in step by their collectives and messages.
+3. **Measure** (``--measure``): the median of timed steps, each the slowest rank's
+   (:func:`.techniques.measure`).
+
+The prediction never sees the measurement; ``ratio`` = predicted / measured says how good it was, and
+``breakdown`` says where the predicted time goes (compute, communication, the part of it left exposed,
+the framework's fixed costs).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+from . import costmodel
+from .profiles import load_profile
+from .workload import WorkloadRecorder, portable
+
+__all__ = ["record_traces", "predict_step", "predict", "format_prediction", "add_arguments", "main"]
+
+
+class _SpanRelay:
+    """The pipeline executor's ``timeline=``: marks actions in whatever recorder is attached."""
+
+    def __init__(self):
+        self.target, self.events = None, []  # events: the executor reads how many a step added (none)
+
+    def span(self, name, category="", **kw):
+        return self.target.span(name, category, **kw) if self.target is not None else contextlib.nullcontext()
+
+
+def _record_rank(technique: str, size: str, seed: int):
+    import torch.distributed as dist
+
+    from . import techniques as T
+
+    relay = _SpanRelay()
+    pipeline = technique.startswith("pp-")  # its F, B, W actions are marked in the record
+    spec = T.make_step(technique, size, dist.get_world_size(), seed=seed,
+                       timeline=relay if pipeline else None)
+    spec.step()  # warm-up: the optimizer's state, the buffers, the first-call work
+    with WorkloadRecorder() as rec:
+        relay.target = rec
+        spec.step()
+        relay.target = None
+    return portable(rec.items), spec.config
+
+
+def record_traces(technique: str, size: str, world: int, seed: int = 0, timeout_s: float = 300) -> tuple:
+    """``({rank: recorded items}, config)`` of one step of ``technique`` on ``world`` ranks."""
+    from ..runtime.launch import launch
+    from . import techniques as T
+
+    T.check(technique, world)
+    out = launch(_record_rank, world, technique, size, seed, timeout_s=timeout_s)
+    return {r: items for r, (items, _) in enumerate(out)}, out[0][1]
+
+
+def predict_step(traces: dict, profile) -> dict:
+    """The replayed step (:func:`.costmodel.replay_step`) of recorded ``traces`` on ``profile``."""
+    return costmodel.replay_step(traces, load_profile(profile))
+
+
+def predict(technique: str, world: int, size: str = "tiny", profile=None, measure: bool = False,
+            reps: int = 7, seed: int = 0) -> dict:
+    """Predict (and with ``measure`` time) one step; the result of ``predict --json``."""
+    from . import techniques as T
+
+    prof = load_profile(profile)
+    traces, config = record_traces(technique, size, world, seed)
+    res = predict_step(traces, prof)
+    measured = T.measure(technique, size, world, reps=reps)["median_s"] if measure else None
+    return {"technique": technique, "world_size": world, "size": size, "config": config,
+            "profile": prof.name, "device": prof.device, "predicted_s": res["step_s"], "measured_s": measured,
+            "ratio": res["step_s"] / measured if measured else None,
+            "breakdown": {k: res[k] for k in ("compute_s", "comm_s", "exposed_comm_s", "overhead_s")},
+            "table_coverage": res["table_coverage"],
+            "per_rank_s": {r: v["step_s"] for r, v in res["per_rank"].items()}}
+
+
+def format_prediction(res: dict) -> str:
+    b = res["breakdown"]
+    lines = [f"{res['technique']} on {res['world_size']} ranks, {res['size']} GPT, profile {res['profile']} "
+             f"({res['device']})",
+             f"  predicted step {res['predicted_s'] * 1e3:9.2f} ms = compute {b['compute_s'] * 1e3:.2f} "
+             f"+ exposed communication and waiting {b['exposed_comm_s'] * 1e3:.2f} + framework overhead "
+             f"{b['overhead_s'] * 1e3:.2f} ms (collectives {b['comm_s'] * 1e3:.2f} ms in all)",
+             f"  ops timed in the profile's kernel table: {res['table_coverage']:.0%} (the rest: roofline)"]
+    if res["measured_s"] is not None:
+        lines.append(f"  measured step  {res['measured_s'] * 1e3:9.2f} ms (median; each step the slowest "
+                     f"rank's)  predicted / measured = {res['ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    from .techniques import SIZES, TECHNIQUES
+
+    p.add_argument("--technique", required=True, help=f"one of {', '.join(TECHNIQUES)}")
+    p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--size", default="tiny", help=f"model size: {', '.join(SIZES)} (default tiny)")
+    p.add_argument("--profile", help="h100, h200, a100 or a profile file (default: this machine's, "
+                                     "from calibrate)")
+    p.add_argument("--measure", action="store_true", help="also time the step here and print the ratio")
+    p.add_argument("--reps", type=int, default=7, help="timed steps with --measure (default 7)")
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+
+
+def main(args) -> int:
+    """``python -m minitorch_dist predict``."""
+    try:
+        res = predict(args.technique, args.world, args.size, args.profile, args.measure, args.reps)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_prediction(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0

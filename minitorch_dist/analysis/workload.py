@@ -1,0 +1,264 @@
+"""Chapter 00 — what one rank's step asks of the machine: every op with its FLOPs and bytes, every collective.
+
+To predict a step's time before running it, first write down its *work*. :class:`WorkloadRecorder`
+is a ``TorchDispatchMode``: while it is active, every ATen op the rank runs -- in the forward, inside
+autograd's backward, in the optimizer -- is recorded with
+
+    kind     "matmul" (mm, addmm, bmm, baddbmm), "attention" (a fused attention kernel), "view" (an op
+             that only makes a new view: no bytes move), "other" (elementwise, reductions, copies, ...)
+    flops    ``torch.utils.flop_counter``'s count for matmuls and attention (2·m·n·k for a GEMM)
+    nbytes   bytes the op reads and writes (its tensor inputs, and its outputs that are new storage)
+    phase    "forward", "backward" (inside autograd's engine) or "other"
+
+and every collective the library's metered wrappers (:mod:`..runtime.comm`) launch is recorded in its
+place among them, with its bytes and whether it was asynchronous -- and, for an asynchronous one, the
+place where the step waits for it (:class:`Wait`). :mod:`.costmodel.step_time` turns
+such a list into seconds with a machine profile. Recording is the only thing this module does: it
+never times anything, so a prediction made from it is a prediction.
+
+The recorder works on real tensors and on ``meta`` ones, under gloo or the fake process group.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..runtime import comm
+
+__all__ = ["Op", "Comm", "Mark", "Wait", "WorkloadRecorder", "record_workload", "summarize", "rebuild_args",
+           "portable"]
+
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+
+
+@dataclasses.dataclass
+class Op:
+    """One ATen op of the step. ``key`` names the op and its arguments' shapes (ops with one key take
+    the same time); ``func`` and ``spec`` let :func:`replay` run it again on fresh tensors."""
+
+    name: str
+    kind: str  # matmul | attention | view | other
+    flops: float
+    nbytes: float
+    phase: str  # forward | backward | other
+    key: str = ""
+    dtype: str = "fp32"  # of its first floating-point input: fp32, bf16, fp16
+    func: object = None
+    spec: tuple = ()
+
+
+@dataclasses.dataclass
+class Wait:
+    """The step waits here for an asynchronous collective or message: ``ref`` is its :class:`Comm`'s index."""
+
+    ref: int
+
+
+@dataclasses.dataclass
+class Mark:
+    """A named point in the step (a pipeline action starting or ending): :meth:`WorkloadRecorder.span`."""
+
+    name: str
+    edge: str  # "start" | "end"
+
+
+@dataclasses.dataclass
+class Comm:
+    """One metered collective of the step, in its place among the ops."""
+
+    op: str
+    nbytes: int  # the full buffer S (comm's convention)
+    group_size: int
+    async_op: bool
+    phase: str
+    ranks: tuple = ()  # global ranks of its group
+    peer: int | None = None  # send / recv: the other end
+
+
+def _flops(func, args, kwargs, out) -> float:
+    """FLOPs of one op: ``torch.utils.flop_counter``'s formula, and for the CPU's fused flash attention
+    (which it does not count) the same count as for the GPU's: 4·b·heads·s_q·s_k·d forward, 2.5x that in
+    backward (the scores are recomputed)."""
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        return float(flop_registry[packet](*args, **kwargs, out_val=out))
+    name = packet.__name__
+    if name == "_scaled_dot_product_flash_attention_for_cpu":
+        q, k, v = args[:3]
+        return float(sdpa_flop_count(q.shape, k.shape, v.shape))
+    if name == "_scaled_dot_product_flash_attention_for_cpu_backward":
+        grad_out, q, k, v = args[:4]
+        return float(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape))
+    return 0.0
+
+
+def _phase() -> str:
+    if torch._C._current_graph_task_id() != -1:
+        return "backward"
+    return "forward" if torch.is_grad_enabled() else "other"
+
+
+def _tensors(tree) -> list:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _kind(func, outs, ins) -> str:
+    name = func._overloadpacket.__name__
+    if name in _MATMUL:
+        return "matmul"
+    if name.startswith(_ATTENTION):
+        return "attention"
+    if func.is_view or (outs and all(_shares_storage(o, ins) for o in outs)):
+        return "view"  # a view, or an in-place op returning its input: only the input bytes count (below)
+    return "other"
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _shares_storage(t, tensors) -> bool:
+    key = _storage_key(t)
+    return any(_storage_key(x) == key for x in tensors)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _spec(tree):
+    """The op's arguments with each tensor replaced by ("T", shape, stride, dtype): enough to rebuild it."""
+    flat, spec = tree_flatten(tree)
+    return tuple(("T", tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
+                 for t in flat), spec
+
+
+def _key(func, leaves) -> str:
+    """``aten.mm.default(float32[1024, 64], float32[64, 256])``: the op and its arguments' shapes."""
+    def show(x):
+        if isinstance(x, tuple) and x and x[0] == "T":
+            return f"{str(x[3]).replace('torch.', '')}{list(x[1])}"
+        return repr(x)
+    return f"{func}({', '.join(show(x) for x in leaves)})"
+
+
+class WorkloadRecorder(TorchDispatchMode):
+    """Records ops and collectives in order (``items``: :class:`Op` and :class:`Comm`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.items: list = []
+        self._meter = None
+        self._seen = 0
+
+    def __enter__(self):
+        self._index: dict = {}  # id(CommEvent) -> index of its Comm item
+        self._stack = contextlib.ExitStack()
+        self._meter = self._stack.enter_context(comm.meter())
+        self._stack.enter_context(comm.on_wait(self._on_wait))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._flush_comm()
+        self._stack.__exit__(*exc)
+        return out
+
+    def _flush_comm(self) -> None:
+        events = self._meter.events
+        for ev in events[self._seen:]:
+            self._index[id(ev)] = len(self.items)
+            self.items.append(Comm(ev.op, ev.nbytes, ev.group_size, ev.async_op, _phase(), ev.ranks, ev.peer))
+        self._seen = len(events)
+
+    def _on_wait(self, event) -> None:
+        self._flush_comm()
+        if id(event) in self._index:  # launched while recording
+            self.items.append(Wait(self._index[id(event)]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._flush_comm()  # collectives launched before this op
+        if func.namespace in ("c10d", "_c10d_functional", "profiler"):
+            return out
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        kind = _kind(func, outs, ins)
+        packet = func._overloadpacket
+        flops = _flops(func, args, kwargs, out)
+        if kind == "view":
+            nbytes = 0.0 if func.is_view else float(sum(_nbytes(t) for t in ins))
+        else:
+            new = [o for o in outs if not _shares_storage(o, ins)]
+            nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in new))
+        leaves, spec = _spec((args, kwargs))
+        floats = [t.dtype for t in ins if t.dtype.is_floating_point]
+        self.items.append(Op(packet.__name__, kind, flops, nbytes, _phase(), _key(func, leaves),
+                             _DTYPES.get(floats[0], "fp32") if floats else "fp32", func, (leaves, spec)))
+        return out
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str = "", **_):
+        """Mark where a named part of the step starts and ends (the pipeline executor's ``timeline=``)."""
+        self._flush_comm()
+        self.items.append(Mark(name, "start"))
+        try:
+            yield
+        finally:
+            self._flush_comm()
+            self.items.append(Mark(name, "end"))
+
+
+def record_workload(fn, *args, **kwargs) -> tuple:
+    """``(fn(*args, **kwargs), items)``: run ``fn`` once under a :class:`WorkloadRecorder`."""
+    with WorkloadRecorder() as rec:
+        result = fn(*args, **kwargs)
+    return result, rec.items
+
+
+def summarize(items) -> dict:
+    """Totals of a workload: ops and FLOPs per kind, bytes, and collectives by op."""
+    ops = [i for i in items if isinstance(i, Op)]
+    comms = [i for i in items if isinstance(i, Comm)]
+    return {"ops": Counter(o.kind for o in ops), "flops": sum(o.flops for o in ops),
+            "nbytes": sum(o.nbytes for o in ops if o.kind != "view"),
+            "collectives": Counter(c.op for c in comms), "comm_bytes": sum(c.nbytes for c in comms)}
+
+
+def _fresh(leaf, generator):
+    """A tensor like the one recorded: random floats, zeros for integers (valid indices), True for bools."""
+    if not (isinstance(leaf, tuple) and leaf and leaf[0] == "T"):
+        return leaf
+    _, shape, stride, dtype = leaf
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0) if all(shape) else 0
+    base = torch.empty(max(size, 1), dtype=dtype)
+    if dtype.is_floating_point:
+        base.normal_(generator=generator)
+    elif dtype == torch.bool:
+        base.fill_(True)
+    else:
+        base.zero_()
+    return base.as_strided(shape, stride)
+
+
+def rebuild_args(op: Op, seed: int = 0) -> tuple:
+    """``(args, kwargs)``: fresh tensors shaped as ``op``'s were, for ``op.func(*args, **kwargs)``."""
+    leaves, spec = op.spec
+    g = torch.Generator().manual_seed(seed)
+    return tree_unflatten([_fresh(x, g) for x in leaves], spec)
+
+
+def portable(items) -> list:
+    """The items without the op objects and argument specs (plain data: picklable, returnable from a rank)."""
+    return [dataclasses.replace(i, func=None, spec=()) if isinstance(i, Op) else i for i in items]
