@@ -265,8 +265,9 @@ def _merge_kernels(per_rank) -> dict:
 
 def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
               timeout_s: float = 600) -> tuple[MachineProfile, dict]:
-    """Measure this machine on ``world`` ranks; write the profile to ``out`` (default: the user's cache);
-    return ``(profile, details)`` (details: the sweeps, the reference step)."""
+    """Measure this machine on ``world`` ranks; write the profile to ``out`` (None: the user's cache;
+    False: nowhere, a notebook's own); return ``(profile, details)`` (details: the sweeps, the reference
+    step). ``sizes`` and ``techniques`` choose whose ops go into the kernel table (default: all)."""
     from ..runtime.env import hardware_summary
     from ..runtime.launch import launch
     from . import techniques as T
@@ -296,7 +297,7 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
         sources={"peak_flops.fp32": "the fastest GEMM of the sweep on this machine (measured)"},
         notes=[f"{world} ranks, one thread each, all busy while measuring",
                f"recorded: {', '.join(r0['recorded'])}"])
-    path = profile.save(out or default_profile_path())
+    path = None if out is False else profile.save(out or default_profile_path())
     return profile, {"path": str(path), "collectives": r0["collectives"], "reference": ref}
 
 

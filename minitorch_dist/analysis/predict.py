@@ -26,7 +26,8 @@ from . import costmodel
 from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 
-__all__ = ["record_traces", "predict_step", "predict", "format_prediction", "add_arguments", "main"]
+__all__ = ["record_traces", "predict_step", "predict", "notebook_profile", "plot_predicted_vs_measured",
+           "format_prediction", "add_arguments", "main"]
 
 
 class _SpanRelay:
@@ -86,6 +87,42 @@ def predict(technique: str, world: int, size: str = "tiny", profile=None, measur
             "breakdown": {k: res[k] for k in ("compute_s", "comm_s", "exposed_comm_s", "overhead_s")},
             "table_coverage": res["table_coverage"],
             "per_rank_s": {r: v["step_s"] for r, v in res["per_rank"].items()}}
+
+
+def notebook_profile(techniques, sizes=("tiny",), world: int = 2):
+    """A profile calibrated now for a notebook or the tour (kernel table of ``techniques`` only, a few
+    seconds), kept in memory: the user's own profile is not overwritten."""
+    from .calibrate import calibrate
+
+    profile, _ = calibrate(world, out=False, sizes=tuple(sizes), techniques=tuple(techniques))
+    return profile
+
+
+def plot_predicted_vs_measured(rows, ax=None, title: str = "predicted vs measured step"):
+    """Bars of predicted (split into compute, exposed communication, overhead) next to measured step
+    times, one group per row of :func:`predict` results; the ratio over each group."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(7, 3.5))[1]
+    xs = range(len(rows))
+    parts = (("compute_s", "compute"), ("exposed_comm_s", "exposed communication + waiting"),
+             ("overhead_s", "framework overhead"))
+    bottom = [0.0] * len(rows)
+    for key, label in parts:
+        vals = [r["breakdown"][key] * 1e3 for r in rows]
+        ax.bar([x - 0.2 for x in xs], vals, 0.4, bottom=bottom, label=f"predicted: {label}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.bar([x + 0.2 for x in xs], [(r["measured_s"] or 0) * 1e3 for r in rows], 0.4, color="k", alpha=0.6,
+           label="measured (median)")
+    for x, r in zip(xs, rows):
+        if r["ratio"]:
+            top = max(bottom[x], (r["measured_s"] or 0) * 1e3)
+            ax.text(x, top * 1.02, f"{r['ratio']:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), [f"{r['technique']}\n{r['size']}, n={r['world_size']}" for r in rows], fontsize=8)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return ax
 
 
 def format_prediction(res: dict) -> str:
