@@ -42,9 +42,9 @@ GEMM_SHAPES = ((16, 16, 16), (64, 64, 64), (256, 64, 64), (1024, 64, 64), (1024,
                (256, 256, 256), (1024, 128, 512), (512, 512, 512), (2048, 512, 512))
 
 
-def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup``; each run starts after a barrier
-    (every rank begins together) when ``barrier`` and a process group exists."""
+def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True, stat=statistics.median) -> float:
+    """Median (or ``stat``) seconds of ``fn()`` over ``reps`` runs after ``warmup``; each run starts after a
+    barrier (every rank begins together) when ``barrier`` and a process group exists."""
     for _ in range(warmup):
         fn()
     times = []
@@ -54,7 +54,7 @@ def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True) -> 
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return stat(times)
 
 
 def _repeat(fn, floor_s: float = 2e-4):
@@ -178,7 +178,7 @@ def _op_overhead() -> float:
     return median_seconds(loop) / inner
 
 
-def time_kernels(items, table: dict | None = None, reps: int = 5) -> dict:
+def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistics.median) -> dict:
     """``{op key: seconds}`` for every distinct op of a recorded workload, each run again alone on
     fresh tensors of its shapes (no barrier: every rank replays its own ops, all of them busy)."""
     table = {} if table is None else table
@@ -188,7 +188,7 @@ def time_kernels(items, table: dict | None = None, reps: int = 5) -> dict:
         args, kwargs = rebuild_args(op)
         try:
             loop, inner = _repeat(lambda: op.func(*args, **kwargs))
-            table[op.key] = median_seconds(loop, reps=reps, warmup=1, barrier=False) / inner
+            table[op.key] = median_seconds(loop, reps=reps, warmup=1, barrier=False, stat=stat) / inner
         except (RuntimeError, ValueError, IndexError, TypeError):
             table[op.key] = None  # not replayable alone (the roofline stands in for it)
     return table
@@ -196,7 +196,8 @@ def time_kernels(items, table: dict | None = None, reps: int = 5) -> dict:
 
 def _framework_overhead(table: dict) -> dict:
     """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
-    The difference per op is the framework's fixed cost, which no op timed alone contains."""
+    The difference per op is the framework's fixed cost, which no op timed alone contains. Both sides
+    are the fastest of their runs here: a difference of two medians would carry the machine's noise."""
     from ..models.data import MarkovCorpus
     from ..models.gpt import GPT, GPTConfig
 
@@ -210,12 +211,13 @@ def _framework_overhead(table: dict) -> dict:
         opt.zero_grad()
         model(x, y)[1].backward()
         opt.step()
-    measured = median_seconds(step, reps=9)
+    measured = median_seconds(step, reps=9, stat=min)
     with WorkloadRecorder() as rec:
         step()
     ops = [o for o in rec.items if isinstance(o, Op)]
     time_kernels(ops, table)
-    alone = sum(table.get(o.key) or 0.0 for o in ops)
+    fastest = time_kernels(ops, {}, stat=min)
+    alone = sum(fastest.get(o.key) or 0.0 for o in ops)
     flops = sum(o.flops for o in ops)
     return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
             "per_op_s": max(0.0, (measured - alone) / len(ops))}

@@ -77,6 +77,7 @@ def predict(technique: str, world: int, size: str = "tiny", profile=None, measur
     """Predict (and with ``measure`` time) one step; the result of ``predict --json``."""
     from . import techniques as T
 
+    T.check(technique, world, size)  # the technique and the world first: they need no profile
     prof = load_profile(profile)
     traces, config = record_traces(technique, size, world, seed)
     res = predict_step(traces, prof)

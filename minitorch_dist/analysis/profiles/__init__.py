@@ -163,7 +163,7 @@ def load_profile(which=None) -> MachineProfile:
         path = default_profile_path()
         if not path.exists():
             raise ValueError(f"no calibrated profile at {path}: run `python -m minitorch_dist calibrate` "
-                             f"first (about two minutes), or pass --profile h100|h200|a100|PATH")
+                             f"first (under a minute), or pass --profile h100|h200|a100|PATH")
     elif str(which).lower() in SHIPPED:
         path = shipped_path(str(which).lower())
     else:
