@@ -27,7 +27,7 @@ from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 
 __all__ = ["record_traces", "predict_step", "predict", "notebook_profile", "plot_predicted_vs_measured",
-           "format_prediction", "add_arguments", "main"]
+           "tour_row", "format_prediction", "add_arguments", "main"]
 
 
 class _SpanRelay:
@@ -124,6 +124,25 @@ def plot_predicted_vs_measured(rows, ax=None, title: str = "predicted vs measure
     ax.set_title(title)
     ax.legend(fontsize=7)
     return ax
+
+
+_TOUR_PROFILES: dict = {}
+
+
+def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2) -> dict:
+    """The tour's "predicted vs measured step" row of a chapter: ``technique`` on ``world`` ranks, the tiny
+    GPT, predicted from a profile calibrated once per process (every technique's ops), then measured.
+    ``ok``: within 25% -- or, in a smoke run (few steps, a machine busy with other work), within 2x."""
+    from .techniques import TECHNIQUES
+
+    if world not in _TOUR_PROFILES:
+        _TOUR_PROFILES[world] = notebook_profile(TECHNIQUES, ("tiny",), world)
+    res = predict(technique, world, "tiny", _TOUR_PROFILES[world], measure=True, reps=5 if smoke else 15)
+    band = 1.0 if smoke else 0.25
+    ok = 1 / (1 + band) <= res["ratio"] <= 1 + band if smoke else abs(res["ratio"] - 1) <= band
+    return {"chapter": chapter, "experiment": f"predicted vs measured {technique} step, {world} ranks (s)"
+                                              + (", smoke: within 2x" if smoke else ", within 25%"),
+            "theory": res["predicted_s"], "measured": res["measured_s"], "ok": ok}
 
 
 def format_prediction(res: dict) -> str:

@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...analysis import costmodel
+from ...analysis.predict import tour_row
 from ...models.gpt import GPT, GPTConfig
 from ...models.train import train_steps
 from ...parallelism.sequence_parallel import (
@@ -81,4 +82,5 @@ def headline(smoke: bool = False) -> list[dict]:
         {"chapter": "ch05",
          "experiment": f"ring attention (causal, zigzag, t={t}, fp64) == full attention, max |Δ| out+grads",
          "theory": 1e-10, "measured": ring_diff, "ok": ring_diff < 1e-10},
+        tour_row("ch05", "sp", smoke),
     ]

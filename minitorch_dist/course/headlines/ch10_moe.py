@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ...analysis import costmodel
+from ...analysis.predict import tour_row
 from ...runtime import comm
 from ...runtime.env import single_thread
 from ...runtime.launch import launch
@@ -80,4 +81,5 @@ def headline(smoke: bool = False) -> list[dict]:
          "ok": abs(drops.mean().item() - expected) < 4 * stderr},
         {"chapter": "ch10", "experiment": "all-to-all bytes (fwd+bwd, both ranks): meter = formula + counts",
          "theory": want_bytes, "measured": got_bytes, "ok": got_bytes == want_bytes},
+        tour_row("ch10", "ep", smoke),
     ]
