@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: setup tour lint test test-fast lab notebooks exercises grade clean
+.PHONY: setup tour lint test test-fast lab notebooks exercises grade gpu-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ exercises: $(STAMP)                  ## regenerate exercises/ from solutions/
 
 grade: $(STAMP)                      ## grade the exercise stubs (what a student hands in)
 	$(BIN)/python -m minitorch_dist grade --impl exercises
+
+gpu-report: $(STAMP)                 ## GPU numbers: gpu tests, calibration, busbw, DDP/FSDP vs torch, kernels, GEMMs, MFU
+	$(BIN)/python -m minitorch_dist.analysis.gpu_report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
