@@ -17,7 +17,7 @@ from minitorch_dist.course.registry import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
-COMMANDS = ("tour", "grade", "estimate", "plan", "schedule", "dryrun")
+COMMANDS = ("tour", "grade", "estimate", "plan", "schedule", "dryrun", "calibrate", "predict")
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
