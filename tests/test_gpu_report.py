@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from minitorch_dist.analysis import gpu_bench as gb
 from minitorch_dist.analysis import gpu_report as g
 from minitorch_dist.models.gpt import GPTConfig
 from minitorch_dist.runtime.launch import launch
@@ -20,10 +21,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _fake_result() -> dict:
-    ops = {op: [{"bytes": b * g.MiB, "seconds": 1e-3 * b, "algbw_GBps": 100.0, "busbw_GBps": 150.0 + b}
-                for b in (1, 4, 16)] for op in g.COLLECTIVE_OPS}
-    ops["reduce_scatter"].append({"bytes": 64 * g.MiB, "error": "RuntimeError: out of memory"})
-    steps = {impl: 0.01 * (i + 1) for i, impl in enumerate(g.IMPLS)}
+    ops = {op: [{"bytes": b * gb.MiB, "seconds": 1e-3 * b, "algbw_GBps": 100.0, "busbw_GBps": 150.0 + b}
+                for b in (1, 4, 16)] for op in gb.COLLECTIVE_OPS}
+    ops["reduce_scatter"].append({"bytes": 64 * gb.MiB, "error": "RuntimeError: out of memory"})
+    steps = {impl: 0.01 * (i + 1) for i, impl in enumerate(gb.IMPLS)}
     return {"device": "NVIDIA H100 80GB HBM3", "n_gpus": 2, "date": "2025-01-02", "torch": "2.13.0",
             "cuda": "12.8", "hardware": "CPU: x | GPU: 2 x NVIDIA H100 80GB HBM3",
             "tests": {"counts": {"passed": 5}}, "calibrate": {"error": "exited 2"},
@@ -180,12 +181,12 @@ def test_gpu_tests_section_counts_the_summary(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_collective_sweep_on_cpu_ranks():
-    (r0, _) = launch(g.collectives_rank, 2, [g.MiB // 4, g.MiB], g.COLLECTIVE_OPS, 1, 3, backend="gloo")
+    (r0, _) = launch(gb.collectives_rank, 2, [gb.MiB // 4, gb.MiB], gb.COLLECTIVE_OPS, 1, 3, backend="gloo")
     assert r0["world_size"] == 2 and r0["backend"] == "gloo"
     # nccl-tests factors at n = 2: all-reduce 2(n-1)/n = 1, all-gather and reduce-scatter (n-1)/n = 1/2
     for op, factor in (("all_reduce", 1.0), ("all_gather", 0.5), ("reduce_scatter", 0.5)):
         rows = r0["ops"][op]
-        assert [r["bytes"] for r in rows] == [g.MiB // 4, g.MiB]
+        assert [r["bytes"] for r in rows] == [gb.MiB // 4, gb.MiB]
         for r in rows:
             assert r["seconds"] > 0
             assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
@@ -195,8 +196,8 @@ def test_collective_sweep_on_cpu_ranks():
 @pytest.mark.timeout(60)
 def test_ours_vs_torch_step_times_on_cpu_ranks():
     cfg = vars(GPTConfig.tiny(block_size=16, n_embd=32))
-    (r0, _) = launch(g.training_rank, 2, cfg, 2, 1, backend="gloo")
-    assert set(r0["median_step_s"]) == set(g.IMPLS) and all(t > 0 for t in r0["median_step_s"].values())
+    (r0, _) = launch(gb.training_rank, 2, cfg, 2, 1, backend="gloo")
+    assert set(r0["median_step_s"]) == set(gb.IMPLS) and all(t > 0 for t in r0["median_step_s"].values())
     assert r0["ours_over_torch"]["ddp"] == pytest.approx(r0["median_step_s"]["ours_ddp"]
                                                          / r0["median_step_s"]["torch_ddp"])
     assert r0["world_size"] == 2 and r0["seq"] == 16
@@ -205,10 +206,10 @@ def test_ours_vs_torch_step_times_on_cpu_ranks():
 @pytest.mark.timeout(60)
 def test_matmul_and_mfu_on_cpu(monkeypatch):
     cpu = torch.device("cpu")
-    mm = g.bench_matmul([32, 64], cpu, iters=2)
+    mm = gb.bench_matmul([32, 64], cpu, iters=2)
     assert [r["n"] for r in mm["rows"]] == [32, 64] and mm["dtype"] == "bfloat16"
     assert mm["rows"][1]["tflops"] == pytest.approx(2 * 64**3 / mm["rows"][1]["seconds"] / 1e12)
-    unknown = g.bench_mfu(cpu, "Some Other GPU", batch=2, steps=2)
+    unknown = gb.bench_mfu(cpu, "Some Other GPU", batch=2, steps=2)
     assert unknown["mfu"] is None and "no shipped profile" in unknown["peak_source"]
     assert unknown["tokens_per_s"] == pytest.approx(2 * 64 / unknown["step_s"])
 
@@ -217,23 +218,12 @@ def test_matmul_and_mfu_on_cpu(monkeypatch):
 
     from minitorch_dist.analysis import profiles
     monkeypatch.setattr(profiles, "load_profile", lambda key: Profile if key == "h100" else None)
-    known = g.bench_mfu(cpu, "NVIDIA H100 80GB HBM3", batch=2, steps=2)
+    known = gb.bench_mfu(cpu, "NVIDIA H100 80GB HBM3", batch=2, steps=2)
     assert known["peak_flops"] == 989e12
     assert known["mfu"] == pytest.approx(known["tokens_per_s"] * known["flops_per_token"] / 989e12)
 
 
 @pytest.mark.timeout(60)
-def test_flops_per_token_matches_the_inline_formula():
-    cfg = GPTConfig.small()
-    fpt, source = g.flops_per_token(cfg)
-    h, L = cfg.n_embd, cfg.n_layer
-    assert fpt == pytest.approx(6 * (12 * L * h * h + cfg.vocab_size * h) + 12 * L * h * cfg.block_size)
-    assert source.startswith(("costmodel.model_flops_per_token", "inline"))
-
-
-# --- on a GPU --------------------------------------------------------------------------------------
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(600)  # the smoke report: three launches under NCCL (spawned ranks), GEMMs, a GPT
 def test_smoke_report_on_cuda(tmp_path):
