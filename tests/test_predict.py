@@ -68,11 +68,12 @@ def test_calibrate_writes_a_complete_profile(profile_path):
 @pytest.mark.parametrize("technique", ["ddp", "tp"])
 def test_predict_then_measure(profile_path, tmp_path, technique):
     path = tmp_path / "out.json"
-    out = cli("predict", "--technique", technique, "--world", "2", "--profile", str(profile_path), "--measure",
-              "--reps", "5", "--json", str(path))
+    out = cli("predict", "--technique", technique, "--world", "2", "--profile", str(profile_path),
+              "--measure", "--reps", "5", "--json", str(path))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(path.read_text())
-    assert {"technique", "world_size", "config", "predicted_s", "measured_s", "ratio", "breakdown"} <= set(res)
+    keys = {"technique", "world_size", "config", "predicted_s", "measured_s", "ratio", "breakdown"}
+    assert keys <= set(res)
     assert set(res["breakdown"]) == {"compute_s", "comm_s", "exposed_comm_s", "overhead_s"}
     assert res["ratio"] == pytest.approx(res["predicted_s"] / res["measured_s"])
     assert 0.5 < res["ratio"] < 2.0, out.stdout

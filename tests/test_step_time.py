@@ -1,4 +1,4 @@
-"""Chapter 00: a step's time from a machine profile -- the recorder writes down the work, the replay prices it.
+"""Chapter 00: a step's time from a machine profile -- the recorder writes the work, the replay prices it.
 
 Synthetic records check the replay's rules one at a time (an op's seconds from the kernel table or the
 roofline; a blocking collective waits for the last rank of its group; an asynchronous one only where the
