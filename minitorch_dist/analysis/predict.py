@@ -162,25 +162,57 @@ def format_prediction(res: dict) -> str:
 def add_arguments(p) -> None:
     from .techniques import SIZES, TECHNIQUES
 
-    p.add_argument("--technique", required=True, help=f"one of {', '.join(TECHNIQUES)}")
+    p.add_argument("--technique", required=True, help=f"one of {', '.join(TECHNIQUES)}, or all")
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--size", default="tiny", help=f"model size: {', '.join(SIZES)} (default tiny)")
+    p.add_argument("--size", default="tiny", help=f"model size: {', '.join(SIZES)} or all (default tiny)")
     p.add_argument("--profile", help="h100, h200, a100 or a profile file (default: this machine's, "
                                      "from calibrate)")
     p.add_argument("--measure", action="store_true", help="also time the step here and print the ratio")
-    p.add_argument("--reps", type=int, default=7, help="timed steps with --measure (default 7)")
-    p.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    p.add_argument("--reps", type=int, default=15, help="timed steps with --measure (default 15)")
+    p.add_argument("--json", metavar="PATH", help="also write the result (a list with 'all') as JSON")
+
+
+def _runs(args) -> list[tuple[str, str]]:
+    from .techniques import SIZES, TECHNIQUES, check
+
+    techniques = TECHNIQUES if args.technique == "all" else (args.technique,)
+    sizes = SIZES if args.size == "all" else (args.size,)
+    runs = []
+    for size in sizes:
+        for t in techniques:
+            try:
+                check(t, args.world, size)
+            except ValueError:
+                if len(techniques) == 1:
+                    raise
+                continue  # with "all": the techniques this world cannot run are left out
+            runs.append((t, size))
+    return runs
+
+
+def summary_table(results: list) -> str:
+    """One line per result: predicted, measured, their ratio."""
+    lines = [f"{'technique':<10}{'size':<6}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}"]
+    for r in results:
+        meas = f"{r['measured_s'] * 1e3:13.2f}" if r["measured_s"] else f"{'-':>13}"
+        ratio = f"{r['ratio']:8.3f}" if r["ratio"] else f"{'-':>8}"
+        lines.append(f"{r['technique']:<10}{r['size']:<6}{r['predicted_s'] * 1e3:14.2f}{meas}{ratio}")
+    return "\n".join(lines)
 
 
 def main(args) -> int:
     """``python -m minitorch_dist predict``."""
     try:
-        res = predict(args.technique, args.world, args.size, args.profile, args.measure, args.reps)
+        runs = _runs(args)
+        results = [predict(t, args.world, size, args.profile, args.measure, args.reps) for t, size in runs]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_prediction(res))
+    for res in results:
+        print(format_prediction(res))
+    if len(results) > 1:
+        print(summary_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+            json.dump(results if len(results) > 1 else results[0], f, indent=1, default=str)
     return 0
