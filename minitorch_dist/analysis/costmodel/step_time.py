@@ -10,7 +10,9 @@ A training step's time is predicted in three layers, each a formula fed only by 
    framework's fixed cost per op (``framework_overhead_s``: Python, the dispatcher, autograd's
    engine), which ``calibrate`` measures as the part of a whole step its ops alone do not explain.
 2. **A collective.** Hockney's α-β model on the ring (``collective_time``): ``steps(n)·α + bus_bytes·β``
-   with the α, β fitted to this collective, plus the per-call overhead.
+   with the α, β fitted to this collective's measured sweep, plus the per-call overhead. (The sweep
+   itself is kept in the profile: on a busy CPU it is noisy point to point, and the fitted line
+   averages that noise out, where interpolating between the points would carry it into every step.)
 3. **The ranks together.** Each rank's recorded sequence of ops and collectives
    (:mod:`..workload`) is replayed on its own clock. A blocking collective starts when the last of its
    group arrives, and ends for all of them together (so a slow rank makes the others wait: the
@@ -50,9 +52,6 @@ def op_seconds(op, profile, table=None) -> tuple[float, bool]:
 def comm_seconds(c, profile) -> float:
     """Seconds of one collective (or a point-to-point message) on ``c.group_size`` ranks: the ring's
     α-β time with this collective's α, β, plus the per-call overhead. A receive costs its send."""
-    swept = profile.swept_seconds(c.op, c.nbytes, c.group_size)
-    if swept is not None:  # this machine's measured curve (it need not be a line: see calibrate)
-        return swept + profile.collective_overhead_s
     alpha, beta = profile.alpha_beta(c.op)
     if c.op in ("send", "recv"):
         return alpha + c.nbytes * beta + profile.collective_overhead_s
