@@ -35,7 +35,7 @@ def test_ch01_smoke_rows_are_ok():
     from minitorch_dist.course.headlines.ch01_data_parallel import headline
 
     rows = headline(smoke=True)
-    _assert_rows(rows, "ch01", 3)
+    _assert_rows(rows, "ch01", 4)
     grad_bytes = sum(p.numel() * 4 for p in GPT(GPTConfig.tiny()).parameters())
     assert rows[1]["measured"] == 2 * 3 / 4 * grad_bytes
 

@@ -135,19 +135,23 @@ def plot_predicted_vs_measured(rows, ax=None, title: str = "predicted vs measure
 _TOUR_PROFILES: dict = {}
 
 
-def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2) -> dict:
-    """The tour's "predicted vs measured step" row of a chapter: ``technique`` on ``world`` ranks, the tiny
-    GPT, predicted from a profile calibrated once per process (every technique's ops), then measured.
-    ``ok``: within 25% -- or, in a smoke run (few steps, a machine busy with other work), within 2x."""
+def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, size: str = "tiny") -> dict:
+    """The tour's "predicted vs measured step" row of a chapter: ``technique`` on ``world`` ranks (the tiny
+    GPT in a smoke run, else ``size``), predicted from a profile calibrated once per process and size (every
+    technique's ops), then measured. ``ok``: within 25% -- or, in a smoke run (few steps, a machine busy
+    with other work), within 2x."""
     from .techniques import TECHNIQUES
 
-    if world not in _TOUR_PROFILES:
-        _TOUR_PROFILES[world] = notebook_profile(TECHNIQUES, ("tiny",), world)
-    res = predict(technique, world, "tiny", _TOUR_PROFILES[world], measure=True, reps=5 if smoke else 15)
+    size = "tiny" if smoke else size
+    if (world, size) not in _TOUR_PROFILES:
+        _TOUR_PROFILES[(world, size)] = notebook_profile(TECHNIQUES, (size,), world)
+    profile = _TOUR_PROFILES[(world, size)]
+    res = predict(technique, world, size, profile, measure=True, reps=5 if smoke else 15)
     band = 1.0 if smoke else 0.25
     ok = 1 / (1 + band) <= res["ratio"] <= 1 + band if smoke else abs(res["ratio"] - 1) <= band
-    return {"chapter": chapter, "experiment": f"predicted vs measured {technique} step, {world} ranks (s)"
-                                              + (", smoke: within 2x" if smoke else ", within 25%"),
+    within = "smoke: within 2x" if smoke else "within 25%"
+    what = f"predicted vs measured {technique} step, {size}, {world} ranks (s), {within}"
+    return {"chapter": chapter, "experiment": what,
             "theory": res["predicted_s"], "measured": res["measured_s"], "ok": ok}
 
 

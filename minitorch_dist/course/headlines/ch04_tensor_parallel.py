@@ -1,9 +1,11 @@
-"""Chapter 04 — the tour's rows: TP GPT == dense, 2 + 2 all-reduces per layer, the bytes per layer."""
+"""Chapter 04 — the tour's rows: TP GPT == dense, 2 + 2 all-reduces per layer, the bytes per layer, and the
+TP step time predicted from a profile of this machine next to the measured one."""
 from __future__ import annotations
 
 import torch
 
 from ...analysis import costmodel
+from ...analysis.predict import tour_row
 from ...models.gpt import GPT, GPTConfig
 from ...models.train import train_steps
 from ...parallelism.tensor_parallel import parallelize_gpt, shard_dense_tensors
@@ -26,7 +28,8 @@ def _headline_rank(cfg, steps, batch, seq, ref_grads):
 
 
 def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 04's rows for the tour: TP GPT == dense, 2 + 2 all-reduces per layer, the bytes."""
+    """Chapter 04's rows for the tour: TP GPT == dense, 2 + 2 all-reduces per layer, the bytes, and the
+    TP step on 2 ranks (one per core) predicted from a profile calibrated now, then measured."""
     t, batch, seq = 4, 8, 32
     steps = 2 if smoke else 4
     cfg = GPTConfig.tiny(block_size=seq)
@@ -53,4 +56,5 @@ def headline(smoke: bool = False) -> list[dict]:
         {"chapter": "ch04",
          "experiment": f"wire bytes per layer = 8·b·s·h·(t-1)/t x 4 B (b={batch}, s={seq})",
          "theory": want_bytes, "measured": wire, "ok": abs(wire - want_bytes) <= 1e-9 * want_bytes},
+        tour_row("ch04", "tp", smoke),  # predicted first (a replay of the recorded step), then timed
     ]
