@@ -1,5 +1,5 @@
 """Chapter 12 — choose data x tensor x pipeline parallelism, microbatches, ZeRO stage and
-recomputation for a model on a cluster, from the cost model alone.
+recomputation for a model on a cluster, from the cost model and a machine profile alone.
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21), §3 ("Performance Analysis of Parallelization Configurations": tensor
@@ -20,54 +20,70 @@ pipelining (they communicate per microbatch: ``costmodel.zero_dp_collectives``).
 A configuration fits when their sum is at most ``usable_memory`` (0.9) of the GPU's: the rest is
 the CUDA context, communication buffers, temporaries and fragmentation, which no formula here counts.
 
-**Step time** (seconds, on the critical path of the first stage)::
+**Step time** comes from the cluster's machine profile (:mod:`.profiles`: a shipped GPU profile with
+a citation for every number, or this machine's, measured by ``calibrate``), never from a free
+efficiency constant. :mod:`.costmodel.planner_time` has the formulas: each GEMM of a layer
+(QKV, the attention scores and context, the attention output, the two MLP GEMMs, the LM head) at
+its own size through ``profile.matmul_seconds``; the elementwise bytes of Megatron's fused kernels
+(Korthikanti §4.1's tensors) over ``profile.copy_bytes_per_s``; the tensor-parallel all-reduces
+(NVLink inside a node), the pipeline messages and ZeRO's collectives with the profile's α, β
+(``inter_node`` when a group spans nodes); the 1F1B bubble; the optimizer's pass over its shard.
+The slowest stage (the last: it also computes the logits) sets the pace.
 
-    t_mb   = F_hw / (N * peak * efficiency) / m            compute of one microbatch on one stage
-           + (L/p) * tensor_parallel_comm_time_per_layer    4 all-reduces a layer on NVLink (x1.5 if
-                                                            full recompute re-runs the forward's 2)
-           + 2 * p2p_time(b*s*h*e/t)                        activation out, gradient back (§4.1)
-    t_step = m * t_mb * (1 + pipeline_bubble_ratio(p, m))   the (p-1)/m bubble of 1F1B (§2.2)
-           + max(0, t_dp - overlap window)                  ZeRO's collectives on the DP link
-
-``F_hw`` = ``megatron_flops_per_step`` (eq. 3) times ``1 + recompute_overhead``. The data-parallel
-gradient sync can hide behind the backward it follows: the last microbatch's (stages 0/1: the sync
-waits for the accumulated gradient), every microbatch's (stage 2), everything (stage 3). The
-optimizer step and the embedding/output layers' imbalance between stages are left out.
-
-**MFU** (Chowdhery et al. 2022, App. B) = model FLOPs (no recomputation) / (t_step * N * peak);
-``mfu_6nd`` uses ``6 * params * tokens`` instead. ``tflops_per_gpu`` counts the FLOPs executed,
+**MFU** (Chowdhery et al. 2022, App. B) = model FLOPs per token x tokens/s / (GPUs x the profile's
+peak); ``mfu_6nd`` uses ``6 * params`` per token instead. ``tflops_per_gpu`` counts the FLOPs executed,
 recomputation included: Narayanan's Table 1 counting, so the two compare.
 
-**The efficiency.** Matmuls never run at the datasheet's peak. The default 0.5 of peak is an
-assumption, set near Narayanan et al.'s end-to-end 44-52% of peak on A100s (Table 1, with the
-bubble and communication inside it), so that predicted throughput lands in the published range;
-change it with ``efficiency=``. It does not depend on the microbatch size here, so a larger ``b``
-only lengthens the bubble and ``b = 1`` usually wins; real GEMMs get faster with ``b`` up to a point
-(Narayanan §3.3.2). The planner predicts *ranks* better than it predicts seconds; checked against
-all of Table 1 in ``tests/test_planner.py`` (within 25%).
+**What runs here** (:func:`local_plans`, :func:`predict_local`): for the course's tiny GPT on this
+machine's ranks the planner scores the configurations the course's techniques implement, and the
+chosen one is predicted by replaying its recorded step on the calibrated profile
+(:func:`.predict.predict`), which also counts the per-op costs a formula cannot see.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from . import costmodel
-from .planner_presets import GPUSpec, ModelSpec, get_gpu, get_model
+from .planner_presets import GPUS, GPUSpec, ModelSpec, get_gpu, get_model
+from .profiles import MachineProfile, load_profile
 
-__all__ = ["Assumptions", "Cluster", "Config", "Plan", "candidates", "check_config", "evaluate", "plan",
-           "rank_of", "format_plans", "why_nothing_fits"]
+__all__ = ["NO_EFFICIENCY", "LOCAL_TECHNIQUES", "Assumptions", "Cluster", "Config", "Plan", "candidates",
+           "check_config", "evaluate", "plan", "rank_of", "format_plans", "local_plans",
+           "predict_local"]
+
+NO_EFFICIENCY = "no free efficiency: the profile's measured GEMM rates set compute time; pass --profile"
+#: The techniques of :mod:`.techniques` that a planner configuration maps to (``3d``: several axes).
+LOCAL_TECHNIQUES = ("ddp", "zero1", "zero2", "zero3", "tp", "pp-1f1b", "3d")
+
+
+def _profile_for(gpu: GPUSpec, profile) -> MachineProfile:
+    if profile is not None:
+        return load_profile(profile)
+    name = next((k for k, v in GPUS.items() if v == gpu), None)
+    if name is None:
+        raise ValueError(f"no machine profile for GPU {gpu.name!r}: pass profile= (h100, h200, a100, a file "
+                         f"from `python -m minitorch_dist calibrate`, or a MachineProfile)")
+    return load_profile(None if name == "cpu" else name)  # cpu: this machine's calibrated profile
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """``n_gpus`` GPUs of one kind, ``gpus_per_node`` to a node (NVLink inside, the network between)."""
+    """``n_gpus`` GPUs of one kind, ``gpus_per_node`` to a node (NVLink inside, the network between;
+    default: the profile's). ``profile``: where every rate comes from (a :class:`MachineProfile`, a
+    shipped name, a path); default the GPU's shipped profile, or for the ``cpu`` preset this
+    machine's calibrated one."""
 
     gpu: GPUSpec
     n_gpus: int
-    gpus_per_node: int = 8
+    gpus_per_node: int | None = None
+    profile: MachineProfile | str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if isinstance(self.gpu, str):
             object.__setattr__(self, "gpu", get_gpu(self.gpu))
+        object.__setattr__(self, "profile", _profile_for(self.gpu, self.profile))
+        if self.gpus_per_node is None:
+            object.__setattr__(self, "gpus_per_node", self.profile.gpus_per_node or 8)
         if self.n_gpus < 1 or self.gpus_per_node < 1:
             raise ValueError(f"need gpus >= 1 and gpus_per_node >= 1, got {self.n_gpus}, "
                              f"{self.gpus_per_node}")
@@ -81,10 +97,21 @@ class Cluster:
         """GPUs that share one NVLink domain (fewer than a node when the cluster is one partial node)."""
         return min(self.gpus_per_node, self.n_gpus)
 
-    def link(self, stride: int, size: int) -> tuple:
-        """(alpha, beta) of a group of ``size`` ranks ``stride`` apart: NVLink if it fits in a node."""
+    def link(self, stride: int, size: int, op: str = "all_reduce") -> tuple:
+        """(alpha, beta) of ``op`` on a group of ``size`` ranks ``stride`` apart: the profile's own
+        (NVLink) if the group fits in a node, its ``inter_node`` link otherwise."""
         inside = stride * size <= self.node_size and self.node_size % (stride * size) == 0
-        return self.gpu.intra_node if inside else self.gpu.inter_node
+        if inside or size <= 1:
+            return self.profile.alpha_beta(op)
+        if not self.profile.inter_node:
+            raise ValueError(f"profile {self.profile.name!r} has no inter_node alpha, beta (it describes one "
+                             f"node): use at most {self.node_size} GPUs, or a profile with inter_node")
+        return self.profile.inter_node["alpha_s"], self.profile.inter_node["beta_s_per_byte"]
+
+    def peak_flops(self, precision: str = "mixed") -> float:
+        """The profile's dense peak for the precision's GEMMs (bf16 or fp32): MFU's denominator."""
+        peaks = self.profile.peak_flops
+        return peaks.get("bf16" if precision == "mixed" else "fp32") or max(peaks.values())
 
 
 @dataclass(frozen=True)
@@ -105,11 +132,13 @@ class Config:
                 f"zero={self.zero} recompute={self.recompute}" + (" sp" if self.sequence_parallel else ""))
 
 
+
+
 @dataclass(frozen=True)
 class Assumptions:
-    """What the cost model takes as given; see the module docstring for each."""
+    """What the cost model takes as given; see the module docstring for each. No efficiency: the
+    profile's measured GEMM rates set the compute time."""
 
-    efficiency: float = 0.5  #: fraction of peak FLOP/s the math runs at
     precision: str = "mixed"  #: "mixed" (16-bit weights/grads/activations, fp32 master + Adam) or "fp32"
     optimizer: str = "adamw"
     schedule: str = "1f1b"  #: "1f1b" or "interleaved" (v chunks per stage)
@@ -119,19 +148,25 @@ class Assumptions:
     scatter_gather: bool = True  #: Narayanan §4.1: pipeline messages of b*s*h/t per rank
 
     def __post_init__(self):
-        if not 0 < self.efficiency <= 1 or not 0 < self.usable_memory <= 1:
-            raise ValueError(f"efficiency and usable_memory must be in (0, 1], got {self.efficiency}, "
-                             f"{self.usable_memory}")
+        if not 0 < self.usable_memory <= 1:
+            raise ValueError(f"usable_memory must be in (0, 1], got {self.usable_memory}")
         if self.schedule not in ("1f1b", "interleaved") or (self.v != 1 and self.schedule != "interleaved"):
             raise ValueError(f"schedule must be '1f1b' or 'interleaved' (v > 1 only with interleaved), "
                              f"got {self.schedule!r}, v={self.v}")
         costmodel.optimizer_bytes_per_param(self.precision, self.optimizer)  # names the valid choices
 
 
+def _assumptions(kw: dict) -> Assumptions:
+    if "efficiency" in kw:
+        raise ValueError(NO_EFFICIENCY)
+    return Assumptions(**kw)
+
+
 @dataclass
 class Plan:
-    """A scored configuration. ``memory``: bytes per GPU; ``time``: seconds per step;
-    ``comm_bytes``: bytes one GPU sends per step on each axis (ring model)."""
+    """A scored configuration. ``memory``: bytes per GPU; ``time``: seconds per step by part
+    (:func:`.costmodel.step_seconds`); ``comm_bytes``: bytes one GPU sends per step on each axis
+    (ring model); ``profile``: the name of the profile the times come from."""
 
     config: Config
     memory: dict
@@ -142,6 +177,7 @@ class Plan:
     tflops_per_gpu: float
     tokens_per_s: float
     fits: bool = field(default=True)
+    profile: str = ""
 
     @property
     def step_time(self) -> float:
@@ -250,34 +286,34 @@ def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> di
 
 
 def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
-    """Seconds per step by part, bytes per GPU per step by axis, and the FLOPs executed."""
+    """Seconds per step by part (the profile's rates: :mod:`.costmodel.planner_time`), bytes per GPU
+    per step by axis, and the FLOPs executed."""
     B, s, L, h, V = model.global_batch, model.seq, model.layers, model.hidden, model.vocab
-    b, m, layers = c.micro_batch, c.microbatches, model.layers // c.pp
+    b, m, layers, prof = c.micro_batch, c.microbatches, model.layers // c.pp, cluster.profile
     e = 4 if a.precision == "fp32" else 2  # bytes of an activation or a gradient on the wire
-    extra = costmodel.recompute_overhead(c.recompute, s, h, L, V)  # FLOPs executed beyond the model's
-    flops = costmodel.megatron_flops_per_step(B, s, L, h, V) * (1 + extra)
-    t_math = flops / (cluster.n_gpus * cluster.gpu.peak_flops * a.efficiency) / m  # one microbatch, one stage
+    # one microbatch on the slowest stage, the last: its layers, the logits and the loss
+    mb = costmodel.microbatch_seconds(prof, b, s, h, model.heads, V, layers, c.tp, a.precision, c.recompute,
+                                      c.sequence_parallel, lm_head=True, mlp_ratio=model.mlp_ratio)
     # tensor parallelism: 4 all-reduces per layer on the critical path; full recompute redoes the forward's 2
     redo = 1.5 if c.recompute == "full" else 1.0
-    t_tp = layers * redo * costmodel.tensor_parallel_comm_time_per_layer(b, s, h, c.tp,
-                                                                         *cluster.link(1, c.tp), e)
+    tp_link = cluster.link(1, c.tp)
+    t_tp = layers * redo * costmodel.tensor_parallel_comm_time_per_layer(b, s, h, c.tp, *tp_link, e)
     # pipeline: one activation out and one gradient back per microbatch (per chunk, interleaved)
     msg = costmodel.pipeline_p2p_message_bytes(b, s, h, c.tp, e, a.scatter_gather)
-    pp_link = cluster.link(c.tp * c.dp, c.pp)
-    t_p2p = 2 * a.v * costmodel.p2p_time(msg, *pp_link) if c.pp > 1 else 0.0
-    t_mb = t_math + t_tp + t_p2p
-    bubble = costmodel.pipeline_bubble_ratio(a.schedule, c.pp, m, a.v) * m * t_mb
-    # data parallelism: ZeRO's collectives, partly hidden behind the backward they follow
-    psi = costmodel.pipeline_stage_params(model.as_cfg(), c.tp, c.pp)[0]
-    t_dp = costmodel.zero_dp_time_per_step(psi, c.dp, c.zero, *cluster.link(c.tp, c.dp), m, e)
-    window = {0: 2 / 3 * t_math, 1: 2 / 3 * t_math, 2: 2 / 3 * m * t_math, 3: m * t_math}[c.zero]
-    exposed = max(0.0, t_dp - window) if a.overlap_dp else t_dp
-    time = {"compute": m * t_math, "tp_comm": m * t_tp, "pp_comm": m * t_p2p, "bubble": bubble,
-            "dp_comm": exposed, "dp_comm_total": t_dp, "total": m * t_mb + bubble + exposed}
+    t_p2p = 2 * a.v * costmodel.p2p_time(msg, *cluster.link(c.tp * c.dp, c.pp, "send")) if c.pp > 1 else 0.0
+    # data parallelism: ZeRO's collectives on the DP link; then the optimizer's pass over its shard
+    stages = costmodel.pipeline_stage_params(model.as_cfg(), c.tp, c.pp)
+    psi = max(stages)  # the stage with the most parameters syncs and updates the longest
+    t_dp = costmodel.zero_dp_seconds(psi, c.dp, c.zero, lambda op: cluster.link(c.tp, c.dp, op), m, e)
+    shard = psi / c.dp if c.zero >= 1 else psi
+    t_opt = costmodel.optimizer_step_bytes(shard, a.precision, a.optimizer) / prof.copy_bytes_per_s
+    time = costmodel.step_seconds(mb, m, c.pp, t_tp, t_p2p, t_dp, c.zero, t_opt, prof.overlap, a.schedule,
+                                  a.v, a.overlap_dp)
     comm = {"tp": m * layers * redo * costmodel.tensor_parallel_bytes_per_layer(b, s, h, c.tp, e),
             "pp": costmodel.pipeline_p2p_bytes(c.pp, m, msg, a.v) / c.pp,  # averaged over the stages
-            "dp": costmodel.zero_dp_bytes_per_step(psi, c.dp, c.zero, m, e)}
-    return time, comm, flops
+            "dp": costmodel.zero_dp_bytes_per_step(stages[0], c.dp, c.zero, m, e)}  # the first stage's
+    extra = costmodel.recompute_overhead(c.recompute, s, h, L, V)  # FLOPs executed beyond the model's
+    return time, comm, costmodel.megatron_flops_per_step(B, s, L, h, V) * (1 + extra)
 
 
 def evaluate(c: Config, model, cluster: Cluster, assumptions: Assumptions = Assumptions()) -> Plan:
@@ -286,26 +322,28 @@ def evaluate(c: Config, model, cluster: Cluster, assumptions: Assumptions = Assu
     check_config(c, model, cluster, assumptions)
     mem = _memory(c, model, cluster, assumptions)
     time, comm, flops = _time(c, model, cluster, assumptions)
-    n, peak, t, tokens = cluster.n_gpus, cluster.gpu.peak_flops, time["total"], model.global_batch * model.seq
-    model_flops = costmodel.megatron_flops_per_step(model.global_batch, model.seq, model.layers, model.hidden,
-                                                    model.vocab)  # recompute=False: model FLOPs
-    mfu = costmodel.model_flops_utilization(model_flops, t, peak, n)
+    n, t, tokens = cluster.n_gpus, time["total"], model.global_batch * model.seq
+    peak = cluster.peak_flops(assumptions.precision)
+    per_token = costmodel.model_flops_per_token(model.as_cfg(), model.seq)  # model FLOPs: no recomputation
+    mfu = costmodel.model_flops_utilization(per_token * tokens / t, 1.0, peak, n)
     mfu_6nd = costmodel.model_flops_utilization(costmodel.training_flops(model.params, tokens), t, peak, n)
     return Plan(c, mem, time, comm, mfu, mfu_6nd, tflops_per_gpu=flops / n / t / 1e12,
-                tokens_per_s=tokens / t, fits=mem["total"] <= mem["capacity"])
+                tokens_per_s=tokens / t, fits=mem["total"] <= mem["capacity"], profile=cluster.profile.name)
 
 
 def plan(model, gpus: int | None = None, gpu="h100", *, cluster: Cluster | None = None,
-         gpus_per_node: int = 8, top_k: int | None = None, zero=(0, 1, 2, 3), recompute=costmodel.RECOMPUTE,
-         sequence_parallel=(False,), micro_batches=None, **assumptions) -> list[Plan]:
+         gpus_per_node: int | None = None, profile=None, top_k: int | None = None, zero=(0, 1, 2, 3),
+         recompute=costmodel.RECOMPUTE, sequence_parallel=(False,), micro_batches=None,
+         **assumptions) -> list[Plan]:
     """The configurations of ``model`` (a name of ``MODELS`` or a ModelSpec) that fit in memory on
     ``gpus`` x ``gpu`` (or ``cluster``), fastest first (ties: less memory first); ``top_k`` of them.
-    ``assumptions``: the fields of :class:`Assumptions` (efficiency=0.5, precision="mixed", ...)."""
-    model, a = get_model(model), Assumptions(**assumptions)
+    ``profile``: the machine profile times come from (default: the GPU's shipped one).
+    ``assumptions``: the fields of :class:`Assumptions` (precision="mixed", ...)."""
+    model, a = get_model(model), _assumptions(assumptions)
     if cluster is None:
         if gpus is None:
             raise ValueError("give the number of GPUs (gpus=1024) or a Cluster")
-        cluster = Cluster(get_gpu(gpu), gpus, gpus_per_node)
+        cluster = Cluster(get_gpu(gpu), gpus, gpus_per_node, profile)
     found = [evaluate(c, model, cluster, a)
              for c in candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a)]
     fit = sorted((p for p in found if p.fits), key=lambda p: (p.step_time, p.memory["total"]))
@@ -319,90 +357,57 @@ def rank_of(plans: list[Plan], **match) -> int | None:
 
 
 def format_plans(plans: list[Plan], top_k: int = 10) -> str:
-    """A plain-text table of the first ``top_k`` plans."""
+    """A plain-text table of the first ``top_k`` plans: the step's parts as shares of it."""
     from ..course.registry import format_table
 
-    parts = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm")
+    parts = ("gemm", "elementwise", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
     rows = []
     for i, p in enumerate(plans[:top_k], 1):
         c = p.config
         rows.append([i, c.tp, c.pp, c.dp, c.micro_batch, c.microbatches, c.zero,
                      c.recompute + (" +sp" if c.sequence_parallel else ""), f"{p.memory['total'] / 1e9:.1f}",
-                     f"{p.step_time:.2f}", *(f"{p.time[k] / p.step_time:.0%}" for k in parts), f"{p.mfu:.1%}",
-                     f"{p.tflops_per_gpu:.0f}"])
+                     f"{p.step_time:#.4g}", *(f"{p.time[k] / p.step_time:.0%}" for k in parts),
+                     f"{p.mfu:.1%}", f"{p.tflops_per_gpu:.0f}"])
     return format_table(rows, ["#", "tp", "pp", "dp", "b", "m", "zero", "recompute", "GB/GPU", "step s",
-                               "compute", "tp", "pp", "bubble", "dp", "MFU", "TFLOP/s"])
+                               "gemm", "elem", "tp", "pp", "bubble", "dp", "opt", "MFU", "TFLOP/s"])
 
 
-def _sizes(n: int, model: ModelSpec, cluster: Cluster, micro_batches, a: Assumptions):
-    """The tp and pp that divide what they must; the (tp, pp, dp) of ``n`` GPUs whose dp divides B/b."""
-    widths = (model.heads, model.vocab, model.mlp_ratio * model.hidden)
-    tps = [t for t in _divisors(min(cluster.gpus_per_node, n)) if all(w % t == 0 for w in widths)]
-    pps = [q for q in _divisors(model.layers) if model.layers % (q * a.v) == 0]
-    bs = micro_batches or [2 ** i for i in range(model.global_batch.bit_length())]
-    shapes = [(t, q, n // (t * q)) for t in tps for q in pps if n % (t * q) == 0
-              and any(model.global_batch % (n // (t * q) * b) == 0 for b in bs)]
-    return tps, pps, shapes
+# --- what runs here ------------------------------------------------------------------------------------
+
+def local_plans(size: str = "tiny", world: int = 2, profile=None) -> list:
+    """``[(technique, Plan)]``, fastest first: the planner's score of each configuration that a
+    technique of :data:`LOCAL_TECHNIQUES` runs for the course GPT of ``size`` on ``world`` ranks of this
+    machine (fp32, AdamW, whole pipeline messages), from ``profile`` (default: the calibrated one).
+    Techniques whose configuration another already has (ZeRO over one rank) are left out."""
+    from . import techniques as T
+
+    model = ModelSpec.from_gpt_config(T.model_config(size), T.GLOBAL_BATCH[size], name=f"{size} GPT")
+    cluster = Cluster(GPUS["cpu"], world, world, load_profile(profile))
+    a = Assumptions(precision="fp32", scatter_gather=False)
+    out = []
+    for tech in LOCAL_TECHNIQUES:
+        try:
+            k = T.step_config(tech, size, world)
+        except ValueError:
+            continue
+        zero = int(tech[-1]) if tech.startswith("zero") else k.get("zero_stage", 0)
+        c = Config(k["tp"], k["pp"], k["dp"], k["rows_per_microbatch"], k["microbatches"],
+                   zero if k["dp"] > 1 else 0, "none")
+        if all(c != p.config for _, p in out):
+            out.append((tech, evaluate(c, model, cluster, a)))
+    return sorted(out, key=lambda pair: (pair[1].step_time, pair[1].memory["total"]))
 
 
-def _gpu_counts(model: ModelSpec, cluster: Cluster, micro_batches, a: Assumptions) -> list[int]:
-    """The GPU counts (whole nodes past one) that some (tp, pp, dp) shape of `_sizes` fits, ascending."""
-    per_node = cluster.gpus_per_node
-    counts = {t * q * d for t in _divisors(per_node) for q in _divisors(model.layers)
-              for d in _divisors(model.global_batch)}
-    return sorted(k for k in counts if (k <= per_node or k % per_node == 0)
-                  and _sizes(k, model, cluster, micro_batches, a)[2])
+def predict_local(size: str = "tiny", world: int = 2, profile=None, measure: bool = True,
+                  reps: int = 7) -> dict:
+    """The planner's choice among :func:`local_plans`, predicted by replaying its technique's recorded
+    step on ``profile`` (:func:`.predict.predict`) and, with ``measure``, timed here. Returns that
+    result plus ``plan`` (the formula's :class:`Plan`), ``formula_s`` (its step time) and ``ranking``
+    (:func:`local_plans`' ``[(technique, Plan)]``, fastest first)."""
+    from .predict import predict
 
-
-def _why_no_candidates(model: ModelSpec, cluster: Cluster, zero, recompute, sequence_parallel, micro_batches,
-                       a: Assumptions) -> str:
-    """The divisibility rule that leaves :func:`candidates` empty, and the fix."""
-    n = cluster.n_gpus
-    tps, pps, shapes = _sizes(n, model, cluster, micro_batches, a)
-    if not shapes:
-        ok = _gpu_counts(model, cluster, micro_batches, a)
-        below, above = max((k for k in ok if k < n), default=0), min((k for k in ok if k > n), default=0)
-        use = (f"use {below} or {above} GPUs" if below and above else f"use {above} GPUs" if above else
-               f"use {below} GPUs (no larger count works with {cluster.gpus_per_node} per node)" if below else
-               f"no GPU count works with microbatch sizes {micro_batches}: use sizes that divide it")
-        return (f"{n} GPUs = tp*pp*dp has no factorization with tp | {cluster.node_size} GPUs per node, "
-                f"the heads, vocab and MLP width (tp in {tps}), pp | {model.layers} layers (pp in {pps}) "
-                f"and dp*b | global batch {model.global_batch}; {use}")
-    if not [z for z in zero for (_, q, d) in shapes if (z == 0 or d > 1) and (z < 2 or q == 1)]:
-        return (f"ZeRO {sorted(zero)} fits none of the shapes (tp, pp, dp) {shapes}: ZeRO-1/2/3 need "
-                f"dp > 1 and ZeRO-2/3 need pp = 1; add stage 0 (--zero 0)")
-    t, q, d = shapes[0]
-    try:
-        check_config(Config(t, q, d, 1, max(1, model.global_batch // d), min(zero), recompute[0],
-                            any(sequence_parallel)), model, cluster, a)
-    except ValueError as e:
-        return f"no configuration passes check_config, e.g. {e}"
-    return "no configuration passes check_config"
-
-
-def why_nothing_fits(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costmodel.RECOMPUTE,
-                     sequence_parallel=(False,), micro_batches=None,
-                     assumptions: Assumptions = Assumptions()) -> str:
-    """Why :func:`plan` finds nothing with these arguments, and what to change: the divisibility
-    rule no configuration passes, or the smallest memory per GPU found against the usable memory.
-    It suggests only what was not already searched."""
-    model, a, n = get_model(model), assumptions, cluster.n_gpus
-    found = candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a)
-    if not found:
-        return _why_no_candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a)
-    best = min((evaluate(c, model, cluster, a) for c in found), key=lambda p: p.memory["total"])
-    if best.fits:
-        return f"nothing is wrong: {best.config} and others fit"
-    cap, gpu = best.memory["capacity"], cluster.gpu
-    states = costmodel.model_state_bytes(model.params, a.precision, a.optimizer)["total"]
-    found_text = (f"the smallest memory per GPU among the {len(found)} valid configurations is "
-                  f"{best.memory['total'] / 1e9:,.1f} GB ({best.config}) > {cap / 1e9:.1f} GB usable "
-                  f"({a.usable_memory:.0%} of {gpu.memory_bytes / 1e9:.0f} GB, {gpu.name})")
-    if states > n * cap:  # no partitioning helps: even perfectly sharded, the states overflow
-        enough = [k for k in _gpu_counts(model, cluster, micro_batches, a) if k * cap >= states]
-        return (f"{found_text}; the model states alone are {states / 1e9:,.0f} GB, more than {n} GPUs "
-                f"hold: use at least {enough[0] if enough else -(-states // cap):.0f} GPUs")
-    tries = [f"{what} ({flag})" for what, flag, searched in (
-        ("full recomputation", "--recompute full", "full" in recompute), ("ZeRO-3", "--zero 3", 3 in zero),
-        ("sequence parallelism", "--sequence-parallel", any(sequence_parallel))) if not searched]
-    return f"{found_text}; try " + ", ".join(tries + ["more GPUs"])
+    prof = load_profile(profile)
+    ranked = local_plans(size, world, prof)
+    tech, best = ranked[0]
+    res = predict(tech, world, size, prof, measure=measure, reps=reps)
+    return {**res, "plan": best, "formula_s": best.step_time, "ranking": ranked}

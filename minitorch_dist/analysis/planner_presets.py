@@ -6,8 +6,10 @@ Every number here is a published one, with its source next to it; the planner's 
 * :data:`MODELS`: shapes of GPT-2 XL (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1),
   LLaMA (Touvron et al. 2023, Table 2), Megatron's weak-scaling models (Narayanan et al. 2021,
   Table 1; MT-NLG 530B and "GPT 1T" as aliases) and the course's tiny GPTs;
-* :data:`GPUS`: memory and dense bf16 peak from ``costmodel.DEVICES`` (the vendor datasheets),
-  plus the two links the planner needs: NVLink inside a node, InfiniBand between nodes;
+* :data:`GPUS`: memory and dense bf16 peak from ``costmodel.DEVICES`` (the vendor datasheets), and
+  each GPU's two links (NVLink inside a node, InfiniBand between nodes) for reference; the
+  planner's memory capacity comes from here, every rate it times with from the GPU's machine
+  profile (``analysis/profiles``, each number cited);
 * :data:`NARAYANAN_TABLE1` and :data:`PUBLISHED`: configurations Megatron-LM reported, to set the
   planner's choices next to.
 """

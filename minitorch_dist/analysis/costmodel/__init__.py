@@ -114,6 +114,16 @@ from .pipeline import (  # noqa: E402
     pipeline_stashed_microbatches,
     zb_h1_idle_time,
 )
+from .planner_time import (  # noqa: E402
+    BACKWARD_BYTES_FACTOR,
+    layer_elementwise_bytes,
+    layer_gemm_flops,
+    lm_head_flops,
+    microbatch_seconds,
+    optimizer_step_bytes,
+    step_seconds,
+    zero_dp_seconds,
+)
 from .precision import (  # noqa: E402
     FORMATS,
     NumberFormat,
@@ -181,6 +191,8 @@ __all__ = [
     "offload_bytes_per_step", "zero_comm_bytes", "zero_table1",
     "SCHEDULES", "pipeline_bubble_fraction", "pipeline_bubble_ratio", "pipeline_p2p_bytes",
     "pipeline_stashed_microbatches", "zb_h1_idle_time",
+    "BACKWARD_BYTES_FACTOR", "layer_elementwise_bytes", "layer_gemm_flops", "lm_head_flops",
+    "microbatch_seconds", "optimizer_step_bytes", "step_seconds", "zero_dp_seconds",
     "tensor_parallel_allreduces_per_layer", "tensor_parallel_bytes_per_layer",
     "tensor_parallel_comm_time_per_layer", "tensor_parallel_params_per_rank", "vocab_parallel_logits_bytes",
     "naive_attention_activation_bytes", "ring_attention_activation_bytes", "ring_attention_bytes_per_layer",

@@ -1,9 +1,11 @@
-"""Chapter 03 — the tour's rows: GPipe and 1F1B on 4 ranks == one process; stashes of m and p; the bubble."""
+"""Chapter 03 — the tour's rows: GPipe and 1F1B on 4 ranks == one process; stashes of m and p; the bubble;
+and the 1F1B step on 2 ranks predicted from a profile of this machine next to the measured one."""
 from __future__ import annotations
 
 import torch
 
 from ...analysis import costmodel
+from ...analysis.predict import tour_row
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT, GPTConfig
 from ...parallelism.pipeline import local_stages, make_schedule, run_schedule, simulate
@@ -21,7 +23,8 @@ def _headline_rank(name, p, m, cfg, batch, seq):
 
 def headline(smoke: bool = False) -> list[dict]:
     """Chapter 03's rows for the tour: 1F1B on 4 ranks == one process; its stash stays at p
-    while GPipe's is m; the simulated bubble is the formula's."""
+    while GPipe's is m; the simulated bubble is the formula's; the 1F1B step on 2 ranks (one per
+    core) predicted from a profile calibrated now, then measured (:func:`.predict.tour_row`)."""
     p, m, batch, seq = 4, 8, 16, 32
     cfg = GPTConfig.tiny(n_layer=4, block_size=seq)
     torch.manual_seed(0)
@@ -44,4 +47,5 @@ def headline(smoke: bool = False) -> list[dict]:
          "measured": f"{stash['1f1b']:g} / {stash['gpipe']:g}", "ok": stash == want_stash},
         {"chapter": "ch03", "experiment": f"simulated 1F1B bubble, p={p}, m={m} = (p-1)/(m+p-1)",
          "theory": want, "measured": sim, "ok": abs(sim - want) < 1e-12},
+        tour_row("ch03", "pp-1f1b", smoke),
     ]

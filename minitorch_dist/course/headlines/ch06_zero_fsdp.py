@@ -1,4 +1,5 @@
-"""Chapter 06 — the tour's rows: ZeRO-3 == one process, 1.5x the bytes of stage 1, 16Ψ/n of model states."""
+"""Chapter 06 — the tour's rows: ZeRO-3 == one process, 1.5x the bytes of stage 1, 16Ψ/n of model states,
+and a ZeRO-3 step predicted from this machine's profile next to the clock."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ import torch.distributed as dist
 
 from ...analysis import costmodel
 from ...analysis.meters import MemoryMeter
+from ...analysis.predict import tour_row
 from ...memory.zero import ZeroDataParallel, fully_shard
 from ...models.gpt import GPT, GPTConfig
 from ...models.train import train_steps
@@ -40,7 +42,8 @@ def _headline_rank(cfg, steps, batch, seq):
 
 
 def headline(smoke: bool = False) -> list[dict]:
-    """Chapter 06's rows for the tour: ZeRO-3 == one process, 1.5x the bytes of stage 1, 16Psi/n."""
+    """Chapter 06's rows for the tour: ZeRO-3 == one process, 1.5x the bytes of stage 1, 16Psi/n,
+    and the predicted ZeRO-3 step against the measured one."""
     n, batch, seq = 4, 8, 32
     steps = 3 if smoke else 5
     cfg = GPTConfig.tiny(block_size=seq)
@@ -64,4 +67,5 @@ def headline(smoke: bool = False) -> list[dict]:
         {"chapter": "ch06",
          "experiment": f"model states per rank, ZeRO-3 fp32 AdamW = 16Ψ/n (n={n}; padding, step counters)",
          "theory": want, "measured": states, "ok": abs(states - want) <= 0.01 * want},
+        tour_row("ch06", "zero3", smoke, size="10x"),
     ]
