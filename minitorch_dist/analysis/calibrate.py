@@ -4,14 +4,15 @@
 them busy at once, as in a real step) and measures what :mod:`.costmodel.step_time` needs:
 
 * **collectives**: each of all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and a
-  point-to-point message, timed over a size sweep (4 kB - 4 MB); α and β fitted to the ring model
+  point-to-point message, timed over a size sweep (4 kB - 16 MB); α and β fitted to the ring model
   (``costmodel.fit_alpha_beta``; Hockney 1994, Thakur et al. 2005);
 * **GEMMs**: seconds against FLOPs over a sweep of shapes: the roofline's compute side, and the peak
   this machine reaches (a CPU has no datasheet number the course could trust);
 * **copy bandwidth** and the **fixed cost of one op** (a one-element add in a loop) and **of one
   metered collective call** (the wrapper over the raw call);
 * **overlap**: an asynchronous all-reduce beside GEMMs, against the two alone -- how much of the
-  communication the computation hides (on a CPU, gloo's thread needs a core too);
+  communication the computation hides (on a CPU, gloo's thread needs a core too); and how long a
+  message posted with ``isend`` waits to start while its sender keeps computing;
 * **the kernel table**: one step of every technique of :mod:`.techniques` at both sizes is recorded
   (:mod:`.workload`), and every distinct op (name and shapes) is run again alone and timed;
 * **a whole step** of the course GPT (forward, backward, AdamW) per rank: the part of it that its
@@ -37,7 +38,7 @@ from .workload import Op, WorkloadRecorder, rebuild_args
 
 __all__ = ["calibrate", "median_seconds", "time_kernels", "main"]
 
-SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(11))  # 4 kB ... 4 MB
+SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(13))  # 4 kB ... 16 MB
 GEMM_SHAPES = ((16, 16, 16), (64, 64, 64), (256, 64, 64), (1024, 64, 64), (1024, 64, 256), (1024, 256, 64),
                (256, 256, 256), (1024, 128, 512), (512, 512, 512), (2048, 512, 512))
 
@@ -154,6 +155,40 @@ def _overlap(nbytes: int = 4 * 2 ** 20, trials: int = 5) -> float:
     return min(1.0, max(0.0, statistics.median(shares)))
 
 
+def _async_start(nbytes: int = 4096, compute_s: float = 0.01, trials: int = 15) -> float:
+    """How long a message posted with ``isend`` waits to start while its sender keeps computing: rank 0
+    posts it and computes for ``compute_s``; rank 1, which began receiving at the same barrier, times
+    its arrival; the median over ``trials``, less the same message's time with an idle sender."""
+    r, a = dist.get_rank(), torch.randn(128, 128)
+    buf = torch.ones(nbytes // 4)
+
+    def late() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if r == 0:
+            work = dist.isend(buf, 1)
+            while time.perf_counter() - t0 < compute_s:
+                a @ a
+            work.wait()
+        elif r == 1:
+            dist.recv(buf, 0)
+        return time.perf_counter() - t0
+
+    def idle() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        if r == 0:
+            dist.send(buf, 1)
+        elif r == 1:
+            dist.recv(buf, 0)
+        return time.perf_counter() - t0
+    late_s = statistics.median(late() for _ in range(trials))
+    delay = late_s - statistics.median(idle() for _ in range(trials))
+    agreed = torch.tensor([max(0.0, delay) if r == 1 else 0.0], dtype=torch.float64)
+    dist.all_reduce(agreed)  # the receiver's clock
+    return agreed.item()
+
+
 # --- compute ---------------------------------------------------------------------------------------
 
 
@@ -250,7 +285,8 @@ def _technique_kernels(table: dict, sizes, techniques) -> list:
 def _rank(sizes, techniques) -> dict:
     """Everything one rank measures (all ranks at once)."""
     out = {"collectives": _alpha_beta(), "collective_overhead_s": _collective_overhead(),
-           "overlap": _overlap(), "matmul": _gemm_table(), "copy_bytes_per_s": _copy_bandwidth(),
+           "overlap": _overlap(), "async_start_s": _async_start(), "matmul": _gemm_table(),
+           "copy_bytes_per_s": _copy_bandwidth(),
            "op_overhead_s": _op_overhead()}
     table: dict = {}
     out["reference"] = _framework_overhead(table)
@@ -298,7 +334,8 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
         collectives={op: {k: v[k] for k in ("alpha_s", "beta_s_per_byte")}
                      for op, v in r0["collectives"].items()},
         collective_sweeps={op: v["sweep"] for op, v in r0["collectives"].items()},
-        overlap=med("overlap"), framework_overhead_s=statistics.median(x["per_op_s"] for x in ref),
+        overlap=med("overlap"), async_start_s=med("async_start_s"),
+        framework_overhead_s=statistics.median(x["per_op_s"] for x in ref),
         kernels=_merge_kernels(res), hardware=hardware_summary(), created=date.today().isoformat(),
         sources={"peak_flops.fp32": "the fastest GEMM of the sweep on this machine (measured)"},
         notes=[f"{world} ranks, one thread each, all busy while measuring",
@@ -332,7 +369,8 @@ def format_profile(p: MachineProfile, details: dict | None = None) -> str:
     lines += [f"  peak: {peak}", f"  largest GEMM of the table: {big_flops / big_s / 1e9:.1f} GF/s fp32",
               f"  copy bandwidth {p.copy_bytes_per_s / 1e9:.1f} GB/s; one op {p.op_overhead_s * 1e6:.1f} µs; "
               f"one metered collective call +{p.collective_overhead_s * 1e6:.1f} µs",
-              f"  overlap of an asynchronous all-reduce with compute: {p.overlap:.2f}",
+              f"  overlap of an asynchronous all-reduce with compute: {p.overlap:.2f}; an asynchronous "
+              f"message waits {p.async_start_s * 1e3:.2f} ms to start while its sender computes",
               f"  framework cost per op in a whole step: {p.framework_overhead_s * 1e6:.1f} µs; "
               f"kernel table: {len(p.kernels)} ops",
               f"  memory: {p.memory_bytes / 1e9:.0f} GB"]

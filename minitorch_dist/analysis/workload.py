@@ -7,7 +7,7 @@ autograd's backward, in the optimizer -- is recorded with
     kind     "matmul" (mm, addmm, bmm, baddbmm), "attention" (a fused attention kernel), "view" (an op
              that only makes a new view: no bytes move), "other" (elementwise, reductions, copies, ...)
     flops    ``torch.utils.flop_counter``'s count for matmuls and attention (2·m·n·k for a GEMM)
-    nbytes   bytes the op reads and writes (its tensor inputs, and its outputs that are new storage)
+    nbytes   bytes the op reads and writes (its tensor inputs and its outputs)
     phase    "forward", "backward" (inside autograd's engine) or "other"
 
 and every collective the library's metered wrappers (:mod:`..runtime.comm`) launch is recorded in its
@@ -116,21 +116,9 @@ def _kind(func, outs, ins) -> str:
         return "matmul"
     if name.startswith(_ATTENTION):
         return "attention"
-    if func.is_view or (outs and all(_shares_storage(o, ins) for o in outs)):
-        return "view"  # a view, or an in-place op returning its input: only the input bytes count (below)
-    return "other"
-
-
-def _storage_key(t: torch.Tensor):
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return id(t)
-
-
-def _shares_storage(t, tensors) -> bool:
-    key = _storage_key(t)
-    return any(_storage_key(x) == key for x in tensors)
+    if func.is_view:
+        return "view"  # a new view of the same storage: no bytes move
+    return "other"  # elementwise, reductions, copies -- in place or not
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -148,7 +136,9 @@ def _key(func, leaves) -> str:
     """``aten.mm.default(float32[1024, 64], float32[64, 256])``: the op and its arguments' shapes."""
     def show(x):
         if isinstance(x, tuple) and x and x[0] == "T":
-            return f"{str(x[3]).replace('torch.', '')}{list(x[1])}"
+            _, shape, stride, dtype = x
+            dense = torch.empty(shape, device="meta").stride() == tuple(stride)
+            return f"{str(dtype).replace('torch.', '')}{list(shape)}" + ("" if dense else f"/{list(stride)}")
         return repr(x)
     return f"{func}({', '.join(show(x) for x in leaves)})"
 
@@ -198,10 +188,9 @@ class WorkloadRecorder(TorchDispatchMode):
         packet = func._overloadpacket
         flops = _flops(func, args, kwargs, out)
         if kind == "view":
-            nbytes = 0.0 if func.is_view else float(sum(_nbytes(t) for t in ins))
-        else:
-            new = [o for o in outs if not _shares_storage(o, ins)]
-            nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in new))
+            nbytes = 0.0
+        else:  # read every input; write every output (an in-place op writes back where it read)
+            nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
         leaves, spec = _spec((args, kwargs))
         floats = [t.dtype for t in ins if t.dtype.is_floating_point]
         self.items.append(Op(packet.__name__, kind, flops, nbytes, _phase(), _key(func, leaves),
@@ -237,14 +226,15 @@ def summarize(items) -> dict:
 
 
 def _fresh(leaf, generator):
-    """A tensor like the one recorded: random floats, zeros for integers (valid indices), True for bools."""
+    """A tensor like the one recorded: floats in [0.5, 1.5) (a NaN or a denormal is slow on a CPU and
+    would misprice the op), zeros for integers (valid indices), True for bools."""
     if not (isinstance(leaf, tuple) and leaf and leaf[0] == "T"):
         return leaf
     _, shape, stride, dtype = leaf
     size = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0) if all(shape) else 0
     base = torch.empty(max(size, 1), dtype=dtype)
-    if dtype.is_floating_point:
-        base.normal_(generator=generator)
+    if dtype.is_floating_point:  # positive and well scaled: a square root or a log of it is no NaN
+        base.uniform_(0.5, 1.5, generator=generator)
     elif dtype == torch.bool:
         base.fill_(True)
     else:

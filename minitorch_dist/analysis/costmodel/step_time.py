@@ -16,10 +16,12 @@ A training step's time is predicted in three layers, each a formula fed only by 
 3. **The ranks together.** Each rank's recorded sequence of ops and collectives
    (:mod:`..workload`) is replayed on its own clock. A blocking collective starts when the last of its
    group arrives, and ends for all of them together (so a slow rank makes the others wait: the
-   cost of imbalance is not a formula, it falls out). An asynchronous one (a DDP bucket) runs
-   beside the compute; a fraction ``1 - overlap`` of it still takes the compute's place (on a CPU
-   the communication thread needs a core), and the rank waits for it when backward ends. A
-   receive waits for its send, which arrives α + bytes·β after it left. The step is the last rank's finish.
+   cost of imbalance is not a formula, it falls out). An asynchronous one (a DDP bucket, a pipeline's
+   message) flies beside the compute. While the rank computes it starts ``async_start_s`` after its
+   launch (on a busy CPU the communication thread waits for the scheduler to give it the core) and
+   ``1 - overlap`` of the time it then moves is taken from the computation; while the rank waits it
+   moves at once. The rank pays for it where the step waits for it. A receive waits for its message.
+   The step is the last rank's finish.
 
 The result says where the time went: ``compute_s`` (op seconds on the slowest rank), ``comm_s`` (its
 collectives' seconds), ``exposed_comm_s`` (the part of the step that is neither compute nor
@@ -58,25 +60,59 @@ def comm_seconds(c, profile) -> float:
     return collective_time(c.op, c.nbytes, c.group_size, alpha, beta) + profile.collective_overhead_s
 
 
-class _Rank:
-    """One rank's cursor through its recorded items, its clock and its tallies."""
+class _Flight:
+    """An asynchronous collective or message of this rank still moving: launched at ``launch``,
+    ``remaining`` seconds of it at full speed; ``done(t)`` is called with the moment it completes."""
 
-    def __init__(self, rank, items):
+    def __init__(self, launch, remaining, done):
+        self.launch, self.remaining, self.done = launch, remaining, done
+
+
+class _Rank:
+    """One rank's cursor through its recorded items, its clock, its communication in flight, its tallies."""
+
+    def __init__(self, rank, items, profile):
         self.rank, self.items, self.i, self.clock = rank, items, 0, 0.0
         self.compute = self.comm = self.overhead = 0.0
         self.done_at: dict = {}  # index of an asynchronous Comm item -> when it completes
+        self.flights: list = []  # in launch order: served one after the other
         self.table_ops = self.ops = 0
         self.spans: list = []
+        self.delay, self.steal = profile.async_start_s, 1.0 - profile.overlap
+
+    def progress(self, t0: float, duration: float, computing: bool) -> float:
+        """Move the flights over ``[t0, t0 + duration]``, first launched first. While the rank computes a
+        flight starts only ``async_start_s`` after its launch, and ``1 - overlap`` of the time it moves
+        is taken from the computation (returned); while the rank waits it moves at once, for free."""
+        end, cursor, taken = t0 + duration, t0, 0.0
+        while self.flights:
+            f = self.flights[0]
+            begin = max(cursor, f.launch + (self.delay if computing else 0.0))
+            if begin >= end:
+                break
+            move = min(f.remaining, end - begin)
+            f.remaining -= move
+            cursor = begin + move
+            taken += move * self.steal if computing else 0.0
+            if f.remaining > 1e-12:
+                break
+            self.flights.pop(0).done(cursor)
+        return taken
+
+    def flush(self) -> None:
+        """The rank waits from now on: everything in flight moves at once and completes."""
+        self.progress(self.clock, float("inf"), False)
 
 
 class _Net:
-    """What the ranks share: arrivals at each collective, messages in flight."""
+    """What the ranks share: arrivals at each collective, messages and asynchronous collectives."""
 
     def __init__(self, ranks, profile):
         self.ranks, self.profile = ranks, profile
         self.arrived = defaultdict(dict)  # (group, k) -> {rank: (arrival, item index)}
         self.seen = defaultdict(int)  # (rank, group) -> collectives met so far
-        self.sent = defaultdict(deque)  # (src, dst) -> arrival times of messages in flight
+        self.sent = defaultdict(deque)  # (src, dst) -> arrival times of messages that have arrived
+        self.async_done = defaultdict(dict)  # (group, k) -> {rank: when its share completed}
 
 
 def replay_step(traces: dict, profile) -> dict:
@@ -85,13 +121,16 @@ def replay_step(traces: dict, profile) -> dict:
     Returns ``{"step_s", "compute_s", "comm_s", "exposed_comm_s", "overhead_s", "per_rank": {...},
     "table_coverage"}`` where the totals are those of the rank that finishes last.
     """
-    ranks = {k: _Rank(k, list(v)) for k, v in traces.items()}
+    ranks = {k: _Rank(k, list(v), profile) for k, v in traces.items()}
     net = _Net(ranks, profile)
     progress = True
     while progress:
         progress = False
         for r in ranks.values():
             while r.i < len(r.items) and _advance(r, net):
+                progress = True
+            if r.i == len(r.items) and r.flights:
+                r.flush()  # the step's end waits for whatever is still in flight
                 progress = True
     stuck = [r.rank for r in ranks.values() if r.i < len(r.items)]
     if stuck:
@@ -103,7 +142,8 @@ def replay_step(traces: dict, profile) -> dict:
 
 
 def _advance(r, net) -> bool:
-    """Take one step of rank ``r``; False when it must wait for another rank."""
+    """Take one step of rank ``r``; False when it must wait for another rank (it then waits: what it
+    has in flight moves at full speed)."""
     item, profile = r.items[r.i], net.profile
     kind = type(item).__name__
     if kind == "Op":
@@ -113,68 +153,92 @@ def _advance(r, net) -> bool:
     elif kind == "Wait":
         if r.items[item.ref].async_op:  # a blocking call (a receive) has already ended where it stood
             if item.ref not in r.done_at:
-                return False  # its collective has not started on every rank yet
-            r.clock = max(r.clock, r.done_at[item.ref])
+                r.flush()
+                if item.ref not in r.done_at:
+                    return False  # its collective still waits for another rank
+            _wait_until(r, r.done_at[item.ref])
     elif item.op == "send":
-        t = comm_seconds(item, profile)
-        net.sent[(r.rank, item.peer)].append(r.clock + t)
-        _charge(r, item, r.clock, t, profile)
+        _send(r, item, net)
     elif item.op == "recv":
         queue = net.sent[(item.peer, r.rank)]
         if not queue:
+            r.flush()
             return False
-        r.clock = max(r.clock, queue.popleft())
+        _wait_until(r, queue.popleft())
     elif not _collective(r, item, net):
+        r.flush()
         return False
     r.i += 1
     return True
 
 
+def _wait_until(r, t: float) -> None:
+    """The rank is idle until ``t``: its flights move at full speed meanwhile."""
+    if t > r.clock:
+        r.progress(r.clock, t - r.clock, False)
+        r.clock = t
+
+
 def _run_op(r, op, profile) -> None:
     t, hit = op_seconds(op, profile)
+    d = t + profile.framework_overhead_s
+    taken = r.progress(r.clock, d, True)  # communication in flight, beside (or in the way of) the op
     r.compute += t
     r.overhead += profile.framework_overhead_s
-    r.clock += t + profile.framework_overhead_s
+    r.clock += d + taken
     r.ops += 1
     r.table_ops += hit
 
 
-def _charge(r, c, start, t, profile) -> None:
-    """A collective or message of ``t`` seconds starting at ``start``: a blocking one holds the rank until
-    it ends; an asynchronous one ends then in the background, and ``1 - overlap`` of it takes the core."""
+def _send(r, c, net) -> None:
+    """A message: a blocking send holds the rank until it is delivered; an asynchronous one flies while
+    the rank goes on, and arrives when it has been moved (:meth:`_Rank.progress`)."""
+    t = comm_seconds(c, net.profile)
     r.comm += t
+    queue = net.sent[(r.rank, c.peer)]
     if c.async_op:
-        r.done_at[r.i] = start + t
-        r.clock += (1 - profile.overlap) * t
+        index = r.i
+
+        def delivered(at, index=index):
+            r.done_at[index] = at
+            queue.append(at)
+        r.flights.append(_Flight(r.clock, t, delivered))
     else:
-        r.clock = max(r.clock, start + t)
+        _wait_until(r, r.clock + t)
+        queue.append(r.clock)
 
 
 def _collective(r, c, net) -> bool:
-    """The k-th collective on group ``c.ranks`` starts when every member has arrived at it: a blocking
-    one waits for that; an asynchronous one does not (its members learn its end when the last arrives)."""
+    """The k-th collective on group ``c.ranks``. A blocking one starts when every member has arrived and
+    holds them all until it ends; an asynchronous one flies on each member from its launch, and ends for
+    all when every member's share has been moved and not before the last arrival plus its time."""
     group = tuple(c.ranks) or tuple(sorted(net.ranks))
+    members = [m for m in group if m in net.ranks]
     key = (group, net.seen[(r.rank, group)])
     arrived = net.arrived[key]
     arrived.setdefault(r.rank, (r.clock, r.i))
-    members = [m for m in group if m in net.ranks]
-    if len(arrived) < len(members) and not c.async_op:
-        return False
+    t = comm_seconds(c, net.profile)
+    if not c.async_op:
+        if len(arrived) < len(members):
+            return False
+        r.comm += t
+        _wait_until(r, max(a for a, _ in arrived.values()) + t)
+    else:
+        r.comm += t
+        share = lambda at, key=key: _share_done(net, key, r.rank, at, members, t)  # noqa: E731
+        r.flights.append(_Flight(r.clock, t, share))
     net.seen[(r.rank, group)] += 1
-    if len(arrived) == len(members):
-        start, t = max(a for a, _ in arrived.values()), comm_seconds(c, net.profile)
-        for m, (_, index) in arrived.items():
-            other = net.ranks[m]
-            if c.async_op:
-                other.done_at[index] = start + t
-            if m == r.rank:
-                _charge(r, c, start, t, net.profile)
-            elif not c.async_op:
-                pass  # a blocking member still waiting is charged when it retries
-    elif c.async_op:  # not everyone is here yet: the core cost now, the end when the last arrives
-        r.comm += comm_seconds(c, net.profile)
-        r.clock += (1 - net.profile.overlap) * comm_seconds(c, net.profile)
     return True
+
+
+def _share_done(net, key, rank, at, members, t) -> None:
+    shares = net.async_done[key]
+    shares[rank] = at
+    arrived = net.arrived[key]
+    if len(shares) == len(members) and len(arrived) == len(members):
+        end = max(max(shares.values()), max(a for a, _ in arrived.values()) + t)
+        for m, (_, index) in arrived.items():
+            net.ranks[m].done_at[index] = end
 
 
 def _result(ranks) -> dict:
