@@ -1,21 +1,13 @@
 """Chapter 03 — the bubble measured: a real pipeline step's per-rank timeline beside the simulator fed
-with stage times measured alone.
+with stage times measured apart, and where the difference goes.
 
-The simulator (:mod:`.simulator`) predicts a schedule's bubble from three numbers, t_F, t_B, t_W. Here
-they are *calibrated*: each rank times its own stage's forward, backward and weight gradient on one
-microbatch, alone (no messages, both ranks busy at once, as in a step), before any pipeline step
-runs. Then the executor runs real steps with a :class:`~minitorch_dist.analysis.timeline.Timeline`
-and the bubble is read off its spans: on rank r, idle = step − Σ its action spans.
-
-Two predictions sit beside the measurement:
-
-* :func:`simulate_stages` -- the simulator's rules with each stage's own times (the first stage
-  embeds, the last projects onto the vocabulary and takes the loss: they are not equal);
-* the same with a message latency ``p2p`` on every cross-stage dependency (the profile's measured
-  one-way send, ``profile.swept_seconds("send", bytes, 2)``).
-
-:func:`message_delays` measures what the schedule actually paid per message: for every action that
-waited on the other rank, the time from the producer's end to its own start.
+Each rank times its own stage's F, B and W alone (no message; both ranks busy, as in a step) between
+the steps that the executor runs with a :class:`~minitorch_dist.analysis.timeline.Timeline`; on rank
+r, idle = makespan − Σ its action spans. :func:`simulate_stages` plays the simulator's rules with
+each stage's own times (the first stage embeds, the last takes the loss) and a message time ``p2p``
+per hop (e.g. the profile's one-way send); :func:`idle_breakdown` splits a timeline's
+idle into waiting for the other stage, messages, gaps between actions, and the drain;
+:func:`late_message` times a receive whose sender went on computing after posting it.
 """
 from __future__ import annotations
 
@@ -25,22 +17,23 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...analysis.timeline import Timeline, busy_fraction
+from ...analysis.timeline import Event, Timeline
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT
 from ...runtime.launch import launch
 from .executor import local_stages, run_schedule
-from .schedules import make_schedule
-from .simulator import _check_structure, _dependencies
+from .schedules import Action, make_schedule, validate_structure
+from .simulator import check_dependencies
 from .zero_bubble import LinearTap, b_params, backward_input, backward_weights
 
-__all__ = ["build_step", "time_stage_alone", "measure_pipeline", "idle_fractions", "simulate_stages",
-           "message_delays"]
+__all__ = ["build_step", "time_stage_alone", "measure_pipeline", "simulate_stages",
+           "late_message", "message_delays", "idle_breakdown"]
 
 
 def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
-    """This rank's pipeline step of ``techniques``' GPT at ``size`` with ``m`` microbatches:
-    ``(step(timeline=None), schedule, stages, x, y)``; the step runs the schedule, then AdamW."""
+    """This rank's step of schedule ``name`` on ``p`` ranks for the GPT of :mod:`~minitorch_dist.analysis.
+    techniques` at ``size``, its global batch cut into ``m`` microbatches: ``(step, schedule, stage,
+    x, y)``; ``step(timeline=None)`` runs the schedule, then AdamW, and returns the PipelineResult."""
     from ...analysis import techniques as T
 
     cfg = T.model_config(size)
@@ -48,7 +41,7 @@ def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
     model = GPT(cfg)
     schedule = make_schedule(name, p, m)
     stages = local_stages(model, schedule)
-    opt = torch.optim.AdamW([q for s in stages.values() for q in s.parameters()], lr=T.LR)
+    opt = torch.optim.AdamW(stages[0].parameters(), lr=T.LR)
     x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, T.GLOBAL_BATCH[size], cfg.block_size)
 
     def step(timeline=None):
@@ -57,118 +50,178 @@ def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
         opt.step()
         return res
 
-    return step, schedule, stages, x, y
+    return step, schedule, stages[0], x, y
 
 
-def time_stage_alone(schedule, stage, x, y, reps: int = 5) -> dict:
-    """Median seconds of this rank's F, B (and W) on one microbatch, with no message sent or waited for:
-    the stage input is the tokens (first stage) or a random activation, the output gradient random."""
+def time_stage_alone(schedule, stage, x, y, rounds: int = 1) -> dict:
+    """Seconds ``{"F": [...], "B": [...], "W": [...]}`` of this rank's actions on one microbatch each,
+    with no message: ``rounds`` times all m forwards, then all m backwards (B then W when the schedule
+    splits them). The input is the tokens (first stage) or a random activation, the output gradient
+    random: the step's arithmetic, not its values. W takes ~0 for an unsplit backward."""
     m, split = schedule.m, schedule.splits_backward
-    xs, ys = x.chunk(m)[0], y.chunk(m)[0]
     taps = LinearTap([stage]) if split else None
     own = b_params(stage)
     ids = {id(q) for q in own}
-    out = {"F": [], "B": [], "W": []}
-    for _ in range(reps + 1):  # the first round warms up
-        inp = xs if stage.is_first else torch.randn(stage.boundary_shape(*xs.shape), requires_grad=True)
-        t0 = time.perf_counter()
-        if taps is not None:
-            taps.active = []
-        yv = stage(inp, ys) / m if stage.is_last else stage(inp)
-        t1 = time.perf_counter()
-        g = None if stage.is_last else torch.randn_like(yv)
-        if split:
-            _, stash = backward_input(yv, g, None if stage.is_first else inp, taps.active, own)
-            t2 = time.perf_counter()
-            backward_weights(stash, ids)
-        else:
-            torch.autograd.backward(yv, g)
-            t2 = time.perf_counter()
-        t3 = time.perf_counter()
-        for k, dt in zip("FBW", (t1 - t0, t2 - t1, t3 - t2)):
-            out[k].append(dt)
-    if taps is not None:
+    times = {"F": [], "B": [], "W": []}
+    for _ in range(rounds):
+        live = []
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            inp = xs if stage.is_first else torch.randn(stage.boundary_shape(*xs.shape), requires_grad=True)
+            seen = [] if split else None  # split: the Linear inputs and outputs B and W need
+            if split:
+                taps.active = seen
+            t0 = time.perf_counter()
+            out = stage(inp, ys) / m if stage.is_last else stage(inp)
+            times["F"].append(time.perf_counter() - t0)
+            live.append((inp, out, seen))
+        for inp, out, seen in live:
+            g = None if stage.is_last else torch.randn_like(out)
+            t0 = time.perf_counter()
+            if split:
+                _, stash = backward_input(out, g, None if stage.is_first else inp, seen, own)
+                t1 = time.perf_counter()
+                backward_weights(stash, ids)
+            else:
+                torch.autograd.backward(out, g)
+                t1 = time.perf_counter()
+            times["B"].append(t1 - t0)
+            times["W"].append(time.perf_counter() - t1)
+    if split:
         taps.remove()
     stage.zero_grad(set_to_none=True)
-    return {k: statistics.median(v[1:]) for k, v in out.items()}
+    return times
 
 
 def _rank(name: str, size: str, m: int, reps: int, origin: float) -> dict:
-    step, schedule, stages, x, y = build_step(name, size, m, dist.get_world_size())
-    alone = time_stage_alone(schedule, stages[0], x, y, reps)  # before any pipeline step
+    step, schedule, stage, x, y = build_step(name, size, m, dist.get_world_size())
     step()  # warm-up: AdamW's state, the first messages
-    steps, step_s = [], []
-    for _ in range(reps):
-        dist.barrier()  # start together
+    time_stage_alone(schedule, stage, x, y)  # warm-up
+    alone, steps, step_s = {"F": [], "B": [], "W": []}, [], []
+    for _ in range(reps):  # alternate, so that both see the machine in the same state
+        dist.barrier()
+        for k, v in time_stage_alone(schedule, stage, x, y).items():
+            alone[k] += v
+        dist.barrier()  # start the step together
         tl = Timeline(origin=origin)  # one clock for every rank: the parent's time.monotonic()
         t0 = time.perf_counter()
         step(tl)
         step_s.append(time.perf_counter() - t0)
         steps.append(tl.events)
-    return {"alone": alone, "steps": steps, "step_s": step_s}
+    return {"alone": {k: statistics.median(v) for k, v in alone.items()}, "steps": steps, "step_s": step_s}
 
 
 def measure_pipeline(name: str, size: str, m: int, p: int = 2, reps: int = 5, timeout_s: float = 300) -> dict:
-    """Launch ``p`` ranks; each times its stage alone, then ``reps`` timed steps with a timeline.
-
-    Returns ``{"alone": [per rank {"F","B","W"} seconds], "events": the median step's events (all
-    ranks), "step_s": each step's slowest rank's seconds, "schedule"}``."""
+    """Launch ``p`` ranks; after a warm-up each alternates ``reps`` times: its stage alone
+    (:func:`time_stage_alone`, all m microbatches), then one step with a timeline. Returns ``{"schedule",
+    "alone": [rank r's median {"F","B","W"} seconds], "events": every rank's action spans in the step
+    of median makespan, "step_s": each step's slowest rank (the optimizer included)}``."""
     out = launch(_rank, p, name, size, m, reps, time.monotonic(), timeout_s=timeout_s)
-    per_step = [max(r["step_s"][i] for r in out) for i in range(reps)]
     events = [[e for r in out for e in r["steps"][i]] for i in range(reps)]
     spans = [max(e.t_end for e in ev) - min(e.t_start for e in ev) for ev in events]
     median = sorted(range(reps), key=spans.__getitem__)[reps // 2]
-    return {"alone": [r["alone"] for r in out], "events": events[median], "step_s": per_step,
-            "schedule": make_schedule(name, p, m)}
+    return {"schedule": make_schedule(name, p, m), "alone": [r["alone"] for r in out],
+            "events": events[median], "step_s": [max(r["step_s"][i] for r in out) for i in range(reps)]}
 
 
-def idle_fractions(events, p: int) -> tuple[list[float], float]:
-    """Per rank: idle / makespan, where idle = makespan − Σ its action spans and the makespan runs
-    from the first action's start to the last one's end on any rank; and the bubble, their mean."""
-    window = (min(e.t_start for e in events), max(e.t_end for e in events))
-    idle = [1.0 - busy_fraction(events, r, window) for r in range(p)]
-    return idle, sum(idle) / p
+def _inputs(schedule, r: int, a: Action) -> list[tuple[int, Action]]:
+    """``(rank, action)`` that must end before ``a`` runs on rank ``r`` (one chunk per rank): the
+    simulator's dependencies -- F after the previous stage's F; B after its own F and the next
+    stage's B; W after its own B."""
+    if a.kind == "F":
+        return [(r - 1, a)] if r > 0 else []
+    if a.kind == "B":
+        return [(r, Action("F", a.mb))] + ([(r + 1, a)] if r < schedule.p - 1 else [])
+    return [(r, Action("B", a.mb))]
 
 
 def simulate_stages(schedule, times: list[dict], p2p: float = 0.0) -> dict:
-    """The simulator's rules (:mod:`.simulator`) with each stage's own ``times[r]`` = ``{"F","B","W"}``
-    seconds (B includes W when the schedule does not split the backward) and ``p2p`` seconds on every
-    cross-stage dependency. Returns ``{"events": {(rank, action): (start, end)}, "makespan", "idle"
-    (per rank, fraction of the makespan), "bubble"}``; equal times give :func:`.simulate`'s numbers."""
-    _check_structure(schedule)
+    """The simulator's two rules (:mod:`.simulator`) with rank r's own ``times[r]`` = ``{"F","B","W"}``
+    seconds (B takes B + W when the schedule does not split the backward) and ``p2p`` seconds on every
+    cross-stage dependency. Returns ``{"events": [Event], "makespan", "idle": per rank, fraction of
+    the makespan, "bubble": their mean}``; equal times give :func:`.simulate`'s numbers."""
+    if schedule.v != 1:
+        raise ValueError(f"simulate_stages times one chunk per rank; {schedule.name!r} has v={schedule.v}: "
+                         f"use simulator.simulate for interleaved schedules")
+    validate_structure(schedule)
+    check_dependencies(schedule)  # a deadlock is named there
     split = schedule.splits_backward
     dur = [{"F": t["F"], "B": t["B"] if split else t["B"] + t["W"], "W": t["W"]} for t in times]
     done, nxt, free = {}, [0] * schedule.p, [0.0] * schedule.p
     progress = True
-    while progress:
+    while progress:  # every rank runs its list in order while its next action's inputs exist
         progress = False
         for r, acts in enumerate(schedule.stages):
             while nxt[r] < len(acts):
                 a = acts[nxt[r]]
-                deps = _dependencies(schedule, r, a)
+                deps = _inputs(schedule, r, a)
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d][1] + (p2p if d[0] != r else 0.0) for d in deps])
                 done[(r, a)] = (start, start + dur[r][a.kind])
                 free[r], nxt[r], progress = start + dur[r][a.kind], nxt[r] + 1, True
-    if any(nxt[r] < len(acts) for r, acts in enumerate(schedule.stages)):
-        raise ValueError(f"schedule {schedule.name!r} deadlocks: check it with simulator.check_dependencies")
     makespan = max(e for _, e in done.values())
     idle = [1.0 - sum(dur[r][a.kind] for a in acts) / makespan for r, acts in enumerate(schedule.stages)]
-    return {"events": done, "makespan": makespan, "idle": idle, "bubble": sum(idle) / schedule.p}
+    events = [Event(r, str(a), a.kind, s, e, {"mb": a.mb}) for (r, a), (s, e) in sorted(done.items(),
+                                                                                     key=lambda kv: kv[1])]
+    return {"events": events, "makespan": makespan, "idle": idle, "bubble": sum(idle) / schedule.p}
+
+
+def _late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float, reps: int) -> list[float]:
+    buf, a, out = torch.ones(nbytes // 4), torch.randn(128, 128), []
+    for i in range(reps + 1):  # the first is a warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        work = dist.isend(buf, 1, tag=i) if dist.get_rank() == 0 else None
+        while time.perf_counter() - t0 < (receiver_busy_s if work is None else sender_busy_s):
+            a @ a  # compute: the sender's next action, or the receiver's current one
+        if work is not None:
+            work.wait()
+            continue
+        t1 = time.perf_counter()
+        dist.recv(buf, 0, tag=i)
+        out.append(time.perf_counter() - t1)
+    return out[1:]
+
+
+def late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float = 0.005, reps: int = 30) -> list:
+    """Seconds each of ``reps`` receives of ``nbytes`` waited, on 2 ranks: rank 0 posts its send, then
+    computes for ``sender_busy_s`` (0: just waits for it); rank 1 computes for ``receiver_busy_s``, then
+    asks for the message -- a stage whose input was sent while it was busy."""
+    return launch(_late_message, 2, nbytes, sender_busy_s, receiver_busy_s, reps)[1]
+
+
+def _gaps(events, schedule):
+    """``(rank, part, seconds)`` for every gap of every rank's timeline; see :func:`idle_breakdown`."""
+    by = {(e.rank, e.name): e for e in events if e.category in ("F", "B", "W")}
+    t0, t1 = min(e.t_start for e in by.values()), max(e.t_end for e in by.values())
+    for r, acts in enumerate(schedule.stages):
+        prev_end = t0
+        for a in acts:
+            start = by[(r, str(a))].t_start
+            remote = [by[(dr, str(da))].t_end for dr, da in _inputs(schedule, r, a) if dr != r]
+            if remote:  # the input comes from the other rank
+                ready = max(prev_end, *remote)
+                yield r, "waiting", ready - prev_end
+                yield r, "message", start - ready
+            else:
+                yield r, "between", start - prev_end
+            prev_end = by[(r, str(a))].t_end
+        yield r, "drain", t1 - prev_end
 
 
 def message_delays(events, schedule) -> list[float]:
-    """For each action that waited for the other rank (it started later than both its own previous
-    action's end and its input's producer's end), ``start − producer's end``: what a message cost."""
-    by = {(e.rank, e.name): e for e in events if e.category in ("F", "B", "W")}
-    out = []
-    for r, acts in enumerate(schedule.stages):
-        prev_end = None
-        for a in acts:
-            e = by[(r, str(a))]
-            remote = [by[(dr, str(da))] for dr, da in _dependencies(schedule, r, a) if dr != r]
-            if remote and (prev_end is None or remote[0].t_end > prev_end):
-                out.append(e.t_start - remote[0].t_end)
-            prev_end = e.t_end
+    """Seconds each input received from the other rank cost in a timeline: the action's start − the
+    later of its producer's end and the rank's own previous end (the message in flight, then received)."""
+    return [t for _, part, t in _gaps(events, schedule) if part == "message"]
+
+
+def idle_breakdown(events, schedule) -> list[dict]:
+    """Where each rank's idle time went in a timeline (measured or simulated), seconds per rank: before
+    each action, ``"waiting"`` while the other stage had not yet produced its input (what the schedule
+    implies), then ``"message"`` until it started (:func:`message_delays`); ``"between"``, the gap
+    before an action with only local inputs (posting sends, Python); ``"drain"``, from the rank's last
+    end to the step's. The four add up to makespan − Σ the rank's spans."""
+    out = [{"waiting": 0.0, "message": 0.0, "between": 0.0, "drain": 0.0} for _ in range(schedule.p)]
+    for r, part, t in _gaps(events, schedule):
+        out[r][part] += t
     return out
