@@ -85,14 +85,14 @@ def test_records_that_do_not_match_are_an_error_not_a_hang():
         costmodel.replay_step({0: [_ar()], 1: [_op("a")]}, p)
 
 
-def test_a_collective_costs_its_fitted_line_and_the_sweep_is_kept_beside_it():
+def test_the_measured_curve_replaces_the_line_where_it_was_measured():
     p = _profile(collective_sweeps={"all_reduce": [[1e3, 1e-3], [1e7, 2e-3]]}, world_size=2)
+    assert costmodel.comm_seconds(_ar(nbytes=100_000), p) == pytest.approx(
+        1e-3 * 2 ** 0.5 + p.collective_overhead_s)  # log-log midpoint
+    big = _ar(nbytes=10 ** 9)  # outside the sweep: the α-β line
     a, b = p.alpha_beta("all_reduce")
-    for nbytes in (100_000, 10 ** 9):
-        assert costmodel.comm_seconds(_ar(nbytes=nbytes), p) == pytest.approx(
-            costmodel.collective_time("all_reduce", nbytes, 2, a, b) + p.collective_overhead_s)
-    assert p.swept_seconds("all_reduce", 100_000, 2) == pytest.approx(1e-3 * 2 ** 0.5)  # log-log midpoint
-    assert p.swept_seconds("all_reduce", 10 ** 9, 2) is None  # outside the sweep
+    assert costmodel.comm_seconds(big, p) == pytest.approx(
+        costmodel.collective_time("all_reduce", 10 ** 9, 2, a, b) + p.collective_overhead_s)
 
 
 def test_the_recorder_writes_down_ops_flops_and_shapes():

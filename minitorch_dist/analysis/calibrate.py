@@ -92,7 +92,7 @@ def _collective_call(op: str, nbytes: int):
     return one_way
 
 
-def _mean_after_compute(fn, reps: int = 30) -> float:
+def _mean_after_compute(fn, reps: int = 60) -> float:
     """Mean seconds of ``fn()``, each call right after a short burst of GEMMs on every rank, as a
     collective follows compute in a step (a barrier first would time the barrier's wake-up too). The
     mean, not the best or the median: a step pays every slow call, and on a loaded CPU some are slow."""
@@ -236,7 +236,7 @@ def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistic
 def _framework_overhead(table: dict) -> dict:
     """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
     The difference per op is the framework's fixed cost, which no op timed alone contains. Both sides
-    are the fastest of their runs here: a difference of two medians would carry the machine's noise."""
+    are medians, the statistic a measured step reports; the step is timed 15 times."""
     from ..models.data import MarkovCorpus
     from ..models.gpt import GPT, GPTConfig
 
@@ -250,13 +250,12 @@ def _framework_overhead(table: dict) -> dict:
         opt.zero_grad()
         model(x, y)[1].backward()
         opt.step()
-    measured = median_seconds(step, reps=9, stat=min)
+    measured = median_seconds(step, reps=15)
     with WorkloadRecorder() as rec:
         step()
     ops = [o for o in rec.items if isinstance(o, Op)]
     time_kernels(ops, table)
-    fastest = time_kernels(ops, {}, stat=min)
-    alone = sum(fastest.get(o.key) or 0.0 for o in ops)
+    alone = sum(table.get(o.key) or 0.0 for o in ops)
     flops = sum(o.flops for o in ops)
     return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
             "per_op_s": max(0.0, (measured - alone) / len(ops))}

@@ -9,10 +9,11 @@ A training step's time is predicted in three layers, each a formula fed only by 
    ``op_overhead + bytes / copy bandwidth``, a view ``op_overhead``. Every op also pays the
    framework's fixed cost per op (``framework_overhead_s``: Python, the dispatcher, autograd's
    engine), which ``calibrate`` measures as the part of a whole step its ops alone do not explain.
-2. **A collective.** Hockney's α-β model on the ring (``collective_time``): ``steps(n)·α + bus_bytes·β``
-   with the α, β fitted to this collective's measured sweep, plus the per-call overhead. (The sweep
-   itself is kept in the profile: on a busy CPU it is noisy point to point, and the fitted line
-   averages that noise out, where interpolating between the points would carry it into every step.)
+2. **A collective.** Inside the sizes ``calibrate`` swept (on the ranks it swept), the measured curve,
+   interpolated; elsewhere Hockney's α-β model on the ring (``collective_time``): ``steps(n)·α +
+   bus_bytes·β`` with the α, β fitted to that sweep; plus the per-call overhead. (On a busy CPU the
+   curve is no line: between about 64 kB and 1 MB a collective that follows compute often waits for
+   the scheduler, and a line through the sweep would miss the steps' most common sizes.)
 3. **The ranks together.** Each rank's recorded sequence of ops and collectives
    (:mod:`..workload`) is replayed on its own clock. A blocking collective starts when the last of its
    group arrives, and ends for all of them together (so a slow rank makes the others wait: the
@@ -52,8 +53,12 @@ def op_seconds(op, profile, table=None) -> tuple[float, bool]:
 
 
 def comm_seconds(c, profile) -> float:
-    """Seconds of one collective (or a point-to-point message) on ``c.group_size`` ranks: the ring's
-    α-β time with this collective's α, β, plus the per-call overhead. A receive costs its send."""
+    """Seconds of one collective (or a point-to-point message) on ``c.group_size`` ranks: the measured
+    sweep where it covers the size, else the ring's α-β time, plus the per-call overhead. A receive
+    costs its send."""
+    swept = profile.swept_seconds(c.op, c.nbytes, c.group_size)
+    if swept is not None:  # inside the measured sweep: the curve itself (on a busy CPU it is no line)
+        return swept + profile.collective_overhead_s
     alpha, beta = profile.alpha_beta(c.op)
     if c.op in ("send", "recv"):
         return alpha + c.nbytes * beta + profile.collective_overhead_s
