@@ -155,36 +155,34 @@ def _overlap(nbytes: int = 4 * 2 ** 20, trials: int = 5) -> float:
     return min(1.0, max(0.0, statistics.median(shares)))
 
 
-def _async_start(nbytes: int = 4096, compute_s: float = 0.01, trials: int = 15) -> float:
-    """How long a message posted with ``isend`` waits to start while its sender keeps computing: rank 0
-    posts it and computes for ``compute_s``; rank 1, which began receiving at the same barrier, times
-    its arrival; the median over ``trials``, less the same message's time with an idle sender."""
+def _async_start(nbytes: int = 128 * 1024, compute_s: float = 0.01, trials: int = 25) -> float:
+    """How late a message posted with ``isend`` arrives when both ends keep computing, as a pipeline's
+    stages do: rank 0 posts it and computes for ``compute_s``; rank 1 computes for half that, then
+    receives and times the receive; the mean over ``trials``, less the same receive's mean time when
+    rank 0 posted the message and waited (the message's own time)."""
     r, a = dist.get_rank(), torch.randn(128, 128)
     buf = torch.ones(nbytes // 4)
 
-    def late() -> float:
-        dist.barrier()
+    def busy(seconds):
         t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ a
+
+    def receive(sender_busy: bool) -> float:
+        dist.barrier()
         if r == 0:
             work = dist.isend(buf, 1)
-            while time.perf_counter() - t0 < compute_s:
-                a @ a
+            busy(compute_s if sender_busy else 0.0)
             work.wait()
-        elif r == 1:
-            dist.recv(buf, 0)
-        return time.perf_counter() - t0
-
-    def idle() -> float:
-        dist.barrier()
+            return 0.0
+        busy(compute_s / 2)
         t0 = time.perf_counter()
-        if r == 0:
-            dist.send(buf, 1)
-        elif r == 1:
+        if r == 1:
             dist.recv(buf, 0)
         return time.perf_counter() - t0
-    late_s = statistics.median(late() for _ in range(trials))
-    delay = late_s - statistics.median(idle() for _ in range(trials))
-    agreed = torch.tensor([max(0.0, delay) if r == 1 else 0.0], dtype=torch.float64)
+    late = statistics.mean(receive(True) for _ in range(trials))  # the mean: a step pays the slow ones too
+    alone = statistics.mean(receive(False) for _ in range(trials))
+    agreed = torch.tensor([max(0.0, late - alone) if r == 1 else 0.0], dtype=torch.float64)
     dist.all_reduce(agreed)  # the receiver's clock
     return agreed.item()
 

@@ -202,12 +202,14 @@ def _send(r, c, net) -> None:
     r.comm += t
     queue = net.sent[(r.rank, c.peer)]
     if c.async_op:
-        index = r.i
+        index, launch = r.i, r.clock
+        busy = r.i + 1 < len(r.items) and type(r.items[r.i + 1]).__name__ == "Op"  # it computes next
 
         def delivered(at, index=index):
+            at = max(at, launch + r.delay) if busy else at  # posted before compute: no sooner than that
             r.done_at[index] = at
             queue.append(at)
-        r.flights.append(_Flight(r.clock, t, delivered))
+        r.flights.append(_Flight(launch, t, delivered))
     else:
         _wait_until(r, r.clock + t)
         queue.append(r.clock)
