@@ -46,6 +46,27 @@ def test_an_op_costs_its_table_time_or_its_roofline():
     assert costmodel.op_seconds(_op("other", kind="view"), p)[0] == p.op_overhead_s
 
 
+def test_the_framework_costs_its_python_lines():
+    p = _profile(kernels={"k": 1e-3}, python_line_s=1e-6, framework_overhead_s=0.0)
+    op = _op("k")
+    op.lines = 500
+    res = costmodel.replay_step({0: [op]}, p)
+    assert res["step_s"] == pytest.approx(1e-3 + 500e-6) and res["overhead_s"] == pytest.approx(500e-6)
+
+
+def test_the_recorder_counts_the_steps_python_lines_not_its_own():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    counts = []
+    for _ in range(2):
+        with WorkloadRecorder() as rec:
+            model(x).sum().backward()
+        counts.append(rec.lines)
+        assert 0 < sum(o.lines for o in rec.items if isinstance(o, Op)) <= rec.lines
+    assert counts[0] == counts[1]  # the first use's imports are not counted
+    assert 20 < counts[1] < 2000  # nn.Module calls: tens of lines per module, not the mode's machinery
+
+
 def test_a_blocking_collective_waits_for_the_slowest_rank():
     p = _profile(kernels={"slow": 5e-3, "fast": 1e-3})
     traces = {0: [_op("slow"), _ar()], 1: [_op("fast"), _ar()]}

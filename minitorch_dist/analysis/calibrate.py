@@ -16,7 +16,8 @@ them busy at once, as in a real step) and measures what :mod:`.costmodel.step_ti
 * **the kernel table**: one step of every technique of :mod:`.techniques` at both sizes is recorded
   (:mod:`.workload`), and every distinct op (name and shapes) is run again alone and timed;
 * **a whole step** of the course GPT (forward, backward, AdamW) per rank: the part of it that its
-  ops, each timed alone, do not explain is the framework's cost per op (Python, dispatch, autograd).
+  ops, each timed alone, do not explain is the framework's, charged per Python line the step executes
+  (module calls, hooks, a wrapper's bookkeeping: the recorder counts them).
 
 It writes a profile (:mod:`.profiles`; default in the user's cache directory, path printed) and prints
 a table. ``--show h100`` prints a shipped profile instead.
@@ -233,8 +234,8 @@ def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistic
 
 def _framework_overhead(table: dict) -> dict:
     """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
-    The difference per op is the framework's fixed cost, which no op timed alone contains. Both sides
-    are medians, the statistic a measured step reports; the step is timed 15 times."""
+    The difference, per Python line the step executed, is the framework's cost, which no op timed alone
+    contains. Both sides are medians, the statistic a measured step reports; the step is timed 15 times."""
     from ..models.data import MarkovCorpus
     from ..models.gpt import GPT, GPTConfig
 
@@ -256,7 +257,7 @@ def _framework_overhead(table: dict) -> dict:
     alone = sum(table.get(o.key) or 0.0 for o in ops)
     flops = sum(o.flops for o in ops)
     return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
-            "per_op_s": max(0.0, (measured - alone) / len(ops))}
+            "python_lines": rec.lines, "per_line_s": max(0.0, (measured - alone) / max(rec.lines, 1))}
 
 
 def _technique_kernels(table: dict, sizes, techniques) -> list:
@@ -332,7 +333,7 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
                      for op, v in r0["collectives"].items()},
         collective_sweeps={op: v["sweep"] for op, v in r0["collectives"].items()},
         overlap=med("overlap"), async_start_s=med("async_start_s"),
-        framework_overhead_s=statistics.median(x["per_op_s"] for x in ref),
+        python_line_s=statistics.median(x["per_line_s"] for x in ref),
         kernels=_merge_kernels(res), hardware=hardware_summary(), created=date.today().isoformat(),
         sources={"peak_flops.fp32": "the fastest GEMM of the sweep on this machine (measured)"},
         notes=[f"{world} ranks, one thread each, all busy while measuring",
@@ -368,12 +369,13 @@ def format_profile(p: MachineProfile, details: dict | None = None) -> str:
               f"one metered collective call +{p.collective_overhead_s * 1e6:.1f} µs",
               f"  overlap of an asynchronous all-reduce with compute: {p.overlap:.2f}; an asynchronous "
               f"message waits {p.async_start_s * 1e3:.2f} ms to start while its sender computes",
-              f"  framework cost per op in a whole step: {p.framework_overhead_s * 1e6:.1f} µs; "
-              f"kernel table: {len(p.kernels)} ops",
+              f"  the framework around the ops: {p.python_line_s * 1e9:.0f} ns per Python line "
+              f"(+{p.framework_overhead_s * 1e6:.1f} µs per op); kernel table: {len(p.kernels)} ops",
               f"  memory: {p.memory_bytes / 1e9:.0f} GB"]
     for ref in (details or {}).get("reference", [])[:1]:
         lines.append(f"  reference step (tiny GPT, 8 sequences, AdamW): {ref['step_s'] * 1e3:.2f} ms, "
-                     f"its {ref['n_ops']} ops alone {ref['ops_alone_s'] * 1e3:.2f} ms "
+                     f"its {ref['n_ops']} ops alone {ref['ops_alone_s'] * 1e3:.2f} ms, "
+                     f"{ref['python_lines']} Python lines "
                      f"({ref['flops'] / ref['step_s'] / 1e9:.2f} GF/s achieved)")
     for k, v in sorted(p.sources.items()):
         lines.append(f"  source {k}: {v}")

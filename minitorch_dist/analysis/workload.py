@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections import Counter
 
 import torch
@@ -35,6 +36,10 @@ __all__ = ["Op", "Comm", "Mark", "Wait", "WorkloadRecorder", "record_workload", 
            "portable"]
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
+#: Code that runs only because a dispatch mode is recording: its lines are not the step's.
+_RECORDING_ONLY = ("torch/_dynamo/", "torch/_library/", "torch/_compile.py", "torch/compiler/",
+                   "torch/utils/_python_dispatch.py", "torch/_ops.py", "analysis/workload.py")
+_COUNTED: dict = {}  # code object -> whether its lines count
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
 
@@ -51,6 +56,7 @@ class Op:
     phase: str  # forward | backward | other
     key: str = ""
     dtype: str = "fp32"  # of its first floating-point input: fp32, bf16, fp16
+    lines: int = 0  # Python lines the step executed since the previous op (the framework around it)
     func: object = None
     spec: tuple = ()
 
@@ -146,24 +152,49 @@ def _key(func, leaves) -> str:
 class WorkloadRecorder(TorchDispatchMode):
     """Records ops and collectives in order (``items``: :class:`Op` and :class:`Comm`)."""
 
-    def __init__(self):
+    _warm = False  # whether this process has run a recorder once (torch imports sympy on first use)
+
+    def __init__(self, count_lines: bool = True):
         super().__init__()
+        self.count_lines = count_lines
         self.items: list = []
         self._meter = None
         self._seen = 0
+        self.lines = self._lines_at_last_op = 0
+        self._inside = False  # in the recorder's own code: its lines are not the step's
 
     def __enter__(self):
         self._index: dict = {}  # id(CommEvent) -> index of its Comm item
         self._stack = contextlib.ExitStack()
         self._meter = self._stack.enter_context(comm.meter())
         self._stack.enter_context(comm.on_wait(self._on_wait))
+        if self.count_lines and not WorkloadRecorder._warm:  # the first use's imports are not the step's
+            WorkloadRecorder._warm = True
+            with WorkloadRecorder(count_lines=False):
+                (torch.ones(2, requires_grad=True) * 2).sum().backward()
+        self._tracing = self.count_lines and sys.gettrace() is None  # a debugger keeps its own tracer
+        if self._tracing:
+            sys.settrace(self._trace)
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        if self._tracing:
+            sys.settrace(None)
         self._flush_comm()
         self._stack.__exit__(*exc)
         return out
+
+    def _trace(self, frame, event, arg):
+        """Count the Python lines the step executes (the framework's work between ops), not those that
+        only run because a dispatch mode is recording (torch's mode machinery, this module)."""
+        if event == "line" and not self._inside:
+            code = frame.f_code
+            counted = _COUNTED.get(code)
+            if counted is None:
+                counted = _COUNTED[code] = not any(part in code.co_filename for part in _RECORDING_ONLY)
+            self.lines += counted
+        return self._trace
 
     def _flush_comm(self) -> None:
         events = self._meter.events
@@ -178,7 +209,13 @@ class WorkloadRecorder(TorchDispatchMode):
             self.items.append(Wait(self._index[id(event)]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        self._inside = True
+        try:
+            return self._record(func, args, kwargs or {})
+        finally:
+            self._inside = False
+
+    def _record(self, func, args, kwargs):
         out = func(*args, **kwargs)
         self._flush_comm()  # collectives launched before this op
         if func.namespace in ("c10d", "_c10d_functional", "profiler"):
@@ -193,8 +230,10 @@ class WorkloadRecorder(TorchDispatchMode):
             nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
         leaves, spec = _spec((args, kwargs))
         floats = [t.dtype for t in ins if t.dtype.is_floating_point]
+        lines, self._lines_at_last_op = self.lines - self._lines_at_last_op, self.lines
         self.items.append(Op(packet.__name__, kind, flops, nbytes, _phase(), _key(func, leaves),
-                             _DTYPES.get(floats[0], "fp32") if floats else "fp32", func, (leaves, spec)))
+                             _DTYPES.get(floats[0], "fp32") if floats else "fp32", lines, func,
+                             (leaves, spec)))
         return out
 
     @contextlib.contextmanager

@@ -6,9 +6,10 @@ A training step's time is predicted in three layers, each a formula fed only by 
 1. **An op.** If the profile's kernel table holds the op with these shapes (``calibrate`` timed it
    alone, every rank busy), that time. Otherwise the roofline of its kind (Williams et al. 2009):
    a GEMM or attention kernel takes the profile's GEMM time for its FLOPs, an elementwise op
-   ``op_overhead + bytes / copy bandwidth``, a view ``op_overhead``. Every op also pays the
-   framework's fixed cost per op (``framework_overhead_s``: Python, the dispatcher, autograd's
-   engine), which ``calibrate`` measures as the part of a whole step its ops alone do not explain.
+   ``op_overhead + bytes / copy bandwidth``, a view ``op_overhead``. Before it the framework runs:
+   the Python lines the recorder counted since the previous op (module calls, hooks, a wrapper's
+   bookkeeping), each at ``python_line_s``, which ``calibrate`` measures as the part of a whole step
+   that its ops alone do not explain, per line; plus a fixed ``framework_overhead_s`` per op.
 2. **A collective.** Inside the sizes ``calibrate`` swept (on the ranks it swept), the measured curve,
    interpolated; elsewhere Hockney's α-β model on the ring (``collective_time``): ``steps(n)·α +
    bus_bytes·β`` with the α, β fitted to that sweep; plus the per-call overhead. (On a busy CPU the
@@ -186,10 +187,11 @@ def _wait_until(r, t: float) -> None:
 
 def _run_op(r, op, profile) -> None:
     t, hit = op_seconds(op, profile)
-    d = t + profile.framework_overhead_s
+    framework = profile.framework_overhead_s + op.lines * profile.python_line_s
+    d = t + framework
     taken = r.progress(r.clock, d, True)  # communication in flight, beside (or in the way of) the op
     r.compute += t
-    r.overhead += profile.framework_overhead_s
+    r.overhead += framework
     r.clock += d + taken
     r.ops += 1
     r.table_ops += hit
