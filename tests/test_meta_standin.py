@@ -199,25 +199,24 @@ def _tp_degree(world):
     return min(world, HEADS)
 
 
-def run_tensor_parallel(world, device="meta"):
+def _run_sliced(world, device, slicer, sequence_parallel=False):
+    """A TP (or TP + SP) GPT over the first ranks: one step on meta, or a loss on a real device."""
     group = _block_group(_tp_degree(world))
-    tp = parallelize_gpt(_dense(device), group)
+    model = slicer(_dense(device), group)
     if device != "meta":
-        _, loss = tp(*_tokens(device=device))
-        return _check_cpu(tp, loss)
-    opt = _train(tp, tp.parameters(), *_tokens())
-    _check(tp, opt)
+        _, loss = model(*_tokens(device=device))
+        return _check_cpu(model, loss)
+    after = (lambda: allreduce_sequence_parallel_grads(model, group)) if sequence_parallel else None
+    opt = _train(model, model.parameters(), *_tokens(), after_backward=after)
+    _check(model, opt)
+
+
+def run_tensor_parallel(world, device="meta"):
+    return _run_sliced(world, device, parallelize_gpt)
 
 
 def run_sequence_parallel(world, device="meta"):
-    group = _block_group(_tp_degree(world))
-    sp = parallelize_gpt_sp(_dense(device), group)
-    if device != "meta":
-        _, loss = sp(*_tokens(device=device))
-        return _check_cpu(sp, loss)
-    opt = _train(sp, sp.parameters(), *_tokens(),
-                 after_backward=lambda: allreduce_sequence_parallel_grads(sp, group))
-    _check(sp, opt)
+    return _run_sliced(world, device, parallelize_gpt_sp, sequence_parallel=True)
 
 
 def _check_cpu(model, loss):

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import comm
+from ..runtime.launch import device as rank_device
 from . import costmodel
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
 from .workload import Op, WorkloadRecorder, rebuild_args
@@ -42,6 +43,12 @@ __all__ = ["calibrate", "median_seconds", "time_kernels", "main"]
 SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(13))  # 4 kB ... 16 MB
 GEMM_SHAPES = ((16, 16, 16), (64, 64, 64), (256, 64, 64), (1024, 64, 64), (1024, 64, 256), (1024, 256, 64),
                (256, 256, 256), (1024, 128, 512), (512, 512, 512), (2048, 512, 512))
+
+
+def _sync() -> None:
+    """Wait for the rank's device (a GPU runs asynchronously: the clock must see the work done)."""
+    if rank_device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True, stat=statistics.median) -> float:
@@ -55,6 +62,7 @@ def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True, sta
             dist.barrier()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return stat(times)
 
@@ -63,6 +71,7 @@ def _repeat(fn, floor_s: float = 2e-4):
     """``fn`` looped enough times to take ~``floor_s``, and the loop count: short ops timed reliably."""
     t0 = time.perf_counter()
     fn()
+    _sync()
     inner = max(1, int(floor_s / max(time.perf_counter() - t0, 1e-7)))
 
     def loop():
@@ -77,7 +86,7 @@ def _repeat(fn, floor_s: float = 2e-4):
 def _collective_call(op: str, nbytes: int):
     n, r = dist.get_world_size(), dist.get_rank()
     numel = max(n, nbytes // 4 // n * n)
-    full, part = torch.ones(numel), torch.ones(numel // n)
+    full, part = torch.ones(numel, device=rank_device()), torch.ones(numel // n, device=rank_device())
     calls = {"all_reduce": lambda: comm.all_reduce(full), "broadcast": lambda: comm.broadcast(full, 0),
              "all_gather": lambda: comm.all_gather(full, part),
              "reduce_scatter": lambda: comm.reduce_scatter(part, full),
@@ -97,7 +106,7 @@ def _mean_after_compute(fn, reps: int = 60) -> float:
     """Mean seconds of ``fn()``, each call right after a short burst of GEMMs on every rank, as a
     collective follows compute in a step (a barrier first would time the barrier's wake-up too). The
     mean, not the best or the median: a step pays every slow call, and on a loaded CPU some are slow."""
-    a = torch.randn(128, 128)
+    a = torch.randn(128, 128, device=rank_device())
     fn()
     times = []
     for _ in range(reps):
@@ -105,6 +114,7 @@ def _mean_after_compute(fn, reps: int = 60) -> float:
             a @ a
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return sum(times) / len(times)
 
@@ -116,7 +126,7 @@ def _alpha_beta() -> dict:
     for op in COLLECTIVES:
         times = [_mean_after_compute(_collective_call(op, s)) for s in SWEEP_BYTES]
         if op == "send":  # the receiver's clock: from the end of its compute to the message's arrival
-            agreed = torch.tensor(times, dtype=torch.float64) * (dist.get_rank() == 1)
+            agreed = torch.tensor(times, dtype=torch.float64, device=rank_device()) * (dist.get_rank() == 1)
             dist.all_reduce(agreed)
             times = agreed.tolist()
         alpha, beta = costmodel.fit_alpha_beta(sizes, times, n if op != "send" else 2, op)
@@ -127,7 +137,7 @@ def _alpha_beta() -> dict:
 def _collective_overhead(calls: int = 200) -> float:
     """What the metered wrapper adds to a collective call: its bookkeeping (the event, the status line),
     timed alone -- beside the call itself it is too small to see in the noise of the network."""
-    x = torch.ones(1)
+    x = torch.ones(1, device=rank_device())
 
     def book():
         for _ in range(calls):
@@ -140,7 +150,7 @@ def _collective_overhead(calls: int = 200) -> float:
 def _overlap(nbytes: int = 4 * 2 ** 20, trials: int = 5) -> float:
     """Fraction of an asynchronous all-reduce hidden by GEMMs that run meanwhile (clamped to [0, 1]):
     the median of ``trials`` experiments, each comparing the two together with each alone."""
-    buf, a = torch.ones(nbytes // 4), torch.randn(256, 256)
+    buf, a = torch.ones(nbytes // 4, device=rank_device()), torch.randn(256, 256, device=rank_device())
     t_comm = median_seconds(lambda: comm.all_reduce(buf, async_op=True).wait(), reps=7)
     loop, _ = _repeat(lambda: a @ a, t_comm)
 
@@ -161,8 +171,8 @@ def _async_start(nbytes: int = 128 * 1024, compute_s: float = 0.01, trials: int 
     stages do: rank 0 posts it and computes for ``compute_s``; rank 1 computes for half that, then
     receives and times the receive; the mean over ``trials``, less the same receive's mean time when
     rank 0 posted the message and waited (the message's own time)."""
-    r, a = dist.get_rank(), torch.randn(128, 128)
-    buf = torch.ones(nbytes // 4)
+    r, a = dist.get_rank(), torch.randn(128, 128, device=rank_device())
+    buf = torch.ones(nbytes // 4, device=rank_device())
 
     def busy(seconds):
         t0 = time.perf_counter()
@@ -183,7 +193,8 @@ def _async_start(nbytes: int = 128 * 1024, compute_s: float = 0.01, trials: int 
         return time.perf_counter() - t0
     late = statistics.mean(receive(True) for _ in range(trials))  # the mean: a step pays the slow ones too
     alone = statistics.mean(receive(False) for _ in range(trials))
-    agreed = torch.tensor([max(0.0, late - alone) if r == 1 else 0.0], dtype=torch.float64)
+    agreed = torch.tensor([max(0.0, late - alone) if r == 1 else 0.0], dtype=torch.float64,
+                          device=rank_device())
     dist.all_reduce(agreed)  # the receiver's clock
     return agreed.item()
 
@@ -194,7 +205,7 @@ def _async_start(nbytes: int = 128 * 1024, compute_s: float = 0.01, trials: int 
 def _gemm_table() -> list:
     table = []
     for m, k, n in GEMM_SHAPES:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, device=rank_device()), torch.randn(k, n, device=rank_device())
         loop, inner = _repeat(lambda: torch.mm(a, b))
         table.append([2.0 * m * k * n, median_seconds(loop, reps=5) / inner])
     table.sort()
@@ -205,13 +216,13 @@ def _gemm_table() -> list:
 
 def _copy_bandwidth(nbytes: int = 32 * 2 ** 20) -> float:
     """Bytes moved per second by ``y.copy_(x)`` (read x, write y) on a buffer larger than the caches."""
-    x = torch.randn(nbytes // 4)
+    x = torch.randn(nbytes // 4, device=rank_device())
     y = torch.empty_like(x)
     return 2 * nbytes / median_seconds(lambda: y.copy_(x), reps=5)
 
 
 def _op_overhead() -> float:
-    x = torch.zeros(1)
+    x = torch.zeros(1, device=rank_device())
     loop, inner = _repeat(lambda: x.add_(1.0), 1e-3)
     return median_seconds(loop) / inner
 
@@ -241,9 +252,9 @@ def _framework_overhead(table: dict) -> dict:
 
     cfg = GPTConfig.tiny()
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(rank_device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, 8, cfg.block_size)
+    x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, 8, cfg.block_size, device=rank_device())
 
     def step():
         opt.zero_grad()

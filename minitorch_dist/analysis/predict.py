@@ -27,7 +27,7 @@ from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 
 __all__ = ["record_traces", "predict_step", "predict", "notebook_profile", "plot_predicted_vs_measured",
-           "tour_row", "with_measurement", "format_prediction", "summary_table", "add_arguments", "main"]
+           "tour_row", "format_prediction", "summary_table", "add_arguments", "main"]
 
 
 class _SpanRelay:
@@ -88,12 +88,6 @@ def predict(technique: str, world: int, size: str = "tiny", profile=None, measur
             "breakdown": {k: res[k] for k in ("compute_s", "comm_s", "exposed_comm_s", "overhead_s")},
             "table_coverage": res["table_coverage"],
             "per_rank_s": {r: v["step_s"] for r, v in res["per_rank"].items()}}
-
-
-def with_measurement(res: dict, measured_s: float) -> dict:
-    """A prediction of :func:`predict` (made without ``measure``) with a measurement added afterwards:
-    ``measured_s`` and ``ratio`` filled in (a new dict; the prediction itself is unchanged)."""
-    return {**res, "measured_s": measured_s, "ratio": res["predicted_s"] / measured_s}
 
 
 def notebook_profile(techniques, sizes=("tiny",), world: int = 2):

@@ -132,17 +132,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _spec(tree):
-    """The op's arguments with each tensor replaced by ("T", shape, stride, dtype): enough to rebuild it."""
+    """An op's arguments, each tensor as ("T", shape, stride, dtype, device): enough to rebuild it."""
     flat, spec = tree_flatten(tree)
-    return tuple(("T", tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
-                 for t in flat), spec
+    return tuple(("T", tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+                 if isinstance(t, torch.Tensor) else t for t in flat), spec
 
 
 def _key(func, leaves) -> str:
     """``aten.mm.default(float32[1024, 64], float32[64, 256])``: the op and its arguments' shapes."""
     def show(x):
         if isinstance(x, tuple) and x and x[0] == "T":
-            _, shape, stride, dtype = x
+            _, shape, stride, dtype, _ = x
             dense = torch.empty(shape, device="meta").stride() == tuple(stride)
             return f"{str(dtype).replace('torch.', '')}{list(shape)}" + ("" if dense else f"/{list(stride)}")
         return repr(x)
@@ -269,9 +269,9 @@ def _fresh(leaf, generator):
     would misprice the op), zeros for integers (valid indices), True for bools."""
     if not (isinstance(leaf, tuple) and leaf and leaf[0] == "T"):
         return leaf
-    _, shape, stride, dtype = leaf
+    _, shape, stride, dtype, where = leaf
     size = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0) if all(shape) else 0
-    base = torch.empty(max(size, 1), dtype=dtype)
+    base = torch.empty(max(size, 1), dtype=dtype, device=where)  # where the recorded tensor lived
     if dtype.is_floating_point:  # positive and well scaled: a square root or a log of it is no NaN
         base.uniform_(0.5, 1.5, generator=generator)
     elif dtype == torch.bool:

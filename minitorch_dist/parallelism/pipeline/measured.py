@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ...analysis.timeline import Event, Timeline
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT
+from ...runtime.launch import device as rank_device
 from ...runtime.launch import launch
 from .executor import local_stages, run_schedule
 from .schedules import Action, make_schedule, validate_structure
@@ -66,7 +67,9 @@ def time_stage_alone(schedule, stage, x, y, rounds: int = 1) -> dict:
     for _ in range(rounds):
         live = []
         for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            inp = xs if stage.is_first else torch.randn(stage.boundary_shape(*xs.shape), requires_grad=True)
+            like = next(stage.parameters())  # the boundary activation lives where the stage does
+            inp = xs if stage.is_first else torch.randn(stage.boundary_shape(*xs.shape), dtype=like.dtype,
+                                                        device=like.device, requires_grad=True)
             seen = [] if split else None  # split: the Linear inputs and outputs B and W need
             if split:
                 taps.active = seen
@@ -167,7 +170,8 @@ def simulate_stages(schedule, times: list[dict], p2p: float = 0.0) -> dict:
 
 
 def _late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float, reps: int) -> list[float]:
-    buf, a, out = torch.ones(nbytes // 4), torch.randn(128, 128), []
+    where = rank_device()
+    buf, a, out = torch.ones(nbytes // 4, device=where), torch.randn(128, 128, device=where), []
     for i in range(reps + 1):  # the first is a warm-up
         dist.barrier()
         t0 = time.perf_counter()
