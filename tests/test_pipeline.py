@@ -135,6 +135,22 @@ def _errors():
     return out
 
 
+def _posting_order(name, v):
+    """This rank's step recorded (ops, messages, action marks): where each receive is posted, where waited."""
+    from minitorch_dist.analysis.workload import WorkloadRecorder
+    p = dist.get_world_size()
+    torch.manual_seed(SEED)
+    model = GPT(_cfg(p))
+    sched = _schedule(name, p, 2 * p, v)
+    stages = X.local_stages(model, sched)
+    X.run_schedule(sched, stages, *_batch())  # the recorder's own warm-up
+    with WorkloadRecorder() as rec:
+        marks = type("Marks", (), {"events": [], "span": staticmethod(rec.span)})()  # the executor's timeline
+        X.run_schedule(sched, stages, *_batch(), timeline=marks)
+    return [(type(i).__name__, getattr(i, "op", None) or getattr(i, "name", None) or i.ref,
+             getattr(i, "edge", None)) for i in rec.items]  # an Op's "op" is None: its name
+
+
 def _run_every_case(origin):
     p, res = dist.get_world_size(), {}
     for name, v in AVAILABLE:
@@ -147,6 +163,7 @@ def _run_every_case(origin):
     for name in ("gpipe", "1f1b"):
         res["memory", name] = _memory(name, 4 * p)
     res["errors"] = _errors()
+    res["posting"] = _posting_order("1f1b", 1)
     return res
 
 
@@ -314,6 +331,27 @@ def test_timeline_follows_the_schedule_and_its_dependencies(p, name, v):
             assert t0 >= span["B", mb, vs + 1][1], (kind, mb, vs)
         if kind == "W":
             assert t0 >= span["B", mb, vs][1]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_each_receive_is_posted_one_action_ahead(p):
+    """The executor posts the receive of action i+1 before action i runs, and waits for it only when
+    i+1 starts: the message can move while this rank computes (chapter 03, a send posted during compute)."""
+    sched = _schedule("1f1b", p, 2 * p)
+    for r, res in enumerate(_results(p)):
+        items, acts = res["posting"], [str(a) for a in sched[r]]
+        starts = [i for i, (kind, _, edge) in enumerate(items) if kind == "Mark" and edge == "start"]
+        assert [items[i][1] for i in starts] == acts
+        posted = [i for i, (kind, op, _) in enumerate(items) if kind == "Comm" and op == "recv"]
+        waited = {i: next(j for j, it in enumerate(items) if it == ("Wait", i, None)) for i in posted}
+        remote = [k for k, a in enumerate(sched[r])
+                  if (a.kind == "F" and r > 0) or (a.kind == "B" and r < p - 1)]
+        assert len(posted) == len(remote), (r, len(posted), len(remote))
+        for i, k in zip(posted, remote):  # its action k: posted before action k-1 starts, waited after it
+            if k > 0:
+                assert i < starts[k - 1] < waited[i] < starts[k], (r, acts[k], i, starts[k - 1], waited[i])
+            else:
+                assert waited[i] < starts[0]
 
 
 def test_zero_bubble_split_b_computes_no_weight_gradient_and_w_the_rest():

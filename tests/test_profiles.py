@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from minitorch_dist.analysis.profiles import COLLECTIVES, SHIPPED, load_profile, shipped_path
+from minitorch_dist.analysis.profiles import COLLECTIVES, SHIPPED, load_profile, monotone, shipped_path
 
 pytestmark = pytest.mark.ch00
 
@@ -118,3 +118,18 @@ def test_missing_calibrated_profile_points_to_calibrate(tmp_path, monkeypatch):
     monkeypatch.setenv("MTD_PROFILE", str(tmp_path / "absent.json"))
     with pytest.raises(ValueError, match="calibrate"):
         load_profile(None)
+
+
+def test_a_swept_curve_never_falls_with_size():
+    """A busy machine's means can dip (a 128 kB all-to-all measured faster than a 4 kB one); the profile
+    pools such runs into their mean (least squares under "never faster for more bytes")."""
+    rising = [[1e3, 1e-4], [1e4, 2e-4], [1e5, 5e-4]]
+    assert monotone(rising) == rising
+    dipped = [[4e3, 9e-4], [3e4, 5e-4], [1.3e5, 1e-4], [1e6, 2e-3]]
+    fit = monotone(dipped)
+    assert [t for _, t in fit] == pytest.approx([5e-4, 5e-4, 5e-4, 2e-3])  # the first three pooled
+    assert all(a[1] <= b[1] for a, b in zip(fit, fit[1:]))
+    p = load_profile("h100")
+    p.collective_sweeps = {"all_to_all": dipped}
+    p.world_size = 2
+    assert p.swept_seconds("all_to_all", 1.3e5, 2) == pytest.approx(5e-4)

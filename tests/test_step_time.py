@@ -100,6 +100,32 @@ def test_a_receive_waits_for_its_send():
     assert res["per_rank"][1]["spans"][0] == ("F0", "start", pytest.approx(arrival))
 
 
+def test_a_receive_posted_early_costs_only_where_it_is_waited_for():
+    p = _profile(kernels={"f": 2e-3, "b": 3e-3})
+    send = Comm("send", 65536, 2, True, "forward", (0, 1), peer=1)
+    early = Comm("recv", 65536, 2, True, "forward", (0, 1), peer=0)
+    traces = {0: [_op("f"), send], 1: [early, _op("b"), Wait(0)]}
+    arrival = 2e-3 + costmodel.comm_seconds(send, p)
+    assert arrival < 3e-3  # the message arrives while rank 1 computes: the step never waits for it
+    assert costmodel.replay_step(traces, p)["per_rank"][1]["step_s"] == pytest.approx(3e-3)
+    late = {0: [_op("b"), _op("f"), send], 1: traces[1]}  # it arrives after: rank 1 waits from 3 ms
+    assert costmodel.replay_step(late, p)["per_rank"][1]["step_s"] == pytest.approx(5e-3 + arrival - 2e-3)
+
+
+def test_a_message_sent_while_its_sender_computes_moves_at_once_only_if_its_receive_was_posted():
+    p = _profile(kernels={"f": 2e-3, "w": 4e-3, "b": 1e-3}, async_start_s=1.5e-3, overlap=1.0)
+    send = Comm("send", 65536, 2, True, "forward", (0, 1), peer=1)
+    t = costmodel.comm_seconds(send, p)
+    sender = [_op("f"), send, _op("w"), Wait(1)]  # posts its send, computes on
+    recv = lambda posted_early: Comm("recv", 65536, 2, posted_early, "forward", (0, 1), peer=0)  # noqa: E731
+    asked_later = {0: sender, 1: [_op("f"), _op("b"), recv(False)]}
+    posted = {0: sender, 1: [recv(True), _op("f"), _op("b"), Wait(0)]}
+    late = costmodel.replay_step(asked_later, p)["per_rank"][1]["step_s"]
+    early = costmodel.replay_step(posted, p)["per_rank"][1]["step_s"]
+    assert late == pytest.approx(2e-3 + 1.5e-3 + t)  # waits for the sender's thread to get the core
+    assert early == pytest.approx(3e-3) and 2e-3 + t < 3e-3  # arrived while rank 1 computed
+
+
 def test_records_that_do_not_match_are_an_error_not_a_hang():
     p = _profile(kernels={"a": 1e-3})
     with pytest.raises(ValueError, match="do not match up"):

@@ -247,11 +247,13 @@ def recv(tensor, src=None, group=None):
 
 
 def isend(tensor, dst, group=None):
-    return _run("send", tensor, _nbytes(tensor), group, True, lambda: dist.isend(tensor, dst, group=group))
+    return _run("send", tensor, _nbytes(tensor), group, True, lambda: dist.isend(tensor, dst, group=group),
+                peer=dst)
 
 
 def irecv(tensor, src=None, group=None):
-    return _run("recv", tensor, _nbytes(tensor), group, True, lambda: dist.irecv(tensor, src, group=group))
+    return _run("recv", tensor, _nbytes(tensor), group, True, lambda: dist.irecv(tensor, src, group=group),
+                peer=src)
 
 
 def batch_isend_irecv(p2p_ops):
@@ -261,7 +263,7 @@ def batch_isend_irecv(p2p_ops):
         name = "send" if p.op in (dist.isend, dist.send) else "recv"
         ev = record(name, _nbytes(p.tensor), _group_size(p.group), p.tensor.dtype, p.tensor.shape,
                     _group_ranks(p.group))
-        ev.async_op, ev.peer = p.op is dist.isend, p.peer
+        ev.async_op, ev.peer = True, p.peer  # both are posted without waiting; the work is waited on
         events.append(ev)
     set_status(f"in batch_isend_irecv of {len(p2p_ops)} ops")
     if any(p.tensor.is_meta for p in p2p_ops):

@@ -20,9 +20,11 @@ A training step's time is predicted in three layers, each a formula fed only by 
    group arrives, and ends for all of them together (so a slow rank makes the others wait: the
    cost of imbalance is not a formula, it falls out). An asynchronous one (a DDP bucket, a pipeline's
    message) flies beside the compute. While the rank computes it starts ``async_start_s`` after its
-   launch (on a busy CPU the communication thread waits for the scheduler to give it the core) and
+   launch (on a busy CPU the communication thread waits for the scheduler to give it the core;
+   a message whose receive was already posted when it was sent is written at once instead) and
    ``1 - overlap`` of the time it then moves is taken from the computation; while the rank waits it
-   moves at once. The rank pays for it where the step waits for it. A receive waits for its message.
+   moves at once. The rank pays for it where the step waits for it. A receive waits for its message
+   where it is waited on (a receive posted early, ``irecv``, costs nothing until then).
    The step is the last rank's finish.
 
 The result says where the time went: ``compute_s`` (op seconds on the slowest rank), ``comm_s`` (its
@@ -68,10 +70,11 @@ def comm_seconds(c, profile) -> float:
 
 class _Flight:
     """An asynchronous collective or message of this rank still moving: launched at ``launch``,
-    ``remaining`` seconds of it at full speed; ``done(t)`` is called with the moment it completes."""
+    ``remaining`` seconds of it at full speed; ``done(t)`` is called with the moment it completes;
+    ``ready()``: True for a message whose receive was posted before it was sent (it moves at once)."""
 
-    def __init__(self, launch, remaining, done):
-        self.launch, self.remaining, self.done = launch, remaining, done
+    def __init__(self, launch, remaining, done, ready=lambda: False):
+        self.launch, self.remaining, self.done, self.ready = launch, remaining, done, ready
 
 
 class _Rank:
@@ -84,6 +87,8 @@ class _Rank:
         self.flights: list = []  # in launch order: served one after the other
         self.table_ops = self.ops = 0
         self.spans: list = []
+        self.asked: set = set()  # indices of the receives already posted
+        self.moved = False  # a flush completed something since the replay last looked
         self.delay, self.steal = profile.async_start_s, 1.0 - profile.overlap
 
     def progress(self, t0: float, duration: float, computing: bool) -> float:
@@ -93,7 +98,7 @@ class _Rank:
         end, cursor, taken = t0 + duration, t0, 0.0
         while self.flights:
             f = self.flights[0]
-            begin = max(cursor, f.launch + (self.delay if computing else 0.0))
+            begin = max(cursor, f.launch + (self.delay if computing and not f.ready() else 0.0))
             if begin >= end:
                 break
             move = min(f.remaining, end - begin)
@@ -107,6 +112,7 @@ class _Rank:
 
     def flush(self) -> None:
         """The rank waits from now on: everything in flight moves at once and completes."""
+        self.moved = self.moved or bool(self.flights)  # what it completes may unblock another rank
         self.progress(self.clock, float("inf"), False)
 
 
@@ -119,6 +125,8 @@ class _Net:
         self.seen = defaultdict(int)  # (rank, group) -> collectives met so far
         self.sent = defaultdict(deque)  # (src, dst) -> arrival times of messages that have arrived
         self.async_done = defaultdict(dict)  # (group, k) -> {rank: when its share completed}
+        self.posted = defaultdict(list)  # (src, dst) -> when dst posted (or blocked in) each receive
+        self.n_sent = defaultdict(int)  # (src, dst) -> messages sent so far
 
 
 def replay_step(traces: dict, profile) -> dict:
@@ -130,14 +138,16 @@ def replay_step(traces: dict, profile) -> dict:
     ranks = {k: _Rank(k, list(v), profile) for k, v in traces.items()}
     net = _Net(ranks, profile)
     progress = True
-    while progress:
-        progress = False
-        for r in ranks.values():
-            while r.i < len(r.items) and _advance(r, net):
+    while progress:  # one item at a time, the rank furthest behind first: the ranks' clocks stay close,
+        progress = False  # so a send knows whether its receive was already posted
+        for r in sorted(ranks.values(), key=lambda q: q.clock):
+            if r.i < len(r.items) and _advance(r, net):
                 progress = True
-            if r.i == len(r.items) and r.flights:
+            elif r.i == len(r.items) and r.flights:
                 r.flush()  # the step's end waits for whatever is still in flight
-                progress = True
+            progress, r.moved = progress or r.moved, False
+            if progress:
+                break
     stuck = [r.rank for r in ranks.values() if r.i < len(r.items)]
     if stuck:
         raise ValueError(f"the recorded steps do not match up: ranks {stuck} wait on a collective or a "
@@ -157,7 +167,11 @@ def _advance(r, net) -> bool:
     elif kind == "Mark":
         r.spans.append((item.name, item.edge, r.clock))
     elif kind == "Wait":
-        if r.items[item.ref].async_op:  # a blocking call (a receive) has already ended where it stood
+        posted = r.items[item.ref]
+        if posted.async_op and posted.op == "recv":  # a receive posted earlier: wait for its message
+            if not _receive(r, posted, net):
+                return False
+        elif posted.async_op:  # a blocking call has already ended where it stood
             if item.ref not in r.done_at:
                 r.flush()
                 if item.ref not in r.done_at:
@@ -166,15 +180,25 @@ def _advance(r, net) -> bool:
     elif item.op == "send":
         _send(r, item, net)
     elif item.op == "recv":
-        queue = net.sent[(item.peer, r.rank)]
-        if not queue:
-            r.flush()
-            return False
-        _wait_until(r, queue.popleft())
+        if r.i not in r.asked:
+            r.asked.add(r.i)
+            net.posted[(item.peer, r.rank)].append(r.clock)
+        if not item.async_op and not _receive(r, item, net):
+            return False  # a posted receive (irecv) waits where its work is waited on
     elif not _collective(r, item, net):
         r.flush()
         return False
     r.i += 1
+    return True
+
+
+def _receive(r, c, net) -> bool:
+    """The rank waits for the next message from ``c.peer``; False while none has been sent yet."""
+    queue = net.sent[(c.peer, r.rank)]
+    if not queue:
+        r.flush()
+        return False
+    _wait_until(r, queue.popleft())
     return True
 
 
@@ -204,14 +228,18 @@ def _send(r, c, net) -> None:
     r.comm += t
     queue = net.sent[(r.rank, c.peer)]
     if c.async_op:
-        index, launch = r.i, r.clock
+        index, launch, k = r.i, r.clock, net.n_sent[(r.rank, c.peer)]
+        net.n_sent[(r.rank, c.peer)] += 1
         busy = r.i + 1 < len(r.items) and type(r.items[r.i + 1]).__name__ == "Op"  # it computes next
+        posted = net.posted[(r.rank, c.peer)]
+        ready = lambda: len(posted) > k and posted[k] <= launch  # noqa: E731 -- the receiver is waiting
 
         def delivered(at, index=index):
-            at = max(at, launch + r.delay) if busy else at  # posted before compute: no sooner than that
+            if busy and not ready():  # sent before compute, asked for later: no sooner than that
+                at = max(at, launch + r.delay)
             r.done_at[index] = at
             queue.append(at)
-        r.flights.append(_Flight(launch, t, delivered))
+        r.flights.append(_Flight(launch, t, delivered, ready))
     else:
         _wait_until(r, r.clock + t)
         queue.append(r.clock)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = ["COLLECTIVES", "SHIPPED", "REQUIRED", "MachineProfile", "load_profile", "default_profile_path",
-           "shipped_path"]
+           "shipped_path", "monotone"]
 
 #: The collectives a profile times (``send`` is one point-to-point message: a pipeline's).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -92,13 +92,15 @@ class MachineProfile:
 
     def swept_seconds(self, op: str, nbytes: float, n: int) -> float | None:
         """The measured sweep of ``op`` interpolated at ``nbytes`` (log-log), when it was measured on
-        ``n`` ranks and ``nbytes`` lies inside it; None otherwise (the α-β fit stands in)."""
+        ``n`` ranks and ``nbytes`` lies inside it; None otherwise (the α-β fit stands in). The sweep is
+        first made non-decreasing (:func:`monotone`): a larger message never takes less time, and where
+        the measured means say otherwise on a busy machine, their pooled mean is the better estimate."""
         sweep = self.collective_sweeps.get("send" if op == "recv" else op)
         if not sweep or (n != self.world_size and op not in ("send", "recv")):
             return None
         if not sweep[0][0] <= nbytes <= sweep[-1][0]:
             return None
-        return _loglog(sweep, nbytes)
+        return _loglog(monotone(sweep), nbytes)
 
     def alpha_beta(self, op: str) -> tuple[float, float]:
         """(α, β) of collective ``op`` (``recv`` is charged to its ``send``)."""
@@ -133,6 +135,20 @@ class MachineProfile:
             raise ValueError(f"{where}: matmul.fp32 needs at least two [flops, seconds] points")
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def monotone(sweep) -> list:
+    """The non-decreasing curve closest to ``sweep`` ([[bytes, seconds], ...], ascending in bytes) in
+    least squares: pool-adjacent-violators (Ayer et al. 1955) -- wherever a size took less time than a
+    smaller one, the run of them is replaced by its mean. An increasing sweep comes back unchanged."""
+    blocks: list = []  # [mean seconds, number of sizes pooled]
+    for _, t in sweep:
+        blocks.append([t, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (t1, n1), (t2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(t1 * n1 + t2 * n2) / (n1 + n2), n1 + n2])
+    times = [t for t, n in blocks for _ in range(n)]
+    return [[size, t] for (size, _), t in zip(sweep, times)]
 
 
 def _loglog(table, x: float) -> float:

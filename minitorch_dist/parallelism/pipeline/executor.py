@@ -192,12 +192,17 @@ def _check(schedule, stages, x, y, group):
 
 class _Messages:
     """The step's point-to-point traffic. Every message is tagged (microbatch, receiving virtual stage,
-    activation|gradient); sends are non-blocking and kept alive until :meth:`wait`, receives block."""
+    activation|gradient); sends are non-blocking and kept alive until :meth:`wait`. A receive is posted
+    one action ahead (:meth:`post`) and waited for when its action starts (:meth:`recv`): the sender then
+    finds the receiver ready and the message moves as it is sent, instead of waiting, on a busy machine,
+    for the sender's communication thread to get a core after the receiver asks (chapter 03, "a send
+    posted during compute")."""
 
     def __init__(self, schedule, group, shape, like: torch.Tensor):
         self.schedule, self.group, self.shape, self.like = schedule, group, shape, like
         self.n_vs = schedule.p * schedule.v
         self.pending: list = []  # (work, tensor): the tensor must outlive its send
+        self.posted: dict = {}  # (vs_from, mb, vs, grad) -> (works, buffer) of a receive posted early
 
     def _peer(self, vs: int) -> int:
         """Global rank holding virtual stage ``vs``."""
@@ -216,10 +221,19 @@ class _Messages:
         self.pending.extend((w, t) for w in works)
         self.pending[:] = [(w, t) for w, t in self.pending if not w.is_completed()]
 
+    def post(self, vs_from: int, mb: int, vs: int, grad: int) -> None:
+        """Post the receive of one message now (non-blocking); :meth:`recv` waits for it."""
+        key = (vs_from, mb, vs, grad)
+        if key not in self.posted:
+            buf = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)  # boundary shape
+            op = dist.P2POp(dist.irecv, buf, self._peer(vs_from), self.group, self._tag(mb, vs, grad))
+            self.posted[key] = (comm.batch_isend_irecv([op]), buf)
+
     def recv(self, vs_from: int, mb: int, vs: int, grad: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)  # the boundary shape
-        op = dist.P2POp(dist.irecv, buf, self._peer(vs_from), self.group, self._tag(mb, vs, grad))
-        for w in comm.batch_isend_irecv([op]):
+        """The message, once arrived (posted now unless :meth:`post` did it earlier)."""
+        self.post(vs_from, mb, vs, grad)
+        works, buf = self.posted.pop((vs_from, mb, vs, grad))
+        for w in works:
             w.wait()
         return buf
 
@@ -291,6 +305,14 @@ class _Runner:
             raise ValueError(f"unknown action kind {a.kind!r} in {a}; expected F, B or W")
         step(a, self.schedule.virtual_stage(self.rank, a.chunk))
         self.actions.append(str(a))
+
+    def prefetch(self, a) -> None:
+        """Post the receive that action ``a`` will wait for (its input from another stage), if any."""
+        vs = self.schedule.virtual_stage(self.rank, a.chunk)
+        if a.kind == "F" and vs > 0:
+            self.messages.post(vs - 1, a.mb, vs, 0)
+        elif a.kind == "B" and vs < self.n_vs - 1:
+            self.messages.post(vs + 1, a.mb, vs, 1)
 
     def forward(self, a, vs: int) -> None:
         """F: the stage input (tokens, or the previous stage's activation), the stage, send its output on."""
@@ -384,7 +406,10 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
         if memory is not None:
             cleanup.enter_context(memory.track())
         cleanup.callback(runner.close)
-        for a in schedule[runner.rank]:
+        actions = schedule[runner.rank]
+        for i, a in enumerate(actions):
+            for ahead in actions[i:i + 2]:  # post this action's receive and the next one's: the next
+                runner.prefetch(ahead)      # action's input may arrive while this one computes
             runner.run(a)
         runner.messages.wait()
         if sync_tied:

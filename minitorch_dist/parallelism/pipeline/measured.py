@@ -7,7 +7,8 @@ r, idle = makespan − Σ its action spans. :func:`simulate_stages` plays the si
 each stage's own times (the first stage embeds, the last takes the loss) and a message time ``p2p``
 per hop (e.g. the profile's one-way send); :func:`idle_breakdown` splits a timeline's
 idle into waiting for the other stage, messages, gaps between actions, and the drain;
-:func:`late_message` times a receive whose sender went on computing after posting it.
+:func:`late_message` times a receive whose sender went on computing after posting it (and the same
+receive posted before the receiver's own compute, as the executor posts it).
 """
 from __future__ import annotations
 
@@ -169,29 +170,34 @@ def simulate_stages(schedule, times: list[dict], p2p: float = 0.0) -> dict:
     return {"events": events, "makespan": makespan, "idle": idle, "bubble": sum(idle) / schedule.p}
 
 
-def _late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float, reps: int) -> list[float]:
+def _late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float, reps: int,
+                  posted_early: bool) -> list[float]:
     where = rank_device()
     buf, a, out = torch.ones(nbytes // 4, device=where), torch.randn(128, 128, device=where), []
     for i in range(reps + 1):  # the first is a warm-up
         dist.barrier()
         t0 = time.perf_counter()
-        work = dist.isend(buf, 1, tag=i) if dist.get_rank() == 0 else None
-        while time.perf_counter() - t0 < (receiver_busy_s if work is None else sender_busy_s):
+        sender = dist.get_rank() == 0
+        work = dist.isend(buf, 1, tag=i) if sender else dist.irecv(buf, 0, tag=i) if posted_early else None
+        while time.perf_counter() - t0 < (sender_busy_s if sender else receiver_busy_s):
             a @ a  # compute: the sender's next action, or the receiver's current one
-        if work is not None:
+        if sender:
             work.wait()
             continue
         t1 = time.perf_counter()
-        dist.recv(buf, 0, tag=i)
+        work = work if posted_early else dist.irecv(buf, 0, tag=i)
+        work.wait()
         out.append(time.perf_counter() - t1)
     return out[1:]
 
 
-def late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float = 0.005, reps: int = 30) -> list:
+def late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float = 0.005, reps: int = 30,
+                 posted_early: bool = False) -> list:
     """Seconds each of ``reps`` receives of ``nbytes`` waited, on 2 ranks: rank 0 posts its send, then
     computes for ``sender_busy_s`` (0: just waits for it); rank 1 computes for ``receiver_busy_s``, then
-    asks for the message -- a stage whose input was sent while it was busy."""
-    return launch(_late_message, 2, nbytes, sender_busy_s, receiver_busy_s, reps)[1]
+    asks for the message -- a stage whose input was sent while it was busy. ``posted_early``: rank 1
+    posts its receive before it computes and only waits for it afterwards, as the executor does."""
+    return launch(_late_message, 2, nbytes, sender_busy_s, receiver_busy_s, reps, posted_early)[1]
 
 
 def _gaps(events, schedule):
