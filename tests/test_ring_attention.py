@@ -282,8 +282,8 @@ def _softmax_attention(q, k, v, mask=None):
     return s.softmax(-1) @ v, torch.logsumexp(s, -1)
 
 
-def attention_block_of(q, k, v, mask=None):
-    return RA.attention_block(q, k, v, mask, D ** -0.5)
+def attention_block_of(q, k, v, causal=False):
+    return RA.attention_block(q, k, v, causal, D ** -0.5)
 
 
 def test_merge_is_associative_and_equals_softmax_over_the_concatenated_keys():
@@ -302,12 +302,12 @@ def test_merge_is_associative_and_equals_softmax_over_the_concatenated_keys():
 
 def test_fully_masked_rows_merge_without_nans():
     q, k, v, _ = _full(6)
-    none = torch.zeros(6, 3, dtype=torch.bool)
-    half = torch.ones(6, 3, dtype=torch.bool)
-    half[:2] = False  # rows 0, 1 see nothing in block b either
-    a = attention_block_of(q, k[..., :3, :], v[..., :3, :], none)
-    b = attention_block_of(q, k[..., 3:, :], v[..., 3:, :], half)
+    a = attention_block_of(q, k[..., :0, :], v[..., :0, :])  # a block of no key: every row sees nothing
     assert torch.isneginf(a[1]).all() and (a[0] == 0).all()
+    b = attention_block_of(q, k[..., 3:, :], v[..., 3:, :], causal=True)
+    b[0][..., :2, :], b[1][..., :2] = 0.0, float("-inf")  # rows 0, 1 see nothing in block b either
+    none = torch.zeros(6, 3, dtype=torch.bool)
+    half = torch.ones(6, 3, dtype=torch.bool).tril()
     out, lse = RA.merge_attention(*a, *b)
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(out, b[0]) and torch.equal(lse, b[1])  # an empty side has weight exactly 0
@@ -323,7 +323,7 @@ def test_block_backward_equals_autograd():
     out, lse = _softmax_attention(q, k, v, mask)
     (out * g).sum().backward()
     delta = (g * out).sum(-1)
-    got = RA.attention_block_backward(q.detach(), k.detach(), v.detach(), mask, D ** -0.5, g.detach(),
+    got = RA.attention_block_backward(q.detach(), k.detach(), v.detach(), True, D ** -0.5, g.detach(),
                                       lse.detach(), delta.detach())
     for x, want in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(x, want, atol=1e-12, rtol=1e-10)

@@ -24,6 +24,13 @@ from __future__ import annotations
 GB = 1e9  #: decimal gigabyte: the unit of the ZeRO and Megatron papers
 GiB = 2**30  #: binary gibibyte: what torch.cuda.memory_allocated() / 2**30 prints
 
+from .attention import (  # noqa: E402
+    attention_flops,
+    attention_pairs,
+    flash_attention_bytes,
+    flash_block_rows,
+    standard_attention_bytes,
+)
 from .checkpointing import (  # noqa: E402
     activation_offload_bytes,
     checkpoint_saved_bytes,
@@ -182,6 +189,8 @@ __all__ = [
     "tree_allreduce_time",
     "megatron_flops_per_step", "model_flops_per_token", "model_flops_utilization", "training_flops",
     "transformer_params", "transformer_params_approx",
+    "attention_flops", "attention_pairs", "flash_attention_bytes", "flash_block_rows",
+    "standard_attention_bytes",
     "bucket_assignment", "bucket_sizes", "ddp_allreduce_schedule", "ddp_step_time",
     "byteps_optimal_bytes", "hogwild_conflict_probability", "hogwild_sparsity", "ps_bytes_per_step",
     "ps_step_time",

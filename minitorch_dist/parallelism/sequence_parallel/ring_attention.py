@@ -16,6 +16,11 @@ Two blocks merge exactly::
 
 an associative, commutative operation, so the ring may visit blocks in any order.
 
+The attention of a query block to one key block is FlashAttention-2 itself (chapter 11): the Triton
+kernel of :mod:`minitorch_dist.kernels.flash_attention` for CUDA tensors, its tiled PyTorch twin
+:mod:`minitorch_dist.kernels.attention_tiled` elsewhere -- one implementation of the block math in
+the library; the ring adds only the passing of blocks and the merge.
+
 Backward (FlashAttention §3.1 and Appendix B.2): nothing of size S x S is saved; per block the
 probabilities are recomputed from the saved q, k, v and the final lse, ``P = exp(qk^T·scale - lse)``,
 and with ``D = rowsum(dO ∘ O)``::
@@ -47,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ...kernels.attention_tiled import tiled_attention_backward, tiled_attention_forward
 from ...runtime import comm, require_process_group
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -64,21 +70,32 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def attention_block(q, k, v, causal_mask=None, scale=None):
+def _block_math(q):
+    """(forward, backward) of chapter 11's FlashAttention-2 for these tensors: the Triton kernels when
+    they are compiled for CUDA and take this dtype and head size, else the tiled PyTorch version."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and 16 <= q.shape[-1] <= 128:
+        from ... import kernels  # Triton: imported only where it will run
+
+        if kernels.backend() == "cuda":
+            from ...kernels.flash_attention import flash_attention_backward, flash_attention_forward
+
+            return flash_attention_forward, flash_attention_backward
+    return tiled_attention_forward, tiled_attention_backward
+
+
+def attention_block(q, k, v, causal=False, scale=None):
     """Attention of query block q (..., Sq, d) to one key block k, v (..., Sk, d): ``(out, lse)``.
 
-    ``s = q k^T · scale``, masked where ``causal_mask`` (bool, broadcastable to (Sq, Sk), True =
-    attend) is False; ``lse = logsumexp_k s`` (..., Sq), -inf for a row that sees no key of this
-    block; ``out = softmax(s) v``, 0 for such a row. Only this (Sq, Sk) block of scores exists.
+    ``s = q k^T · scale``, masked above the diagonal when ``causal`` (query i sees key j iff j <= i);
+    ``lse = logsumexp_k s`` (..., Sq), -inf for a row that sees no key of this block; ``out =
+    softmax(s) v``, 0 for such a row. Computed by FlashAttention-2 (:func:`_block_math`): no (Sq, Sk)
+    block of scores is ever materialised, only tiles of it.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (q @ k.transpose(-2, -1)) * scale
-    if causal_mask is not None:
-        s = s.masked_fill(~causal_mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse)[..., None])  # exp(-inf) = 0 on masked entries
+    forward, _ = _block_math(q)
+    out, lse = forward(q, k, v, causal=causal, scale=scale)
     _count("forward", q, k)
-    return p @ v, lse
+    return out, lse.to(out.dtype)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -95,21 +112,18 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return w_a * out_a + w_b * out_b, lse
 
 
-def attention_block_backward(q, k, v, causal_mask, scale, dout, lse, delta):
+def attention_block_backward(q, k, v, causal, scale, dout, lse, delta):
     """Gradients of one block, recomputed FlashAttention-style: ``(dq, dk, dv)``.
 
     ``lse`` is the *final* log-sum-exp of each query row over all keys and ``delta = rowsum(dO ∘ O)``
     with the final O, so ``P = exp(s - lse)`` is this block's slice of the full softmax and
-    ``dS = P ∘ (dO V^T - delta)`` its slice of the softmax's Jacobian-vector product.
+    ``dS = P ∘ (dO V^T - delta)`` its slice of the softmax's Jacobian-vector product
+    (FlashAttention-2's backward, :func:`_block_math`).
     """
-    s = (q @ k.transpose(-2, -1)) * scale
-    if causal_mask is not None:
-        s = s.masked_fill(~causal_mask, float("-inf"))
-    p = torch.exp(s - _finite(lse)[..., None])
-    dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ v.transpose(-2, -1) - delta[..., None])
+    _, backward = _block_math(q)
+    grads = backward(q, k, v, dout, lse, delta, causal=causal, scale=scale)
     _count("backward", q, k)
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+    return grads
 
 
 # --- counting block work (for the load-balance and memory checks) ---------------------------------------
@@ -267,17 +281,15 @@ class RingAttention(torch.autograd.Function):
         acc = _acc_dtype(q.dtype)
         B, h, n, d = q.shape
         plans = [_block_plan(r, (r - s) % t, t, n, causal, layout) for s in range(t)]
-        tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         out = torch.zeros(B, h, n, d, dtype=acc, device=q.device)
         lse = torch.full((B, h, n), float("-inf"), dtype=acc, device=q.device)
         qa, k_cur, v_cur = q.to(acc), k, v
         for s in range(t):
             if s < t - 1:  # start passing the block on; the transfer overlaps the block's compute
                 (k_nxt, v_nxt), works = _pass_on([k_cur, v_cur], nxt, prv, group)
-            for qs, ks, diag in plans[s]:
-                nq, nk = qa[..., qs, :].shape[-2], k_cur[..., ks, :].shape[-2]
+            for qs, ks, diag in plans[s]:  # diag: the chunk pair on the diagonal, causally masked
                 o, l = attention_block(qa[..., qs, :], k_cur[..., ks, :].to(acc), v_cur[..., ks, :].to(acc),
-                                       tril[:nq, :nk] if diag else None, scale)
+                                       diag, scale)
                 out[..., qs, :], lse[..., qs] = merge_attention(out[..., qs, :], lse[..., qs], o, l)
             if s < t - 1:
                 _wait(works)
@@ -292,8 +304,6 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         t, r, nxt, prv = _ring_peers(ctx.group)
         acc, scale = _acc_dtype(q.dtype), ctx.scale
-        n = q.shape[-2]
-        tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         qa, do = q.to(acc), dout.to(acc)
         delta = (do * out.to(acc)).sum(-1)  # D = rowsum(dO ∘ O)
         dq = torch.zeros_like(qa)
@@ -304,10 +314,9 @@ class RingAttention(torch.autograd.Function):
             dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv_blk = torch.zeros_like(dk_blk)
             for qs, ks, diag in ctx.plans[s]:
-                nq, nk = qa[..., qs, :].shape[-2], k_cur[..., ks, :].shape[-2]
                 g_q, g_k, g_v = attention_block_backward(
                     qa[..., qs, :], k_cur[..., ks, :].to(acc), v_cur[..., ks, :].to(acc),
-                    tril[:nq, :nk] if diag else None, scale, do[..., qs, :], lse[..., qs], delta[..., qs])
+                    diag, scale, do[..., qs, :], lse[..., qs], delta[..., qs])
                 dq[..., qs, :] += g_q
                 dk_blk[..., ks, :] += g_k
                 dv_blk[..., ks, :] += g_v
