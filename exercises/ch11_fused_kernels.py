@@ -1,5 +1,6 @@
 # generated from solutions/ch11_fused_kernels.py; do not edit — run `make exercises`
-"""Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online softmax, LayerNorm backward reductions.
+"""Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online softmax, LayerNorm backward
+reductions, FlashAttention's forward.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch11_fused_kernels.py`` is generated from this file with each
@@ -27,6 +28,10 @@ the interpreter cannot do arithmetic on bf16 values, and fp16 sums lose digits a
    "Layer Normalization": partial sums per group instead of atomics on one row).
 4. :func:`column_sum_kernel`: the second stage, summing the ``G`` partial rows column block by
    column block into the final ``dw`` and ``db``.
+5. :func:`attention_forward_kernel`: FlashAttention-2's forward (Dao 2023, Algorithm 1) for one
+   tile of query rows: sweep the key/value tiles with an online softmax, never writing a score to
+   memory; store the output and the row log-sum-exp. Graded against
+   ``F.scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -215,3 +220,62 @@ def layernorm_backward_reductions(dy, x, weight, mean, rstd, rows_per_group: int
     their column sums (:func:`column_sum`), cast to ``weight``'s dtype."""
     dx, partial_dw, partial_db = layernorm_backward_partials(dy, x, weight, mean, rstd, rows_per_group)
     return dx, column_sum(partial_dw, weight.dtype), column_sum(partial_db, weight.dtype)
+
+
+# --- 5. FlashAttention-2's forward ------------------------------------------------------------------
+
+
+@triton.jit
+def attention_forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale,
+                             stride_bh_q, stride_s_q, stride_bh_k, stride_s_k, stride_bh_o, stride_s_o,
+                             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             D: tl.constexpr):
+    """Attention of query rows ``[i0, i0 + BLOCK_M)``, ``i0 = program_id(0) * BLOCK_M``, of the
+    (batch, head) pair ``program_id(1)`` to all the keys: FlashAttention-2's forward (Dao 2023,
+    Algorithm 1; chapter 11, "FlashAttention").
+
+    Element ``[s, c]`` of this pair's q is at ``q_ptr + bh * stride_bh_q + s * stride_s_q + c``
+    (likewise k, v with ``stride_*_k``, the output with ``stride_*_o``; lse at ``lse_ptr + bh * Sq + s``).
+    Load the query tile once (rows past ``Sq`` masked to 0). Then for each key tile
+    ``[j0, j0 + BLOCK_N)`` (keys past ``Sk`` masked), keeping per row a running max ``m`` (start
+    -inf), sum ``l`` (start 0) and unnormalised output ``acc`` (start 0), all fp32::
+
+        s     = (q_tile @ k_tileᵀ) * scale          (BLOCK_M, BLOCK_N); -inf where the key is past Sk,
+                                                    and, when CAUSAL, where key j > query i
+        m_new = max(m, rowmax(s))
+        p     = exp(s - m_new)
+        alpha = exp(m - m_new)
+        l     = alpha * l + rowsum(p)
+        acc   = alpha * acc + p @ v_tile
+        m     = m_new
+
+    Finally ``o = acc / l`` and ``lse = m + log(l)``; store them for the rows below ``Sq``. With
+    CAUSAL, stop the sweep at the key tile holding the tile's last query (later keys are never
+    seen). ``tl.dot`` multiplies tiles (cast the operands to fp32 first); ``tl.trans`` transposes.
+    """
+    raise NotImplementedError("exercise: attention_forward_kernel — see chapters/11_fused_kernels.md")
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      block_m: int = 16, block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)``: ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)`` and the row
+    log-sum-exp (fp32), with :func:`attention_forward_kernel`. q (B, H, Sq, D), k and v (B, H, Sk, D),
+    D a power of two from 16 to 128; one program per (query tile, batch × head)."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] \
+            or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q (B, H, Sq, D) and k, v (B, H, Sk, D) must agree; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, Sq, D = q.shape
+    if D not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim {D} must be a power of two from 16 to 128 "
+                         f"(tl.arange and tl.dot need one)")
+    check_device(q, k, v)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    if o.numel():
+        grid = (triton.cdiv(Sq, _pow2("block_m", block_m)), B * H)
+        attention_forward_kernel[grid](q, k, v, o, lse, Sq, k.shape[2], D ** -0.5,
+                                       Sq * D, D, k.shape[2] * D, D, Sq * D, D, CAUSAL=bool(causal),
+                                       BLOCK_M=block_m, BLOCK_N=_pow2("block_n", block_n), D=D)
+    return o, lse

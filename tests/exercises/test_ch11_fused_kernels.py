@@ -1,4 +1,5 @@
-"""Chapter 11 exercises, autograded: fused bias + GeLU, online softmax, LayerNorm backward reductions.
+"""Chapter 11 exercises, autograded: fused bias + GeLU, online softmax, LayerNorm backward reductions,
+FlashAttention's forward.
 
 Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
 stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). On a machine
@@ -365,3 +366,74 @@ def test_column_sum_kernel_rejects_bad_input(ex):
         ex.column_sum(a[0])
     with pytest.raises(ValueError, match="power of two"):
         ex.column_sum(a, block_n=24)
+
+
+# --- 5. attention_forward_kernel --------------------------------------------------------------------
+
+def _attention_case(B, H, Sq, Sk, D, g, dtype=torch.float32):
+    return [_randn(B, H, s, D, g=g, dtype=dtype) for s in (Sq, Sk, Sk)]
+
+
+def _attention_ref(q, k, v, causal):
+    q, k, v = (x.double().cpu() for x in (q, k, v))
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).tril().logical_not(), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("B,H,Sq,Sk,D,causal,bm,bn", [
+    (1, 2, 37, 37, 16, True, 16, 16),  # ragged last tile
+    (2, 1, 20, 45, 32, True, 16, 16),  # fewer queries than keys
+    (1, 2, 45, 20, 16, False, 16, 16),  # more queries than keys
+    (1, 1, 50, 50, 64, True, 32, 16),  # tiles of different shapes
+    (1, 1, 16, 16, 16, False, 16, 16),  # one tile each
+])
+def test_attention_forward_kernel_matches_sdpa(ex, B, H, Sq, Sk, D, causal, bm, bn):
+    q, k, v = _attention_case(B, H, Sq, Sk, D, _gen(11))
+    o, lse = ex.attention_forward(q, k, v, causal, bm, bn)
+    want, want_lse = _attention_ref(q, k, v, causal)
+    torch.testing.assert_close(o.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    assert lse.shape == (B, H, Sq) and lse.dtype == torch.float32, "lse: one float32 per query row"
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_forward_kernel_fp16(ex):
+    q, k, v = _attention_case(2, 2, 33, 40, 32, _gen(12), torch.float16)
+    o, lse = ex.attention_forward(q, k, v, causal=True)
+    assert o.dtype == torch.float16
+    want, want_lse = _attention_ref(q, k, v, True)
+    torch.testing.assert_close(o.double().cpu(), want, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_attention_forward_kernel_never_writes_a_score(ex):
+    """Q read once, O and L written once, K and V read once per query tile: nothing else in memory."""
+    from minitorch_dist.kernels._runtime import triton
+
+    B, H, Sq, Sk, D, bm = 1, 2, 40, 48, 16, 16
+    q, k, v = _attention_case(B, H, Sq, Sk, D, _gen(13))
+    with _count_traffic() as t:
+        o, lse = ex.attention_forward(q, k, v, False, bm, 16)
+    torch.testing.assert_close(o.double(), _attention_ref(q, k, v, False)[0], rtol=1e-5, atol=1e-5)
+    e, tiles = q.element_size(), triton.cdiv(Sq, bm)
+    assert t.read(q) == q.numel() * e, "load each query tile once and keep it"
+    assert t.read(k) == tiles * k.numel() * e and t.read(v) == tiles * v.numel() * e, \
+        "every query tile reads each key and value once"
+    assert t.written(o) == o.numel() * e and t.written(lse) == lse.numel() * 4
+    assert t.read() == t.read(q) + t.read(k) + t.read(v) and t.written() == t.written(o) + t.written(lse), \
+        "no score or probability may go through memory"
+    with _count_traffic() as c:
+        ex.attention_forward(q, k, v, True, bm, 16)
+    assert c.read(k) < t.read(k) / 2 + k.numel() * e, "causal: skip the key tiles after the query tile"
+
+
+def test_attention_forward_kernel_rejects_bad_input(ex):
+    q, k, v = _attention_case(1, 2, 8, 8, 16, _gen(14))
+    ex.attention_forward(q, k, v)  # a valid call first
+    with pytest.raises(ValueError, match="power of two"):
+        ex.attention_forward(q[..., :12], k[..., :12], v[..., :12])
+    with pytest.raises(ValueError, match="must agree"):
+        ex.attention_forward(q, k, v[..., :4, :])
+    with pytest.raises(ValueError, match="power of two"):
+        ex.attention_forward(q, k, v, block_m=24)
