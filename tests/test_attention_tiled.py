@@ -191,3 +191,24 @@ def test_flash_bytes_follow_theorem_2():
     with pytest.raises(ValueError, match="exactly one"):
         cm.flash_attention_bytes(1, 1, 8, 8, d, e)
     assert math.isfinite(cm.flash_attention_bytes(1, 1, 8, 8, d, e, block_q=8)["read"])
+
+
+def test_the_cpu_sweep_times_three_implementations_and_their_saved_bytes():
+    from minitorch_dist.kernels import attention_bench as AB
+
+    res = AB.cpu_sweep([64, 128], heads=2, head_dim=16, block=32, reps=1)
+    std, tiled = res["impls"]["standard (SDPA math)"], res["impls"]["tiled FlashAttention-2 (PyTorch)"]
+    assert all(t > 0 for r in res["impls"].values() for t in r["seconds"])
+    # standard attention saves its S × S probabilities: more than linear in S; the tiled path saves
+    # q, k, v, o (4·S·d floats) and the lse (S) per head: exactly linear
+    assert std["saved_bytes"][1] > 2 * std["saved_bytes"][0]
+    assert tiled["saved_bytes"] == [2 * (4 * s * 16 + s) * 4 for s in (64, 128)]
+
+
+def test_the_gpu_benchmark_refuses_a_machine_without_cuda(tmp_path, capsys):
+    from minitorch_dist.kernels import attention_bench as AB
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    assert AB.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

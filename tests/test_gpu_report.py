@@ -30,7 +30,7 @@ def _fake_result() -> dict:
             "tests": {"counts": {"passed": 5}}, "calibrate": {"error": "exited 2"},
             "collectives": {"world_size": 2, "backend": "nccl", "ops": ops},
             "training": {"models": {"tiny": {"median_step_s": steps}, "gpt2-small": {"error": "OOM"}}},
-            "kernels": {"skipped": True},
+            "kernels": {"skipped": True}, "attention": {"skipped": True},
             "matmul": {"dtype": "bfloat16", "rows": [{"n": n, "seconds": 1e-3, "tflops": 100.0 * n / 1024}
                                                      for n in (1024, 2048, 4096)]},
             "mfu": {"mfu": 0.01, "tokens_per_s": 1e6}}
@@ -142,7 +142,7 @@ def test_collect_records_a_failing_section_and_runs_the_rest(tmp_path, monkeypat
         return (fn,)
 
     monkeypatch.setattr(g, "_sections", lambda *a: {s: section(s) for s in g.SECTIONS})
-    assert g.main(["--out-dir", str(tmp_path), "--skip", "kernels", "--skip", "tests"]) == 0
+    assert g.main(["--out-dir", str(tmp_path), "--skip", "kernels", "attention", "--skip", "tests"]) == 0
     assert ran == ["calibrate", "collectives", "training", "matmul", "mfu"]
     (path,) = tmp_path.glob("nvidia-h100-80gb-hbm3-x1-*.json")
     data = json.loads(path.read_text())

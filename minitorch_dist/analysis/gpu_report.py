@@ -12,6 +12,8 @@ recorded as ``{"error": ...}`` and the rest of the report survives:
     training     median step seconds of the course's DDP and ``fully_shard`` against torch's, on the
                  tiny GPT and a larger one, alternating ours / torch (chapters 01, 06, 12)
     kernels      the Triton kernels' GB/s against a copy (:mod:`..kernels.bench`, chapter 11)
+    attention    our FlashAttention-2 (Triton) against SDPA's flash backend, TFLOP/s forward and
+                 forward + backward (:mod:`..kernels.attention_bench`, chapter 11)
     matmul       bf16 GEMM TF/s, n = 1024 .. 8192, timed with CUDA events (the roof MFU is read against)
     mfu          the tiny GPT's model FLOPs utilisation on one GPU under bf16 autocast (chapter 12)
 
@@ -36,7 +38,7 @@ __all__ = ["SECTIONS", "gpu_slug", "report_stem", "write_report", "collect", "ma
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (an editable install)
 DEFAULT_OUT = ROOT / "notebooks" / "results" / "gpu"
-SECTIONS = ("tests", "calibrate", "collectives", "training", "kernels", "matmul", "mfu")
+SECTIONS = ("tests", "calibrate", "collectives", "training", "kernels", "attention", "matmul", "mfu")
 
 
 # --- naming and small helpers -------------------------------------------------------------------------
@@ -173,6 +175,7 @@ def _sections(n_gpus: int, name: str, out_dir: Path, stem: str, smoke: bool) -> 
     """section -> (function, *arguments)."""
     dev = torch.device("cuda", 0)
     profile, kernels = out_dir / f"{stem}-profile.json", out_dir / f"{stem}-kernels.json"
+    attention = out_dir / f"{stem}-attention.json"
     return {
         "tests": (run_gpu_tests,),
         "calibrate": (run_json_command, ["-m", "minitorch_dist", "calibrate", "--world", str(n_gpus),
@@ -181,6 +184,8 @@ def _sections(n_gpus: int, name: str, out_dir: Path, stem: str, smoke: bool) -> 
         "training": (bench_training, n_gpus, smoke),
         "kernels": (run_json_command, ["-m", "minitorch_dist.kernels.bench", "--out", str(kernels),
                                        *(["--smoke"] if smoke else [])], kernels, 1800),
+        "attention": (run_json_command, ["-m", "minitorch_dist.kernels.attention_bench", "--out",
+                                         str(attention), *(["--smoke"] if smoke else [])], attention, 1800),
         "matmul": (bench_matmul, [1024, 2048] if smoke else [1024, 2048, 4096, 8192], dev),
         "mfu": (bench_mfu, dev, name),
     }
