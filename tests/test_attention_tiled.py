@@ -212,3 +212,22 @@ def test_the_gpu_benchmark_refuses_a_machine_without_cuda(tmp_path, capsys):
         pytest.skip("this machine has a GPU: the benchmark would run")
     assert AB.main(["--out", str(tmp_path / "x.json")]) == 2
     assert "CUDA GPU" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float16, 2e-3)])
+def test_the_triton_kernel_and_the_tiled_version_agree(dtype, tol):
+    """The two implementations of one algorithm, each other's second reference (the Triton kernel in the
+    interpreter here): outputs, log-sum-exps and the three gradients."""
+    from minitorch_dist.kernels import flash_attention, flash_attention_forward
+
+    q, k, v, do = _inputs(1, 4, 2, 41, 29, 32, dtype, seed=3)
+    o_t, l_t = tiled_attention_forward(q, k, v, causal=True)
+    o_f, l_f = flash_attention_forward(q, k, v, causal=True)
+    torch.testing.assert_close(o_f, o_t, rtol=tol, atol=tol)
+    torch.testing.assert_close(l_f, l_t, rtol=tol, atol=tol)
+    grads = []
+    for fn in (tiled_attention, flash_attention):
+        ins = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        grads.append(torch.autograd.grad(fn(*ins, causal=True), ins, do))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=4 * tol, atol=4 * tol)

@@ -13,7 +13,8 @@ against eager PyTorch, ``torch.compile`` and a copy on a GPU.
 interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here before any kernel is defined unless
 the user set it), so every kernel is checked on any machine. ``backend()`` says which.
 
-``kernels.softmax`` and ``kernels.cross_entropy`` are the differentiable functions (named as in
+``kernels.softmax``, ``kernels.cross_entropy``, ``kernels.flash_attention`` and ``kernels.tiled_attention``
+are the differentiable functions (named as in
 ``torch.nn.functional``); reach a module's kernels with ``from minitorch_dist.kernels.softmax import ...``.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ __all__ = ["backend", "default_device", "FlatParameters", "FusedAdamW", "adamw_r
            "cross_entropy", "cross_entropy_forward_backward", "cross_entropy_reference", "LayerNorm",
            "layer_norm", "layernorm_backward", "layernorm_forward", "layernorm_reference",
            "replace_layernorms", "softmax", "softmax_backward", "softmax_forward", "softmax_reference",
-           "tiled_attention", "tiled_attention_backward", "tiled_attention_delta", "tiled_attention_forward"]
+           "tiled_attention", "tiled_attention_backward", "tiled_attention_delta", "tiled_attention_forward",
+           "flash_attention", "flash_attention_backward", "flash_attention_delta", "flash_attention_forward"]
 
 try:
     from ._runtime import backend, default_device  # first: sets TRITON_INTERPRET before any @triton.jit
@@ -40,6 +42,12 @@ else:
     _MISSING = None
     from .adamw import FlatParameters, FusedAdamW, adamw_reference, fused_adamw_step
     from .cross_entropy import cross_entropy, cross_entropy_forward_backward, cross_entropy_reference
+    from .flash_attention import (
+        flash_attention,
+        flash_attention_backward,
+        flash_attention_delta,
+        flash_attention_forward,
+    )
     from .layernorm import (
         LayerNorm,
         layer_norm,

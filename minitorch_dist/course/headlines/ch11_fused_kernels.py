@@ -1,9 +1,11 @@
-"""Chapter 11 — the tour's rows: each Triton kernel == its PyTorch reference; softmax bytes, eager / fused."""
+"""Chapter 11 — the tour's rows: each Triton kernel == its PyTorch reference; softmax bytes, eager / fused;
+FlashAttention-2 (Triton and tiled PyTorch) == SDPA, and the memory it saves."""
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from ...analysis import costmodel
 from ...analysis.meters import ByteCounter
@@ -17,7 +19,10 @@ from ...kernels import (
     layernorm_reference,
     softmax,
     softmax_reference,
+    tiled_attention,
 )
+from ...kernels.attention_bench import saved_bytes
+from ...kernels.flash_attention import flash_attention
 
 
 def _row(what, err, tol) -> dict:
@@ -79,6 +84,35 @@ def _softmax_bytes_row(x) -> dict:
             "theory": round(theory, 4), "measured": round(measured, 4), "ok": abs(measured - theory) < 1e-9}
 
 
+def _attention_rows(randn, S: int) -> list[dict]:
+    """FlashAttention-2, Triton and tiled PyTorch, forward + backward against SDPA (causal, grouped-query
+    heads, a length that is not a multiple of the tile); the bytes autograd saves, standard / flash."""
+    q, k, v, do = randn(1, 4, S, 32), randn(1, 2, S, 32), randn(1, 2, S, 32), randn(1, 4, S, 32)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
+    want = (ref, *torch.autograd.grad(ref, ref_in, do.double()))
+    rows = []
+    for name, fn in (("FlashAttention-2, Triton", flash_attention), ("FlashAttention-2, tiled PyTorch",
+                                                                      tiled_attention)):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*ins, causal=True)
+        got = (out, *torch.autograd.grad(out, ins, do))
+        err = max((a.double() - b).abs().max().item() for a, b in zip(got, want))
+        row = _row(f"{name}, S={S}, GQA 4:2, causal, output + dq, dk, dv vs SDPA", err, 1e-4)
+        if fn is tiled_attention:  # plain PyTorch: no Triton backend to name
+            row["experiment"] = row["experiment"].replace(f" [{backend()}]", "")
+        rows.append(row)
+    n = 1024  # the N x N scores that standard attention keeps for its backward, against O(N) for flash
+    x = [torch.randn(1, 4, n, 32, requires_grad=True) for _ in range(3)]
+    std = saved_bytes(lambda a, b, c: (a @ b.transpose(-2, -1) * 32 ** -0.5).softmax(-1) @ c, *x)
+    flash = saved_bytes(lambda a, b, c: tiled_attention(a, b, c, causal=True), *x)
+    theory = (3 * n * 32 + n * n) / (4 * n * 32 + n)  # per head: Q, K, V, P against Q, K, V, O, L
+    rows.append({"chapter": "ch11", "experiment": f"attention, N={n}, d=32: bytes saved for backward, "
+                 "standard (Q, K, V, P) / flash (Q, K, V, O, L)", "theory": round(theory, 3),
+                 "measured": round(std / flash, 3), "ok": abs(std / flash - theory) < 1e-9})
+    return rows
+
+
 def headline(smoke: bool = False) -> list[dict]:
     """Chapter 11's rows: every kernel equals its PyTorch reference (run by Triton: the interpreter
     on CPU, compiled on a GPU), and fusing softmax cuts its memory traffic about 4x."""
@@ -92,4 +126,5 @@ def headline(smoke: bool = False) -> list[dict]:
     rows = _elementwise_rows(randn, g, M, N)
     rows.append(_adamw_row(randn))
     rows.append(_softmax_bytes_row(randn(M, N)))
+    rows += _attention_rows(randn, 37 if smoke else 75)
     return rows
