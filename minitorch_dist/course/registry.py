@@ -156,7 +156,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             (_M + "sparsity.moe", _M + "sparsity.expert_parallel", _M + "sparsity.moe_gpt"), written=True,
             headline=_HL + "ch10_moe:headline"),
     Chapter(11, "11_fused_kernels",
-            "Fused kernels in Triton: softmax, LayerNorm, AdamW, cross-entropy; the roofline",
+            "Fused kernels in Triton: softmax, LayerNorm, AdamW, cross-entropy, FlashAttention; the roofline",
             (_M + "kernels",), written=True, headline=_HL + "ch11_fused_kernels:headline"),
     Chapter(12, "12_putting_it_together", "Putting it together: 3D parallelism and planning",
             (_M + "parallelism.mesh", _M + "parallelism.three_d", _M + "analysis.planner"), written=True,
