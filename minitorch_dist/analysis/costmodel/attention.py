@@ -31,7 +31,7 @@ recomputes QKᵀ first, 10·Sq·Sk·d. Causal attention (top-left aligned) does 
 """
 from __future__ import annotations
 
-from .kernels import _dims, _rw, _size
+from .kernels import check_dims, element_size, read_written
 
 __all__ = ["attention_pairs", "attention_flops", "standard_attention_bytes", "flash_attention_bytes",
            "flash_block_rows"]
@@ -40,7 +40,7 @@ __all__ = ["attention_pairs", "attention_flops", "standard_attention_bytes", "fl
 def attention_pairs(seq_q: int, seq_k: int, causal: bool = False) -> int:
     """(query, key) pairs whose score is computed: Sq·Sk, or causally (query i sees keys 0..i)
     Σ_i min(i + 1, Sk)."""
-    _dims(seq_q=seq_q, seq_k=seq_k)
+    check_dims(seq_q=seq_q, seq_k=seq_k)
     if not causal:
         return seq_q * seq_k
     full = max(0, seq_q - seq_k)  # rows that see every key
@@ -52,7 +52,7 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: in
                     backward: bool = False, flash: bool = False) -> int:
     """Matmul FLOPs of attention: forward 4·pairs·d; backward 8·pairs·d, or 10·pairs·d for
     FlashAttention, which recomputes the scores (Dao 2023, §3.1.2)."""
-    _dims(batch=batch, heads=heads, head_dim=head_dim)
+    check_dims(batch=batch, heads=heads, head_dim=head_dim)
     per_pair = (10 if flash else 8) if backward else 4
     return per_pair * batch * heads * attention_pairs(seq_q, seq_k, causal) * head_dim
 
@@ -61,18 +61,18 @@ def standard_attention_bytes(batch: int, heads: int, seq_q: int, seq_k: int, hea
                              dtype_bytes=2) -> dict:
     """HBM bytes ``{"read", "written"}`` of standard attention's forward (Dao et al. 2022,
     Algorithm 0: S and P written to and read back from HBM); see the module docstring."""
-    _dims(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
-    e, bh, n_s = _size(dtype_bytes), batch * heads, seq_q * seq_k
+    check_dims(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
+    e, bh, n_s = element_size(dtype_bytes), batch * heads, seq_q * seq_k
     read = (seq_q + 2 * seq_k) * head_dim + 2 * n_s
     written = 2 * n_s + seq_q * head_dim
-    return _rw(bh * read * e, bh * written * e)
+    return read_written(bh * read * e, bh * written * e)
 
 
 def flash_block_rows(sram_bytes: int, head_dim: int, dtype_bytes=2) -> int:
     """Rows per tile that fit on chip: ⌊M / 4d⌋ with M = sram_bytes / element size (Dao et al. 2022,
     Algorithm 1, line 1: a query tile, its output, one key and one value tile of d columns)."""
-    _dims(sram_bytes=sram_bytes, head_dim=head_dim)
-    rows = sram_bytes // _size(dtype_bytes) // (4 * head_dim)
+    check_dims(sram_bytes=sram_bytes, head_dim=head_dim)
+    rows = sram_bytes // element_size(dtype_bytes) // (4 * head_dim)
     if rows < 1:
         raise ValueError(f"{sram_bytes} B of on-chip memory cannot hold four rows of head_dim {head_dim}")
     return rows
@@ -83,13 +83,13 @@ def flash_attention_bytes(batch: int, heads: int, seq_q: int, seq_k: int, head_d
     """HBM bytes ``{"read", "written"}`` of FlashAttention-2's forward: Q once, K and V once per query
     tile of ``block_q`` rows (or of :func:`flash_block_rows` for ``sram_bytes``), O once and the fp32
     row log-sum-exp L; see the module docstring."""
-    _dims(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
+    check_dims(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
     if (block_q is None) == (sram_bytes is None):
         raise ValueError("give exactly one of block_q (rows of a query tile) and sram_bytes (on-chip memory)")
     rows = block_q if block_q is not None else flash_block_rows(sram_bytes, head_dim, dtype_bytes)
-    _dims(block_q=rows)
-    e, bh = _size(dtype_bytes), batch * heads
+    check_dims(block_q=rows)
+    e, bh = element_size(dtype_bytes), batch * heads
     tiles = -(-seq_q // rows)
     read = (seq_q * head_dim + tiles * 2 * seq_k * head_dim) * e
     written = seq_q * head_dim * e + seq_q * 4
-    return _rw(bh * read, bh * written)
+    return read_written(bh * read, bh * written)

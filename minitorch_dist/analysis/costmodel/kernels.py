@@ -90,7 +90,7 @@ def _peak(spec: DeviceSpec, dtype) -> float:
     return spec.peak_flops[key]
 
 
-def _size(dtype_bytes) -> int:
+def element_size(dtype_bytes) -> int:
     """Element size from an int or a torch dtype."""
     itemsize = getattr(dtype_bytes, "itemsize", dtype_bytes)
     if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
@@ -99,13 +99,13 @@ def _size(dtype_bytes) -> int:
     return itemsize
 
 
-def _dims(**dims) -> None:
+def check_dims(**dims) -> None:
     for name, n in dims.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
 
 
-def _rw(read: float, written: float) -> dict:
+def read_written(read: float, written: float) -> dict:
     return {"read": read, "written": written}
 
 
@@ -132,11 +132,11 @@ def softmax_bytes(M: int, N: int, dtype_bytes=4, fused: bool = False) -> dict:
     So eager moves (8MN + 4M) / 2MN, about 4x, the bytes; a memory-bound kernel runs that much slower.
     ``torch.softmax`` is itself one fused kernel: its bytes are ``fused=True``'s.
     """
-    _dims(M=M, N=N)
-    e = _size(dtype_bytes)
+    check_dims(M=M, N=N)
+    e = element_size(dtype_bytes)
     if fused:
-        return _rw(M * N * e, M * N * e)
-    return _rw((5 * M * N + 2 * M) * e, (3 * M * N + 2 * M) * e)
+        return read_written(M * N * e, M * N * e)
+    return read_written((5 * M * N + 2 * M) * e, (3 * M * N + 2 * M) * e)
 
 
 def layernorm_bytes(M: int, N: int, dtype_bytes=4, fused: bool = False, backward: bool = False,
@@ -180,16 +180,16 @@ def layernorm_bytes(M: int, N: int, dtype_bytes=4, fused: bool = False, backward
     and per-group partial sums of dw, db; a second kernel sums the partials (G x N each, G << M,
     left out): read ``2MN + N`` + 2M stats, write ``MN + 2N``.
     """
-    _dims(M=M, N=N)
-    e, s = _size(dtype_bytes), _size(stats_bytes)
+    check_dims(M=M, N=N)
+    e, s = element_size(dtype_bytes), element_size(stats_bytes)
     MN = M * N
     if not backward:
         if fused:
-            return _rw((MN + 2 * N) * e, MN * e + 2 * M * s)
-        return _rw((7 * MN + 2 * N + 4 * M) * e, (5 * MN + 4 * M) * e)
+            return read_written((MN + 2 * N) * e, MN * e + 2 * M * s)
+        return read_written((7 * MN + 2 * N + 4 * M) * e, (5 * MN + 4 * M) * e)
     if fused:
-        return _rw((2 * MN + N) * e + 2 * M * s, (MN + 2 * N) * e)
-    return _rw((14 * MN + N + 3 * M) * e, (7 * MN + 2 * N + 2 * M) * e)
+        return read_written((2 * MN + N) * e + 2 * M * s, (MN + 2 * N) * e)
+    return read_written((14 * MN + N + 3 * M) * e, (7 * MN + 2 * N + 2 * M) * e)
 
 
 def adamw_bytes(n_params: int, fused: bool = False, dtype_bytes=4, weight_decay: bool = True) -> dict:
@@ -213,12 +213,12 @@ def adamw_bytes(n_params: int, fused: bool = False, dtype_bytes=4, weight_decay:
     goes: 12 and 7.) Fused, one pass: read p, g, m, v and write p, m, v: 4 psi and 3 psi; about 3x
     fewer bytes. The per-tensor step counters and bias corrections are scalars and not counted.
     """
-    _dims(n_params=n_params)
-    e = _size(dtype_bytes)
+    check_dims(n_params=n_params)
+    e = element_size(dtype_bytes)
     if fused:
-        return _rw(4 * n_params * e, 3 * n_params * e)
+        return read_written(4 * n_params * e, 3 * n_params * e)
     wd = 1 if weight_decay else 0
-    return _rw((12 + wd) * n_params * e, (7 + wd) * n_params * e)
+    return read_written((12 + wd) * n_params * e, (7 + wd) * n_params * e)
 
 
 def cross_entropy_bytes(M: int, V: int, dtype_bytes=4, fused: bool = False, target_bytes: int = 8,
@@ -240,15 +240,15 @@ def cross_entropy_bytes(M: int, V: int, dtype_bytes=4, fused: bool = False, targ
     A vocabulary too large to hold on chip is streamed twice (online max / normaliser, then the
     gradient): ``fused_passes=2`` reads the logits twice.
     """
-    _dims(M=M, V=V)
+    check_dims(M=M, V=V)
     if fused_passes not in (1, 2):
         raise ValueError("fused_passes must be 1 (row held on chip) or 2 (streamed twice), got "
                          f"{fused_passes!r}")
-    e, t = _size(dtype_bytes), _size(target_bytes)
+    e, t = element_size(dtype_bytes), element_size(target_bytes)
     MV = M * V
     if fused:
-        return _rw(fused_passes * MV * e + M * t, MV * e + M * e)
-    return _rw((3 * MV + M) * e + 2 * M * t, 3 * MV * e)
+        return read_written(fused_passes * MV * e + M * t, MV * e + M * e)
+    return read_written((3 * MV + M) * e + 2 * M * t, 3 * MV * e)
 
 
 # --- FLOPs, intensity, roofline ---------------------------------------------------------------------
@@ -257,7 +257,7 @@ def cross_entropy_bytes(M: int, V: int, dtype_bytes=4, fused: bool = False, targ
 def softmax_flops(M: int, N: int) -> int:
     """FLOPs of a row softmax counting one per element for each of max, subtract, exp, sum and
     divide: ``5MN`` (exp is several instructions on the special-function unit; counted as one)."""
-    _dims(M=M, N=N)
+    check_dims(M=M, N=N)
     return 5 * M * N
 
 
@@ -265,7 +265,7 @@ def layernorm_flops(M: int, N: int) -> int:
     """FLOPs of a LayerNorm forward, one per element for each of: sum for the mean, subtract,
     square, sum for the variance, scale by rstd, multiply by w, add b: ``7MN`` (the per-row
     ``rsqrt`` is left out)."""
-    _dims(M=M, N=N)
+    check_dims(M=M, N=N)
     return 7 * M * N
 
 
