@@ -22,6 +22,12 @@ Nothing here needs ranks: number formats are a single-process matter.
    Truncation Errors"; used for bf16 optimizers by Zamirai et al. 2020, "Revisiting BFloat16
    Training", §4): the weight tracks the exact sum to within a rounding, deterministically, for
    4 bytes per parameter instead of an fp32 master copy's 6.
+4. :func:`quantize_tiles_1x128`: DeepSeek-V3's fine-grained fp8 quantisation of activations
+   (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.3.2): one scale per 1×128 tile, so that an
+   outlier spoils only the 128 values that share its tile.
+5. :func:`delayed_scaling_update`: Transformer Engine's delayed-scaling step for one fp8 tensor: the
+   next scale from a window of past amaxes, then the window rolled (Micikevicius et al. 2022, "FP8
+   Formats for Deep Learning", §4, per-tensor scaling; TE's ``DelayedScaling`` recipe).
 """
 from __future__ import annotations
 
@@ -183,3 +189,84 @@ def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
                          f"{tuple(weight.shape)}")
     update = update.float()
     raise NotImplementedError("exercise: kahan_bf16_update — see chapters/08_mixed_precision.md")
+
+
+# --- 4. fine-grained fp8 quantisation: a scale per 1x128 tile --------------------------------------
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn: 1.75 * 2^8 (its top exponent is not inf)
+
+
+def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (tokens × channels) in fp8 E4M3 with one scale per ``1 × tile`` tile: ``(q, scales)``.
+
+    E4M3 holds 448 at most and has 3 mantissa bits; below 2^-6 its numbers thin out into subnormals
+    and below 2^-10 everything is 0. A tensor therefore has to be *scaled* into that range before the
+    cast: multiply by ``s = 448 / amax`` so that its largest magnitude lands on 448, cast, and divide
+    by ``s`` to read it back. With one ``s`` for the whole tensor, a single outlier 10^5 times the
+    typical value pushes every other value down into the subnormals or to zero. DeepSeek-V3 (§3.3.2)
+    gives each token's channels a scale per tile of 128 (a weight gets one per 128×128 block): the
+    outlier then spoils only its own tile::
+
+        tile (i, j) = x[i, j*tile : (j+1)*tile]          the last tile of a row may be shorter
+        scales[i, j] = 448 / amax(tile (i, j))           fp32; 1.0 for an all-zero tile (no 0 / 0)
+        q[i, k]      = e4m3(clamp(x[i, k] * scales[i, k // tile], -448, 448))
+
+    so that ``x ≈ q.float() / scales`` repeated over each tile. The clamp saturates instead of
+    overflowing (it matters only if rounding ``x * s`` in fp32 lands a hair above 448).
+
+    **Your task:** return ``q`` (``torch.float8_e4m3fn``, the shape of ``x``) and ``scales``
+    (``torch.float32``, shape ``(M, ceil(K / tile))``) for a 2-D float ``x`` of shape (M, K), on
+    ``x``'s device, without changing ``x``. Hint: pad each row with zeros to a multiple of ``tile``
+    (zeros never raise an amax), view it as ``(M, K_pad // tile, tile)`` and take the amax of the last
+    dimension; ``repeat_interleave`` spreads the scales back over the columns. Divide tensors
+    (``torch.full_like(amax, 448.0) / amax``): ``448.0 / amax`` computes ``448 * (1 / amax)``, two
+    roundings, and can differ in the last bit.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (tokens x channels), got shape {tuple(x.shape)}; "
+                         f"reshape it with x.reshape(-1, x.shape[-1])")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile must be a positive int (DeepSeek-V3 uses 128), got {tile!r}")
+    raise NotImplementedError("exercise: quantize_tiles_1x128 — see chapters/08_mixed_precision.md")
+
+
+# --- 5. delayed scaling: the scale of the next step from a window of amaxes -------------------------
+
+
+def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int = 0,
+                           algo: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of Transformer Engine's delayed scaling for one tensor: ``(new_history, new_scale)``.
+
+    Finding ``amax`` before every cast costs a pass over the tensor. *Delayed* scaling casts this
+    step's tensor with a scale computed from *past* steps' amaxes instead, and records this step's
+    amax while casting. ``amax_history`` is a 1-D window of length L: slot 0 holds this step's amax
+    (just recorded), the other slots the amaxes of earlier steps (0 where none yet). After the step::
+
+        amax      = max(amax_history)           (algo="max"; algo="most_recent": amax_history[0])
+        new_scale = (fp8_max / amax) / 2^margin      -- but the old ``scale`` where amax is 0 or
+                                                        not finite (nothing to learn from it)
+        new_history = amax_history rolled by one to the left (slot 0 moves to the end, slot i to
+                      slot i-1: torch.roll(h, -1)), then slot 0 set to 0 for the next step
+
+    so the window slides: an amax is counted for L steps and then dropped (it reaches slot 0 again
+    and is cleared). ``margin`` leaves 2^margin of headroom for growth before the next update.
+
+    **Your task:** return new tensors (fp32, on the inputs' device), leaving ``amax_history`` and
+    ``scale`` (a 0-dim fp32 tensor) unchanged. The arguments are already checked. (As in exercise 4,
+    divide tensors, ``torch.full_like(amax, fp8_max) / amax``, for a correctly rounded scale.)
+    """
+    if not isinstance(amax_history, torch.Tensor) or amax_history.dim() != 1 or amax_history.numel() < 1:
+        raise ValueError("amax_history must be a 1-D tensor with at least one slot, got "
+                         f"{getattr(amax_history, 'shape', type(amax_history).__name__)}")
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 0:
+        raise ValueError(f"scale must be a 0-dim tensor (torch.tensor(1.0)), got {scale!r}")
+    if not (isinstance(fp8_max, (int, float)) and fp8_max > 0):
+        raise ValueError(f"fp8_max must be a positive number (448 for E4M3, 57344 for E5M2), got {fp8_max!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
+    history, scale = amax_history.float(), scale.float()
+    raise NotImplementedError("exercise: delayed_scaling_update — see chapters/08_mixed_precision.md")

@@ -1,4 +1,5 @@
-"""Chapter 08 exercises, autograded: the loss scaler's rule, stochastic rounding to bf16, a Kahan bf16 update.
+"""Chapter 08 exercises, autograded: the loss scaler's rule, stochastic rounding to bf16, a Kahan bf16 update,
+fp8 tiles of 1x128, delayed scaling.
 
 Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
 stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
@@ -10,6 +11,7 @@ variant (round-to-nearest, an uncompensated bf16 weight).
 
 Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
 """
+import collections
 import math
 
 import pytest
@@ -370,3 +372,146 @@ def test_kahan_bf16_update_rejects_bad_input(ex):
         ex.kahan_bf16_update(w, c.float(), u)
     with pytest.raises(TypeError, match="floating-point"):
         ex.kahan_bf16_update(w, c, torch.zeros(4, dtype=torch.int64))
+
+
+# --- 4. quantize_tiles_1x128 -----------------------------------------------------------------------
+# Expected values: Python loops over the tiles (amax, 448 / amax, the cast of each element), the
+# float64 rounding of costmodel.round_to_format, and a tensor without the outlier.
+
+def _tiles_by_hand(x, tile):
+    M, K = x.shape
+    n = math.ceil(K / tile)
+    scales = torch.empty(M, n)
+    q = torch.empty(M, K)
+    for i in range(M):
+        for j in range(n):
+            part = x[i, j * tile:(j + 1) * tile].float()
+            amax = part.abs().max().item()
+            s = torch.tensor(448.0 / amax if amax > 0 else 1.0, dtype=torch.float32)
+            scales[i, j] = s
+            q[i, j * tile:(j + 1) * tile] = (part * s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return q, scales
+
+
+@pytest.mark.parametrize("shape, tile", [((5, 300), 128), ((3, 128), 128), ((4, 7), 3), ((2, 5), 8)])
+def test_quantize_tiles_1x128_equals_a_hand_computation(ex, shape, tile):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
+    x[-1, :] = 0.0  # an all-zero row: every tile of it gets scale 1
+    before = x.clone()
+    q, scales = ex.quantize_tiles_1x128(x, tile)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (shape[0], math.ceil(shape[1] / tile))
+    want_q, want_s = _tiles_by_hand(x, tile)
+    torch.testing.assert_close(scales, want_s, rtol=0, atol=0)
+    assert torch.equal(q.float(), want_q)
+    assert torch.equal(x, before), "x must not change"
+    assert torch.equal(scales[-1], torch.ones_like(scales[-1]))
+
+
+def test_quantize_tiles_1x128_round_trip_and_default_tile(ex):
+    from minitorch_dist.analysis.costmodel.precision import round_to_format
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 384, generator=g)
+    q, scales = ex.quantize_tiles_1x128(x)  # the default tile is 128
+    assert scales.shape == (16, 3)
+    per = scales.repeat_interleave(128, dim=1)
+    # every tile's largest magnitude lands on 448, and each value is rounded to the nearest E4M3
+    assert torch.equal(q.float().abs().view(16, 3, 128).amax(-1), torch.full((16, 3), 448.0))
+    assert torch.equal(q.double(), round_to_format((x * per).double().clamp(-448, 448), "fp8_e4m3"))
+    err = (q.float() / per - x).abs()
+    assert (err <= x.abs() * 2.0 ** -4 + 2.0 ** -10 / per).all()  # half an ulp, or the subnormal floor
+
+
+def test_quantize_tiles_1x128_confines_an_outlier_to_its_tile(ex):
+    g = torch.Generator().manual_seed(2)
+    clean = torch.randn(64, 512, generator=g) * 1e-2
+    x = clean.clone()
+    x[5, 200] = 1e3  # 1e5 times the typical value
+    q, scales = ex.quantize_tiles_1x128(x)
+    q0, s0 = ex.quantize_tiles_1x128(clean)
+    other = torch.ones_like(x, dtype=torch.bool)
+    other[5, 128:256] = False
+    assert torch.equal(q.float()[other], q0.float()[other])
+    assert (scales != s0).sum().item() == 1  # only the outlier's tile got a new scale
+    # one scale for the whole tensor would lose much of it: the check can fail
+    s = 448.0 / x.abs().max()
+    per_tensor = (x * s).to(torch.float8_e4m3fn).float() / s
+    tiled = q.float() / scales.repeat_interleave(128, dim=1)
+    assert (per_tensor - x)[other].norm() > 4 * (tiled - x)[other].norm()
+
+
+def test_quantize_tiles_1x128_rejects_bad_input(ex):
+    ex.quantize_tiles_1x128(torch.ones(2, 4), 2)  # a valid call first
+    with pytest.raises(ValueError, match="2-D"):
+        ex.quantize_tiles_1x128(torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="tile must be a positive int"):
+        ex.quantize_tiles_1x128(torch.ones(2, 4), 0)
+    with pytest.raises(TypeError, match="floating-point"):
+        ex.quantize_tiles_1x128(torch.ones(2, 4, dtype=torch.int64))
+
+
+# --- 5. delayed_scaling_update ---------------------------------------------------------------------
+# Expected values: a deque of the last L amaxes kept by hand; the TE rule written out in Python floats.
+
+def _drive(ex, amaxes, L, fp8_max=448.0, **kw):
+    """Record each amax in slot 0 and update; per step: (scale, history) after the update."""
+    history, scale, out = torch.zeros(L), torch.tensor(1.0), []
+    for a in amaxes:
+        history = history.clone()
+        history[0] = a
+        history, scale = ex.delayed_scaling_update(history, scale, fp8_max, **kw)
+        out.append((scale.item(), history.tolist()))
+    return out
+
+
+def test_delayed_scaling_update_slides_a_window_of_amaxes(ex):
+    L, amaxes = 3, [2.0, 4.0, 1.0, 1.0, 1.0, 8.0, 0.5, 0.5, 0.5, 0.5]
+    window, scale = collections.deque(maxlen=L), 1.0
+    for step, (a, (got_scale, got_hist)) in enumerate(zip(amaxes, _drive(ex, amaxes, L))):
+        window.append(a)
+        scale = 448.0 / max(window)
+        assert got_scale == pytest.approx(scale, rel=1e-7), f"step {step}: scale from the last {L} amaxes"
+        kept = list(window)[-(L - 1):]  # the last L-1 amaxes, oldest first, the newest at the end
+        assert got_hist[0] == 0.0, "slot 0 is cleared for the next step"
+        assert got_hist[1:] == [0.0] * (L - 1 - len(kept)) + kept, f"step {step}: history {got_hist}"
+    # the peak of 8 leaves the window L steps later, and the scale recovers
+    scales = [s for s, _ in _drive(ex, amaxes, L)]
+    assert scales[5] == scales[6] == scales[7] == 448.0 / 8 and scales[8] == 448.0 / 0.5
+
+
+def test_delayed_scaling_update_rolls_like_torch_roll(ex):
+    h = torch.tensor([5.0, 1.0, 2.0, 3.0])
+    new_h, _ = ex.delayed_scaling_update(h, torch.tensor(1.0), 448.0)
+    assert new_h.tolist() == [0.0, 2.0, 3.0, 5.0]  # slot i -> i-1, slot 0 -> the end, then slot 0 cleared
+    assert h.tolist() == [5.0, 1.0, 2.0, 3.0], "the input history must not change"
+    one, s = ex.delayed_scaling_update(torch.tensor([7.0]), torch.tensor(1.0), 448.0)
+    assert one.tolist() == [0.0] and s.item() == 64.0  # a window of one: the most recent amax
+
+
+def test_delayed_scaling_update_options_and_special_amaxes(ex):
+    h, s = torch.tensor([2.0, 8.0, 0.0]), torch.tensor(3.0)
+    assert ex.delayed_scaling_update(h, s, 448.0)[1].item() == 56.0
+    assert ex.delayed_scaling_update(h, s, 448.0, algo="most_recent")[1].item() == 224.0
+    assert ex.delayed_scaling_update(h, s, 448.0, margin=2)[1].item() == 14.0
+    assert ex.delayed_scaling_update(h, s, 57344.0)[1].item() == 7168.0  # E5M2's max
+    for bad in (torch.zeros(3), torch.tensor([math.inf, 1.0, 0.0]), torch.tensor([math.nan, 0.0])):
+        new_h, new_s = ex.delayed_scaling_update(bad, s, 448.0)
+        assert new_s.item() == 3.0, f"amax {bad.tolist()}: keep the old scale"
+    assert s.item() == 3.0 and new_s.dim() == 0 and new_s.dtype == torch.float32
+
+
+def test_delayed_scaling_update_rejects_bad_input(ex):
+    h, s = torch.tensor([1.0, 0.0]), torch.tensor(1.0)
+    ex.delayed_scaling_update(h, s, 448.0)  # a valid call first
+    with pytest.raises(ValueError, match="1-D"):
+        ex.delayed_scaling_update(torch.zeros(2, 2), s, 448.0)
+    with pytest.raises(ValueError, match="0-dim"):
+        ex.delayed_scaling_update(h, torch.ones(1), 448.0)
+    with pytest.raises(ValueError, match="fp8_max"):
+        ex.delayed_scaling_update(h, s, -1.0)
+    with pytest.raises(ValueError, match="margin"):
+        ex.delayed_scaling_update(h, s, 448.0, margin=-1)
+    with pytest.raises(ValueError, match="algo"):
+        ex.delayed_scaling_update(h, s, 448.0, algo="mean")

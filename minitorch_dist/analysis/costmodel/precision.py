@@ -27,6 +27,11 @@ Rounding is to nearest, ties to even (IEEE's default, and what ``tensor.to(dtype
 past ``max`` rounds to inf in the IEEE formats; torch's cast to ``float8_e4m3fn`` saturates to
 ±448 instead (inf included), and :func:`round_to_format` does the same.
 Memory per parameter of mixed-precision training is :func:`.memory.model_state_bytes`.
+
+Bytes of fp8 tensors with their scales (Micikevicius et al. 2022, §4, a scale per tensor; DeepSeek-AI
+2024, "DeepSeek-V3 Technical Report", §3.3.2, a scale per 1×128 tile or 128×128 block):
+:func:`quantized_bytes`, :func:`weight_bytes_per_param`, and the all-gather of FSDP in each format,
+:func:`all_gather_buffer_bytes` (fp8: n(S + 4) against bf16's 2nS and fp32's 4nS).
 """
 from __future__ import annotations
 
@@ -235,3 +240,52 @@ def update_lost(weight, update, name):
     w = round_to_format(w, name)
     lost = round_to_format(w + u, name) == w
     return bool(lost) if scalar_w and scalar_u else lost
+
+
+# --- fp8: bytes of a scaled tensor and of an fp8 all-gather (chapter 08, "FP8") -------------------------
+
+
+def bytes_per_element(name) -> float:
+    """Bytes of one number of the format: bits / 8 (fp32 4, fp16 and bf16 2, fp8 1)."""
+    return format_info(name)["bits"] / 8
+
+
+def quantized_bytes(shape, name, block=None, scale_bytes: int = 4) -> int:
+    """Bytes of a tensor of ``shape`` stored in ``name`` with its scales: the values, plus one
+    ``scale_bytes`` scale per ``block`` (rows, columns) of a 2-D shape, or one for the whole tensor
+    when ``block`` is None and the format is fp8 (Micikevicius et al. 2022, §4: a scale per tensor;
+    DeepSeek-V3 Technical Report 2024, §3.3.2: per 1×128 activation tile and 128×128 weight block).
+    Partial blocks at the edges count as whole ones. The 16- and 32-bit formats carry no scale."""
+    numel = math.prod(shape)
+    values = int(numel * bytes_per_element(name))
+    if not format_name(name).startswith("fp8"):
+        return values
+    if block is None:
+        return values + scale_bytes
+    if len(shape) != 2 or len(block) != 2:
+        raise ValueError(f"a block scale needs a 2-D shape and a (rows, columns) block, "
+                         f"got {shape} and {block}")
+    scales = math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1])
+    return values + scales * scale_bytes
+
+
+def weight_bytes_per_param(name, block=None, scale_bytes: int = 4) -> float:
+    """Bytes per parameter of a weight copy in ``name``, scales amortised: fp32 4, bf16 2, fp8 per
+    tensor 1 (one scale for millions of values), fp8 in (r, c) blocks ``1 + scale_bytes / (r c)``
+    (128×128: 1.00024; a 1×128 activation tile: 1.03125)."""
+    if block is None or not format_name(name).startswith("fp8"):
+        return bytes_per_element(name)
+    return bytes_per_element(name) + scale_bytes / math.prod(block)
+
+
+def all_gather_buffer_bytes(numel: int, n: int, name, scale_bytes_per_shard: int = 0) -> int:
+    """The output of an FSDP all-gather of ``numel`` elements over ``n`` ranks (what the comm meter's
+    ``bytes`` counts; the wire carries (n-1)/n of it): ``n·(S·b + scale_bytes_per_shard)``, S =
+    ceil(numel / n), b the format's bytes. fp8 with a 4-byte scale per shard (chapter 08's
+    ``fully_shard(..., fp8_all_gather=True)``; torchao's FSDP2 float8 all-gather, which sends one fp8
+    tensor per weight): n(S + 4), about half of bf16's 2nS and a quarter of fp32's 4nS (Zhao et al.
+    2023, "PyTorch FSDP", §3.3, for the all-gather; Micikevicius et al. 2022 for the bytes)."""
+    if n < 1 or numel < 0:
+        raise ValueError(f"need n >= 1 ranks and numel >= 0, got n={n}, numel={numel}")
+    S = math.ceil(numel / n)
+    return n * (int(S * bytes_per_element(name)) + scale_bytes_per_shard)

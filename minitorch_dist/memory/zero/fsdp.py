@@ -38,6 +38,9 @@ runs the unit's graph backward, reduce-scatters the gradients and frees again. N
 shard) all-reduces the reduce-scattered gradient: ``hybrid_groups(n_s)`` builds both on a
 :class:`..parallelism.mesh.RankGrid`. Gradients are averaged over all n_s·n_r ranks.
 
+**fp8 all-gather** (chapter 08, :mod:`.fsdp_fp8`): ``fully_shard(module, fp8_all_gather=True)`` sends
+each shard as E4M3 bytes plus one fp32 scale and dequantises after the gather: half of bf16's bytes.
+
 Memory per rank (fp32, AdamW): parameters 4Ψ_pad/n_s, gradients 4Ψ_pad/n_s, optimizer state
 8Ψ_pad/n_s: ZeRO's (4+4+8)Ψ/n, plus, during a step, the gathered units (root + 2 with prefetch).
 """
@@ -53,6 +56,7 @@ from torch.utils._pytree import tree_map
 
 from ...parallelism.mesh import RankGrid
 from ...runtime import comm, require_process_group
+from .fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_format
 from .fsdp_unit import FlatUnit, MixedPrecisionPolicy, UnitCall, UnitFunction
 
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardingState", "sharding_state",
@@ -271,7 +275,7 @@ def _check(module, group, replicate_group, mp_policy, reshard_after_forward) -> 
 
 def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None, replicate_group=None,
-                prefetch: bool = True) -> nn.Module:
+                prefetch: bool = True, fp8_all_gather: bool | str = False) -> nn.Module:
     """Make ``module`` one FSDP unit (ZeRO-3) over ``group``; return it, now an :class:`FSDPModule`.
 
     Call it on submodules first, then on the root. The unit takes every parameter under ``module``
@@ -281,14 +285,19 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
     memory). ``mp_policy``: :class:`MixedPrecisionPolicy`. ``replicate_group``: the ranks holding
     the same shard (hybrid sharding, see :func:`hybrid_groups`). ``prefetch``: before this unit
     computes, issue the all-gather of the unit that ran next in the previous pass.
+    ``fp8_all_gather`` (chapter 08, :mod:`.fsdp_fp8`): True (E4M3) or ``'e4m3'`` / ``'e5m2'``: each rank
+    sends its shard as fp8 plus one fp32 scale, dequantised after the gather (half of bf16's bytes).
     """
     global _root_hook
     _check(module, group, replicate_group, mp_policy, reshard_after_forward)
+    fp8 = fp8_all_gather_format(fp8_all_gather)
     slots = _slots(module)
     unit = None  # a root whose submodules took every parameter is a unit with nothing to gather
     if slots:
         unit = FlatUnit(slots, group, replicate_group, mp_policy, reshard_after_forward)
         unit.prefetch = prefetch
+        if fp8 is not None:
+            enable_fp8_all_gather(unit, fp8)
         for _, _, p in slots:
             _TAKEN.add(p)
         for p in unit.sharded:
