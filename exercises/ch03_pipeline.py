@@ -21,6 +21,9 @@ split. ``minitorch_dist.parallelism.pipeline.simulator`` times such lists; the t
 4. :func:`zb_h1_from_1f1b`: ZB-H1 from 1F1B by splitting each backward into B (input gradient)
    and W (weight gradient) and deferring the W's (Qi et al. 2024, "Zero Bubble Pipeline
    Parallelism", §3.1, Fig. 3).
+5. :func:`v_stage` and :func:`zbv_rank_actions`: the V placement of two chunks per rank and one
+   rank's ZB-V order (Qi et al. 2024, arXiv 2401.10241 §6), which runs without deadlock and idles
+   only the V's start-up when t_F = t_B = t_W.
 """
 from __future__ import annotations
 
@@ -161,3 +164,61 @@ def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
         if bad:
             raise ValueError(f"stage {r}: expected 1F1B actions like 'F3' and 'B3' (no W yet), got {bad[:3]}")
     raise NotImplementedError("exercise: zb_h1_from_1f1b — see chapters/03_pipeline.md")
+
+
+# --- 5. ZB-V: the V placement and one rank's order -----------------------------------------------
+
+
+def v_stage(p: int, rank: int, chunk: int) -> int:
+    """The virtual stage that ``chunk`` (0 or 1) of ``rank`` holds when ``p`` ranks hold a
+    ``2p``-stage model in a V (ZB-V, Qi et al. 2024 §6; DualPipeV).
+
+    A microbatch's forward goes *down* the ranks on their chunk 0 and comes back *up* on their
+    chunk 1, so the last stage sits next to the first, on rank 0. For p = 4::
+
+        virtual stage:  0  1  2  3 | 4  5  6  7
+        rank:           0  1  2  3 | 3  2  1  0
+
+    (Megatron's interleaving would put chunk c of rank r at ``c*p + r`` instead: a loop.)
+
+    **Your task:** return the virtual stage, an int in ``0 .. 2p-1``.
+    """
+    _check_pm(p, 1)
+    if not (isinstance(rank, int) and 0 <= rank < p and chunk in (0, 1)):
+        raise ValueError(f"need 0 <= rank < p={p} and chunk 0 or 1, got rank={rank!r}, chunk={chunk!r}")
+    raise NotImplementedError("exercise: v_stage — see chapters/03_pipeline.md")
+
+
+def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:
+    """Rank ``rank``'s ZB-V action list for ``p`` ranks and ``m`` microbatches, as strings: ``"F3"``
+    the forward of microbatch 3 on chunk 0, ``"F3.1"`` on chunk 1; ``"B3"``, ``"W3.1"`` likewise
+    (B the input gradient, W the weight gradient: every backward is split).
+
+    Each (kind, chunk) takes its microbatches in order 0, 1, 2, ...: "run F.1" means "the forward of
+    the next microbatch on chunk 1". With r = ``rank``:
+
+    1. warm-up: ``2(p-r) - 1`` times F.0; then ``r`` times the pair F.1, F.0; then ``p - r`` times
+       F.1, B.1, W.1;
+    2. steady state: while chunk 0 has forwards left or chunk 1 has run fewer forwards than chunk 0:
+       F.0 (only if chunk 0 has forwards left), then B.0, W.0, F.1, B.1, W.1;
+    3. cool-down: ``r`` times B.0, B.1 (their W wait); ``p - r`` times B.0, W.0; then every W.1 not
+       yet run, then every W.0 not yet run.
+
+    For p = 2, m = 3::
+
+        rank 0 | F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0 W0 F2.1 B2.1 W2.1 B1 W1 B2 W2
+        rank 1 | F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 F2.1 B1.1 W1.1 B1 B2.1 B2 W1 W2.1 W2
+
+    The schedule needs ``m >= 2p - 1`` (the warm-up of rank 0 alone runs 2p-1 forwards).
+
+    **Your task:** return the list of strings. The tests replay all ranks' lists in the simulator:
+    no deadlock, every rank idle only ``(p-1) t/2`` when t_F = t_B = t_W = t, and at most ``p``
+    microbatches' activations held, 1F1B's peak.
+    """
+    _check_pm(p, m)
+    if m < 2 * p - 1:
+        raise ValueError(f"ZB-V needs m >= 2p-1 = {2 * p - 1} microbatches for p={p}, got m={m}; "
+                         f"use m={2 * p - 1} or more")
+    if not (isinstance(rank, int) and 0 <= rank < p):
+        raise ValueError(f"rank must be in 0..{p - 1}, got {rank!r}")
+    raise NotImplementedError("exercise: zbv_rank_actions — see chapters/03_pipeline.md")

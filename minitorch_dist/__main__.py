@@ -154,11 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     f"At most p*m*v = {MAX_SCHEDULE_WORK:,}; a chart wider than "
                                     f"{MAX_CHART_COLUMNS:,} columns is left out. "
                                     "Example: --name 1f1b -p 4 -m 8")
-    sc.add_argument("--name", default="1f1b", help="gpipe, 1f1b (default), interleaved, zb-h1")
+    sc.add_argument("--name", default="1f1b", help="naive, gpipe, 1f1b (default), interleaved, zb-h1, "
+                                                   "zbv, dualpipev (the last two: 2 chunks per stage in a V)")
     whole = positive(int, "a whole number >= 1", "-p 4 -m 8")
     sc.add_argument("-p", type=whole, default=4, help="pipeline stages (default 4)")
     sc.add_argument("-m", type=whole, default=8, help="microbatches per step (default 8)")
-    sc.add_argument("-v", type=whole, default=1, help="model chunks per stage, interleaved only (default 1)")
+    sc.add_argument("-v", type=whole, default=1, help="model chunks per stage, interleaved only (default 1; "
+                                                       "zbv and dualpipev always hold 2)")
     sc.set_defaults(func=schedule)
     from .analysis import dryrun
 
@@ -198,10 +200,10 @@ def _formula(args) -> str:
 def schedule(args) -> int:
     """Print ``make_schedule(name, p, m, v)`` as one row of time slots per stage (t_F = t_B = t_W = 1,
     so a slot is 1/v and an unsplit backward B takes two); over `MAX_CHART_COLUMNS`, the summary only."""
-    from .parallelism.pipeline.schedules import SCHEDULES, make_schedule
+    from .parallelism.pipeline.schedules import SCHEDULES, V_SHAPED, make_schedule
     from .parallelism.pipeline.simulator import simulate
 
-    work = args.p * args.m * args.v
+    work = args.p * args.m * (2 if args.name in V_SHAPED else args.v)
     if work > MAX_SCHEDULE_WORK and args.name in SCHEDULES:  # an unknown name: make_schedule says so
         print(f"error: p*m*v = {work:,} (stages x microbatches x chunks) is over the {MAX_SCHEDULE_WORK:,} "
               f"the simulator replays in a few seconds; use smaller -p or -m. {_formula(args)}",
@@ -230,6 +232,9 @@ def schedule(args) -> int:
     peak = sim.peak_stashed if sched.p <= 32 else \
         f"{max(sim.peak_stashed):g} at most, {min(sim.peak_stashed):g} at least"
     print(f"bubble fraction {sim.bubble_fraction:.3f}; peak stashed microbatches per stage {peak}")
+    if sched.overlapped:
+        print(f"overlapped F&B pairs per stage {[len(x) for x in sched.overlapped]}: each an F and the other "
+              f"chunk's whole B, started once both inputs are there, run back to back")
     if _formula(args):
         print(_formula(args))
     return 0

@@ -159,7 +159,7 @@ def test_bad_inputs_raise_with_fix(call, match):
 
 
 def test_registry_and_make_schedule():
-    assert set(SCHEDULES) == {"naive", "gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULES) == {"naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"}
     for name, fn in SCHEDULES.items():
         args = (4, 8, 2) if name == "interleaved" else (4, 8)
         assert make_schedule(name, *args) == fn(*args)

@@ -1,17 +1,19 @@
-"""Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1.
+"""Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1, ZB-V.
 
 Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
 stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
 expected value comes from an independent source: small hand-derived schedules, the library's
 own schedules (``parallelism.pipeline.schedules``), its discrete-event simulator (timing,
-dependency order, stashed activations), ``analysis.timeline.bubble_fraction``, and the formulas
-of ``analysis.costmodel``. Pure Python: no ranks are launched.
+dependency order, stashed activations), ``analysis.timeline.bubble_fraction``, the formulas
+of ``analysis.costmodel``, and PyTorch's ``ScheduleZBVZeroBubble`` order. Pure Python: no ranks are
+launched.
 """
 import random
 
 import pytest
 
 from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.costmodel import pipeline as v_costs
 from minitorch_dist.analysis.timeline import Event, bubble_fraction
 from minitorch_dist.course.exercises import load
 from minitorch_dist.parallelism.pipeline import schedules
@@ -205,3 +207,72 @@ def test_zb_h1_from_1f1b_stays_in_the_memory_of_1f1b(ex, p, m):
     base = simulate(schedules.one_f_one_b(p, m))
     assert (max(sim.peak_stashed) == max(base.peak_stashed)
             == costmodel.pipeline_stashed_microbatches("1f1b", p, m, 0))
+
+
+# --- 5. v_stage and zbv_rank_actions ----------------------------------------------------------------
+
+V_SIZES = [(1, 1), (1, 3), (2, 3), (2, 4), (3, 5), (3, 9), (4, 7), (4, 8), (4, 13), (5, 12)]
+
+
+def test_v_stage_hand_worked(ex):
+    assert [ex.v_stage(4, r, 0) for r in range(4)] == [0, 1, 2, 3]
+    assert [ex.v_stage(4, r, 1) for r in range(4)] == [7, 6, 5, 4]
+    assert [ex.v_stage(1, 0, c) for c in (0, 1)] == [0, 1]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_v_stage_matches_the_library_and_covers_every_stage_once(ex, p):
+    sched = schedules.zb_v(p, 2 * p)
+    got = {(r, c): ex.v_stage(p, r, c) for r in range(p) for c in (0, 1)}
+    assert got == {(r, c): sched.virtual_stage(r, c) for r in range(p) for c in (0, 1)}
+    assert sorted(got.values()) == list(range(2 * p))
+    # neighbours in the model are on neighbouring ranks, and the turn (p-1 -> p) stays on rank p-1
+    rank_of = {s: r for (r, _), s in got.items()}
+    assert all(abs(rank_of[s] - rank_of[s + 1]) <= 1 for s in range(2 * p - 1))
+    assert rank_of[p - 1] == rank_of[p] == p - 1 and rank_of[0] == rank_of[2 * p - 1] == 0
+
+
+def test_zbv_rank_actions_hand_worked(ex):
+    assert ex.zbv_rank_actions(2, 3, 0) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 "
+                                            "B0 W0 F2.1 B2.1 W2.1 B1 W1 B2 W2").split()
+    assert ex.zbv_rank_actions(2, 3, 1) == ("F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 "
+                                            "F2.1 B1.1 W1.1 B1 B2.1 B2 W1 W2.1 W2").split()
+    with pytest.raises(ValueError, match="use m=7"):  # ZB-V's least m is 2p-1
+        ex.zbv_rank_actions(4, 6, 0)
+
+
+def _zbv(ex, p, m) -> Schedule:
+    """All ranks' lists of the student's ZB-V as a Schedule on the V placement."""
+    stages = []
+    for r in range(p):
+        acts = ex.zbv_rank_actions(p, m, r)
+        assert isinstance(acts, list) and all(isinstance(a, str) for a in acts), \
+            f"rank {r}: return a list of strings like 'F3' and 'W3.1'"
+        stages.append(tuple(Action(a[0], int(a[1:].split(".")[0]), int("." in a)) for a in acts))
+    return Schedule("zbv", p, m, 2, tuple(stages), layout="v")
+
+
+@pytest.mark.parametrize("p,m", V_SIZES)
+def test_zbv_rank_actions_equal_pytorchs_order(ex, p, m):
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    me = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+    short = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for r in range(p):
+        want = [f"{short[a.computation_type.name]}{a.microbatch_index}" + ("" if a.stage_index == r else ".1")
+                for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r) if a is not None]
+        assert ex.zbv_rank_actions(p, m, r) == want, f"rank {r}"
+
+
+@pytest.mark.parametrize("p,m", V_SIZES)
+def test_zbv_rank_actions_run_without_deadlock_and_idle_only_the_start_up(ex, p, m):
+    sched = _zbv(ex, p, m)
+    schedules.validate_structure(sched)  # one F, B, W per microbatch and chunk, in that order
+    check_dependencies(sched)
+    sim = simulate(sched)  # t_F = t_B = t_W = 1
+    assert sim.idle == pytest.approx([v_costs.v_shape_min_idle(p, 1.0)] * p)  # the V's start-up, no more
+    assert sim.bubble_fraction == pytest.approx(v_costs.pipeline_bubble_fraction("zbv", p, m))
+    assert sim.peak_stashed == [p] * p  # 1F1B's peak (its stage 0), on every rank
+    base = simulate(schedules.one_f_one_b(p, m))
+    assert max(sim.peak_stashed) == max(base.peak_stashed)

@@ -115,11 +115,19 @@ from .parameter_server import (  # noqa: E402
 )
 from .pipeline import (  # noqa: E402
     SCHEDULES,
+    V_SCHEDULES,
+    dualpipe_idle_time,
+    dualpipev_idle_time,
     pipeline_bubble_fraction,
     pipeline_bubble_ratio,
     pipeline_p2p_bytes,
+    pipeline_parameter_copies,
     pipeline_stashed_microbatches,
+    v_min_microbatches,
+    v_pipeline_p2p_bytes,
+    v_shape_min_idle,
     zb_h1_idle_time,
+    zbv_idle_time,
 )
 from .planner_time import (  # noqa: E402
     BACKWARD_BYTES_FACTOR,
@@ -202,6 +210,8 @@ __all__ = [
     "adam_state_bytes", "model_state_bytes", "optimizer_bytes_per_param", "zero_memory_bytes",
     "OFFLOAD_TIERS", "TABLE1_DP", "TABLE1_MODELS", "TABLE1_PRINTED", "fsdp_unit_elements",
     "offload_bytes_per_step", "zero_comm_bytes", "zero_table1",
+    "V_SCHEDULES", "dualpipe_idle_time", "dualpipev_idle_time", "pipeline_parameter_copies",
+    "v_min_microbatches", "v_pipeline_p2p_bytes", "v_shape_min_idle", "zbv_idle_time",
     "SCHEDULES", "pipeline_bubble_fraction", "pipeline_bubble_ratio", "pipeline_p2p_bytes",
     "pipeline_stashed_microbatches", "zb_h1_idle_time",
     "BACKWARD_BYTES_FACTOR", "layer_elementwise_bytes", "layer_gemm_flops", "lm_head_flops",

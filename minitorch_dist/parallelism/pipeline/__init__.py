@@ -1,6 +1,7 @@
 """Chapter 03 — pipeline parallelism in three layers, each readable alone:
 
-* :mod:`.schedules`: pure functions ``(p, m[, v]) -> Schedule``, who runs which F/B/W when;
+* :mod:`.schedules`: pure functions ``(p, m[, v]) -> Schedule``, who runs which F/B/W when (the V-shaped
+  ZB-V and DualPipeV in :mod:`.v_schedules`; the vocabulary, Action and Schedule, in :mod:`.actions`);
 * :mod:`.simulator`: times a schedule from action durations (makespan, bubble, stashed
   activations) and checks it is a valid dependency order; PipeDream's weight versions;
 * :mod:`.executor`: runs any schedule on real ranks for the tiny GPT cut into stages.
@@ -11,6 +12,7 @@ from .schedules import (  # noqa: F401
     SCHEDULES,
     Action,
     Schedule,
+    dualpipe_v,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -18,5 +20,6 @@ from .schedules import (  # noqa: F401
     one_f_one_b,
     validate_structure,
     zb_h1,
+    zb_v,
 )
 from .simulator import Simulation, check_dependencies, simulate  # noqa: F401

@@ -12,17 +12,26 @@ Papers and systems:
   ``_allreduce_word_embedding_grads``, in ``megatron/core/distributed/finalize_model_grads.py``).
 * Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §2: split the backward into B (gradient
   w.r.t. the stage input, which the previous stage waits for) and W (weight gradients, which
-  nobody waits for), so W can fill bubbles (:mod:`.zero_bubble` computes them).
+  nobody waits for), so W can fill bubbles (:mod:`.zero_bubble` computes them). ZB-V (ibid. §6) and
+  DualPipeV (DeepSeek-V3 §3.2.1) place a rank's two chunks in a V (:mod:`.v_schedules`).
 
-One rank per pipeline stage; rank r holds chunks ``c = 0..v-1`` = virtual stages ``c*p + r``. Every
-rank runs its own action list in order (:mod:`.schedules`)::
+One rank per pipeline stage; rank r holds chunks ``c = 0..v-1`` = virtual stages
+``vs = schedule.virtual_stage(r, c)`` (``c*p + r``; in a V, ``r`` and ``2p-1-r``). Every rank runs its own
+action list in order (:mod:`.schedules`); ``rank(vs)`` is ``schedule.placement(vs)[0]``::
 
-    F(mb, c), vs = c*p + r:   x = tokens[mb] if vs == 0 else recv(activation from rank (vs-1) % p)
-                              y = stage_vs(x)        # last stage: y = loss(mb) / m
-                              isend(y to rank (vs+1) % p)            (unless vs is the last)
-    B(mb, c):                 g = 1 if last else recv(gradient from rank (vs+1) % p)
-                              backward(y, g)         # weight grads accumulate in .grad
-                              isend(dL/dx to rank (vs-1) % p)         (unless vs == 0)
+    F(mb, c):   x = tokens[mb] if vs == 0 else recv(activation from rank(vs-1))
+                y = stage_vs(x)        # last stage: y = loss(mb) / m
+                isend(y to rank(vs+1))                  (unless vs is the last)
+    B(mb, c):   g = 1 if last else recv(gradient from rank(vs+1))
+                backward(y, g)         # weight grads accumulate in .grad
+                isend(dL/dx to rank(vs-1))              (unless vs == 0)
+
+A message between two chunks of the same rank (the turn of a V) is handed over in memory, not sent.
+A B is the whole backward unless the schedule has a W for its (mb, chunk) (``Schedule.split``): then B
+computes the input gradient and W the weight gradients. An overlapped "F&B" pair (DualPipeV) waits
+for both its inputs, then runs F and B one after the other: on a GPU DeepSeek-V3 interleaves the
+pair's pieces so that one chunk's communication runs while the other computes; on a CPU rank there
+is nothing to gain, and the arithmetic, hence the gradients, are the same.
 
 Scaling each microbatch's mean loss by 1/m makes the accumulated gradients those of the mean over
 the global batch (equal microbatches: the mean of the means is the mean). Sends are non-blocking
@@ -41,6 +50,7 @@ from torch import nn
 
 from ...models.gpt import GPT
 from ...runtime import comm, require_process_group
+from .messages import Messages
 from .zero_bubble import LinearTap, b_params, backward_input, backward_weights
 
 __all__ = ["GPTStage", "split_gpt", "local_stages", "run_schedule", "PipelineResult", "sync_tied_embedding"]
@@ -190,58 +200,6 @@ def _check(schedule, stages, x, y, group):
                          f"m={schedule.m} equal microbatches; use a batch size that is a multiple of m")
 
 
-class _Messages:
-    """The step's point-to-point traffic. Every message is tagged (microbatch, receiving virtual stage,
-    activation|gradient); sends are non-blocking and kept alive until :meth:`wait`. A receive is posted
-    one action ahead (:meth:`post`) and waited for when its action starts (:meth:`recv`): the sender then
-    finds the receiver ready and the message moves as it is sent, instead of waiting, on a busy machine,
-    for the sender's communication thread to get a core after the receiver asks (chapter 03, "a send
-    posted during compute")."""
-
-    def __init__(self, schedule, group, shape, like: torch.Tensor):
-        self.schedule, self.group, self.shape, self.like = schedule, group, shape, like
-        self.n_vs = schedule.p * schedule.v
-        self.pending: list = []  # (work, tensor): the tensor must outlive its send
-        self.posted: dict = {}  # (vs_from, mb, vs, grad) -> (works, buffer) of a receive posted early
-
-    def _peer(self, vs: int) -> int:
-        """Global rank holding virtual stage ``vs``."""
-        r = self.schedule.placement(vs)[0]
-        return r if self.group is None else dist.get_global_rank(self.group, r)
-
-    def _tag(self, mb: int, vs: int, grad: int) -> int:
-        return 2 * (mb * self.n_vs + vs) + grad
-
-    def send(self, t: torch.Tensor, vs_to: int, mb: int, grad: int) -> None:
-        t = t.detach().contiguous()
-        op = dist.P2POp(dist.isend, t, self._peer(vs_to), self.group, self._tag(mb, vs_to, grad))
-        works = comm.batch_isend_irecv([op])
-        if dist.get_backend(self.group) == "fake":
-            return  # a dry run's fake group sends nothing and never reports a send complete: keep nothing
-        self.pending.extend((w, t) for w in works)
-        self.pending[:] = [(w, t) for w, t in self.pending if not w.is_completed()]
-
-    def post(self, vs_from: int, mb: int, vs: int, grad: int) -> None:
-        """Post the receive of one message now (non-blocking); :meth:`recv` waits for it."""
-        key = (vs_from, mb, vs, grad)
-        if key not in self.posted:
-            buf = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)  # boundary shape
-            op = dist.P2POp(dist.irecv, buf, self._peer(vs_from), self.group, self._tag(mb, vs, grad))
-            self.posted[key] = (comm.batch_isend_irecv([op]), buf)
-
-    def recv(self, vs_from: int, mb: int, vs: int, grad: int) -> torch.Tensor:
-        """The message, once arrived (posted now unless :meth:`post` did it earlier)."""
-        self.post(vs_from, mb, vs, grad)
-        works, buf = self.posted.pop((vs_from, mb, vs, grad))
-        for w in works:
-            w.wait()
-        return buf
-
-    def wait(self) -> None:
-        for w, _ in self.pending:
-            w.wait()
-
-
 class _StashCount:
     """Observer of the activation stash: microbatches whose activations this rank holds (a chunk
     counts 1/v), recorded as each action runs, and the peak."""
@@ -290,8 +248,8 @@ class _Runner:
         param = next(next(iter(stages.values())).parameters())
         self.xs, self.ys = x.to(param.device).chunk(self.m), y.to(param.device).chunk(self.m)  # m x (B/m, T)
         shape = stages[0].boundary_shape(*self.xs[0].shape)  # (B/m, T, n_embd); T/t with sequence parallelism
-        self.messages = _Messages(schedule, group, shape, param)
-        self.split = schedule.splits_backward
+        self.messages = Messages(schedule, group, shape, param)
+        self.split = {(a.mb, a.chunk) for a in schedule[self.rank] if a.kind == "W"}  # B then W, not whole
         self.taps = LinearTap(stages.values()) if self.split else None
         self.b_params = {c: b_params(s) for c, s in stages.items()} if self.split else {}
         self.b_ids = {c: {id(q) for q in ps} for c, ps in self.b_params.items()}
@@ -306,13 +264,28 @@ class _Runner:
         step(a, self.schedule.virtual_stage(self.rank, a.chunk))
         self.actions.append(str(a))
 
-    def prefetch(self, a) -> None:
-        """Post the receive that action ``a`` will wait for (its input from another stage), if any."""
+    def _input(self, a):
+        """``(vs_from, mb, vs, grad)`` of the message action ``a`` waits for, or None (tokens, loss)."""
         vs = self.schedule.virtual_stage(self.rank, a.chunk)
         if a.kind == "F" and vs > 0:
-            self.messages.post(vs - 1, a.mb, vs, 0)
-        elif a.kind == "B" and vs < self.n_vs - 1:
-            self.messages.post(vs + 1, a.mb, vs, 1)
+            return vs - 1, a.mb, vs, 0
+        if a.kind == "B" and vs < self.n_vs - 1:
+            return vs + 1, a.mb, vs, 1
+        return None
+
+    def prefetch(self, a) -> None:
+        """Post the receive that action ``a`` will wait for (its input from another stage), if any."""
+        key = self._input(a)
+        if key is not None:
+            self.messages.post(*key)
+
+    def pair_inputs(self, a) -> None:
+        """Before the F of an overlapped "F&B" pair: wait for its B's input too, as DualPipe launches a
+        pair once both inputs are there (the simulator's rule for pairs)."""
+        b = self.schedule.paired_backward(self.rank, a)
+        key = None if b is None else self._input(b)
+        if key is not None:
+            self.messages.ready(*key)
 
     def forward(self, a, vs: int) -> None:
         """F: the stage input (tokens, or the previous stage's activation), the stage, send its output on."""
@@ -321,7 +294,7 @@ class _Runner:
         self.stash.record()
         with self.spans(a):
             st = self.state[(a.mb, a.chunk)] = {"x": None if vs == 0 else inp, "taps": []}  # taps: split B/W
-            if self.taps is not None:
+            if (a.mb, a.chunk) in self.split:
                 self.taps.active = st["taps"]
             if vs == self.n_vs - 1:
                 loss = self.stages[a.chunk](inp, self.ys[a.mb])
@@ -335,14 +308,16 @@ class _Runner:
             self.messages.send(st["y"], vs + 1, a.mb, 0)
 
     def backward(self, a, vs: int) -> None:
-        """B: the output's gradient (1 on the last stage), backward, send dL/dx back. With a split
-        backward only the input and non-Linear gradients (:func:`.zero_bubble.backward_input`); W the rest."""
+        """B: the output's gradient (1 on the last stage), backward, send dL/dx back. When the schedule
+        splits this (mb, chunk), only the input and non-Linear gradients
+        (:func:`.zero_bubble.backward_input`); W the rest."""
         key = (a.mb, a.chunk)
         st = self.state[key]
         g = None if vs == self.n_vs - 1 else self.messages.recv(vs + 1, a.mb, vs, 1)
         self.stash.record()
+        split = key in self.split
         with self.spans(a):
-            if self.split:
+            if split:
                 dx, st["stash"] = backward_input(st.pop("y"), g, st.pop("x"), st.pop("taps"),
                                                   self.b_params[a.chunk])
             else:
@@ -350,7 +325,7 @@ class _Runner:
                 dx = None if st["x"] is None else st["x"].grad
         if vs > 0:
             self.messages.send(dx, vs - 1, a.mb, 1)
-        if not self.split:
+        if not split:
             del self.state[key]
             self.stash.shrink()
 
@@ -397,8 +372,11 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
     Returns a :class:`PipelineResult`: ``loss`` (batch mean, on the last stage's rank),
     ``peak_stashed`` and the per-action ``stashed`` counts, this step's timeline ``events``.
 
-    When ``schedule.splits_backward`` (zero-bubble schedules), B computes the input gradient
-    and the non-Linear parameter gradients, W the Linear weight gradients (:mod:`.zero_bubble`).
+    Where the schedule has a W for a (mb, chunk) (zero-bubble schedules; some of DualPipeV's), B
+    computes the input gradient and the non-Linear parameter gradients, W the Linear weight gradients
+    (:mod:`.zero_bubble`). The V schedules (``layout="v"``) put the first and the last virtual stage on
+    rank 0, which then reads the tokens *and* the targets, holds the loss, and owns both uses of a
+    tied embedding (no all-reduce needed).
     """
     _check(schedule, stages, x, y, group)
     runner = _Runner(schedule, stages, x, y, group, timeline)
@@ -410,6 +388,7 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
         for i, a in enumerate(actions):
             for ahead in actions[i:i + 2]:  # post this action's receive and the next one's: the next
                 runner.prefetch(ahead)      # action's input may arrive while this one computes
+            runner.pair_inputs(a)
             runner.run(a)
         runner.messages.wait()
         if sync_tied:

@@ -6,7 +6,8 @@ forward (F) and backward (B) passes of the ``m`` microbatches of one training st
 schedules split the backward into B, the gradient with respect to the stage's *input* (which the
 previous stage is waiting for), and W, the gradient with respect to the stage's *weights* (which
 nobody waits for). With interleaving each rank holds ``v`` model chunks; chunk ``c`` on rank
-``r`` is virtual stage ``c*p + r`` of the ``p*v``-stage model.
+``r`` is virtual stage ``c*p + r`` of the ``p*v``-stage model; the V schedules (ZB-V, DualPipeV, in
+:mod:`.v_schedules`) place rank ``r``'s two chunks at ``r`` and ``2p-1-r`` instead (:mod:`.actions`).
 
 Papers:
 * naive model parallelism: one microbatch in flight, every other stage idle.
@@ -16,75 +17,21 @@ Papers:
   Training on GPU Clusters Using Megatron-LM", §2.2.1, Fig. 4 (top).
 * interleaved 1F1B: Narayanan et al. 2021 (Megatron-LM), §2.2.2, Fig. 4 (bottom).
 * ZB-H1: Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1, Fig. 3.
+* ZB-V: ibid. (arXiv 2401.10241) §6; DualPipeV: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
+  §3.2.1, cut in half as in deepseek-ai/DualPipe (:mod:`.v_schedules`).
 
 The schedules know nothing about time or tensors: :mod:`.simulator` times them and
 :mod:`.executor` runs them on ranks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+from .actions import KINDS, Action, Schedule, check_sizes
+from .v_schedules import dualpipe_v, zb_v
 
-KINDS = ("F", "B", "W")
+__all__ = ["KINDS", "Action", "Schedule", "SCHEDULES", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "zb_h1", "zb_v", "dualpipe_v", "make_schedule", "validate_structure"]
 
-
-class Action(NamedTuple):
-    """One unit of work on one stage: ``kind`` F/B/W of microbatch ``mb`` on model ``chunk``.
-
-    B is the *whole* backward unless the schedule also has a W for the same (mb, chunk); then
-    B is the input gradient only and W the weight gradient (see :attr:`Schedule.splits_backward`).
-    """
-
-    kind: str
-    mb: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" if self.chunk == 0 else f"{self.kind}{self.mb}.{self.chunk}"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The per-stage action lists of one training step. ``schedule[r]`` is rank r's list."""
-
-    name: str
-    p: int  # pipeline stages (ranks)
-    m: int  # microbatches per step
-    v: int  # model chunks per rank (1 unless interleaved)
-    stages: tuple[tuple[Action, ...], ...]
-
-    def __getitem__(self, rank: int) -> tuple[Action, ...]:
-        return self.stages[rank]
-
-    def __len__(self) -> int:
-        return self.p
-
-    @property
-    def splits_backward(self) -> bool:
-        """True when backward is split into B (input gradient) and W (weight gradient)."""
-        return any(a.kind == "W" for acts in self.stages for a in acts)
-
-    def virtual_stage(self, rank: int, chunk: int) -> int:
-        """Position in the ``p*v``-stage model of ``chunk`` on ``rank`` (Megatron's layout)."""
-        return chunk * self.p + rank
-
-    def placement(self, virtual_stage: int) -> tuple[int, int]:
-        """``(rank, chunk)`` that holds ``virtual_stage``: the inverse of :meth:`virtual_stage`."""
-        return virtual_stage % self.p, virtual_stage // self.p
-
-    def table(self) -> str:
-        """The schedule as text, one row per stage: ``stage 0 | F0 F1 B0 ...``."""
-        return "\n".join(f"stage {r} | " + " ".join(str(a) for a in acts)
-                         for r, acts in enumerate(self.stages))
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def _check(p, m, v=1) -> None:
-    for name, x in (("p", p), ("m", m), ("v", v)):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-            raise ValueError(f"{name} must be a positive int (stages p, microbatches m, chunks v), got {x!r}")
+_check = check_sizes
 
 
 def naive(p: int, m: int = 1) -> Schedule:
@@ -235,16 +182,24 @@ SCHEDULES = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
+    "zbv": zb_v,
+    "dualpipev": dualpipe_v,
 }
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed in a V (:mod:`.v_schedules`)
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (a key of :data:`SCHEDULES`) for ``p`` stages and ``m``
-    microbatches; ``v`` model chunks per rank applies to ``"interleaved"`` only."""
+    microbatches; ``v`` model chunks per rank applies to ``"interleaved"`` only. The V schedules
+    (``"zbv"``, ``"dualpipev"``) always hold 2 chunks per rank: leave ``v`` out (or pass 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if name == "interleaved":
         return interleaved_1f1b(p, m, v)
+    if name in V_SHAPED:
+        if v not in (1, 2):
+            raise ValueError(f"{name!r} places exactly 2 chunks per rank in a V; got v={v}, leave v out")
+        return SCHEDULES[name](p, m)
     if v != 1:
         raise ValueError(f"v={v} model chunks per rank only applies to 'interleaved'; use v=1 for {name!r}")
     return SCHEDULES[name](p, m)
@@ -252,7 +207,8 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 def validate_structure(schedule: Schedule) -> None:
     """Raise ``ValueError`` unless every rank runs, for each microbatch and each of its chunks,
-    exactly one F, one B, and one W iff the schedule splits the backward, in the order F, B, W.
+    exactly one F, one B, and one W iff the schedule splits the backward, in the order F, B, W
+    (with ``mixed_backward``, at most one W: a B without one is a whole backward).
 
     This checks each rank's list alone; whether the ranks together can run without deadlock is
     the simulator's ``check_dependencies``."""
@@ -277,7 +233,8 @@ def validate_structure(schedule: Schedule) -> None:
             if before and (before, a.mb, a.chunk) not in seen:
                 raise ValueError(f"{schedule.name} stage {r} step {pos}: {a} runs before "
                                  f"{Action(before, a.mb, a.chunk)}")
-        missing = [str(Action(k, i, c)) for k in kinds for i in range(m) for c in range(v)
+        needed = KINDS[:2] if schedule.mixed_backward else kinds
+        missing = [str(Action(k, i, c)) for k in needed for i in range(m) for c in range(v)
                    if (k, i, c) not in seen]
         if missing:
             raise ValueError(f"{schedule.name} stage {r} never runs {', '.join(missing[:6])}"

@@ -11,16 +11,26 @@ Fig. 3-4, Narayanan et al. 2021 §2.2):
        start(a) = max(end of the previous action on the stage,
                       max over dependencies d of  end(d) + p2p * [d is on another stage])
 
-With ``V = p*v`` virtual stages (chunk ``c`` of rank ``r`` is virtual stage ``c*p + r``):
+With ``V = p*v`` virtual stages (chunk ``c`` of rank ``r`` is virtual stage ``c*p + r``, or in a V
+``r`` and ``2p-1-r``: ``Schedule.virtual_stage``):
 
 * F(i, s) needs F(i, s-1), the activation from the stage before (s > 0);
 * B(i, s) needs B(i, s+1), the gradient from the stage after (s < V-1), and F(i, s), its own
   stashed activation;
-* W(i, s) needs B(i, s) (Qi et al. 2024 §2: the weight gradient reuses B's output gradient).
+* W(i, s) needs B(i, s) (Qi et al. 2024 §2: the weight gradient reuses B's output gradient);
+* the F of an overlapped "F&B" pair (DualPipeV, ``Schedule.overlapped``) also needs what its B
+  receives from another rank: the pair is launched once both inputs are there, as
+  deepseek-ai/DualPipe's ``_forward_backward_chunk`` does.
 
 Durations are per microbatch for a rank's *whole* share of the model, so one of ``v`` chunks
-takes ``t/v``. An unsplit backward takes ``t_b + t_w``; a schedule with W actions runs
-``t_b`` (input gradient) in B and ``t_w`` (weight gradient) in W.
+takes ``t/v``. An unsplit backward takes ``t_b + t_w``; a split one runs ``t_b`` (input gradient)
+in B and ``t_w`` (weight gradient) in W. A B is split when its (microbatch, chunk) has a W
+(``Schedule.split``): in every B of a zero-bubble schedule, in some of DualPipeV's.
+
+Dependencies between two chunks of the *same* rank (the turn at the bottom of a V) cost no ``p2p``.
+DualPipeV's overlapped "F&B" pairs are timed as their two actions back to back (``F&B = F + B``):
+compute on one device is serial; what the overlap hides is communication (in DeepSeek-V3, the MoE
+all-to-all), which this model has only as the ``p2p`` delay on a dependency, and does not hide.
 
 What comes out, for stage r with busy time ``busy_r = sum of its action durations``:
 
@@ -30,7 +40,9 @@ What comes out, for stage r with busy time ``busy_r = sum of its action duration
   path adds ``p2p``: ``T = (m+p-1)(t_F+t_B) + 2(p-1) p2p``.
 * peak stashed activations: microbatch i's chunk is held from the *start* of its F to the *end*
   of its last backward part (W if split, else B), and counts ``1/v`` of a microbatch. GPipe
-  peaks at ``m``, 1F1B at ``min(p - r, m)`` (Narayanan et al. 2021, PipeDream-2BW §3.1).
+  peaks at ``m``, 1F1B at ``min(p - r, m)`` (Narayanan et al. 2021, PipeDream-2BW §3.1); ZB-V at
+  ``p`` on every rank (Qi et al. 2024 §6), DualPipeV at ``p + 1/2`` on every rank
+  (:mod:`~minitorch_dist.analysis.costmodel.pipeline`).
 
 The same replay, with any durations, decides whether the schedule deadlocks: if no stage can
 start its next action, :func:`check_dependencies` names each stuck stage and what it waits for.
@@ -86,6 +98,16 @@ def _dependencies(schedule: Schedule, rank: int, a: Action) -> list[tuple[int, A
     return [(rank, Action("B", a.mb, a.chunk))]
 
 
+def _dependencies_of(schedule: Schedule, rank: int, a: Action) -> list[tuple[int, Action]]:
+    """:func:`_dependencies`, and for the F of an overlapped "F&B" pair also what its B receives from
+    another rank: the pair starts when both inputs are there (DualPipe's ``_forward_backward_chunk``)."""
+    deps = _dependencies(schedule, rank, a)
+    b = schedule.paired_backward(rank, a)
+    if b is not None:
+        deps += [d for d in _dependencies(schedule, rank, b) if d[0] != rank]
+    return deps
+
+
 def _check_structure(schedule: Schedule) -> None:
     """Every (microbatch, chunk) has exactly one F and one B (and one W iff split) on its stage."""
     p, m, v = schedule.p, schedule.m, schedule.v
@@ -93,6 +115,7 @@ def _check_structure(schedule: Schedule) -> None:
         raise ValueError(f"schedule {schedule.name!r} has {len(schedule.stages)} stage lists for p={p} "
                          "stages")
     kinds = ("F", "B", "W") if schedule.splits_backward else ("F", "B")
+    needed = ("F", "B") if schedule.mixed_backward else kinds  # DualPipeV: a W only where B is split
     for r, acts in enumerate(schedule.stages):
         for a, n in Counter(acts).items():
             if a.kind not in kinds:
@@ -106,7 +129,7 @@ def _check_structure(schedule: Schedule) -> None:
         have = set(acts)
         for c in range(v):
             for i in range(m):
-                for k in kinds:
+                for k in needed:
                     if Action(k, i, c) not in have:
                         extra = " (the schedule splits backward, so every B needs its W)" if k == "W" else ""
                         raise ValueError(f"schedule {schedule.name!r} is missing {Action(k, i, c)} on stage "
@@ -125,7 +148,7 @@ def _waiting_on(schedule: Schedule, rank: int, a: Action) -> int | None:
     return None
 
 
-def _replay(schedule: Schedule, duration: dict[str, float],
+def _replay(schedule: Schedule, duration,
             p2p: float) -> dict[tuple[int, Action], tuple[float, float]]:
     """List-schedule every stage's actions in order; ``{(rank, action): (start, end)}``.
 
@@ -133,7 +156,7 @@ def _replay(schedule: Schedule, duration: dict[str, float],
     from the max rule, so the visiting order does not change them); a finished action puts the
     stage that may wait for it back on the to-visit list. Each action is run once, so the replay
     takes time proportional to the number of actions. Raises ValueError naming the stuck actions
-    when nothing is left to visit but actions are: a deadlock.
+    when nothing is left to visit but actions are: a deadlock. ``duration(rank, action)`` -> time.
     """
     _check_structure(schedule)
     p = schedule.p
@@ -147,11 +170,11 @@ def _replay(schedule: Schedule, duration: dict[str, float],
         acts = schedule.stages[r]
         while nxt[r] < len(acts):
             a = acts[nxt[r]]
-            deps = _dependencies(schedule, r, a)
+            deps = _dependencies_of(schedule, r, a)
             if any(d not in done for d in deps):
                 break
             start = max([free[r]] + [done[(dr, da)][1] + (p2p if dr != r else 0.0) for dr, da in deps])
-            end = start + duration[a.kind]
+            end = start + duration(r, a)
             done[(r, a)] = (start, end)
             free[r] = end
             nxt[r] += 1
@@ -172,7 +195,7 @@ def _deadlock_message(schedule: Schedule, nxt: list[int], done: dict) -> str:
             continue
         a = acts[nxt[r]]
         waits = []
-        for dr, da in _dependencies(schedule, r, a):
+        for dr, da in _dependencies_of(schedule, r, a):
             if (dr, da) in done:
                 continue
             where = acts.index(da) if dr == r else schedule.stages[dr].index(da)
@@ -189,37 +212,40 @@ def _deadlock_message(schedule: Schedule, nxt: list[int], done: dict) -> str:
 def check_dependencies(schedule: Schedule) -> None:
     """Raise ValueError if ``schedule`` is incomplete or cannot run (a deadlock), naming the stuck
     stage(s) and the action each waits for. Returns None for a valid dependency order."""
-    _replay(schedule, {"F": 1.0, "B": 1.0, "W": 1.0}, 0.0)
+    _replay(schedule, lambda r, a: 1.0, 0.0)
 
 
 # --- timing ---------------------------------------------------------------------------------
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
              p2p: float = 0.0) -> Simulation:
-    """Time ``schedule``: F takes ``t_f/v``; B ``t_b/v`` if the schedule has W actions, else
-    ``(t_b + t_w)/v``; W ``t_w/v``; every cross-stage dependency adds ``p2p``. See the module
-    docstring for the rules and what each field means."""
+    """Time ``schedule``: F takes ``t_f/v``; B ``t_b/v`` if it is split (a W follows for its
+    microbatch and chunk), else ``(t_b + t_w)/v``; W ``t_w/v``; every dependency between two ranks
+    adds ``p2p``. See the module docstring for the rules and what each field means."""
     for name, t in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("p2p", p2p)):
         if not t >= 0:
             raise ValueError(f"{name} must be a duration >= 0, got {t!r}")
     v = schedule.v
-    split = schedule.splits_backward
-    duration = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}
+    whole = {"F": t_f / v, "B": (t_b + t_w) / v, "W": t_w / v}
+
+    def duration(r: int, a: Action) -> float:
+        return t_b / v if a.kind == "B" and schedule.split(r, a.mb, a.chunk) else whole[a.kind]
+
     times = _replay(schedule, duration, p2p)
 
     events = [Event(r, str(a), a.kind, s, e, {"mb": a.mb, "chunk": a.chunk})
               for (r, a), (s, e) in sorted(times.items(), key=lambda kv: (kv[1][0], kv[0][0]))]
     makespan = max((e for _, e in times.values()), default=0.0)
-    busy = [sum(duration[a.kind] for a in acts) for acts in schedule.stages]
+    busy = [sum(duration(r, a) for a in acts) for r, acts in enumerate(schedule.stages)]
     idle = [makespan - b for b in busy]
     bubble = sum(idle) / (schedule.p * makespan) if makespan > 0 else 0.0
-    last = "W" if split else "B"
     peak = []
     for r in range(schedule.p):
-        # +1 chunk at the start of each F, -1 at the end of its last backward part; at equal
-        # times releases go first (a backward that ends as a forward starts frees its slot).
+        # +1 chunk at the start of each F, -1 at the end of its last backward part (W if split, else
+        # B); at equal times releases go first (a backward that ends as a forward starts frees its slot).
         marks = sorted([(times[(r, a)][0], 1) for a in schedule.stages[r] if a.kind == "F"]
-                       + [(times[(r, a)][1], -1) for a in schedule.stages[r] if a.kind == last])
+                       + [(times[(r, a)][1], -1) for a in schedule.stages[r]
+                          if a.kind == "W" or (a.kind == "B" and not schedule.split(r, a.mb, a.chunk))])
         held = most = 0
         for _, delta in marks:
             held += delta
