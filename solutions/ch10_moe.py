@@ -1,5 +1,5 @@
 """Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss,
-expert choice.
+expert choice, auxiliary-loss-free balancing.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch10_moe.py`` is generated from this file with each such region
@@ -25,6 +25,11 @@ all-to-all that sends them to their experts. Tokens are flattened: ``T`` tokens,
    Expert Choice Routing", §3.1, eq. 1): turn the choice around, each *expert* picks its top
    ``k = n·c/e`` tokens, so every expert is exactly full and nothing is dropped for capacity
    (a token may instead be picked by several experts, or by none).
+4. :func:`aux_free_select` and :func:`aux_free_bias_step`: auxiliary-loss-free load balancing
+   (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
+   Algorithm 1; DeepSeek-V3 Technical Report §2.1.2, eq. 16): a per-expert bias added to the
+   scores *for choosing* the top-k experts only, the gates taken from the unbiased scores; after
+   each step the bias of an overloaded expert falls by γ and an underloaded one's rises by γ.
 """
 from __future__ import annotations
 
@@ -168,4 +173,62 @@ def expert_choice_routing(logits: torch.Tensor, capacity_factor: float = 1.0
     S = torch.softmax(logits, dim=-1)                 # [T, E]: each token's affinity over experts
     gates, token_index = torch.topk(S.t(), k, dim=-1)  # each expert ranks the tokens
     return gates, token_index
+    # END SOLUTION
+
+
+# --- 4. auxiliary-loss-free load balancing -----------------------------------------------------------
+
+
+def _check_scores_and_bias(scores: torch.Tensor, bias: torch.Tensor) -> None:
+    _check_logits(scores)
+    if tuple(bias.shape) != (scores.shape[1],):
+        raise ValueError(f"bias must hold one value per expert, shape ({scores.shape[1]},), got "
+                         f"{tuple(bias.shape)}")
+
+
+def aux_free_select(scores: torch.Tensor, bias: torch.Tensor, k: int = 1
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(experts, gates)``, each [T, k]: top-k selection with a per-expert bias (DeepSeek-V3 eq. 16)::
+
+        experts[t] = the k experts with the largest  scores[t, i] + bias[i]     (best first)
+        gates[t]   = scores[t, experts[t]] / Σ_j scores[t, experts[t, j]]       (k > 1)
+        gates[t]   = scores[t, experts[t]]                                      (k = 1: kept raw)
+
+    ``scores`` [T, E] are the router's affinities (a softmax or a sigmoid of its logits). The bias
+    changes *which* experts are chosen, never *how much* they weigh: the gates use the unbiased
+    scores and carry the gradient; the selection carries none (``experts`` is an index tensor).
+    """
+    _check_scores_and_bias(scores, bias)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= scores.shape[1]:
+        raise ValueError(f"k must be an int in [1, E = {scores.shape[1]}], got {k!r}")
+    # BEGIN SOLUTION
+    experts = (scores.detach() + bias.to(scores.dtype)).topk(k, dim=-1).indices   # choose: biased
+    gates = scores.gather(1, experts)                                             # weigh: unbiased
+    if k > 1:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return experts, gates
+    # END SOLUTION
+
+
+def aux_free_bias_step(bias: torch.Tensor, expert_index: torch.Tensor, rate: float = 0.001) -> torch.Tensor:
+    """The bias after one training step (Wang et al. 2024, Algorithm 1), a new tensor::
+
+        c_i  = number of assignments to expert i in ``expert_index`` ([T] or [T, k] expert ids)
+        b_i ← b_i + rate · sign(mean_j c_j − c_i)
+
+    An overloaded expert (c_i above the mean) loses ``rate``, an underloaded one gains it, one at
+    the mean keeps its bias. ``rate`` is γ, the bias update speed (DeepSeek-V3: 0.001).
+    """
+    if bias.dim() != 1:
+        raise ValueError(f"bias must be [E] (one value per expert), got shape {tuple(bias.shape)}")
+    if expert_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_index must be an integer tensor of expert ids, got {expert_index.dtype}")
+    E = bias.shape[0]
+    if expert_index.numel() and (int(expert_index.min()) < 0 or int(expert_index.max()) >= E):
+        raise ValueError(f"expert_index has ids outside [0, {E}): one id per expert of bias")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise ValueError(f"rate must be > 0 (DeepSeek-V3 uses 0.001), got {rate!r}")
+    # BEGIN SOLUTION
+    load = torch.bincount(expert_index.reshape(-1).long(), minlength=E).to(torch.float64)
+    return bias + rate * torch.sign(load.mean() - load).to(bias.dtype)
     # END SOLUTION

@@ -16,6 +16,12 @@ routes *its own* tokens (so capacity is per rank, as in GShard's per-group capac
     4. all_to_all back            the same splits swapped: every row returns to where it came from
     5. combine                    weights applied locally, as in the single-process layer
 
+With ``chunks=m > 1``, steps 2-4 run in m pipelined pieces, each chunk's experts computing while the
+next chunk's all-to-all travels (:mod:`.ep_overlap`); the result is the same. A
+:class:`~minitorch_dist.analysis.timeline.Timeline` set as ``layer.timeline`` records, per forward,
+the spans a rank spends routing ("routing"), launching all-to-alls ("a2a launch"), waiting on them
+("a2a wait") and computing experts ("experts").
+
 The all-to-alls are differentiable (:class:`AllToAll`, from :mod:`..parallelism.mappings`, the home
 of every region-crossing operator, and re-exported here): the backward of an all-to-all is the
 all-to-all of the gradients with the splits swapped, so the backward pass costs the same two
@@ -41,6 +47,7 @@ from torch import nn
 from ..parallelism.mappings import AllToAll, all_to_all, size_and_rank
 from ..parallelism.replicas import broadcast_from_first_rank
 from ..runtime import comm
+from .ep_overlap import chunked_expert_exchange, span
 from .moe import MoELayer, Routing, combine, dispatch, run_experts
 
 __all__ = ["AllToAll", "all_to_all", "check_divisible", "ExpertParallelMoE", "expert_parallel",
@@ -63,12 +70,16 @@ class ExpertParallelMoE(nn.Module):
     this rank alone.
     After a forward: ``last_routing`` (this rank's routing), ``aux_loss``, and ``send_counts`` /
     ``recv_counts``: the rows sent to / received from each rank by the dispatch all-to-all.
+    ``chunks``: pipeline the dispatch, experts and combine in that many pieces (1: the plain layer).
+    ``timeline``: a Timeline to record the forward's waits and expert compute in (None: nothing).
     """
 
-    def __init__(self, layer: MoELayer, group=None, *, broadcast_weights=True):
+    def __init__(self, layer: MoELayer, group=None, *, broadcast_weights=True, chunks: int = 1):
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise ValueError(f"ExpertParallelMoE wraps an MoELayer, got {type(layer).__name__}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (1 = no pipelining), got {chunks!r}")
         n, r = size_and_rank(group, "expert parallelism")
         check_divisible(layer.n_experts, n)
         if broadcast_weights:
@@ -81,11 +92,13 @@ class ExpertParallelMoE(nn.Module):
         self.last_routing: Routing | None = None
         self.send_counts: list[int] = []
         self.recv_counts: list[int] = []
+        self.chunks, self.timeline = chunks, None
 
     @classmethod
-    def from_dense(cls, layer: MoELayer, group=None, *, broadcast_weights=True) -> ExpertParallelMoE:
+    def from_dense(cls, layer: MoELayer, group=None, *, broadcast_weights=True,
+                   chunks: int = 1) -> ExpertParallelMoE:
         """The same as ``ExpertParallelMoE(layer, group)``: this rank's shard of a dense layer."""
-        return cls(layer, group, broadcast_weights=broadcast_weights)
+        return cls(layer, group, broadcast_weights=broadcast_weights, chunks=chunks)
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -100,35 +113,46 @@ class ExpertParallelMoE(nn.Module):
                                "splits are the token counts per expert, which meta tensors do not hold)")
         n, El = self.n, self.local
         tokens = x.reshape(-1, self.h)
-        routing = self.last_routing = self.router(tokens)
-        packed, counts = dispatch(tokens, routing)  # rows sorted by expert = grouped by owner rank
+        with span(self.timeline, "route", "routing"):
+            routing = self.last_routing = self.router(tokens)
+            packed, counts = dispatch(tokens, routing)  # rows sorted by expert = grouped by owner rank
         # 1. counts: recv[i·El + e] = rows rank i sends to my local expert e.
         recv = torch.empty_like(routing.counts)
-        comm.all_to_all(recv, routing.counts.contiguous(), [El] * n, [El] * n, group=self.group)
+        with span(self.timeline, "counts", "counts"):
+            comm.all_to_all(recv, routing.counts.contiguous(), [El] * n, [El] * n, group=self.group)
         per_src_expert = recv.view(n, El)
         self.send_counts = routing.counts.view(n, El).sum(1).tolist()
         self.recv_counts = per_src_expert.sum(1).tolist()
+        if self.chunks > 1:  # 2-4 pipelined in chunks
+            back = chunked_expert_exchange(lambda rows, c: run_experts(self.experts, rows, c), packed,
+                                           self.send_counts, self.recv_counts, per_src_expert, self.group,
+                                           self.chunks, self.timeline)
+            return combine(back, routing, tokens.size(0)).reshape(x.shape)
         # 2. dispatch.
-        received = all_to_all(packed, self.recv_counts, self.send_counts, self.group)
+        with span(self.timeline, "wait dispatch", "a2a wait"):
+            received = all_to_all(packed, self.recv_counts, self.send_counts, self.group)
         # 3. regroup source-major rows to expert-major, run, and restore the source-major order.
-        expert_of_row = (torch.arange(El, device=x.device).repeat(n)
-                         .repeat_interleave(per_src_expert.reshape(-1)))
-        by_expert = torch.sort(expert_of_row, stable=True).indices
-        out = run_experts(self.experts, received[by_expert], per_src_expert.sum(0).tolist())
-        out = out[torch.argsort(by_expert)]
+        with span(self.timeline, "experts", "experts"):
+            expert_of_row = (torch.arange(El, device=x.device).repeat(n)
+                             .repeat_interleave(per_src_expert.reshape(-1)))
+            by_expert = torch.sort(expert_of_row, stable=True).indices
+            out = run_experts(self.experts, received[by_expert], per_src_expert.sum(0).tolist())
+            out = out[torch.argsort(by_expert)]
         # 4. combine all-to-all: every row back to the rank that sent it; 5. weights, locally.
-        back = all_to_all(out, self.send_counts, self.recv_counts, self.group)
+        with span(self.timeline, "wait combine", "a2a wait"):
+            back = all_to_all(out, self.send_counts, self.recv_counts, self.group)
         return combine(back, routing, tokens.size(0)).reshape(x.shape)
 
     def extra_repr(self) -> str:
         return (f"experts [{self.first_expert}, {self.first_expert + self.local}) of {self.n_experts} "
-                f"on rank {self.rank} of {self.n}")
+                f"on rank {self.rank} of {self.n}" + (f", {self.chunks} chunks" if self.chunks > 1 else ""))
 
 
-def expert_parallel(model: nn.Module, group=None, *, broadcast_weights=True) -> nn.Module:
+def expert_parallel(model: nn.Module, group=None, *, broadcast_weights=True, chunks: int = 1) -> nn.Module:
     """Replace every :class:`~.moe.MoELayer` inside ``model`` by its :class:`ExpertParallelMoE`, in place.
     The whole ``model`` (the replicated parameters too) is first made the group's first rank's, once
-    (``broadcast_weights=False`` when it already is). A model without MoE layers is left alone."""
+    (``broadcast_weights=False`` when it already is). A model without MoE layers is left alone.
+    ``chunks``: each layer's all-to-alls pipelined with its experts in that many pieces."""
     if not any(isinstance(m, MoELayer) for m in model.modules()):
         return model
     if broadcast_weights:
@@ -136,9 +160,9 @@ def expert_parallel(model: nn.Module, group=None, *, broadcast_weights=True) -> 
         broadcast_from_first_rank(model, group)
     for name, child in list(model.named_children()):
         if isinstance(child, MoELayer):
-            setattr(model, name, ExpertParallelMoE(child, group, broadcast_weights=False))
+            setattr(model, name, ExpertParallelMoE(child, group, broadcast_weights=False, chunks=chunks))
         else:
-            expert_parallel(child, group, broadcast_weights=False)
+            expert_parallel(child, group, broadcast_weights=False, chunks=chunks)
     return model
 
 

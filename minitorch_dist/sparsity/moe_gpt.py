@@ -14,6 +14,11 @@ FLOPs while the layer holds E MLPs' worth of parameters:
 
 ``loss = lm_loss + Σ_layers aux_loss``; ``model.lm_loss`` keeps the language-model part alone (the
 number to compare with the corpus's entropy floor). The experts have no dropout.
+
+Two modern variants, by configuration: ``router="aux_free"`` balances by a per-expert selection bias
+instead of a loss (Wang et al. 2024; DeepSeek-V3 §2.1.2; call :meth:`MoEGPT.update_expert_biases`
+after each optimizer step), and ``dropless=True`` processes every token with grouped GEMMs
+(MegaBlocks; :class:`~.dropless.DroplessMoELayer`, ``capacity_factor=None``).
 """
 from __future__ import annotations
 
@@ -22,14 +27,18 @@ from dataclasses import dataclass
 import torch
 
 from ..models.gpt import GPT, GPTConfig, init_gpt2_
+from .aux_free import update_expert_biases
+from .dropless import DroplessMoELayer
 from .moe import ROUTERS, MoELayer, make_router
 
 
 @dataclass
 class MoEGPTConfig(GPTConfig):
     """``GPTConfig`` plus the MoE knobs. ``router``: one of ``ROUTERS``; ``top_k`` is used by "topk"
-    only; ``capacity_factor=None`` means no capacity limit (token-choice routers); ``aux_alpha`` is
-    the load-balancing loss weight α (Switch: 0.01; ignored by "expert_choice", which has none)."""
+    and "aux_free" only; ``capacity_factor=None`` means no capacity limit (token-choice routers);
+    ``aux_alpha`` is the load-balancing loss weight α (Switch: 0.01; ignored by "expert_choice" and
+    "aux_free", which have none); ``bias_update_rate`` is aux_free's γ (DeepSeek-V3: 0.001);
+    ``dropless``: every token processed, experts as grouped GEMMs (needs ``capacity_factor=None``)."""
 
     moe_every: int = 2
     n_experts: int = 4
@@ -37,6 +46,8 @@ class MoEGPTConfig(GPTConfig):
     capacity_factor: float | None = 1.25
     aux_alpha: float = 0.01
     top_k: int = 2
+    bias_update_rate: float = 0.001
+    dropless: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -50,6 +61,10 @@ class MoEGPTConfig(GPTConfig):
         if self.router not in ROUTERS:
             raise ValueError(f"MoEGPTConfig.router {self.router!r} is unknown; choose one of "
                              f"{sorted(ROUTERS)}")
+        if self.dropless and (self.capacity_factor is not None or self.router == "expert_choice"):
+            raise ValueError("MoEGPTConfig(dropless=True) processes every token: set capacity_factor=None "
+                             f"and a token-choice router (got router={self.router!r}, "
+                             f"capacity_factor={self.capacity_factor})")
 
     @property
     def moe_blocks(self) -> list[int]:
@@ -58,6 +73,9 @@ class MoEGPTConfig(GPTConfig):
     def router_kwargs(self) -> dict:
         if self.router == "expert_choice":
             return {"capacity_factor": self.capacity_factor}
+        if self.router == "aux_free":
+            return {"capacity_factor": self.capacity_factor, "k": self.top_k,
+                    "bias_update_rate": self.bias_update_rate}
         kw = {"capacity_factor": self.capacity_factor, "aux_alpha": self.aux_alpha}
         return {**kw, "k": self.top_k} if self.router == "topk" else kw
 
@@ -72,8 +90,9 @@ class MoEGPT(GPT):
         super().__init__(cfg)
         h = cfg.n_embd
         for i in cfg.moe_blocks:
-            layer = MoELayer(h, cfg.mlp_ratio * h, cfg.n_experts,
-                             make_router(cfg.router, h, cfg.n_experts, **cfg.router_kwargs()), bias=cfg.bias)
+            cls = DroplessMoELayer if cfg.dropless else MoELayer
+            layer = cls(h, cfg.mlp_ratio * h, cfg.n_experts,
+                        make_router(cfg.router, h, cfg.n_experts, **cfg.router_kwargs()), bias=cfg.bias)
             init_gpt2_(layer, cfg.n_layer)  # experts initialised like the MLPs they replace ...
             layer.router.reset_parameters()  # ... the router as Switch §2.4 says
             self.blocks[i].mlp = layer
@@ -89,6 +108,11 @@ class MoEGPT(GPT):
         self.lm_loss = lm_loss
         self.aux_loss = sum(layer.aux_loss for layer in self.moe_layers())
         return logits, (None if lm_loss is None else lm_loss + self.aux_loss)
+
+    def update_expert_biases(self, group=None) -> list[torch.Tensor]:
+        """After an optimizer step: the aux-free routers' bias update from the step's loads (summed over
+        ``group`` when parallel); returns those loads. A no-op (``[]``) for other routers."""
+        return update_expert_biases(self, group)
 
     def _routings(self):
         routings = [layer.last_routing for layer in self.moe_layers()]

@@ -148,9 +148,23 @@ def top_k_routing(logits: torch.Tensor, k: int = 1, capacity: int | None = None,
     gates, experts = probs.topk(k, dim=-1)  # [T, k], best first
     if normalize:
         gates = gates / gates.sum(-1, keepdim=True)
+    aux = (load_balancing_loss(probs, experts[:, 0], E, aux_alpha) if aux_alpha and T
+           else logits.new_zeros(()))
+    return assign_by_priority(experts, gates, probs, logits, capacity, aux, attempt)
+
+
+def assign_by_priority(experts: torch.Tensor, gates: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor,
+                       capacity: int | None, aux_loss: torch.Tensor,
+                       attempt: torch.Tensor | None = None) -> Routing:
+    """The :class:`Routing` of token-choice decisions already made: ``experts`` / ``gates`` [T, k], each
+    token's choices best first and their combine weights. Capacity keeps the first ``capacity``
+    assignments that reach an expert in priority order (choice-major, then token order: module doc),
+    the rest are dropped. Every token-choice router ends here, however it chose."""
+    T, k = experts.shape
+    E = probs.size(1)
     # Priority order: flatten choice-major, so all first choices come before any second choice.
     flat_e, flat_g = experts.t().reshape(-1), gates.t().reshape(-1)
-    flat_t = torch.arange(T, device=logits.device).repeat(k)
+    flat_t = torch.arange(T, device=experts.device).repeat(k)
     if attempt is not None and tuple(attempt.shape) != (T, k):
         raise ValueError(f"attempt must be a bool mask [T={T}, k={k}] of the choices to dispatch, "
                          f"got shape {tuple(attempt.shape)}")
@@ -161,10 +175,8 @@ def top_k_routing(logits: torch.Tensor, k: int = 1, capacity: int | None = None,
     dropped = int(tried.sum() - keep.sum())
     order = torch.sort(flat_e[keep], stable=True).indices  # by expert, priority order inside
     tokens, exps, weights = flat_t[keep][order], flat_e[keep][order], flat_g[keep][order]
-    aux = (load_balancing_loss(probs, experts[:, 0], E, aux_alpha) if aux_alpha and T
-           else logits.new_zeros(()))
     return Routing(tokens, exps, weights, probs, logits, capacity, dropped,
-                   torch.bincount(exps, minlength=E), aux)
+                   torch.bincount(exps, minlength=E), aux_loss)
 
 
 def expert_choice_routing(logits: torch.Tensor, capacity: int) -> Routing:
@@ -332,6 +344,16 @@ class ExpertChoiceRouter(Router):
 
 ROUTERS = {"topk": NoisyTopKRouter, "switch": SwitchRouter, "top2": Top2Router,
            "expert_choice": ExpertChoiceRouter}
+
+
+def register_router(name: str, cls: type) -> None:
+    """Add a router class to ``ROUTERS`` under ``name`` (so ``make_router`` and ``MoEGPTConfig.router``
+    know it). :mod:`.aux_free` registers "aux_free" this way, when the package is imported."""
+    if not (isinstance(cls, type) and issubclass(cls, Router)):
+        raise ValueError(f"a router must be a subclass of Router, got {cls!r}")
+    if ROUTERS.get(name, cls) is not cls:
+        raise ValueError(f"router name {name!r} is taken by {ROUTERS[name].__name__}; choose another name")
+    ROUTERS[name] = cls
 
 
 def make_router(name: str, h: int, n_experts: int, **kwargs) -> Router:

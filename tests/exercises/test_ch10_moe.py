@@ -1,4 +1,5 @@
-"""Chapter 10 exercises, autograded: top-2 gating with capacity, the load-balancing loss, expert choice.
+"""Chapter 10 exercises, autograded: top-2 gating with capacity, the load-balancing loss, expert choice,
+auxiliary-loss-free balancing (biased selection, the bias update).
 
 Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
 stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.course.exercises import load
 
-pytestmark = pytest.mark.ch10
+pytestmark = [pytest.mark.ch10, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +260,85 @@ def test_expert_choice_routing_rejects_bad_input(ex):
         ex.expert_choice_routing(torch.randn(8, 4), -1.0)
     with pytest.raises(TypeError, match="floating point"):
         ex.expert_choice_routing(torch.zeros(8, 4, dtype=torch.long), 1.0)
+
+
+# --- 4. aux_free_select, aux_free_bias_step -----------------------------------------------------------------
+
+def _select_by_sorting(scores, bias, k):
+    """Each token's k experts by score + bias (plain Python), and their unbiased, renormalised scores."""
+    experts, gates = [], []
+    for row in scores.tolist():
+        chosen = sorted(range(len(row)), key=lambda e: -(row[e] + bias[e]))[:k]   # no ties in random floats
+        total = sum(row[e] for e in chosen) if k > 1 else 1.0
+        experts.append(chosen)
+        gates.append([row[e] / total for e in chosen])
+    return experts, gates
+
+
+@pytest.mark.parametrize("T,E,k", [(20, 4, 1), (33, 8, 2), (16, 6, 3)])
+def test_aux_free_select_chooses_by_biased_score_and_weighs_by_score(ex, T, E, k):
+    scores = torch.sigmoid(_logits(T, E, seed=T + k))
+    bias = 0.2 * _logits(1, E, seed=99)[0]
+    experts, gates = ex.aux_free_select(scores, bias, k)
+    want_e, want_g = _select_by_sorting(scores, bias.tolist(), k)
+    assert experts.shape == gates.shape == (T, k) and experts.dtype == torch.int64
+    assert experts.tolist() == want_e
+    torch.testing.assert_close(gates, torch.tensor(want_g, dtype=torch.float64))
+    plain, _ = ex.aux_free_select(scores, torch.zeros(E, dtype=torch.float64), k)
+    assert plain.tolist() != experts.tolist(), "this bias must change some token's choice"
+
+
+def test_aux_free_select_the_bias_gets_no_gradient_and_changes_no_weight(ex):
+    T, E = 12, 4
+    logits = _logits(T, E, seed=21).requires_grad_(True)
+    scores = torch.softmax(logits, dim=-1)
+    bias = torch.tensor([0.0, 0.0, 5.0, 0.0], dtype=torch.float64, requires_grad=True)  # expert 2 wins
+    experts, gates = ex.aux_free_select(scores, bias, 1)
+    assert experts[:, 0].tolist() == [2] * T
+    torch.testing.assert_close(gates[:, 0], scores[:, 2])  # the weight is the unbiased score
+    gates.sum().backward()
+    assert bias.grad is None or bias.grad.abs().sum() == 0, "the bias must not receive a gradient"
+    want = torch.autograd.grad(torch.softmax(logits, -1)[:, 2].sum(), logits)[0]
+    torch.testing.assert_close(logits.grad, want)
+
+
+def test_aux_free_bias_step_on_hand_made_loads(ex):
+    bias = torch.tensor([0.5, 0.0, -0.2, 0.1, 0.0])
+    index = torch.tensor([0] * 9 + [1] * 1 + [2] * 5 + [3] * 5 + [4] * 5)   # mean 5: over, under, at, at, at
+    got = ex.aux_free_bias_step(bias, index, rate=0.01)
+    torch.testing.assert_close(got, torch.tensor([0.49, 0.01, -0.2, 0.1, 0.0]))
+    assert torch.equal(bias, torch.tensor([0.5, 0.0, -0.2, 0.1, 0.0])), "a new tensor, not in place"
+    top2 = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])   # [T, k]: loads 3, 2, 2, 1 (mean 2)
+    torch.testing.assert_close(ex.aux_free_bias_step(torch.zeros(4), top2, 0.1),
+                               torch.tensor([-0.1, 0.0, 0.0, 0.1]))
+
+
+def test_aux_free_select_and_bias_step_balance_a_collapsed_router(ex):
+    # scores that send every token to expert 0; the bias alone, step by step, spreads the load
+    T, E, rate = 128, 4, 0.005
+    scores = torch.softmax(_logits(T, E, seed=31) * 0.3 + torch.tensor([1.0, 0.0, 0.0, 0.0]), dim=-1)
+    bias = torch.zeros(E, dtype=torch.float64)
+    loads = []
+    for _ in range(200):
+        experts, _ = ex.aux_free_select(scores, bias, 1)
+        loads.append(torch.bincount(experts.flatten(), minlength=E))
+        bias = ex.aux_free_bias_step(bias, experts, rate)
+    assert loads[0].max().item() / (T / E) > 2.5          # collapsed
+    late = torch.stack(loads[-20:]).double()
+    assert (late.max(1).values / (T / E)).mean() < 1.25    # balanced by the bias alone
+
+
+def test_aux_free_rejects_bad_input(ex):
+    scores, bias = torch.rand(6, 4), torch.zeros(4)
+    experts, _ = ex.aux_free_select(scores, bias, 2)   # valid calls first
+    ex.aux_free_bias_step(bias, experts, 0.001)
+    with pytest.raises(ValueError, match=r"bias must hold one value per expert, shape \(4,\)"):
+        ex.aux_free_select(scores, torch.zeros(3), 1)
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, E = 4\]"):
+        ex.aux_free_select(scores, bias, 5)
+    with pytest.raises(ValueError, match=r"rate must be > 0 \(DeepSeek-V3 uses 0.001\)"):
+        ex.aux_free_bias_step(bias, experts, 0.0)
+    with pytest.raises(ValueError, match="outside"):
+        ex.aux_free_bias_step(bias, torch.tensor([0, 4]), 0.001)
+    with pytest.raises(TypeError, match="integer"):
+        ex.aux_free_bias_step(bias, experts.float(), 0.001)

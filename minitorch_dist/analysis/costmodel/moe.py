@@ -7,6 +7,11 @@ combine). Fedus et al. 2021, "Switch Transformers", §2.1-2.2 and eq. (3) (exper
 tokens per batch / experts x capacity factor; overflow tokens are dropped). Zhou et al. 2022,
 "Mixture-of-Experts with Expert Choice Routing", §3.1 (each expert takes k = n·c/e tokens).
 
+Modern MoE training adds: Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
+Mixture-of-Experts" (the MaxVio metric; the bias update, Algorithm 1) with DeepSeek-V3 §2.1.2; Gale et al.
+2023, "MegaBlocks" (dropless: compute follows the routed load, nothing padded or dropped); Hwang et al.
+2023, "Tutel" (the all-to-all pipelined with the experts in chunks).
+
 Notation: T tokens routed together (one group / one rank's batch), E experts, k experts per
 token, h hidden size, d_ff the expert MLP width, n ranks of expert parallelism, e bytes per
 element. An *assignment* is one (token, expert) pair: a batch has T·k of them before capacity.
@@ -15,6 +20,9 @@ element. An *assignment* is one (token, expert) pair: a batch has T·k of them b
     dropped         Σ_i max(0, N_i - C),  N_i = assignments that chose expert i
     active params   what one token touches: k experts per MoE layer (+ the router), not E
     all-to-all      dispatch + combine each move T·k·h·e per rank, (n-1)/n of it off-rank
+    dropless        expert FLOPs 4·h·d_ff·Σ_i N_i (forward): the routed load, no padding, no drops
+    aux-free        no loss term; per step one all-reduce of the E loads of every MoE layer
+    chunked EP      d + m·p + c per layer forward when p >= d + c (m chunks; d, p, c per chunk)
 
 This module imports no library code: the routers in :mod:`minitorch_dist.sparsity` call
 :func:`moe_capacity` so that the formula and the implementation cannot drift apart.
@@ -270,3 +278,99 @@ def moe_all_to_all_time(tokens, hidden, n, alpha, beta, k=1, bytes_per_element=4
     :func:`~.collectives.all_to_all_time` on a ``T·k·h·e``-byte input, ``(n-1)·α + (n-1)/n·S·β`` each."""
     S = tokens * k * hidden * bytes_per_element
     return (4 if backward else 2) * all_to_all_time(S, n, alpha, beta)
+
+
+# --- modern MoE training: balance without a loss, drop nothing, hide the all-to-all -------------------
+
+
+def load_imbalance(loads) -> float:
+    """``max_i N_i / mean_i N_i``: 1 when perfectly balanced, E when one expert takes everything. It is
+    ``1 + MaxVio`` of Wang et al. 2024 (their metric: ``MaxVio = (max_i Load_i - mean Load) / mean Load``);
+    the busiest expert sets the layer's time and, with a capacity, what is dropped."""
+    loads = [float(x) for x in (loads.tolist() if hasattr(loads, "tolist") else loads)]
+    if not loads or any(x < 0 for x in loads) or sum(loads) <= 0:
+        raise ValueError(f"loads must be counts >= 0 per expert with a positive total, got {loads}")
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def aux_free_sync_bytes(n_experts, n_moe_layers, n, bytes_per_count=8) -> float:
+    """Bytes per rank per training step of auxiliary-loss-free balancing in a parallel run: one
+    all-reduce of the E int64 loads of every MoE layer (``2(n-1)/n · L·E·8``), so that every rank
+    applies the bias update of the global batch (Wang et al. 2024 Algorithm 1; DeepSeek-V3 §2.1.2
+    updates "at the end of each step" from the whole batch's load). It adds no loss term and no
+    gradient, unlike the auxiliary loss (Switch eq. 4), whose cost is a gradient into every router."""
+    _int("n_experts", n_experts, 1)
+    _int("n_moe_layers", n_moe_layers)
+    _int("n", n, 1)
+    return bus_bytes("all_reduce", n_moe_layers * n_experts * bytes_per_count, n)
+
+
+def aux_free_steps_to_shift(score_gap, bias_update_rate=0.001) -> int:
+    """Steps before the bias can overturn a selection decided by an affinity gap ``score_gap``: each
+    step moves a bias by exactly γ (``b_i ← b_i ± γ``), two experts' biases apart by at most 2γ, so
+    at least ``ceil(gap / 2γ)`` steps. γ = 0.001 (DeepSeek-V3) is slow on purpose: the bias follows
+    the load, it does not chase each batch."""
+    if not bias_update_rate > 0:
+        raise ValueError(f"bias_update_rate must be > 0 (DeepSeek-V3 uses 0.001), got {bias_update_rate!r}")
+    if not score_gap >= 0:
+        raise ValueError(f"score_gap must be >= 0, got {score_gap!r}")
+    return math.ceil(Fraction(str(score_gap)) / (2 * Fraction(str(bias_update_rate))))
+
+
+def dropless_expert_flops(loads, hidden, d_ff) -> float:
+    """Forward matmul FLOPs of a dropless MoE layer's experts (MegaBlocks): ``4·h·d_ff · Σ_i N_i``, the
+    assignments routed (``N_i`` to expert i), every one computed, none padded. x3 for training."""
+    _int("hidden", hidden, 1)
+    _int("d_ff", d_ff, 1)
+    loads = [int(x) for x in (loads.tolist() if hasattr(loads, "tolist") else loads)]
+    if any(x < 0 for x in loads):
+        raise ValueError(f"expert loads must be >= 0, got {loads}")
+    return 4.0 * hidden * d_ff * sum(loads)
+
+
+def capacity_expert_flops(n_experts, capacity, hidden, d_ff) -> float:
+    """Forward matmul FLOPs of a capacity-based layer that computes fixed [E, C, h] buffers (GShard's
+    einsum, Switch's static shapes): ``4·h·d_ff · E·C`` whatever the load — padding where an expert has
+    fewer than C rows, drops (:func:`dropped_tokens`) where it has more."""
+    _int("n_experts", n_experts, 1)
+    _int("capacity", capacity)
+    _int("hidden", hidden, 1)
+    _int("d_ff", d_ff, 1)
+    return 4.0 * hidden * d_ff * n_experts * capacity
+
+
+def chunked_moe_layer_time(dispatch_time, expert_time, combine_time, chunks=1, latency=0.0) -> float:
+    """Forward seconds of one expert-parallel MoE layer whose all-to-alls are pipelined with its experts
+    in ``chunks`` = m pieces (Tutel's adaptive pipelining, Hwang et al. 2023), on a model of one link
+    that carries the all-to-alls one after another in launch order and one compute unit:
+
+        d = D/m + α,  p = P/m,  c = Cb/m + α            (α = ``latency`` of one all-to-all call)
+        schedule     dispatch 0 | wait; for each chunk i: launch dispatch i+1, experts i (p),
+                     launch combine i, wait dispatch i+1 | wait every combine
+
+    computed step by step (exact for that schedule). Closed forms: m = 1 gives d + p + c (the plain
+    layer, nothing hidden); when the compute hides the traffic, p >= d + c, it is ``d + m·p + c``
+    (only the first dispatch and the last combine exposed); when the link is the bottleneck it tends
+    to ``m·(d + c)``, the communication alone. Each extra chunk costs 2α more on the link."""
+    for name, v in (("dispatch_time", dispatch_time), ("expert_time", expert_time),
+                    ("combine_time", combine_time), ("latency", latency)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0 seconds, got {v!r}")
+    m = _int("chunks", chunks, 1)
+    d, p, c = dispatch_time / m + latency, expert_time / m, combine_time / m + latency
+    t = link = d  # dispatch 0 crossed the link; the rank waited for it
+    for i in range(m):
+        nxt = None
+        if i + 1 < m:  # launched right after the wait: queued behind what the link still carries
+            link = nxt = max(t, link) + d
+        t += p  # chunk i's experts
+        link = max(t, link) + c  # combine i, launched when its experts are done
+        if nxt is not None:
+            t = max(t, nxt)  # wait for dispatch i+1
+    return max(t, link)
+
+
+def chunked_moe_exposed_comm(dispatch_time, expert_time, combine_time, chunks=1, latency=0.0) -> float:
+    """The communication a rank waits on: :func:`chunked_moe_layer_time` minus the experts' compute P.
+    D + Cb (+ 2α) when m = 1; ``d + c`` when the compute hides the rest (p >= d + c)."""
+    return chunked_moe_layer_time(dispatch_time, expert_time, combine_time, chunks, latency) - expert_time
