@@ -11,6 +11,9 @@ does, with it. :class:`.meta_memory.MetaMemoryMeter` records this rank's peak by
 the comm meter's events (``Model3D.step``'s phases) the bytes this rank puts on the wire (ring model).
 Next to each measured value is ``analysis.costmodel``'s prediction.
 
+A Llama-shaped preset (``--model llama3-8b``: grouped-query attention, SwiGLU) plays the Llama of
+``models.llama`` instead, over a data x tensor grid (pp = 1): :mod:`.dryrun_llama`.
+
 Two accountings are not the library's kernels:
 
 * attention: on ``meta``, ``F.scaled_dot_product_attention`` takes its math path and materialises the
@@ -33,6 +36,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import costmodel
+from .costmodel import llama as llama_cost
+from .dryrun_llama import check_llama_grid, llama_predicted, llama_step
 from .meta_memory import MetaMemoryMeter
 from .planner_presets import get_gpu, get_model
 
@@ -83,11 +88,15 @@ class DryRun:
             flags = ", ".join("--" + k.replace("_", "-") for k in missing)
             raise ValueError(f"no model size: give --model PRESET or every one of --n-layer --n-embd "
                              f"--n-head --vocab-size --seq (missing: {flags})")
-        shape = {} if spec is None else dict(bias=spec.bias, tie_embeddings=spec.tie_embeddings,
-                                             mlp_ratio=spec.mlp_ratio)
-        self.cfg = GPTConfig(vocab_size=dims["vocab_size"], block_size=dims["seq"], n_layer=dims["n_layer"],
-                             n_head=dims["n_head"], n_embd=dims["n_embd"], **shape)
+        self.llama = spec is not None and spec.is_llama
+        shape = {} if spec is None or self.llama else dict(bias=spec.bias, tie_embeddings=spec.tie_embeddings,
+                                                           mlp_ratio=spec.mlp_ratio)
+        sizes = dict(vocab_size=dims["vocab_size"], block_size=dims["seq"], n_layer=dims["n_layer"],
+                     n_head=dims["n_head"], n_embd=dims["n_embd"])
+        self.cfg = spec.llama_config(**sizes) if self.llama else GPTConfig(**sizes, **shape)
         self.name = spec.name if spec is not None else "explicit"
+        if self.llama:
+            check_llama_grid(self.cfg, tp, pp, recompute)
         self.dp, self.tp, self.pp, self.world = check_grid(self.cfg, dp, tp, pp, world)
         self.microbatches = pp if microbatches is None else microbatches
         self.micro_batch_size, self.rank = micro_batch_size, rank
@@ -124,7 +133,7 @@ class DryRun:
 
     @property
     def params(self) -> int:
-        return costmodel.transformer_params(self.cfg)
+        return llama_cost.llama_params(self.cfg) if self.llama else costmodel.transformer_params(self.cfg)
 
 
 def check_grid(cfg, dp, tp, pp, world=None) -> tuple:
@@ -144,7 +153,8 @@ def check_grid(cfg, dp, tp, pp, world=None) -> tuple:
     if pp > cfg.n_layer:
         raise ValueError(f"--pp {pp} is more than the {cfg.n_layer} layers: every stage needs a layer; "
                          f"choose --pp among the divisors of {cfg.n_layer}")
-    check_model(cfg, tp, pp)
+    if hasattr(cfg, "mlp_ratio"):  # the GPT's rules; a Llama's are check_llama_grid's
+        check_model(cfg, tp, pp)
     return dp, tp, pp, world
 
 
@@ -242,13 +252,47 @@ def _sequence_parallel_bytes(run: DryRun, layer_passes: int) -> dict:
             * costmodel.bus_bytes(op, full, run.tp) for op in ("all_gather", "reduce_scatter")}
 
 
+def _notes(run: DryRun) -> list[str]:
+    """What the measured and predicted columns count, for this run."""
+    notes = [f"attention: {run.attention} accounting" + (" (no T x T scores held, as a GPU's flash kernel)"
+                                                        if run.attention == "flash" else
+                                                        " (the meta math path holds T x T scores)"),
+             "one rank's second step: the optimizer state exists from its start, as in training"]
+    if run.llama:
+        notes += [f"Llama-shaped: {run.cfg.n_kv_head} kv heads, SwiGLU width {run.cfg.ffn_hidden}; predicted "
+                  f"activations (costmodel.llama) count fused RMSNorm and SwiGLU kernels: eager PyTorch also "
+                  f"keeps each RMSNorm's float32 input and output and a copy of the attention output",
+                  "predicted all_reduce: TP layers (and replicated kv heads' weight gradients) and DP; "
+                  "the embedding/output layer's f/g and the vocabulary-parallel loss's all-reduces are "
+                  "measured only"]
+    else:
+        notes += ["predicted activations: Korthikanti et al. 2022 with dropout masks; the step runs without "
+                  "dropout (GPTConfig.dropout = 0)",
+                  "predicted all_reduce: TP layers, the tied-embedding sync and DP; the embedding/output "
+                  "layer's f/g and the vocabulary-parallel loss's all-reduces are measured only"]
+    notes.append("predicted peak: model states + activations; temporaries (buffers, one op's working set) "
+                 "have no formula")
+    if run.sequence_parallel:
+        notes.append("sequence parallel: predicted all_gather / reduce_scatter are the layers' (with the "
+                     "re-gather for weight gradients); the embedding's and output layer's g / ḡ and the "
+                     "all-reduce of the norm / bias / wpe partial gradients over TP are measured only")
+    if run.dtype == "bf16-mixed":
+        notes.append("bf16-mixed: optimizer_states = 3 x the measured bf16 AdamW moments (fp32 master "
+                     "and moments of the same elements); the extra 2 x is added to peak")
+    return notes
+
+
 def dryrun(run: DryRun) -> dict:
     """One measured step of ``run``'s rank: the result as plain data (see the module docstring)."""
     from ..parallelism.mesh import RankGrid
 
     t0 = time.perf_counter()
     coords = RankGrid(run.world, run.dp, run.tp, run.pp).coords(run.rank)
-    peak, events = _step(run)
+    if run.llama:
+        attention = _FlashSDPA() if run.attention == "flash" else contextlib.nullcontext()
+        peak, events = llama_step(run, DTYPES[run.dtype][0], attention)
+    else:
+        peak, events = _step(run)
     opt = peak["optimizer_state"]
     extra = 2 * opt if run.dtype == "bf16-mixed" else 0  # fp32 master + fp32 moments: 12 bytes, not 4
     mem = {"parameters": peak["parameters"], "gradients": peak["gradients"], "optimizer_states": opt + extra,
@@ -258,23 +302,7 @@ def dryrun(run: DryRun) -> dict:
     capacity = run.gpu.memory_bytes
     largest = max(("parameters", "gradients", "optimizer_states", "activations", "temporaries"),
                   key=mem.__getitem__)
-    notes = [f"attention: {run.attention} accounting" + (" (no T x T scores held, as a GPU's flash kernel)"
-                                                        if run.attention == "flash" else
-                                                        " (the meta math path holds T x T scores)"),
-             "one rank's second step: the optimizer state exists from its start, as in training",
-             "predicted activations: Korthikanti et al. 2022 with dropout masks; the step runs without "
-             "dropout (GPTConfig.dropout = 0)",
-             "predicted peak: model states + activations; temporaries (buffers, one op's working set) "
-             "have no formula",
-             "predicted all_reduce: TP layers, the tied-embedding sync and DP; the embedding/output layer's "
-             "f/g and the vocabulary-parallel loss's all-reduces are measured only"]
-    if run.sequence_parallel:
-        notes.append("sequence parallel: predicted all_gather / reduce_scatter are the layers' (with the "
-                     "re-gather for weight gradients); the embedding's and output layer's g / ḡ and the "
-                     "all-reduce of the LayerNorm / bias / wpe partial gradients over TP are measured only")
-    if run.dtype == "bf16-mixed":
-        notes.append("bf16-mixed: optimizer_states = 3 x the measured bf16 AdamW moments (fp32 master "
-                     "and moments of the same elements); the extra 2 x is added to peak")
+    notes = _notes(run)
     return {"config": {"model": run.name, "n_layer": run.cfg.n_layer, "n_embd": run.cfg.n_embd,
                        "n_head": run.cfg.n_head, "vocab_size": run.cfg.vocab_size, "seq": run.cfg.block_size,
                        "dp": run.dp, "tp": run.tp, "pp": run.pp, "zero": run.zero, "recompute": run.recompute,
@@ -283,7 +311,8 @@ def dryrun(run: DryRun) -> dict:
                        "attention": run.attention, "gpu": run.gpu_name, "params": run.params},
             "world_size": run.world, "rank": run.rank, "coords": coords._asdict(),
             "measured": {"memory_bytes": mem, "comm_bytes": wire, "comm_calls": calls},
-            "predicted": predicted(run, coords.pp),
+            "predicted": (llama_predicted(run, torch.finfo(DTYPES[run.dtype][0]).bits // 8,
+                                          DTYPES[run.dtype][1]) if run.llama else predicted(run, coords.pp)),
             "fits": mem["peak"] <= capacity, "gpu_memory_bytes": capacity,
             "largest": largest, "notes": notes, "seconds": round(time.perf_counter() - t0, 3)}
 

@@ -203,10 +203,11 @@ def check_config(c: Config, model: ModelSpec, cluster: Cluster,
     if c.tp >= 1 and cluster.node_size % c.tp:
         errors.append(f"tp={c.tp} does not divide the {cluster.node_size} GPUs of a node: a tensor-parallel "
                       f"group must stay on NVLink")
-    for what, n in (("heads", model.heads), ("vocab", model.vocab),
-                    ("MLP width", model.mlp_ratio * model.hidden)):
+    for what, n in (("heads", model.heads), ("vocab", model.vocab), ("MLP width", model.ffn_width)):
         if c.tp >= 1 and n % c.tp:
             errors.append(f"{what} {n} is not divisible by tp={c.tp}")
+    if c.tp >= 1 and model.n_kv % c.tp and c.tp % model.n_kv:  # grouped-query attention (ch04)
+        errors.append(f"kv heads {model.n_kv} are neither split by tp={c.tp} nor a divisor of it")
     if c.pp >= 1 and model.layers % (c.pp * assumptions.v):
         errors.append(f"layers {model.layers} are not divisible by pp*v = {c.pp * assumptions.v}")
     if c.dp >= 1 and c.micro_batch >= 1 and c.dp * c.micro_batch * c.microbatches != model.global_batch:
@@ -265,7 +266,7 @@ def candidates(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costmodel.R
 
 def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> dict:
     """Bytes per GPU of the first pipeline stage (embedding + the most stashed microbatches)."""
-    psi = costmodel.pipeline_stage_params(model.as_cfg(), c.tp, c.pp)[0]
+    psi = model.stage_params(c.tp, c.pp)[0]
     per = costmodel.model_state_bytes(1, a.precision, a.optimizer)  # bytes per parameter of each part
     w, g, k = per["weights"], per["gradients"], per["optimizer"]
 
@@ -273,9 +274,8 @@ def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> di
     def zero(pw, pg, pk):
         return costmodel.zero_memory_bytes(psi, c.dp, c.zero, k=pk, param_bytes=pw, grad_bytes=pg)
 
-    act = costmodel.pipeline_activation_bytes(model.seq, c.micro_batch, model.hidden, model.heads,
-                                              model.layers, c.tp, c.pp, c.microbatches, c.sequence_parallel,
-                                              c.recompute, a.schedule, a.v)
+    act = model.activation_bytes(c.micro_batch, c.tp, c.pp, c.microbatches, c.sequence_parallel, c.recompute,
+                                 a.schedule, a.v)
     mem = {"weights": zero(w, 0, 0), "gradients": zero(0, g, 0), "optimizer": zero(0, 0, k),
            "activations": act * (2 if a.precision == "fp32" else 1),  # Korthikanti counts 16-bit activations
            # ZeRO-3 gathers a layer's weights just in time and prefetches the next: about two whole layers
@@ -288,32 +288,33 @@ def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> di
 def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
     """Seconds per step by part (the profile's rates: :mod:`.costmodel.planner_time`), bytes per GPU
     per step by axis, and the FLOPs executed."""
-    B, s, L, h, V = model.global_batch, model.seq, model.layers, model.hidden, model.vocab
+    s, h = model.seq, model.hidden
     b, m, layers, prof = c.micro_batch, c.microbatches, model.layers // c.pp, cluster.profile
     e = 4 if a.precision == "fp32" else 2  # bytes of an activation or a gradient on the wire
     # one microbatch on the slowest stage, the last: its layers, the logits and the loss
-    mb = costmodel.microbatch_seconds(prof, b, s, h, model.heads, V, layers, c.tp, a.precision, c.recompute,
-                                      c.sequence_parallel, lm_head=True, mlp_ratio=model.mlp_ratio)
+    mb = model.microbatch_seconds(prof, b, layers, c.tp, a.precision, c.recompute, c.sequence_parallel)
     # tensor parallelism: 4 all-reduces per layer on the critical path; full recompute redoes the forward's 2
     redo = 1.5 if c.recompute == "full" else 1.0
     tp_link = cluster.link(1, c.tp)
     t_tp = layers * redo * costmodel.tensor_parallel_comm_time_per_layer(b, s, h, c.tp, *tp_link, e)
+    kv = model.kv_replica_elements(c.tp) * e  # replicated kv heads: weight gradients summed every backward
+    t_tp += layers * (costmodel.collective_time("all_reduce", kv, c.tp, *tp_link) if kv else 0.0)
     # pipeline: one activation out and one gradient back per microbatch (per chunk, interleaved)
     msg = costmodel.pipeline_p2p_message_bytes(b, s, h, c.tp, e, a.scatter_gather)
     t_p2p = 2 * a.v * costmodel.p2p_time(msg, *cluster.link(c.tp * c.dp, c.pp, "send")) if c.pp > 1 else 0.0
     # data parallelism: ZeRO's collectives on the DP link; then the optimizer's pass over its shard
-    stages = costmodel.pipeline_stage_params(model.as_cfg(), c.tp, c.pp)
+    stages = model.stage_params(c.tp, c.pp)
     psi = max(stages)  # the stage with the most parameters syncs and updates the longest
     t_dp = costmodel.zero_dp_seconds(psi, c.dp, c.zero, lambda op: cluster.link(c.tp, c.dp, op), m, e)
     shard = psi / c.dp if c.zero >= 1 else psi
     t_opt = costmodel.optimizer_step_bytes(shard, a.precision, a.optimizer) / prof.copy_bytes_per_s
     time = costmodel.step_seconds(mb, m, c.pp, t_tp, t_p2p, t_dp, c.zero, t_opt, prof.overlap, a.schedule,
                                   a.v, a.overlap_dp)
-    comm = {"tp": m * layers * redo * costmodel.tensor_parallel_bytes_per_layer(b, s, h, c.tp, e),
+    comm = {"tp": m * layers * (redo * costmodel.tensor_parallel_bytes_per_layer(b, s, h, c.tp, e)
+                                + costmodel.bus_bytes("all_reduce", kv, c.tp)),
             "pp": costmodel.pipeline_p2p_bytes(c.pp, m, msg, a.v) / c.pp,  # averaged over the stages
             "dp": costmodel.zero_dp_bytes_per_step(stages[0], c.dp, c.zero, m, e)}  # the first stage's
-    extra = costmodel.recompute_overhead(c.recompute, s, h, L, V)  # FLOPs executed beyond the model's
-    return time, comm, costmodel.megatron_flops_per_step(B, s, L, h, V) * (1 + extra)
+    return time, comm, model.flops_per_step(c.recompute)  # FLOPs executed, recomputation included
 
 
 def evaluate(c: Config, model, cluster: Cluster, assumptions: Assumptions = Assumptions()) -> Plan:
@@ -324,7 +325,7 @@ def evaluate(c: Config, model, cluster: Cluster, assumptions: Assumptions = Assu
     time, comm, flops = _time(c, model, cluster, assumptions)
     n, t, tokens = cluster.n_gpus, time["total"], model.global_batch * model.seq
     peak = cluster.peak_flops(assumptions.precision)
-    per_token = costmodel.model_flops_per_token(model.as_cfg(), model.seq)  # model FLOPs: no recomputation
+    per_token = model.flops_per_token()  # model FLOPs: no recomputation
     mfu = costmodel.model_flops_utilization(per_token * tokens / t, 1.0, peak, n)
     mfu_6nd = costmodel.model_flops_utilization(costmodel.training_flops(model.params, tokens), t, peak, n)
     return Plan(c, mem, time, comm, mfu, mfu_6nd, tflops_per_gpu=flops / n / t / 1e12,

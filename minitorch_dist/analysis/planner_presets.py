@@ -4,8 +4,9 @@ Every number here is a published one, with its source next to it; the planner's 
 ``analysis.costmodel``. Three tables:
 
 * :data:`MODELS`: shapes of GPT-2 XL (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1),
-  LLaMA (Touvron et al. 2023, Table 2), Megatron's weak-scaling models (Narayanan et al. 2021,
-  Table 1; MT-NLG 530B and "GPT 1T" as aliases) and the course's tiny GPTs;
+  LLaMA (Touvron et al. 2023, Table 2), Llama 3 (Dubey et al. 2024, Table 3: grouped-query
+  attention and SwiGLU, counted by ``costmodel.llama``), Megatron's weak-scaling models (Narayanan
+  et al. 2021, Table 1; MT-NLG 530B and "GPT 1T" as aliases) and the course's tiny GPTs;
 * :data:`GPUS`: memory and dense bf16 peak from ``costmodel.DEVICES`` (the vendor datasheets), and
   each GPU's two links (NVLink inside a node, InfiniBand between nodes) for reference; the
   planner's memory capacity comes from here, every rate it times with from the GPU's machine
@@ -19,14 +20,20 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from . import costmodel
+from .costmodel import llama as llama_cost
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-style decoder (4h MLP, GPT-2 layout) and its training batch.
+    """A decoder and its training batch: GPT-shaped (a ``mlp_ratio``·h GELU MLP, GPT-2 layout), or
+    Llama-shaped when ``ffn_hidden`` is given (SwiGLU of width ``ffn_hidden``, ``kv_heads`` key/value
+    heads, RMSNorm, RoPE, no biases: ``models.llama``).
 
     ``global_batch`` is in sequences of ``seq`` tokens. ``bias`` / ``tie_embeddings`` as in
     ``models.gpt.GPTConfig``; the duck-typed :meth:`as_cfg` feeds ``costmodel``'s parameter counts.
+    The shape's own formulas (GPT's or ``costmodel.llama``'s) are behind :meth:`stage_params`,
+    :meth:`activation_bytes`, :meth:`microbatch_seconds`, :meth:`flops_per_step` and
+    :meth:`flops_per_token`, which the planner calls.
     """
 
     name: str
@@ -41,6 +48,8 @@ class ModelSpec:
     tie_embeddings: bool = True
     source: str = ""
     aliases: tuple = ()  #: other names :func:`get_model` accepts for this model
+    kv_heads: int | None = None  #: key/value heads (grouped-query attention; Llama-shaped only)
+    ffn_hidden: int | None = None  #: SwiGLU width: given, the model is Llama-shaped
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "seq", "vocab", "global_batch", "mlp_ratio"):
@@ -50,18 +59,102 @@ class ModelSpec:
         if self.hidden % self.heads:
             raise ValueError(f"{self.name}: hidden {self.hidden} is not divisible by heads {self.heads}; "
                              f"choose hidden as a multiple of heads")
+        if self.kv_heads is not None and (self.ffn_hidden is None or self.heads % self.kv_heads):
+            raise ValueError(f"{self.name}: kv_heads {self.kv_heads} needs a Llama-shaped model (give "
+                             f"ffn_hidden) and must divide heads {self.heads}")
+
+    @property
+    def is_llama(self) -> bool:
+        return self.ffn_hidden is not None
+
+    @property
+    def n_kv(self) -> int:
+        """Key/value heads: ``kv_heads``, or ``heads`` (multi-head attention)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: ``ffn_hidden`` (Llama) or ``mlp_ratio * hidden`` (GPT)."""
+        return self.ffn_hidden if self.is_llama else self.mlp_ratio * self.hidden
 
     def as_cfg(self):
-        """The GPTConfig field names ``costmodel.transformer_params`` and friends read."""
+        """The GPTConfig field names ``costmodel.transformer_params`` and friends read (and, Llama-shaped,
+        the LlamaConfig ones ``costmodel.llama`` reads)."""
         from types import SimpleNamespace
 
+        extra = dict(n_kv_head=self.n_kv, ffn_hidden=self.ffn_hidden) if self.is_llama else {}
         return SimpleNamespace(n_layer=self.layers, n_embd=self.hidden, n_head=self.heads,
                                vocab_size=self.vocab, block_size=self.seq, mlp_ratio=self.mlp_ratio,
-                               bias=self.bias, tie_embeddings=self.tie_embeddings)
+                               bias=self.bias, tie_embeddings=self.tie_embeddings, **extra)
+
+    def llama_config(self, **overrides):
+        """The ``models.llama.LlamaConfig`` of a Llama-shaped spec (build it on ``meta`` to count it)."""
+        from ..models.llama import LlamaConfig
+
+        if not self.is_llama:
+            raise ValueError(f"{self.name} is GPT-shaped: build it with models.gpt.GPTConfig")
+        return LlamaConfig(**{**dict(vocab_size=self.vocab, block_size=self.seq, n_layer=self.layers,
+                                     n_head=self.heads, n_kv_head=self.n_kv,
+                                     n_embd=self.hidden, ffn_hidden=self.ffn_hidden,
+                                     tie_embeddings=self.tie_embeddings), **overrides})
 
     @property
     def params(self) -> int:
+        if self.is_llama:
+            return llama_cost.llama_params(self.as_cfg())
         return costmodel.transformer_params(self.as_cfg())
+
+    # --- the formulas of this shape, as the planner uses them ----------------------------------------
+    def stage_params(self, tp: int = 1, pp: int = 1) -> list[int]:
+        """Parameters one rank of each pipeline stage holds (``costmodel.pipeline_stage_params``)."""
+        if self.is_llama:
+            return llama_cost.llama_stage_params(self.as_cfg(), tp, pp)
+        return costmodel.pipeline_stage_params(self.as_cfg(), tp, pp)
+
+    def activation_bytes(self, micro_batch, tp, pp, microbatches, sequence_parallel, recompute,
+                         schedule="1f1b", v=1) -> float:
+        """16-bit activation bytes of the first stage (``costmodel.pipeline_activation_bytes``: the
+        stashed microbatches, plus one layer's working set with full recomputation)."""
+        if not self.is_llama:
+            return costmodel.pipeline_activation_bytes(self.seq, micro_batch, self.hidden, self.heads,
+                                                       self.layers, tp, pp, microbatches, sequence_parallel,
+                                                       recompute, schedule, v)
+        shape = (self.seq, micro_batch, self.hidden, self.heads, self.n_kv, self.ffn_hidden)
+        per_stage = llama_cost.llama_activation_bytes(*shape, self.layers // pp, tp, sequence_parallel,
+                                                      recompute)
+        peak = costmodel.pipeline_stashed_microbatches(schedule, pp, microbatches, stage=0, v=v) * per_stage
+        if recompute == "full":
+            peak += llama_cost.llama_activation_bytes(*shape, 1, tp, sequence_parallel, "none")
+        return peak
+
+    def microbatch_seconds(self, profile, b, layers, tp, precision, recompute, sequence_parallel) -> dict:
+        """One microbatch through ``layers`` layers and the LM head (``costmodel.microbatch_seconds``)."""
+        if self.is_llama:
+            shape = (self.hidden, self.heads, self.n_kv, self.ffn_hidden, self.vocab)
+            return llama_cost.llama_microbatch_seconds(profile, b, self.seq, *shape, layers, tp, precision,
+                                                       recompute, sequence_parallel)
+        return costmodel.microbatch_seconds(profile, b, self.seq, self.hidden, self.heads, self.vocab, layers,
+                                            tp, precision, recompute, sequence_parallel, lm_head=True,
+                                            mlp_ratio=self.mlp_ratio)
+
+    def kv_replica_elements(self, tp: int) -> int:
+        """Per layer and backward: the k, v weight-gradient elements all-reduced over the TP group when
+        tp exceeds the kv heads (``costmodel.llama.llama_kv_replica_allreduce_elements``); 0 otherwise."""
+        return llama_cost.llama_kv_replica_allreduce_elements(self.as_cfg(), tp) if self.is_llama else 0
+
+    def flops_per_step(self, recompute: str = "none") -> float:
+        """FLOPs executed in one step of the global batch, recomputation included."""
+        if self.is_llama:
+            return llama_cost.llama_flops_per_step(self.as_cfg(), self.global_batch, self.seq, recompute)
+        extra = costmodel.recompute_overhead(recompute, self.seq, self.hidden, self.layers, self.vocab)
+        return costmodel.megatron_flops_per_step(self.global_batch, self.seq, self.layers, self.hidden,
+                                                 self.vocab) * (1 + extra)
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per token of a training step (no recomputation): MFU's numerator."""
+        if self.is_llama:
+            return llama_cost.llama_flops_per_token(self.as_cfg(), self.seq)
+        return costmodel.model_flops_per_token(self.as_cfg(), self.seq)
 
     @classmethod
     def from_gpt_config(cls, cfg, global_batch: int, seq: int | None = None, name: str = "gpt") -> ModelSpec:
@@ -113,13 +206,19 @@ GPUS = {
 
 _NARAYANAN = "Narayanan et al. 2021, Table 1"
 _MEGATRON_VOCAB = 51200  # GPT-2's 50,257 BPE tokens padded by Megatron-LM (Narayanan et al. 2021, §5.1)
+_LLAMA3 = "Dubey et al. 2024, Table 3"
+_LLAMA3_VOCAB = 128256  # Table 3 prints 128,000; the released embedding has 128,256 rows
 
 #: Named models. GPT-3 shapes from Brown et al. 2020, Table 2.1, with Megatron's vocabulary and
 #: the batch in sequences of 2048 (3.2M tokens = 1536 sequences for 175B, the batch of
 #: Narayanan et al. 2021 §5.1). GPT-3 XL prints 24 heads of 128 = 3072 != 2048; 16 heads is used.
 #: GPT-3 13B prints d_model 5140; 5120 = 40 x 128 is used. LLaMA (Touvron et al. 2023, Table 2):
 #: SwiGLU (3 matrices of 2/3 * 4h ~ 8h^2) is modelled as a 4h GELU MLP (the same 8h^2), no biases,
-#: untied output layer, 4M-token batches; its 32000-token vocabulary as printed.
+#: untied output layer, 4M-token batches; its 32000-token vocabulary as printed. Llama 3 (Dubey et al.
+#: 2024, Table 3) is Llama-shaped: 8 kv heads and its FFN width as printed; Table 3 prints a 128,000-token
+#: vocabulary, the released weights have 128,256 rows (256 reserved special tokens), used here; the
+#: batch is 16M tokens, 2048 sequences of 8192, the 405B's pre-training batch at 8K context (Table 4),
+#: applied to 8B and 70B too (their batches are not printed).
 MODELS = {m.name: m for m in (
     ModelSpec("gpt2-1.5b", 48, 1600, 25, 1024, _MEGATRON_VOCAB, 512,
               source="Radford et al. 2019, Table 2 (GPT-2 XL, 1542M; 25 heads of 64); batch 512 as printed"),
@@ -132,6 +231,12 @@ MODELS = {m.name: m for m in (
               source="Touvron et al. 2023, Table 2 (SwiGLU as a 4h MLP)"),
     ModelSpec("llama-65b", 80, 8192, 64, 2048, 32000, 2048, bias=False, tie_embeddings=False,
               source="Touvron et al. 2023, Table 2 (SwiGLU as a 4h MLP)"),
+    ModelSpec("llama3-8b", 32, 4096, 32, 8192, _LLAMA3_VOCAB, 2048, bias=False, tie_embeddings=False,
+              kv_heads=8, ffn_hidden=14336, source=_LLAMA3 + " (8B: 8.0B parameters)"),
+    ModelSpec("llama3-70b", 80, 8192, 64, 8192, _LLAMA3_VOCAB, 2048, bias=False, tie_embeddings=False,
+              kv_heads=8, ffn_hidden=28672, source=_LLAMA3 + " (70B: 70.6B parameters)"),
+    ModelSpec("llama3-405b", 126, 16384, 128, 8192, _LLAMA3_VOCAB, 2048, bias=False, tie_embeddings=False,
+              kv_heads=8, ffn_hidden=53248, source=_LLAMA3 + " (405B: 405.9B parameters)"),
     ModelSpec("megatron-145b", 80, 12288, 96, 2048, _MEGATRON_VOCAB, 2304,
               source=_NARAYANAN + " (145.6B row)"),
     # Megatron-Turing NLG 530B (Smith et al. 2022: 105 layers, hidden 20480, 128 heads) is this row

@@ -23,7 +23,9 @@ so a transformer layer costs 2 all-reduces forward (g after attention, g after M
 (f before each). The embedding is split by vocabulary rows (an all-reduce combines the ranks'
 lookups) and the loss is computed on the vocabulary-sharded logits with three all-reduces of b·s
 numbers, never gathering the b·s·V logits (those two live in :mod:`.tensor_parallel_vocab`).
-f, g and the other region-crossing operators live in :mod:`.mappings` (re-exported here).
+f, g and the other region-crossing operators live in :mod:`.mappings` (re-exported here). The Llama's
+layers (grouped-query attention with split or replicated kv heads, SwiGLU) are built on these in
+:mod:`.tensor_parallel_llama`.
 
 Every rank must slice the *same* dense weights. Each constructor that takes a dense module
 (``from_dense``, :class:`ParallelMLP`, :class:`ParallelAttention`, :func:`parallelize_gpt`) first

@@ -81,6 +81,21 @@ from .kernels import (  # noqa: E402
     softmax_bytes,
     softmax_flops,
 )
+from .llama import (  # noqa: E402
+    llama_activation_bytes,
+    llama_flops_per_step,
+    llama_flops_per_token,
+    llama_kv_heads_per_rank,
+    llama_kv_replica_allreduce_elements,
+    llama_layer_elementwise_bytes,
+    llama_layer_gemm_flops,
+    llama_microbatch_seconds,
+    llama_params,
+    llama_params_per_rank,
+    llama_stage_params,
+    ulysses_bytes_per_layer_gqa,
+    ulysses_max_degree_gqa,
+)
 from .memory import (  # noqa: E402
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,
@@ -213,6 +228,10 @@ __all__ = [
     "bucket_assignment", "bucket_sizes", "ddp_allreduce_schedule", "ddp_step_time",
     "byteps_optimal_bytes", "hogwild_conflict_probability", "hogwild_sparsity", "ps_bytes_per_step",
     "ps_step_time",
+    "llama_activation_bytes", "llama_flops_per_step", "llama_flops_per_token", "llama_kv_heads_per_rank",
+    "llama_kv_replica_allreduce_elements", "llama_layer_elementwise_bytes", "llama_layer_gemm_flops",
+    "llama_microbatch_seconds", "llama_params", "llama_params_per_rank", "llama_stage_params",
+    "ulysses_bytes_per_layer_gqa", "ulysses_max_degree_gqa",
     "OPTIMIZER_STATE_BYTES", "PRECISIONS", "RECOMPUTE", "activation_memory_bytes", "adafactor_state_bytes",
     "adam_state_bytes", "model_state_bytes", "optimizer_bytes_per_param", "zero_memory_bytes",
     "OFFLOAD_TIERS", "TABLE1_DP", "TABLE1_MODELS", "TABLE1_PRINTED", "fsdp_unit_elements",

@@ -5,7 +5,9 @@ and dropout regions that tensor parallelism leaves replicated are sharded along 
 :mod:`.ulysses` — DeepSpeed-Ulysses (Jacobs et al. 2023): all-to-all from sequence-sharded to
 head-sharded around attention. :mod:`.ring_attention` — ring attention (Liu et al. 2023):
 blockwise attention with K/V blocks passed around a ring and an online-softmax merge
-(the function is ``ring_attention.ring_attention``; the module keeps the name).
+(the function is ``ring_attention.ring_attention``; the module keeps the name). Both take the Llama's
+grouped-query attention (fewer k/v heads): Ulysses up to t = n_kv_head, ring attention at any t. The
+Llama's Megatron SP is ``tensor_parallel_llama.parallelize_llama(..., sequence_parallel=True)``.
 """
 from __future__ import annotations
 
@@ -35,7 +37,14 @@ from .ring_attention import (
     zigzag_shard,
     zigzag_unshard,
 )
-from .ulysses import UlyssesAttention, heads_to_seq, seq_to_heads, ulysses_attention
+from .ulysses import (
+    UlyssesAttention,
+    UlyssesGQAAttention,
+    check_ulysses_degree,
+    heads_to_seq,
+    seq_to_heads,
+    ulysses_attention,
+)
 
 __all__ = [
     "megatron_sp", "ring_attention", "ulysses",
@@ -44,6 +53,6 @@ __all__ = [
     "allreduce_sequence_parallel_grads", "gather_from_sequence", "parallelize_gpt_sp",
     "reduce_scatter_to_sequence", "scatter_to_sequence", "sequence_parallel_block", "LAYOUTS",
     "attention_block", "count_block_work", "merge_attention", "sequence_positions", "shard_sequence",
-    "unshard_sequence", "zigzag_shard", "zigzag_unshard", "UlyssesAttention", "heads_to_seq", "seq_to_heads",
-    "ulysses_attention",
+    "unshard_sequence", "zigzag_shard", "zigzag_unshard", "UlyssesAttention", "UlyssesGQAAttention",
+    "check_ulysses_degree", "heads_to_seq", "seq_to_heads", "ulysses_attention",
 ]

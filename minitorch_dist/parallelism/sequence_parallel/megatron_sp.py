@@ -74,26 +74,46 @@ SP_ATTR = "sequence_parallel"  # set on parameters whose gradient is a per-slice
 
 
 class _GatheredLinear(torch.autograd.Function):
-    """Z_i = g(Y^s) A_i^T + b_i storing only Y^s (§4.2.2): backward all-gathers Y again for
-    dL/dA_i = dZ_i^T Y, and reduce-scatters dL/dY = dZ_i A_i (summed over ranks, sliced)."""
+    """Z^(j) = g(Y^s) A_j^T (+ b_j) for n column weights A_j reading the same input, storing only Y^s
+    (§4.2.2): backward all-gathers Y again for dL/dA_j = dZ^(j)T Y, and reduce-scatters
+    dL/dY = sum_j dZ^(j) A_j (summed over ranks, sliced). The GPT's layers pass one weight; the
+    Llama's q, k, v (and gate, up) pass three (two): one all-gather for all of them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(gather_along_seq(x, group), weight, bias)
+    def forward(ctx, x, group, n, *params):  # params: n weights, then n biases (or None)
+        weights, biases = params[:n], params[n:]
+        ctx.group, ctx.has_bias = group, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        full = gather_along_seq(x, group)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
         full = gather_along_seq(x, ctx.group)  # the extra all-gather: memory traded for bandwidth
-        dx = reduce_scatter_along_seq(grad.matmul(weight), ctx.group)
-        g2 = grad.reshape(-1, grad.size(-1))
-        dw = g2.t().matmul(full.reshape(-1, full.size(-1)))
-        return dx, dw, g2.sum(0) if ctx.has_bias else None, None
+        full = full.reshape(-1, full.size(-1))
+        dy = grads[0].matmul(weights[0])
+        for g, w in zip(grads[1:], weights[1:]):
+            dy = dy + g.matmul(w)
+        dx = reduce_scatter_along_seq(dy, ctx.group)
+        g2 = [g.reshape(-1, g.size(-1)) for g in grads]
+        dws = [g.t().matmul(full) for g in g2]
+        dbs = [g.sum(0) if has else None for g, has in zip(g2, ctx.has_bias)]
+        return (dx, None, None, *dws, *dbs)
 
 
-def _mark(module: nn.Module) -> nn.Module:
+def gathered_linear(x, weights, biases=None, group=None) -> tuple:
+    """(Z^(1), ..., Z^(n)), Z^(j) = g(Y^s) A_j^T + b_j, from this rank's slice Y^s, storing only the slice
+    (``regather=True``): the functional form of :class:`SequenceParallelColumnLinear` for several column
+    weights that read one input (the Llama's q|k|v and gate|up: :mod:`..tensor_parallel_llama`)."""
+    weights = list(weights)
+    biases = [None] * len(weights) if biases is None else list(biases)
+    return _GatheredLinear.apply(x, group, len(weights), *weights, *biases)
+
+
+def mark_sequence_parallel(module: nn.Module) -> nn.Module:
+    """Flag every parameter of ``module`` as living in the sequence-sharded region: its gradient is a
+    partial sum over this rank's positions, completed by :func:`allreduce_sequence_parallel_grads`."""
     for p in module.parameters():
         setattr(p, SP_ATTR, True)
     return module
@@ -117,7 +137,7 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
 
     def forward(self, x):
         if self.regather:
-            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
+            return gathered_linear(x, [self.weight], [self.bias], self.group)[0]
         return F.linear(gather_from_sequence(x, self.group), self.weight, self.bias)
 
 
@@ -187,7 +207,7 @@ class SequenceParallelBlock(nn.Module):
         self.group = group
         if broadcast_weights:
             broadcast_from_first_rank(block, group)
-        self.ln_1, self.ln_2 = _mark(copy.deepcopy(block.ln_1)), _mark(copy.deepcopy(block.ln_2))
+        self.ln_1, self.ln_2 = (mark_sequence_parallel(copy.deepcopy(m)) for m in (block.ln_1, block.ln_2))
         self.attn = SequenceParallelAttention(block.attn, group, regather, broadcast_weights=False)
         self.mlp = SequenceParallelMLP(block.mlp, group, regather, broadcast_weights=False)
 
@@ -219,7 +239,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
 # --- the whole GPT ---------------------------------------------------------------------------------
 
 
-class _SequenceParallelEmbedding(VocabParallelEmbedding):
+class SequenceParallelEmbedding(VocabParallelEmbedding):
     """Vocab-parallel lookup whose g (all-reduce) becomes ḡ: each rank's partial lookups are
     reduce-scattered straight onto the sequence slice (Megatron does the same)."""
 
@@ -250,8 +270,8 @@ class SequenceParallelGPT(nn.Module):
         self.cfg, self.group = cfg, group
         if broadcast_weights:  # once, for the whole model
             broadcast_from_first_rank(dense, group)
-        self.wte = _SequenceParallelEmbedding.from_dense(dense.wte, group, broadcast_weights=False)
-        self.wpe, self.ln_f = _mark(copy.deepcopy(dense.wpe)), _mark(copy.deepcopy(dense.ln_f))
+        self.wte = SequenceParallelEmbedding.from_dense(dense.wte, group, broadcast_weights=False)
+        self.wpe, self.ln_f = (mark_sequence_parallel(copy.deepcopy(m)) for m in (dense.wpe, dense.ln_f))
         self.blocks = nn.ModuleList(SequenceParallelBlock(b, group, regather, broadcast_weights=False)
                                     for b in dense.blocks)
         self.lm_head = SequenceParallelColumnLinear.from_dense(dense.lm_head, group, regather=regather,
@@ -282,7 +302,8 @@ def parallelize_gpt_sp(model, group=None, regather=True, *, broadcast_weights=Tr
     return SequenceParallelGPT(model, group, regather, broadcast_weights=broadcast_weights)
 
 
-__all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence",
-           "SequenceParallelColumnLinear", "SequenceParallelRowLinear", "SequenceParallelAttention",
+__all__ = ["gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence", "gathered_linear",
+           "mark_sequence_parallel", "SequenceParallelEmbedding", "SequenceParallelColumnLinear",
+           "SequenceParallelRowLinear", "SequenceParallelAttention",
            "SequenceParallelMLP", "SequenceParallelBlock", "sequence_parallel_block",
            "allreduce_sequence_parallel_grads", "SequenceParallelGPT", "parallelize_gpt_sp"]

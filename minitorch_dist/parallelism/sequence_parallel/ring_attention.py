@@ -33,6 +33,13 @@ accumulator, every rank that holds the block adds its part and passes the accumu
 elements: the forward sends t-1 K/V pairs, ``2(t-1)·blk``; the backward sends the same t-1 K/V pairs
 plus t dK/dV pairs, ``(4t-2)·blk`` (dK/dV in the accumulation dtype: float32 for half inputs).
 
+Grouped-query attention (Ainslie et al. 2023; the Llama): k and v may have n_kv_head < n_head heads.
+Nothing in the ring splits heads -- every rank keeps all of them and splits the *sequence* -- so any
+n_kv_head dividing n_head works, at any t: the blocks travelling the ring are simply n_head/n_kv_head
+times smaller (``blk`` above counts n_kv_head heads for K, V and dK, dV), and FlashAttention-2's block
+math already reads kv head j // (n_head/n_kv_head) for query head j and sums a kv head's gradient over
+its group. (Ulysses, which splits heads, is limited to t <= n_kv_head: :mod:`.ulysses`.)
+
 Causal attention and load balance. With the *contiguous* layout rank r holds tokens
 [r S/t, (r+1) S/t): it attends fully to the r blocks before it, to its own block under a lower
 triangular mask, and skips the t-1-r blocks after it -- rank t-1 does t times the work of rank 0.
@@ -338,9 +345,11 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale=None):
     """Exact attention of this rank's shard of the sequence to the whole sequence, over a ring.
 
-    q, k, v: this rank's shard, (B, n_head, S/t, head_dim), cut from the full sequence by
-    ``shard_sequence(x, t, rank, -2, layout)``; the result is this rank's shard of
-    ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale)``.
+    q: this rank's shard, (B, n_head, S/t, head_dim), cut from the full sequence by
+    ``shard_sequence(x, t, rank, -2, layout)``; k, v: (B, n_kv_head, S/t, head_dim), n_kv_head dividing
+    n_head (grouped-query attention: query head j reads kv head j // (n_head / n_kv_head)). The result
+    is this rank's shard of ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale,
+    enable_gqa=True)``.
     Every rank of ``group`` must call it with same-shaped shards; any strides (a transposed or
     sliced view is made contiguous first: the ring sends k and v, and a transfer needs one block).
     """
@@ -350,9 +359,12 @@ def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale
                          f"{k.dim()}, {v.dim()}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head_dim of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ")
-    if q.shape != k.shape or k.shape != v.shape:
-        raise ValueError(f"q, k, v shards must have the same shape (self-attention); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q, k, v shards must share batch, local sequence and head_dim, and k, v the same "
+                         f"shape (self-attention); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"n_head {q.shape[1]} is not divisible by n_kv_head {k.shape[1]}: with "
+                         f"grouped-query attention each key/value head serves a whole group of query heads")
     if layout == "zigzag" and q.shape[-2] % 2:
         raise ValueError(f"local sequence length {q.shape[-2]} is odd: a zigzag shard holds two equal "
                          f"chunks, so the sequence length must be divisible by 2*t")

@@ -1,0 +1,154 @@
+"""Chapter 12 — the dry run of a Llama-shaped preset: one rank of a data x tensor grid.
+
+``python -m minitorch_dist dryrun --model llama3-8b --dp 8 --tp 8 --sequence-parallel`` plays one rank,
+as :mod:`.dryrun` does for the GPT, with the Llama of :mod:`..models.llama` on ``meta`` tensors under
+torch's fake process group: Megatron TP (and SP) of :mod:`..parallelism.tensor_parallel_llama` over the
+TP group (kv heads split or replicated), ch06's :class:`~..memory.zero.ZeroDataParallel` (stage 0, 1 or
+2) over the DP group, ``m`` microbatches accumulated, then the optimizer step. The second of two steps is
+measured (the first creates the optimizer state). ``recompute="full"`` recomputes each block in backward.
+
+Pipeline stages of the Llama are not built here (``parallelism/pipeline`` cuts the GPT): pp must be 1.
+The prediction beside each measurement is ``costmodel.llama`` (parameters per rank, Korthikanti-style
+activations with fused RMSNorm and SwiGLU) and the TP / SP / ZeRO byte formulas the GPT's dry run uses.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import costmodel
+from .costmodel import llama as llama_cost
+from .meta_memory import MetaMemoryMeter
+
+__all__ = ["check_llama_grid", "llama_step", "llama_predicted"]
+
+
+def check_llama_grid(cfg, tp: int, pp: int, recompute: str) -> None:
+    """A ``ValueError`` naming the fix unless this dry run can play the Llama ``cfg`` at these degrees."""
+    from ..parallelism.tensor_parallel_llama import kv_layout
+
+    if pp != 1:
+        raise ValueError(f"--pp {pp}: the dry run cuts only the course GPT into pipeline stages "
+                         f"(parallelism/pipeline); a Llama-shaped preset runs data x tensor parallel: "
+                         f"use --pp 1")
+    if recompute not in ("none", "full"):
+        raise ValueError(f"--recompute {recompute}: the Llama dry run recomputes whole blocks (full) or "
+                         f"nothing; use --recompute none or full")
+    kv_layout(cfg.n_head, cfg.n_kv_head, tp)
+    for what, n in (("vocab_size", cfg.vocab_size), ("ffn_hidden", cfg.ffn_hidden)):
+        if n % tp:
+            raise ValueError(f"{what} {n} is not divisible by --tp {tp}; choose a degree that divides it")
+
+
+class _Recomputed(nn.Module):
+    """A block whose activations are recomputed in backward (ch07's checkpoint)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from ..memory.checkpointing import checkpoint
+
+        return checkpoint(self.block, x)
+
+
+def _build(run, groups):
+    from ..models.llama import Llama
+    from ..parallelism.tensor_parallel_llama import parallelize_llama
+
+    with torch.device("meta"):
+        dense = Llama(run.cfg)
+    model = dense if run.tp == 1 else parallelize_llama(dense, groups.tp_group, broadcast_weights=False,
+                                                        sequence_parallel=run.sequence_parallel)
+    if run.recompute == "full":
+        model.blocks = nn.ModuleList(_Recomputed(b) for b in model.blocks)
+    return model
+
+
+def _one_step(run, zero, groups, x):
+    """m microbatches accumulated (ZeRO-2 reduces once, after the last), the SP norms' all-reduce, the
+    step. Returns the comm events."""
+    from ..parallelism.sequence_parallel.megatron_sp import allreduce_sequence_parallel_grads
+    from ..runtime import comm
+
+    zero.zero_grad()
+    with comm.meter() as meter:
+        with zero.sharded.no_sync():
+            for _ in range(run.microbatches):
+                _, loss = zero.module(x, x)
+                (loss / run.microbatches).backward()
+        if run.sequence_parallel and run.tp > 1:
+            allreduce_sequence_parallel_grads(zero.module, groups.tp_group)
+        zero.sharded.reduce_accumulated()
+        zero.step()
+    return meter.events
+
+
+def llama_step(run, dtype, attention):
+    """This rank's step under the fake group: (the meter's peak dict, comm events). ``dtype``: the
+    default dtype to build in; ``attention``: the context that routes attention (flash accounting)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from ..memory.zero import ZeroDataParallel
+    from ..parallelism.mesh import RankGrid, init_groups
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised: run the dry run in a fresh process "
+                           "(python -m minitorch_dist dryrun ...)")
+    dist.init_process_group("fake", store=FakeStore(), rank=run.rank, world_size=run.world)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        groups = init_groups(RankGrid(run.world, run.dp, run.tp, 1))
+        zero = ZeroDataParallel(_build(run, groups), lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False),
+                                stage=run.zero, group=groups.dp_group)
+        x = torch.randint(0, run.cfg.vocab_size, (run.micro_batch_size, run.cfg.block_size), device="meta")
+        with attention:
+            _one_step(run, zero, groups, x)  # creates the optimizer state
+            meter = MetaMemoryMeter(zero.module, zero.sharded.optim)
+            with meter.track():
+                events = _one_step(run, zero, groups, x)
+        return dict(meter.peak), events
+    finally:
+        torch.set_default_dtype(before)
+        dist.destroy_process_group()
+
+
+def llama_predicted(run, e: int, precision: str) -> dict:
+    """``costmodel``'s value for each measured key of this rank (``e`` bytes an element); None where
+    there is no formula."""
+    cfg, m = run.cfg, run.microbatches
+    local = llama_cost.llama_params_per_rank(cfg, run.tp)
+    states = costmodel.model_state_bytes(local, precision, "adamw")
+    b, s, h = run.micro_batch_size, cfg.block_size, cfg.n_embd
+    shape = (s, b, h, cfg.n_head, cfg.n_kv_head, cfg.ffn_hidden)
+    sp = run.sequence_parallel and run.tp > 1
+    kind = "full" if run.recompute == "full" else ("selective" if run.attention == "flash" else "none")
+    act = llama_cost.llama_activation_bytes(*shape, cfg.n_layer, run.tp, sp, kind, e)
+    if run.recompute == "full":  # one block rebuilt at a time in backward
+        one = "selective" if run.attention == "flash" else "none"
+        act += llama_cost.llama_activation_bytes(*shape, 1, run.tp, sp, one, e)
+    mem = {"parameters": local * e, "gradients": local * e,
+           "optimizer_states": states["optimizer"] / (run.dp if run.zero >= 1 else 1),
+           "activations": act, "temporaries": None}
+    mem["peak"] = sum(v for v in mem.values() if v is not None)
+    redo = 6 / 4 if run.recompute == "full" else 1  # the recomputed forward repeats its 2 all-reduces
+    tp_bytes = m * cfg.n_layer * costmodel.tensor_parallel_bytes_per_layer(b, s, h, run.tp, e) * redo
+    kv = llama_cost.llama_kv_replica_allreduce_elements(cfg, run.tp) * e
+    tp_bytes += m * cfg.n_layer * costmodel.bus_bytes("all_reduce", kv, run.tp) if kv else 0.0
+    gather = scatter = 0.0
+    if sp:  # the layers' all-reduces become all-gathers and reduce-scatters
+        counts = costmodel.sequence_parallel_collectives_per_layer(regather=True,
+                                                                   recompute=run.recompute == "full")
+        full = b * s * h * e
+        gather, scatter = (m * cfg.n_layer * sum(phase[op] for phase in counts.values())
+                           * costmodel.bus_bytes(op, full, run.tp) for op in ("all_gather", "reduce_scatter"))
+        tp_bytes = m * cfg.n_layer * costmodel.bus_bytes("all_reduce", kv, run.tp) if kv else 0.0
+    dp_op = costmodel.zero_dp_bytes_per_step(local, run.dp, run.zero, 1 if run.zero == 2 else m, e)
+    comm = {"all_reduce": tp_bytes + (dp_op if run.zero == 0 else 0.0),
+            "all_gather": gather + (dp_op / 2 if run.zero >= 1 else 0.0),
+            "reduce_scatter": scatter + (dp_op / 2 if run.zero >= 1 else 0.0),
+            "all_to_all": 0.0, "send": 0.0, "broadcast": 0.0}
+    return {"memory_bytes": mem, "comm_bytes": comm}
