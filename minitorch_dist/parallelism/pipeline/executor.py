@@ -60,6 +60,12 @@ class GPTStage(nn.Module):
     """Virtual stage ``index`` of ``n_stages``: some of ``model``'s blocks, the embedding on the
     first stage, the final LayerNorm, unembedding and loss on the last.
 
+    ``model`` is the course GPT or any model with its layout: ``wte`` (and, if it has them, ``wpe`` and
+    ``drop``), ``blocks``, ``ln_f``, ``lm_head``, and the methods ``embed``, ``head`` and ``loss_fn``
+    written against those names — the Llama-shaped model of :mod:`minitorch_dist.models.llama` is one
+    (no ``wpe``: its positions are rotary, inside each block). The stage calls the model class's own
+    methods on the modules it shares.
+
     The stage *shares* the model's modules (no copies), so gradients land on the model's own
     parameters, and ``stage.named_parameters()`` uses the model's names (``blocks.3.attn.c_attn.weight``).
     ``forward(x, targets=None)``: hidden states (or token ids on stage 0) in; hidden states out, or
@@ -70,8 +76,12 @@ class GPTStage(nn.Module):
         super().__init__()
         self.cfg, self.index, self.n_stages = model.cfg, index, n_stages
         self.is_first, self.is_last = index == 0, index == n_stages - 1
+        own = all(hasattr(type(model), f) for f in ("embed", "head", "loss_fn"))
+        self._model_class = type(model) if own else GPT  # whose embed / head / loss_fn the stage runs
         if self.is_first:
-            self.wte, self.wpe = model.wte, model.wpe
+            self.wte = model.wte
+            if hasattr(model, "wpe"):  # learned positions (GPT); a rotary model has none
+                self.wpe = model.wpe
             self.drop = getattr(model, "drop", nn.Identity())  # ch05's sequence-parallel GPT refuses dropout
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})  # keys keep the model's names
         if self.is_last:
@@ -83,13 +93,14 @@ class GPTStage(nn.Module):
         return (rows, seq, self.cfg.n_embd)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = GPT.embed(self, x) if self.is_first else x  # the model's own code, on the modules we share
+        kind = self._model_class
+        h = kind.embed(self, x) if self.is_first else x  # the model's own code, on the modules we share
         for block in self.blocks.values():
             h = block(h)
         if not self.is_last:
             return h
-        logits = GPT.head(self, h)
-        return logits if targets is None else GPT.loss_fn(self, logits, targets)
+        logits = kind.head(self, h)
+        return logits if targets is None else kind.loss_fn(self, logits, targets)
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.n_stages}, blocks {list(self.blocks)}"
