@@ -153,9 +153,16 @@ def check_model(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> None:
     the layers evenly over the p·v (virtual) stages, as Megatron requires."""
     for name, v in (("tp", tp), ("pp", pp), ("virtual_stages", virtual_stages)):
         _positive_int(name, v)
-    for what, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
-                    ("MLP width (mlp_ratio * n_embd)", cfg.mlp_ratio * cfg.n_embd),
-                    ("vocab_size", cfg.vocab_size)):
+    if hasattr(cfg, "n_kv_head"):  # the Llama-shaped model: its kv heads are split or replicated (ch04)
+        from .tensor_parallel_llama import kv_layout
+
+        kv_layout(cfg.n_head, cfg.n_kv_head, tp)  # raises, naming the degrees that work
+        widths = (("n_head", cfg.n_head), ("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size))
+    else:
+        widths = (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
+                  ("MLP width (mlp_ratio * n_embd)", cfg.mlp_ratio * cfg.n_embd),
+                  ("vocab_size", cfg.vocab_size))
+    for what, n in widths:
         if n % tp:
             raise ValueError(f"{what} {n} is not divisible by tp={tp}; choose a tensor-parallel degree that "
                              f"divides {n} (or pad {what} to a multiple of {tp})")

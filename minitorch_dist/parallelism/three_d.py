@@ -59,6 +59,7 @@ from ..memory.zero import ZeroDataParallel
 from ..models.data import MarkovCorpus
 from ..models.gpt import GPT
 from ..models.init import materialize, rebind
+from ..models.llama import Llama, LlamaConfig
 from ..runtime import comm, require_process_group
 from ..runtime.launch import device as rank_device
 from .mappings import divide
@@ -72,14 +73,36 @@ from .sequence_parallel.megatron_sp import (
     parallelize_gpt_sp,
 )
 from .tensor_parallel import parallelize_gpt, shard_dense_tensors
+from .tensor_parallel_llama import parallelize_llama, shard_dense_llama_tensors
 from .tensor_parallel_vocab import vocab_parallel_cross_entropy
 
 __all__ = ["Stage3D", "Model3D", "Result3D", "train_3d", "merge_full_params", "global_losses",
-           "reference_run", "local_param_count", "zero_stage_of",
+           "reference_run", "local_param_count", "zero_stage_of", "dense_class",
            "recompute_of", "RECOMPUTE"]
 
 
 RECOMPUTE = ("none", "selective", "full")
+
+
+def dense_class(cfg):
+    """The dense model a config describes: the course GPT, or the Llama-shaped model for a ``LlamaConfig``
+    (the same layout — ``wte``, ``blocks``, ``ln_f``, ``lm_head`` —, rotary positions instead of ``wpe``)."""
+    return Llama if isinstance(cfg, LlamaConfig) else GPT
+
+
+def _slice_tp(dense, group, sequence_parallel: bool):
+    """ch04's tensor-parallel model of ``dense`` over ``group`` (with ch05's sequence parallelism)."""
+    if isinstance(dense, Llama):
+        return parallelize_llama(dense, group, sequence_parallel=sequence_parallel, broadcast_weights=False)
+    slicer = parallelize_gpt_sp if sequence_parallel else parallelize_gpt
+    return slicer(dense, group, broadcast_weights=False)
+
+
+def _shard_dense(tensors: dict, cfg, group) -> dict:
+    """This rank's TP shards of per-parameter dense tensors, in the layout :func:`_slice_tp` gives."""
+    if isinstance(cfg, LlamaConfig):
+        return shard_dense_llama_tensors(tensors, cfg, group)
+    return shard_dense_tensors(tensors, cfg, group)
 
 
 class _SelectiveAttention(TorchFunctionMode):
@@ -128,8 +151,11 @@ class Stage3D(GPTStage):
         return (rows, divide(seq, dist.get_world_size(self.vocab_group), "sequence length"), self.cfg.n_embd)
 
     def forward(self, x, targets=None):
-        embed = SequenceParallelGPT.embed if self.sequence_parallel else GPT.embed
-        h = embed(self, x) if self.is_first else x  # (b, s, h), or (b, s/t, h) with sequence parallelism
+        if self.is_first and not hasattr(self, "wpe"):  # rotary positions (Llama): the token embedding only,
+            h = self.wte(x)  # whose sequence-parallel form scatters the (b, s/t, h) slice itself
+        else:
+            embed = SequenceParallelGPT.embed if self.sequence_parallel else GPT.embed
+            h = embed(self, x) if self.is_first else x  # (b, s, h), or (b, s/t, h) with sequence parallelism
         with _SelectiveAttention() if self.recompute == "selective" else contextlib.nullcontext():
             for block in self.blocks.values():
                 h = _checkpoint(block, h) if self.recompute == "full" else block(h)
@@ -200,12 +226,14 @@ class Model3D:
         where = torch.device(rank_device() if device is None else device)
         where = torch.device("meta") if materialize_on is not None else where
         torch.manual_seed(seed)  # on the CPU, then moved: the same weights on every rank and device
+        if materialize_on is not None and isinstance(cfg, LlamaConfig):
+            raise ValueError("deferred initialisation (materialize_on) follows the GPT's init rules; build "
+                             "the Llama-shaped model with device=None (or 'meta' for shapes only)")
         with torch.device("meta") if where.type == "meta" else contextlib.nullcontext():
-            dense = GPT(cfg)  # on meta: shapes only, never a whole model's values
+            dense = dense_class(cfg)(cfg)  # on meta: shapes only, never a whole model's values
         dense = broadcast_from_first_rank(dense)  # every TP, PP and DP copy is rank 0's
         self.sequence_parallel = sequence_parallel and grid.tp > 1  # over t = 1 it is the dense model
-        slicer = parallelize_gpt_sp if self.sequence_parallel else parallelize_gpt
-        tp_model = slicer(dense, groups.tp_group, broadcast_weights=False) if grid.tp > 1 else dense
+        tp_model = _slice_tp(dense, groups.tp_group, self.sequence_parallel) if grid.tp > 1 else dense
         self.model = tp_model.to(where)
         vocab_group = groups.tp_group if grid.tp > 1 else None
         cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
@@ -254,11 +282,11 @@ class Model3D:
         """
         with torch.random.fork_rng(), _default_dtype(torch.float64):
             with torch.device("meta"):
-                shapes = {k: p.shape for k, p in GPT(self.cfg).named_parameters()}
+                shapes = {k: p.shape for k, p in dense_class(self.cfg)(self.cfg).named_parameters()}
             index = {k: torch.arange(torch.Size(s).numel(), dtype=torch.float64).view(s)  # (numel,) -> shape
                      for k, s in shapes.items()}
             if self.groups.grid.tp > 1:
-                index = shard_dense_tensors(index, self.cfg, self.groups.tp_group)
+                index = _shard_dense(index, self.cfg, self.groups.tp_group)
         names = {id(p): k for k, p in self.model.named_parameters()}
         return {names[id(p)]: (index[names[id(p)]].reshape(-1).long(),  # (local numel,) flat dense positions
                                p.detach().reshape(-1).cpu().clone())  # (local numel,) values
@@ -291,7 +319,8 @@ class Result3D:
 def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", zero1=False, checkpoint=False,
              lr=0.1, seed=0, optimizer=None, virtual_stages=1, data=None, order="tp-dp-pp",
              use_device_mesh=False, zero_stage=None, recompute=None, sequence_parallel=False) -> Result3D:
-    """``steps`` optimizer steps of the GPT ``cfg`` on d x t x p ranks; run it with
+    """``steps`` optimizer steps of the GPT ``cfg`` (or of the Llama-shaped model, for a ``LlamaConfig``) on
+    d x t x p ranks; run it with
     ``launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, steps, batch, seq, microbatches, ...)``.
 
     Step s trains on ``data.batch(s, batch, seq)`` (default: the corpus of ``cfg.vocab_size``,
@@ -336,7 +365,7 @@ def merge_full_params(results, cfg) -> tuple[dict, float]:
     """The dense parameters (the single-process model's names and shapes) from every rank's pieces,
     and the largest difference between two copies of one element (replicas must agree: 0)."""
     with torch.device("meta"):
-        shapes = {k: p.shape for k, p in GPT(cfg).named_parameters()}
+        shapes = {k: p.shape for k, p in dense_class(cfg)(cfg).named_parameters()}
     full = {k: torch.full((torch.Size(s).numel(),), float("nan")) for k, s in shapes.items()}  # (numel,) each
     spread = 0.0
     for res in results:
@@ -361,7 +390,7 @@ def reference_run(cfg, steps, batch, seq, lr=0.1, seed=0, optimizer=None, data=N
 
     with single_thread():  # one intra-op thread, like a rank: the same summation order in each op
         torch.manual_seed(seed)
-        model = GPT(cfg)
+        model = dense_class(cfg)(cfg)
         run = train_steps(model, steps + 1, batch, seq, optimizer=optimizer, lr=lr, data=data)
     return run.losses[:steps], {k: p.detach().clone() for k, p in model.named_parameters()}
 
