@@ -180,9 +180,24 @@ def test_dryrun_plays_llama3_8b_and_measures_its_formulas(tmp_path, tp, sp):
     assert any("Llama-shaped: 8 kv heads" in n for n in res["notes"])
 
 
+@pytest.mark.parametrize("rank", [0, 8, 31])  # the first, a middle and the last stage (tp 0, 0, 7)
+def test_dryrun_plays_a_llama_in_pipeline_stages(tmp_path, rank):
+    """pp > 1: the rank's step is chapter 12's Model3D with the Llama cut into stages; its parameters,
+    its sends and its data-parallel collectives are the stage's formulas exactly."""
+    res = _dryrun(tmp_path, "--model", "llama3-8b", "--dp", "1", "--tp", "8", "--pp", "4", "--zero", "1",
+                  "--rank", str(rank))
+    mem, wire, pred = res["measured"]["memory_bytes"], res["measured"]["comm_bytes"], res["predicted"]
+    stage = res["coords"]["pp"]
+    local = LC.llama_stage_params(get_model("llama3-8b").as_cfg(), 8, 4)[stage]
+    assert mem["parameters"] == 2 * local == pred["memory_bytes"]["parameters"]
+    assert wire["send"] == pred["comm_bytes"]["send"] > 0
+    assert pred["comm_bytes"]["all_reduce"] <= wire["all_reduce"] <= 1.1 * pred["comm_bytes"]["all_reduce"]
+    assert mem["activations"] > pred["memory_bytes"]["activations"]  # eager keeps more than fused kernels
+
+
 def test_dryrun_refuses_what_it_cannot_play_for_a_llama():
-    with pytest.raises(ValueError, match="a Llama-shaped preset runs data x tensor parallel: use --pp 1"):
-        DryRun(model="llama3-8b", pp=2)
+    with pytest.raises(ValueError, match="--pp 3 does not divide the 32 layers"):
+        DryRun(model="llama3-8b", pp=3)
     with pytest.raises(ValueError, match=r"n_kv_head=8, t=3; use t in \(1, 2, 4, 8, 16, 32\)"):
         DryRun(model="llama3-8b", tp=3)
     with pytest.raises(ValueError, match="recomputes whole blocks"):

@@ -12,7 +12,7 @@ the comm meter's events (``Model3D.step``'s phases) the bytes this rank puts on 
 Next to each measured value is ``analysis.costmodel``'s prediction.
 
 A Llama-shaped preset (``--model llama3-8b``: grouped-query attention, SwiGLU) plays the Llama of
-``models.llama`` instead, over a data x tensor grid (pp = 1): :mod:`.dryrun_llama`.
+``models.llama`` instead (:mod:`.dryrun_llama`; with pp > 1 through the same ``Model3D`` as the GPT).
 
 Two accountings are not the library's kernels:
 
@@ -288,10 +288,10 @@ def dryrun(run: DryRun) -> dict:
 
     t0 = time.perf_counter()
     coords = RankGrid(run.world, run.dp, run.tp, run.pp).coords(run.rank)
-    if run.llama:
+    if run.llama and run.pp == 1:
         attention = _FlashSDPA() if run.attention == "flash" else contextlib.nullcontext()
         peak, events = llama_step(run, DTYPES[run.dtype][0], attention)
-    else:
+    else:  # the GPT, or a Llama in pipeline stages: chapter 12's Model3D step
         peak, events = _step(run)
     opt = peak["optimizer_state"]
     extra = 2 * opt if run.dtype == "bf16-mixed" else 0  # fp32 master + fp32 moments: 12 bytes, not 4
@@ -312,7 +312,8 @@ def dryrun(run: DryRun) -> dict:
             "world_size": run.world, "rank": run.rank, "coords": coords._asdict(),
             "measured": {"memory_bytes": mem, "comm_bytes": wire, "comm_calls": calls},
             "predicted": (llama_predicted(run, torch.finfo(DTYPES[run.dtype][0]).bits // 8,
-                                          DTYPES[run.dtype][1]) if run.llama else predicted(run, coords.pp)),
+                                          DTYPES[run.dtype][1], coords.pp) if run.llama
+                          else predicted(run, coords.pp)),
             "fits": mem["peak"] <= capacity, "gpu_memory_bytes": capacity,
             "largest": largest, "notes": notes, "seconds": round(time.perf_counter() - t0, 3)}
 

@@ -1,4 +1,4 @@
-"""Chapter 12 — the dry run of a Llama-shaped preset: one rank of a data x tensor grid.
+"""Chapter 12 — the dry run of a Llama-shaped preset: one rank of a data x tensor (x pipeline) grid.
 
 ``python -m minitorch_dist dryrun --model llama3-8b --dp 8 --tp 8 --sequence-parallel`` plays one rank,
 as :mod:`.dryrun` does for the GPT, with the Llama of :mod:`..models.llama` on ``meta`` tensors under
@@ -7,8 +7,10 @@ TP group (kv heads split or replicated), ch06's :class:`~..memory.zero.ZeroDataP
 2) over the DP group, ``m`` microbatches accumulated, then the optimizer step. The second of two steps is
 measured (the first creates the optimizer state). ``recompute="full"`` recomputes each block in backward.
 
-Pipeline stages of the Llama are not built here (``parallelism/pipeline`` cuts the GPT): pp must be 1.
-The prediction beside each measurement is ``costmodel.llama`` (parameters per rank, Korthikanti-style
+With pp > 1 the rank's step is chapter 12's ``Model3D`` itself (which takes a ``LlamaConfig``: the Llama
+cut into pipeline stages, each sliced over its TP group), as for the GPT; :func:`llama_predicted` then
+counts this rank's stage (its layers, the microbatches the schedule stashes, the sends). The prediction
+beside each measurement is ``costmodel.llama`` (parameters per rank, Korthikanti-style
 activations with fused RMSNorm and SwiGLU) and the TP / SP / ZeRO byte formulas the GPT's dry run uses.
 """
 from __future__ import annotations
@@ -27,10 +29,9 @@ def check_llama_grid(cfg, tp: int, pp: int, recompute: str) -> None:
     """A ``ValueError`` naming the fix unless this dry run can play the Llama ``cfg`` at these degrees."""
     from ..parallelism.tensor_parallel_llama import kv_layout
 
-    if pp != 1:
-        raise ValueError(f"--pp {pp}: the dry run cuts only the course GPT into pipeline stages "
-                         f"(parallelism/pipeline); a Llama-shaped preset runs data x tensor parallel: "
-                         f"use --pp 1")
+    if cfg.n_layer % pp:
+        raise ValueError(f"--pp {pp} does not divide the {cfg.n_layer} layers into equal stages; choose --pp "
+                         f"among the divisors of {cfg.n_layer}")
     if recompute not in ("none", "full"):
         raise ValueError(f"--recompute {recompute}: the Llama dry run recomputes whole blocks (full) or "
                          f"nothing; use --recompute none or full")
@@ -116,17 +117,19 @@ def llama_step(run, dtype, attention):
         dist.destroy_process_group()
 
 
-def llama_predicted(run, e: int, precision: str) -> dict:
-    """``costmodel``'s value for each measured key of this rank (``e`` bytes an element); None where
-    there is no formula."""
+def llama_predicted(run, e: int, precision: str, stage: int = 0) -> dict:
+    """``costmodel``'s value for each measured key of this rank, at pipeline stage ``stage`` (``e`` bytes
+    an element); None where there is no formula."""
     cfg, m = run.cfg, run.microbatches
-    local = llama_cost.llama_params_per_rank(cfg, run.tp)
+    local = llama_cost.llama_stage_params(cfg, run.tp, run.pp)[stage]
+    layers = cfg.n_layer // run.pp
     states = costmodel.model_state_bytes(local, precision, "adamw")
     b, s, h = run.micro_batch_size, cfg.block_size, cfg.n_embd
     shape = (s, b, h, cfg.n_head, cfg.n_kv_head, cfg.ffn_hidden)
     sp = run.sequence_parallel and run.tp > 1
     kind = "full" if run.recompute == "full" else ("selective" if run.attention == "flash" else "none")
-    act = llama_cost.llama_activation_bytes(*shape, cfg.n_layer, run.tp, sp, kind, e)
+    act = llama_cost.llama_activation_bytes(*shape, layers, run.tp, sp, kind, e)
+    act *= costmodel.pipeline_stashed_microbatches(run.schedule, run.pp, m, stage=stage)  # 1 when pp = 1
     if run.recompute == "full":  # one block rebuilt at a time in backward
         one = "selective" if run.attention == "flash" else "none"
         act += llama_cost.llama_activation_bytes(*shape, 1, run.tp, sp, one, e)
@@ -135,20 +138,24 @@ def llama_predicted(run, e: int, precision: str) -> dict:
            "activations": act, "temporaries": None}
     mem["peak"] = sum(v for v in mem.values() if v is not None)
     redo = 6 / 4 if run.recompute == "full" else 1  # the recomputed forward repeats its 2 all-reduces
-    tp_bytes = m * cfg.n_layer * costmodel.tensor_parallel_bytes_per_layer(b, s, h, run.tp, e) * redo
+    tp_bytes = m * layers * costmodel.tensor_parallel_bytes_per_layer(b, s, h, run.tp, e) * redo
     kv = llama_cost.llama_kv_replica_allreduce_elements(cfg, run.tp) * e
-    tp_bytes += m * cfg.n_layer * costmodel.bus_bytes("all_reduce", kv, run.tp) if kv else 0.0
+    tp_bytes += m * layers * costmodel.bus_bytes("all_reduce", kv, run.tp) if kv else 0.0
     gather = scatter = 0.0
     if sp:  # the layers' all-reduces become all-gathers and reduce-scatters
         counts = costmodel.sequence_parallel_collectives_per_layer(regather=True,
                                                                    recompute=run.recompute == "full")
         full = b * s * h * e
-        gather, scatter = (m * cfg.n_layer * sum(phase[op] for phase in counts.values())
+        gather, scatter = (m * layers * sum(phase[op] for phase in counts.values())
                            * costmodel.bus_bytes(op, full, run.tp) for op in ("all_gather", "reduce_scatter"))
-        tp_bytes = m * cfg.n_layer * costmodel.bus_bytes("all_reduce", kv, run.tp) if kv else 0.0
+        tp_bytes = m * layers * costmodel.bus_bytes("all_reduce", kv, run.tp) if kv else 0.0
     dp_op = costmodel.zero_dp_bytes_per_step(local, run.dp, run.zero, 1 if run.zero == 2 else m, e)
     comm = {"all_reduce": tp_bytes + (dp_op if run.zero == 0 else 0.0),
             "all_gather": gather + (dp_op / 2 if run.zero >= 1 else 0.0),
             "reduce_scatter": scatter + (dp_op / 2 if run.zero >= 1 else 0.0),
             "all_to_all": 0.0, "send": 0.0, "broadcast": 0.0}
+    if run.pp > 1:  # activations forward, their gradients back: one message per microbatch and cut
+        first, last = stage == 0, stage == run.pp - 1
+        msg = costmodel.pipeline_p2p_message_bytes(b, s, h, run.tp, e, scatter_gather=sp)
+        comm["send"] = m * ((not last) + (not first)) * msg
     return {"memory_bytes": mem, "comm_bytes": comm}
