@@ -1,4 +1,4 @@
-"""Chapter 04 exercises: tensor parallelism — a row-parallel linear, a vocab-parallel loss, SUMMA.
+"""Chapter 04 exercises: tensor parallelism — a row-parallel linear, a vocab-parallel loss, SUMMA, GQA heads.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch04_tensor_parallel.py`` is generated from this file with each
@@ -20,6 +20,10 @@ talks through ``minitorch_dist.runtime.comm``, whose meter the tests read.
    broadcasts along rows and columns (van de Geijn & Watts 1997, "SUMMA: Scalable Universal
    Matrix Multiplication Algorithm"; used for transformers by Xu et al. 2021, "An Efficient 2D
    Method for Training Super-Large Deep Learning Models", Optimus, §3).
+4. :func:`gqa_head_shard`: which query and key/value heads one rank of t holds for grouped-query
+   attention (Ainslie et al. 2023, "GQA"): kv heads split when t divides ``n_kv_head``, replicated
+   when ``n_kv_head`` divides t (chapter 04, "Tensor parallelism with grouped-query attention").
+   Plain arithmetic: no ranks needed.
 """
 from __future__ import annotations
 
@@ -215,4 +219,45 @@ def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
         comm.broadcast(b_kj, src=q * k + j, group=cols[j])
         c_ij += a_ik @ b_kj
     return c_ij
+    # END SOLUTION
+
+
+# --- 4. grouped-query attention: which heads a rank holds ------------------------------------------
+
+
+def gqa_head_shard(n_head: int, n_kv_head: int, t: int, r: int) -> tuple[range, range, bool]:
+    """``(query heads, kv heads, replicated)`` of rank ``r`` of ``t`` for attention with ``n_head``
+    query heads sharing ``n_kv_head`` key/value heads (query head h reads kv head h // (n_head / n_kv_head)).
+
+    Query heads are always split: rank r holds the n_head / t consecutive heads from r·n_head/t. The kv
+    heads a rank needs are those its query heads read. When t divides ``n_kv_head`` each rank holds its
+    own n_kv_head / t of them (``replicated`` False). When ``n_kv_head`` divides t, a kv head serves
+    t / n_kv_head ranks, each holding a copy (``replicated`` True: their gradients must be summed over
+    those ranks). Otherwise a rank's query heads would read part of a kv head, or kv heads other ranks
+    also split: raise ``ValueError`` naming the degrees that work (every d dividing n_head for which d
+    divides n_kv_head or n_kv_head divides d), e.g. "... use t in (1, 2, 4, 8)". t must divide n_head too.
+
+    **Your task:** return the two ranges and the flag, or raise.
+    """
+    for name, v in (("n_head", n_head), ("n_kv_head", n_kv_head), ("t", t)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n_head % n_kv_head:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv_head}: every kv head serves "
+                         f"a whole group of query heads")
+    if not 0 <= r < t:
+        raise ValueError(f"rank {r} is not one of the t={t} ranks")
+    # BEGIN SOLUTION
+    ok = [d for d in range(1, n_head + 1) if n_head % d == 0 and (n_kv_head % d == 0 or d % n_kv_head == 0)]
+    if t not in ok:
+        raise ValueError(f"t={t} cannot shard n_head={n_head} query heads over n_kv_head={n_kv_head} "
+                         f"kv heads: use t in {tuple(ok)}")
+    per_q = n_head // t
+    queries = range(r * per_q, (r + 1) * per_q)
+    group = n_head // n_kv_head  # query heads per kv head
+    if n_kv_head % t == 0:
+        per_kv = n_kv_head // t
+        return queries, range(r * per_kv, (r + 1) * per_kv), False
+    head = queries.start // group
+    return queries, range(head, head + 1), True
     # END SOLUTION

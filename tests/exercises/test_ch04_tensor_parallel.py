@@ -258,3 +258,38 @@ def test_summa_matmul_broadcasts_along_rows_and_columns(ranks):
         assert sorted(e[2] for e in events) == sorted([a_block] * q + [b_block] * q), \
             f"rank {r}: broadcast sizes {[e[2] for e in events]} B; expected q A blocks and q B blocks"
 
+
+
+# --- 4. gqa_head_shard ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_head,n_kv_head", [(8, 2), (8, 8), (12, 4), (4, 1), (32, 8)])
+def test_gqa_head_shard_follows_the_split_or_replicated_rule(ex, n_head, n_kv_head):
+    from minitorch_dist.parallelism.tensor_parallel_llama import kv_heads_of_rank, kv_layout
+
+    group = n_head // n_kv_head
+    for t in range(1, n_head + 1):
+        try:
+            layout = kv_layout(n_head, n_kv_head, t)
+        except ValueError:
+            with pytest.raises(ValueError, match="use t in"):
+                ex.gqa_head_shard(n_head, n_kv_head, t, 0)
+            continue
+        seen_q = []
+        for r in range(t):
+            q, kv, replicated = ex.gqa_head_shard(n_head, n_kv_head, t, r)
+            assert replicated == (layout == "replicated"), (t, r)
+            assert list(kv) == list(kv_heads_of_rank(n_head, n_kv_head, t, r)), (t, r)
+            assert {h // group for h in q} <= set(kv), f"t={t} r={r}: a query head reads a kv head not held"
+            seen_q += list(q)
+        assert seen_q == list(range(n_head)), f"t={t}: every query head exactly once, in order"
+
+
+def test_gqa_head_shard_rejects_bad_input(ex):
+    ex.gqa_head_shard(8, 2, 2, 0)  # a valid call first
+    with pytest.raises(ValueError, match=r"use t in \(1, 2, 4, 8\)"):
+        ex.gqa_head_shard(8, 2, 3, 0)
+    with pytest.raises(ValueError, match="not one of the t=2 ranks"):
+        ex.gqa_head_shard(8, 2, 2, 2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        ex.gqa_head_shard(6, 4, 2, 0)
