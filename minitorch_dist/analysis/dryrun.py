@@ -12,7 +12,7 @@ the comm meter's events (``Model3D.step``'s phases) the bytes this rank puts on 
 Next to each measured value is ``analysis.costmodel``'s prediction.
 
 A Llama-shaped preset (``--model llama3-8b``: grouped-query attention, SwiGLU) plays the Llama of
-``models.llama`` instead (:mod:`.dryrun_llama`; with pp > 1 through the same ``Model3D`` as the GPT).
+``models.llama`` instead, through the same ``Model3D`` step (:mod:`.dryrun_llama`: its checks and formulas).
 
 Two accountings are not the library's kernels:
 
@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import costmodel
 from .costmodel import llama as llama_cost
-from .dryrun_llama import check_llama_grid, llama_predicted, llama_step
+from .dryrun_llama import check_llama_grid, llama_predicted
 from .meta_memory import MetaMemoryMeter
 from .planner_presets import get_gpu, get_model
 
@@ -288,11 +288,7 @@ def dryrun(run: DryRun) -> dict:
 
     t0 = time.perf_counter()
     coords = RankGrid(run.world, run.dp, run.tp, run.pp).coords(run.rank)
-    if run.llama and run.pp == 1:
-        attention = _FlashSDPA() if run.attention == "flash" else contextlib.nullcontext()
-        peak, events = llama_step(run, DTYPES[run.dtype][0], attention)
-    else:  # the GPT, or a Llama in pipeline stages: chapter 12's Model3D step
-        peak, events = _step(run)
+    peak, events = _step(run)  # chapter 12's Model3D step: the GPT, or the Llama-shaped model
     opt = peak["optimizer_state"]
     extra = 2 * opt if run.dtype == "bf16-mixed" else 0  # fp32 master + fp32 moments: 12 bytes, not 4
     mem = {"parameters": peak["parameters"], "gradients": peak["gradients"], "optimizer_states": opt + extra,

@@ -1,28 +1,20 @@
 """Chapter 12 — the dry run of a Llama-shaped preset: one rank of a data x tensor (x pipeline) grid.
 
-``python -m minitorch_dist dryrun --model llama3-8b --dp 8 --tp 8 --sequence-parallel`` plays one rank,
-as :mod:`.dryrun` does for the GPT, with the Llama of :mod:`..models.llama` on ``meta`` tensors under
-torch's fake process group: Megatron TP (and SP) of :mod:`..parallelism.tensor_parallel_llama` over the
-TP group (kv heads split or replicated), ch06's :class:`~..memory.zero.ZeroDataParallel` (stage 0, 1 or
-2) over the DP group, ``m`` microbatches accumulated, then the optimizer step. The second of two steps is
-measured (the first creates the optimizer state). ``recompute="full"`` recomputes each block in backward.
-
-With pp > 1 the rank's step is chapter 12's ``Model3D`` itself (which takes a ``LlamaConfig``: the Llama
-cut into pipeline stages, each sliced over its TP group), as for the GPT; :func:`llama_predicted` then
-counts this rank's stage (its layers, the microbatches the schedule stashes, the sends). The prediction
+``python -m minitorch_dist dryrun --model llama3-8b --dp 8 --tp 8 --sequence-parallel`` plays one rank
+as :mod:`.dryrun` does for the GPT: chapter 12's ``Model3D`` step, which takes a ``LlamaConfig`` (the
+Llama of :mod:`..models.llama` on ``meta`` tensors under torch's fake process group, sliced over its TP
+group by :mod:`..parallelism.tensor_parallel_llama` with kv heads split or replicated, cut into pipeline
+stages when pp > 1). This module holds what differs: :func:`check_llama_grid` and :func:`llama_predicted`,
+which counts this rank's stage (its layers, the microbatches the schedule stashes, the sends). The prediction
 beside each measurement is ``costmodel.llama`` (parameters per rank, Korthikanti-style
 activations with fused RMSNorm and SwiGLU) and the TP / SP / ZeRO byte formulas the GPT's dry run uses.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from . import costmodel
 from .costmodel import llama as llama_cost
-from .meta_memory import MetaMemoryMeter
 
-__all__ = ["check_llama_grid", "llama_step", "llama_predicted"]
+__all__ = ["check_llama_grid", "llama_predicted"]
 
 
 def check_llama_grid(cfg, tp: int, pp: int, recompute: str) -> None:
@@ -39,82 +31,6 @@ def check_llama_grid(cfg, tp: int, pp: int, recompute: str) -> None:
     for what, n in (("vocab_size", cfg.vocab_size), ("ffn_hidden", cfg.ffn_hidden)):
         if n % tp:
             raise ValueError(f"{what} {n} is not divisible by --tp {tp}; choose a degree that divides it")
-
-
-class _Recomputed(nn.Module):
-    """A block whose activations are recomputed in backward (ch07's checkpoint)."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        from ..memory.checkpointing import checkpoint
-
-        return checkpoint(self.block, x)
-
-
-def _build(run, groups):
-    from ..models.llama import Llama
-    from ..parallelism.tensor_parallel_llama import parallelize_llama
-
-    with torch.device("meta"):
-        dense = Llama(run.cfg)
-    model = dense if run.tp == 1 else parallelize_llama(dense, groups.tp_group, broadcast_weights=False,
-                                                        sequence_parallel=run.sequence_parallel)
-    if run.recompute == "full":
-        model.blocks = nn.ModuleList(_Recomputed(b) for b in model.blocks)
-    return model
-
-
-def _one_step(run, zero, groups, x):
-    """m microbatches accumulated (ZeRO-2 reduces once, after the last), the SP norms' all-reduce, the
-    step. Returns the comm events."""
-    from ..parallelism.sequence_parallel.megatron_sp import allreduce_sequence_parallel_grads
-    from ..runtime import comm
-
-    zero.zero_grad()
-    with comm.meter() as meter:
-        with zero.sharded.no_sync():
-            for _ in range(run.microbatches):
-                _, loss = zero.module(x, x)
-                (loss / run.microbatches).backward()
-        if run.sequence_parallel and run.tp > 1:
-            allreduce_sequence_parallel_grads(zero.module, groups.tp_group)
-        zero.sharded.reduce_accumulated()
-        zero.step()
-    return meter.events
-
-
-def llama_step(run, dtype, attention):
-    """This rank's step under the fake group: (the meter's peak dict, comm events). ``dtype``: the
-    default dtype to build in; ``attention``: the context that routes attention (flash accounting)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    from ..memory.zero import ZeroDataParallel
-    from ..parallelism.mesh import RankGrid, init_groups
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised: run the dry run in a fresh process "
-                           "(python -m minitorch_dist dryrun ...)")
-    dist.init_process_group("fake", store=FakeStore(), rank=run.rank, world_size=run.world)
-    before = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        groups = init_groups(RankGrid(run.world, run.dp, run.tp, 1))
-        zero = ZeroDataParallel(_build(run, groups), lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False),
-                                stage=run.zero, group=groups.dp_group)
-        x = torch.randint(0, run.cfg.vocab_size, (run.micro_batch_size, run.cfg.block_size), device="meta")
-        with attention:
-            _one_step(run, zero, groups, x)  # creates the optimizer state
-            meter = MetaMemoryMeter(zero.module, zero.sharded.optim)
-            with meter.track():
-                events = _one_step(run, zero, groups, x)
-        return dict(meter.peak), events
-    finally:
-        torch.set_default_dtype(before)
-        dist.destroy_process_group()
 
 
 def llama_predicted(run, e: int, precision: str, stage: int = 0) -> dict:

@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gpt import GPT
+
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "LlamaAttention", "SwiGLU", "RMSNorm", "llama_ffn_hidden",
            "rope_cos_sin", "apply_rope", "causal_attention", "split_heads", "init_llama_"]
 
@@ -265,20 +267,9 @@ class Llama(nn.Module):
                              f"{idx.size(1)})")
         return self.wte(idx)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """(B, T, n_embd) -> (B, T, vocab_size) logits: final RMSNorm, then the output layer."""
-        return self.lm_head(self.ln_f(h))
-
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats/token) over every position of the batch."""
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        h = self.embed(idx)
-        for block in self.blocks:
-            h = block(h)
-        logits = self.head(h)
-        return logits, None if targets is None else self.loss_fn(logits, targets)
+    # The rest is the GPT's own code on the same names: ``head`` (final norm — RMSNorm here —, then the
+    # output layer), ``loss_fn`` (mean next-token cross-entropy) and ``forward`` (embed, blocks, head).
+    head, loss_fn, forward = GPT.head, GPT.loss_fn, GPT.forward
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters; ``exclude_embeddings`` leaves out wte and an untied lm_head."""

@@ -261,10 +261,15 @@ def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
     reference with ``shard_dense_tensors({k: p.grad ...}, cfg)``."""
     from ..models.gpt import GPT
 
-    holder = GPT(cfg)
+    return shard_through(GPT(cfg), tensors, lambda m: parallelize_gpt(m, group, broadcast_weights=False))
+
+
+def shard_through(holder, tensors: dict, parallelize) -> dict:
+    """Load ``tensors`` (dense, keyed by ``holder``'s parameter names) into ``holder`` as its weights and
+    return what ``parallelize(holder)`` keeps on this rank, by name: the TP layout of any tensor, written
+    once, in the parallelizer itself. ``parallelize`` must not broadcast: the tensors are this rank's own
+    (e.g. its gradients), sliced as they are."""
     with torch.no_grad():
         for k, q in holder.named_parameters():
             q.copy_(tensors[k])
-    # the tensors are this rank's own (e.g. its gradients): sliced as they are, never broadcast
-    sharded = parallelize_gpt(holder, group, broadcast_weights=False)
-    return {k: q.detach() for k, q in sharded.named_parameters()}
+    return {k: q.detach() for k, q in parallelize(holder).named_parameters()}

@@ -69,7 +69,7 @@ from .sequence_parallel.megatron_sp import (
     gathered_linear,
     mark_sequence_parallel,
 )
-from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_through
 from .tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["kv_layout", "kv_heads_of_rank", "ParallelGQAAttention", "ParallelSwiGLU", "ParallelLlamaBlock",
@@ -291,9 +291,4 @@ def shard_dense_llama_tensors(tensors: dict, cfg, group=None) -> dict:
     names, in ``TensorParallelLlama``'s layout (a replicated kv head: its rows of the dense tensor)."""
     from ..models.llama import Llama
 
-    holder = Llama(cfg)
-    with torch.no_grad():
-        for k, q in holder.named_parameters():
-            q.copy_(tensors[k])
-    sharded = parallelize_llama(holder, group, broadcast_weights=False)
-    return {k: q.detach() for k, q in sharded.named_parameters()}
+    return shard_through(Llama(cfg), tensors, lambda m: parallelize_llama(m, group, broadcast_weights=False))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .kernels import layernorm_bytes, softmax_bytes
 from .memory import RECOMPUTE
-from .planner_time import BACKWARD_BYTES_FACTOR, lm_head_flops
+from .planner_time import layers_seconds
 from .sequence_parallel import ulysses_bytes_per_layer
 
 __all__ = ["llama_params", "llama_params_per_rank", "llama_stage_params", "llama_flops_per_token",
@@ -128,24 +128,11 @@ def llama_microbatch_seconds(profile, b, s, h, heads, kv_heads, ffn, vocab, laye
     Llama's GEMMs and elementwise ops. ``{"forward", "backward", "gemm", "elementwise", "total"}``."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE}")
-    dtype, e = ("bf16", 2) if precision == "mixed" else ("fp32", 4)
-    gemm = {k: profile.matmul_seconds(f, dtype)
-            for k, f in llama_layer_gemm_flops(b, s, h, heads, kv_heads, ffn, t).items()}
-    bw = profile.copy_bytes_per_s
-    elem = {k: v / bw for k, v in llama_layer_elementwise_bytes(b, s, h, heads, kv_heads, ffn, t, e,
-                                                                  sequence_parallel).items()}
-    redo = {"none": (), "selective": ("scores", "context", "softmax"),
-            "full": tuple(gemm) + tuple(elem)}[recompute]
-    g_fwd, e_fwd = layers * sum(gemm.values()), layers * sum(elem.values())
-    g_redo = layers * sum(v for k, v in gemm.items() if k in redo)
-    e_redo = layers * sum(v for k, v in elem.items() if k in redo)
-    if lm_head:
-        g_fwd += profile.matmul_seconds(lm_head_flops(b, s, h, vocab, t), dtype)
-        e_fwd += 2 * e * b * s * vocab / t / bw
-    forward = g_fwd + e_fwd
-    backward = 2 * g_fwd + BACKWARD_BYTES_FACTOR * e_fwd + g_redo + e_redo
-    return {"forward": forward, "backward": backward, "gemm": 3 * g_fwd + g_redo,
-            "elementwise": (1 + BACKWARD_BYTES_FACTOR) * e_fwd + e_redo, "total": forward + backward}
+    e = 2 if precision == "mixed" else 4
+    elementwise = llama_layer_elementwise_bytes(b, s, h, heads, kv_heads, ffn, t, e, sequence_parallel)
+    return layers_seconds(profile, llama_layer_gemm_flops(b, s, h, heads, kv_heads, ffn, t), elementwise,
+                          ("scores", "context", "softmax"), layers, recompute, precision,
+                          (b, s, h, vocab, t) if lm_head else None)
 
 
 def llama_flops_per_step(cfg, batch: int, seq: int, recompute: str = "none") -> float:

@@ -136,18 +136,29 @@ def microbatch_seconds(profile, b, s, h, heads, vocab, layers, t=1, precision="m
     backward includes the recomputed forward."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; expected one of {RECOMPUTE}")
+    e = 2 if precision == "mixed" else 4
+    return layers_seconds(profile, layer_gemm_flops(b, s, h, heads, t, mlp_ratio),
+                          layer_elementwise_bytes(b, s, h, heads, t, e, sequence_parallel, mlp_ratio),
+                          _ATTENTION_CORE + _ATTENTION_CORE_BYTES, layers, recompute, precision,
+                          (b, s, h, vocab, t) if lm_head else None)
+
+
+def layers_seconds(profile, gemm_flops: dict, elementwise_bytes: dict, attention_core, layers: int,
+                   recompute: str, precision: str, lm_head=None) -> dict:
+    """:func:`microbatch_seconds` for any layer: ``gemm_flops`` and ``elementwise_bytes`` of one layer's
+    forward by op, ``attention_core`` the keys selective recomputation redoes, ``lm_head`` None or
+    ``(b, s, h, vocab, t)``. Backward = twice the forward GEMMs, ``BACKWARD_BYTES_FACTOR`` times its
+    elementwise bytes, plus the recomputed part."""
     dtype, e = ("bf16", 2) if precision == "mixed" else ("fp32", 4)
-    flops = layer_gemm_flops(b, s, h, heads, t, mlp_ratio)
-    gemm = {k: profile.matmul_seconds(f, dtype) for k, f in flops.items()}
+    gemm = {k: profile.matmul_seconds(f, dtype) for k, f in gemm_flops.items()}
     bw = profile.copy_bytes_per_s
-    elem = {k: v / bw for k, v in layer_elementwise_bytes(b, s, h, heads, t, e, sequence_parallel,
-                                                          mlp_ratio).items()}
-    redo = {"none": (), "selective": _ATTENTION_CORE + _ATTENTION_CORE_BYTES,
-            "full": tuple(gemm) + tuple(elem)}[recompute]
+    elem = {k: v / bw for k, v in elementwise_bytes.items()}
+    redo = {"none": (), "selective": tuple(attention_core), "full": tuple(gemm) + tuple(elem)}[recompute]
     g_fwd, e_fwd = layers * sum(gemm.values()), layers * sum(elem.values())
     g_redo = layers * sum(v for k, v in gemm.items() if k in redo)
     e_redo = layers * sum(v for k, v in elem.items() if k in redo)
-    if lm_head:  # logits GEMM and a fused cross-entropy: read the logits, write their gradient
+    if lm_head is not None:  # logits GEMM and a fused cross-entropy: read the logits, write their gradient
+        b, s, h, vocab, t = lm_head
         g_fwd += profile.matmul_seconds(lm_head_flops(b, s, h, vocab, t), dtype)
         e_fwd += 2 * e * b * s * vocab / t / bw
     forward = g_fwd + e_fwd
