@@ -1,5 +1,5 @@
 """The shared model and corpus: GPT shape / init / causality, Markov corpus statistics, and the
-acceptance run: the tiny GPT trained on one CPU thread reaches the corpus's entropy floor."""
+the end-to-end run: the tiny GPT trained on one CPU thread reaches the corpus's entropy floor."""
 import math
 import time
 
@@ -255,7 +255,7 @@ def test_batch_is_fast_and_sample_is_a_valid_chain():
     assert chain.shape == (500,) and torch.all(c.transition[chain[:-1], chain[1:]] > 0)
 
 
-# --------------------------------------------------------------------------- acceptance
+# --------------------------------------------------------------------------- end to end
 
 # The tiny GPT on one CPU thread must get within GAP nats of the entropy floor in BUDGET_S.
 # Measured here: 300 steps of 16 x 64 tokens, ~10 s, final gap ~0.035 nats.
