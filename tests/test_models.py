@@ -1,5 +1,5 @@
 """The shared model and corpus: GPT shape / init / causality, Markov corpus statistics, and the
-the end-to-end run: the tiny GPT trained on one CPU thread reaches the corpus's entropy floor."""
+end-to-end run: the tiny GPT trained on one CPU thread reaches the corpus's entropy floor."""
 import math
 import time
 
