@@ -16,8 +16,9 @@ active parameters and FLOPs, all-to-all bytes) · :mod:`.kernels` (bytes moved e
 LayerNorm, AdamW, cross-entropy; roofline, ridge point, device specs) · :mod:`.step_time` (a step's seconds
 from a machine profile: ops, collectives, the ranks replayed) · :mod:`.three_d` (per-stage parameters,
 ZeRO bytes with microbatches, pipeline messages and activations of 3D parallelism) · :mod:`.precision` (fp32 /
-fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates). Units: bytes, seconds,
-FLOPs; ``GB`` = 1e9 bytes as the papers print, ``GiB`` = 2**30.
+fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates) · :mod:`.resilience`
+(checkpoint bytes and seconds, Young's and Daly's optimal checkpoint interval, expected run time).
+Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers print, ``GiB`` = 2**30.
 """
 from __future__ import annotations
 
@@ -177,6 +178,21 @@ from .precision import (  # noqa: E402
     update_lost,
     weight_bytes_per_param,
 )
+from .resilience import (  # noqa: E402
+    LLAMA3_DAYS,
+    LLAMA3_INTERRUPTIONS,
+    LLAMA3_STORAGE_BYTES_PER_S,
+    STATE_BYTES,
+    checkpoint_bytes,
+    checkpoint_seconds,
+    daly_interval,
+    expected_lost_work,
+    expected_runtime,
+    first_order_waste,
+    mtbf_seconds,
+    save_stall_seconds,
+    young_interval,
+)
 from .sequence_parallel import (  # noqa: E402
     naive_attention_activation_bytes,
     ring_attention_activation_bytes,
@@ -265,4 +281,7 @@ __all__ = [
     "layernorm_bytes", "layernorm_flops", "ridge_point", "roofline_time", "softmax_bytes", "softmax_flops",
     "pipeline_activation_bytes", "pipeline_p2p_message_bytes", "pipeline_stage_params",
     "zero_dp_bytes_per_step", "zero_dp_collectives", "zero_dp_time_per_step",
+    "LLAMA3_DAYS", "LLAMA3_INTERRUPTIONS", "LLAMA3_STORAGE_BYTES_PER_S", "STATE_BYTES", "checkpoint_bytes",
+    "checkpoint_seconds", "daly_interval", "expected_lost_work", "expected_runtime", "first_order_waste",
+    "mtbf_seconds", "save_stall_seconds", "young_interval",
 ]

@@ -91,6 +91,11 @@ class FlatPart:
             a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
             yield a - lo, b - lo, a - off, b - off
 
+    def element_ranges(self) -> list[tuple[int, int]]:
+        """Per tensor, the ``[u, v)`` of its flattened elements this rank keeps (empty: ``u == v``):
+        where a sharded parameter's values sit in its own tensor (saving them, chapter 13)."""
+        return [(u, v) for _, _, u, v in self._pieces()]
+
     def _adopt(self, shard: torch.Tensor, trains: list) -> None:
         """Keep ``shard``; a sharded parameter per tensor, its piece of ``shard`` (1-D, maybe empty:
         [o, o+k) ∩ [r·S, (r+1)·S)); ``full`` allocated then freed (0 bytes until gathered)."""

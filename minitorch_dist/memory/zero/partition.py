@@ -81,11 +81,17 @@ class FlatPartition:
         base = shard.detach()
         return [nn.Parameter(base[a:z]) for a, z in self.spans]
 
-    def own_elements(self, i: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's elements of a tensor shaped like parameter ``i`` (its piece's values), a view."""
+    def piece_slice(self, i: int) -> tuple[int, int, int]:
+        """Where piece i sits in parameter i, flattened: ``(start, step, count)``, its elements being
+        ``p.reshape(-1)[start::step][:count]`` (step n when sharded, 1 when replicated)."""
         a, z = self.spans[i]
         start = self._first + a * self._stride - self.flat.offsets[i]
-        return full.reshape(-1)[start::self._stride][:z - a]
+        return (start if z > a else 0), self._stride, z - a
+
+    def own_elements(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of a tensor shaped like parameter ``i`` (its piece's values), a view."""
+        start, step, count = self.piece_slice(i)
+        return full.reshape(-1)[start::step][:count]
 
     def rank_major(self, g: torch.Tensor) -> torch.Tensor:
         """A flat-order piece of the buffer as reduce-scatter wants it: row r = rank r's elements."""

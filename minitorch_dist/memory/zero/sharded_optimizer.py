@@ -167,6 +167,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for piece, (a, z), has in zip(self._pieces, self.partition.spans, self._mask):
             piece.grad = g[a:z] if has and g is not None else None
 
+    @property
+    def pieces(self) -> list:
+        """The inner optimizer's parameters: per tensor, this rank's elements of it (its *piece*; where
+        it sits in the tensor: ``partition.piece_slice(i)``)."""
+        return self._pieces
+
     def add_param_group(self, param_group: dict) -> None:
         if self._built:
             raise NotImplementedError("ShardedOptimizer partitions its parameters once, when it is built: "
@@ -401,6 +407,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local_groups[gi]["params"].append(j)
         self.optim.load_state_dict({"state": state, "param_groups": local_groups})
         self.state = self.optim.state
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the inner optimizer's state (zeros) without moving a parameter, as a step with zero
+        gradients and learning rate 0 does; nothing happens if there is state already. A checkpoint
+        loads into the state in place (chapter 13), so it must exist before the first step."""
+        if self.optim.state or self.offloaded is not None:
+            return
+        shard = self.partition.shard
+        shard.grad = torch.zeros_like(shard)
+        self._mask = [True] * len(self._mask)  # every piece gets its slice of the zero gradient
+        lrs = [g.get("lr") for g in self.optim.param_groups]
+        for g in self.optim.param_groups:
+            if "lr" in g:
+                g["lr"] = 0.0
+        try:
+            self.optim.step()
+        finally:
+            for g, lr in zip(self.optim.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            self.zero_grad()
 
     def close(self) -> None:
         """Done training: remove the gradient hooks from the parameters (a new optimizer may then be

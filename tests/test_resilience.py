@@ -1,0 +1,474 @@
+"""Chapter 13: a training state saved from any layout loads into any other and training goes on as if
+it had never stopped; the files say what they hold and refuse to be misread; a failed rank is survived.
+
+**Resharding.** The course GPT (tied embeddings) is trained with AdamW for K0 steps in one layout, saved,
+loaded into another layout on another number of ranks, and trained K1 more steps. Expected values come
+from one process trained K0 + K1 steps, read straight from its parameters and ``optimizer.state`` (not
+through this chapter's code). Each checkpoint is checked twice: what was saved (every tensor, the
+Adam moments and step counts included, equal to the single process after K0 steps) and what the
+loading layout computes after it (its losses, and its own checkpoint after K1 more steps). Layouts:
+one process; DDP, ZeRO-1, ZeRO-2, ZeRO-3 (``fully_shard``), TP and PP on 2 ranks; ZeRO-3, DDP,
+TP 2 x DP 2 and TP 2 x PP 2 on 4 ranks; an MLP with a frozen layer under ``fully_shard``; PyTorch's
+FSDP2 saving through DCP and through this chapter (identical tensors), each read by our loader.
+
+**Mechanism.** Replicas are written once, by the least-loaded holder (file sizes); every rank writes
+one file; loading in the same layout copies without rebuilding; an asynchronous save holds the
+values of the moment it was called; a fresh optimizer stays fresh through a save and a load.
+
+**Bad input.** Another model's checkpoint (the tensor named), a truncated and an altered shard, a
+missing rank file, a save killed half-way (the previous checkpoint intact), values a checkpoint
+cannot hold. **Failure drill.** A rank SIGKILLed mid-step on 4 ranks, the job resumed on 3 from the
+last checkpoint, its loss curve the uninterrupted one.
+
+Tolerances: the parallel layouts sum the same products in another order (chapter 06): losses 2e-6,
+weights and moments atol 1e-6 / rtol 1e-5 after 5 AdamW steps. A checkpoint missing one step of
+Adam's moments, or read from the wrong elements, is off by 1e-3 or more.
+"""
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  optimizers import it lazily; forked ranks inherit it
+import torch.distributed as dist
+from torch import nn
+
+from minitorch_dist.memory.zero import fully_shard
+from minitorch_dist.models.data import MarkovCorpus
+from minitorch_dist.models.gpt import GPTConfig
+from minitorch_dist.resilience import (
+    CheckpointError,
+    Placement,
+    RNGState,
+    async_save,
+    load,
+    read_dense,
+    save,
+    state_dict,
+)
+from minitorch_dist.resilience.elastic import Failure, latest_checkpoint, run_elastic
+from minitorch_dist.resilience.placement import runs
+from minitorch_dist.resilience.trainers import Trainer, adamw, parse_layout
+from minitorch_dist.runtime.launch import RankError, launch
+
+pytestmark = [pytest.mark.ch13, pytest.mark.timeout(240)]
+
+CFG = GPTConfig.tiny(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+B, T, K0, K1 = 8, 16, 3, 2
+LOSS_ATOL, ATOL, RTOL = 2e-6, 1e-6, 1e-5
+SAVED_AT_2 = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp")
+SAVED_AT_4 = ("zero3", "ddp", "dp2-tp2", "dp1-tp2-pp2")
+# (loading layout, world size, the checkpoint it reads): every loader reads another layout's checkpoint
+LOADS_AT_2 = (("zero1", "dp2-tp2@4"), ("zero2", "zero3@4"), ("tp", "dp1-tp2-pp2@4"), ("pp", "zero1@2"),
+              ("ddp", "tp@2"), ("zero3", "pp@2"))
+LOADS_AT_4 = (("dp2-tp2", "zero3@4"), ("zero3", "pp@2"), ("dp1-tp2-pp2", "zero2@2"), ("ddp", "single@1"))
+
+
+# --- the reference: one process, read from torch's own objects ---------------------------------------
+
+
+def _reference(steps):
+    trainer = Trainer("single", CFG, B, T)
+    losses = [trainer.step(s) for s in range(steps)]
+    dense = {f"model.{k}": p.detach().clone() for k, p in trainer.model.named_parameters()}
+    for k, p in trainer.model.named_parameters():
+        for key, v in trainer.opt.state[p].items():
+            dense[f"optim.state.{k}.{key}"] = v.detach().clone()
+    return losses, dense
+
+
+@pytest.fixture(scope="module")
+def reference():
+    (losses, after_all), after_k0 = _reference(K0 + K1), _reference(K0)[1]
+    return {"losses": losses, "after_k0": after_k0, "after_all": after_all}
+
+
+# --- what the ranks run --------------------------------------------------------------------------------
+
+
+def _save_layouts(root, layouts):
+    """Train each layout K0 steps from scratch and save it under ``root/<layout>@<n>``."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    out = {}
+    for layout in layouts:
+        trainer = Trainer(layout, CFG, B, T)
+        losses = [trainer.step(s) for s in range(K0)]
+        handle = save(trainer.state(step=K0), Path(root) / f"{layout}@{n}")
+        out[layout] = {"losses": losses, "bytes": handle.bytes_written}
+    return out
+
+
+def _resume(root, loads):
+    """Each (layout, source): load the source checkpoint, train K1 steps, save as ``<layout>-from-<src>``."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    out = {}
+    for layout, src in loads:
+        trainer = Trainer(layout, CFG, B, T)
+        state = trainer.state(step=0)
+        report = load(state, Path(root) / src)
+        losses = [trainer.step(s) for s in range(state["step"], K0 + K1)]
+        save(trainer.state(step=K0 + K1), Path(root) / f"{layout}@{n}-from-{src}")
+        out[layout] = {"losses": losses, "copied": report.copied, "resharded": report.resharded,
+                       "start": state["step"]}
+    return out
+
+
+def _torch_fsdp2(root):
+    """PyTorch's FSDP2 trained K0 steps, saved by DCP and by this chapter; our ZeRO-3 resumes from DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from minitorch_dist.models.gpt import GPT
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    data = MarkovCorpus(CFG.vocab_size, seed=0)  # the batches of every layout
+    opt, r, n = adamw(model.parameters()), dist.get_rank(), dist.get_world_size()
+    for s in range(K0):
+        x, y = data.batch(s, B, T, r, n)
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()
+    torch_state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(torch_state | {"step": K0}, checkpoint_id=f"{root}/torch-dcp")
+    save(state_dict(model, opt, step=K0), f"{root}/torch-ours")
+    return _resume(root, [("zero3", "torch-dcp")])
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 12), nn.GELU(), nn.Linear(12, 3))
+        self.net[0].weight.requires_grad_(False)  # frozen: no gradient, no optimizer state
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _mlp_batch(step, rank=0, n=1):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    return x[rank * 8 // n:(rank + 1) * 8 // n], y[rank * 8 // n:(rank + 1) * 8 // n]
+
+
+def _mlp_run(path, start, stop, sharded, load_from=None):
+    r, n = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    torch.manual_seed(7)
+    model = _MLP()
+    if sharded:
+        for i in (0, 2, 4):
+            fully_shard(model.net[i])
+        fully_shard(model)
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    if load_from:
+        load(state_dict(model, opt), load_from)
+    for s in range(start, stop):
+        opt.zero_grad()
+        model(*_mlp_batch(s, r, n)).backward()
+        opt.step()
+    if path:
+        save(state_dict(model, opt), path)
+
+
+def _two_ranks(root):
+    out = {"saved": _save_layouts(root, SAVED_AT_2[1:])}
+    _mlp_run(f"{root}/mlp@2", 0, K0, sharded=True)
+    out["fsdp2"] = _torch_fsdp2(root)
+    return out
+
+
+def _two_ranks_again(root):
+    return _resume(root, LOADS_AT_2)
+
+
+def _four_ranks(root):
+    return _save_layouts(root, SAVED_AT_4)
+
+
+def _four_ranks_again(root):
+    return _resume(root, LOADS_AT_4)
+
+
+@pytest.fixture(scope="module")
+def runs_(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {"single": _save_layouts(root, ["single"])}
+    out["two"] = launch(_two_ranks, 2, str(root))
+    out["four"] = launch(_four_ranks, 4, str(root))
+    out["two_again"] = launch(_two_ranks_again, 2, str(root))
+    out["four_again"] = launch(_four_ranks_again, 4, str(root))
+    out["single_again"] = _resume(root, [("single", "zero3@4")])
+    _mlp_run(f"{root}/mlp-from-2", K0, K0 + K1, sharded=False, load_from=f"{root}/mlp@2")
+    out["root"] = root
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _assert_dense(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=RTOL, msg=k)
+
+
+# --- resharding: what was saved, and what a loader computes after it ------------------------------------
+
+
+@pytest.mark.parametrize("name", [f"{x}@2" for x in SAVED_AT_2[1:]] + [f"{x}@4" for x in SAVED_AT_4]
+                         + ["single@1"])
+def test_saved_state_equals_one_process(runs_, reference, name):
+    _assert_dense(read_dense(runs_["root"] / name), reference["after_k0"])
+
+
+@pytest.mark.parametrize("case", [("two_again", x, "2") for x in LOADS_AT_2]
+                         + [("four_again", x, "4") for x in LOADS_AT_4]
+                         + [("single_again", ("single", "zero3@4"), "1")],
+                         ids=lambda c: f"{c[1][0]}@{c[2]}<-{c[1][1]}")
+def test_resumed_run_continues_the_uninterrupted_one(runs_, reference, case):
+    which, (layout, src), n = case
+    got = runs_[which][0][layout] if which != "single_again" else runs_[which][layout]
+    assert got["start"] == K0
+    torch.testing.assert_close(got["losses"], reference["losses"][K0:], atol=LOSS_ATOL, rtol=0)
+    _assert_dense(read_dense(runs_["root"] / f"{layout}@{n}-from-{src}"), reference["after_all"])
+
+
+def test_training_before_the_save_equals_one_process(runs_, reference):
+    for layout, got in runs_["two"][0]["saved"].items():
+        want = reference["losses"][:K0]
+        torch.testing.assert_close(got["losses"], want, atol=LOSS_ATOL, rtol=0, msg=layout)
+
+
+def test_pytorch_dcp_and_ours_hold_identical_tensors(runs_, reference):
+    ours, theirs = read_dense(runs_["root"] / "torch-ours"), read_dense(runs_["root"] / "torch-dcp")
+    assert ours.keys() == theirs.keys() == reference["after_k0"].keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    _assert_dense(ours, reference["after_k0"])
+    got = runs_["two"][0]["fsdp2"]["zero3"]  # our ZeRO-3 resumed from torch's DCP checkpoint
+    torch.testing.assert_close(got["losses"], reference["losses"][K0:], atol=LOSS_ATOL, rtol=0)
+
+
+def test_mlp_with_a_frozen_layer_reshards(runs_):
+    saved, loaded = read_dense(runs_["root"] / "mlp@2"), read_dense(runs_["root"] / "mlp-from-2")
+    assert "optim.state.net.0.weight.exp_avg" not in saved  # frozen: no optimizer state
+    torch.manual_seed(7)
+    model = _MLP()
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    for s in range(K0 + K1):
+        opt.zero_grad()
+        model(*_mlp_batch(s)).backward()
+        opt.step()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(loaded[f"model.{k}"], p.detach(), atol=ATOL, rtol=RTOL, msg=k)
+
+
+# --- mechanism ------------------------------------------------------------------------------------------
+
+
+def test_replicas_are_written_once_by_balanced_writers(runs_):
+    import json
+
+    root = runs_["root"]
+    single = sum(f.stat().st_size for f in (root / "single@1").glob("rank*.pt"))
+    for name in ("ddp@2", "ddp@4", "zero1@2", "zero3@4", "tp@2", "dp2-tp2@4"):
+        meta = json.loads((root / name / "metadata.json").read_text())
+        n = int(name.split("@")[1])
+        assert sorted(meta["files"]) == [f"rank{r:05d}.pt" for r in range(n)]
+        stored = sum(t.numel() for t in read_dense(root / name).values())
+        pieces = sum(Placement.from_json(p["placement"]).numel for e in meta["tensors"].values()
+                     for p in e["pieces"])
+        assert pieces == stored, name  # every element once: replicas deduplicated
+        sizes = [f["bytes"] for f in meta["files"].values()]
+        assert sum(sizes) < 1.2 * single + n * 4096, name  # one replica's bytes (plus per-file headers)
+    ddp = json.loads((root / "ddp@4" / "metadata.json").read_text())
+    counts = [sum(1 for e in ddp["tensors"].values() for p in e["pieces"] if p["file"] == f)
+              for f in ddp["files"]]
+    assert min(counts) > 0  # the writing is spread over the replicas
+    assert all(len(e["pieces"]) == 1 for e in ddp["tensors"].values())  # each tensor once
+
+
+def test_loading_the_same_layout_copies_without_rebuilding(tmp_path):
+    def run(root):
+        trainer = Trainer("zero3", CFG, B, T)
+        trainer.step(0)
+        save(trainer.state(step=1), f"{root}/a")
+        again = Trainer("zero3", CFG, B, T)
+        report = load(again.state(step=0), f"{root}/a")
+        return report.copied, report.resharded
+
+    copied, resharded = launch(run, 2, str(tmp_path))[0]
+    assert resharded == 0 and copied > 0
+
+
+def test_async_save_holds_the_values_of_its_call_and_a_fresh_optimizer_stays_fresh(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = adamw(model.parameters())
+    save(state_dict(model, opt), tmp_path / "fresh")
+    assert not opt.state  # state_dict() made zero state to have tensors; the save removed it again
+    load(state_dict(model, opt), tmp_path / "fresh")
+    assert not opt.state  # the checkpoint held none: still fresh
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    handle = async_save(state_dict(model, opt, step=1), tmp_path / "a")
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step, while the save writes
+    handle.wait()
+    saved = read_dense(tmp_path / "a")
+    torch.testing.assert_close(saved["model.weight"], before["weight"], atol=0, rtol=0)
+    assert handle.stage_s >= 0 and handle.bytes_written > 0
+
+
+def test_rng_states_return_at_the_same_world_size_only(tmp_path):
+    torch.manual_seed(3)
+    save({"rng": RNGState(), "step": 1}, tmp_path / "r")
+    want = torch.rand(3)
+    torch.manual_seed(4)
+    report = load({"rng": RNGState(), "step": 0}, tmp_path / "r")
+    assert torch.equal(torch.rand(3), want) and report.not_restored == []
+
+    def other(path):
+        return load({"rng": RNGState(), "step": 0}, path).not_restored
+
+    assert launch(other, 2, str(tmp_path / "r")) == [["rng"], ["rng"]]
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    trainer = Trainer("single", CFG, B, T)
+    trainer.step(0)
+    save(trainer.state(step=1), tmp_path / "ck")
+    return tmp_path / "ck"
+
+
+def test_a_checkpoint_of_another_model_names_the_tensor(saved):
+    other = lambda **kw: Trainer("single", GPTConfig.tiny(**(dict(CFG.__dict__) | kw)), B, T)  # noqa: E731
+    wide = other(n_embd=32)
+    with pytest.raises(CheckpointError, match=r"model.wte.weight is \(32, 16\) in the checkpoint and \(32"):
+        load(wide.state(step=0), saved)
+    deep = other(n_layer=3)
+    with pytest.raises(CheckpointError, match=r"does not hold .* 'model.blocks.2"):
+        load(deep.state(step=0), saved)
+    shallow = other(n_layer=1)
+    with pytest.raises(CheckpointError, match=r"no rank asks for, e.g. \['model.blocks.1"):
+        load(shallow.state(step=0), saved)
+
+
+def test_a_truncated_or_altered_shard_is_an_error_naming_the_file(saved):
+    fresh = lambda: Trainer("single", CFG, B, T).state(step=0)  # noqa: E731
+    shutil.copytree(saved, saved.with_name("copy"))
+    file = saved / "rank00000.pt"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"rank00000.pt is damaged: .* bytes where the save wrote"):
+        load(fresh(), saved)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=r"rank00000.pt is damaged: its SHA-256 differs"):
+        load(fresh(), saved)
+    load(fresh(), saved.with_name("copy"))  # the intact copy loads
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    def run(path):
+        trainer = Trainer("zero3", CFG, B, T)
+        save(trainer.state(step=0), path)
+
+    launch(run, 2, str(tmp_path / "ck"))
+    (tmp_path / "ck" / "rank00001.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks rank00001.pt, written by rank 1 of the 2"):
+        load(Trainer("single", CFG, B, T).state(step=0), tmp_path / "ck")
+
+
+class _DieOnRank1:
+    """A per-rank value whose saving kills rank 1: a process lost in the middle of a save."""
+
+    per_rank = True
+
+    def to_saved(self):
+        if dist.get_rank() == 1:
+            os._exit(3)
+        return 0
+
+    def restore(self, saved):
+        pass
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(tmp_path):
+    def run(path):
+        trainer = Trainer("zero3", CFG, B, T)
+        save(trainer.state(step=0), path)
+        trainer.step(0)
+        save(trainer.state(step=1, boom=_DieOnRank1()), path)  # replaces the checkpoint: dies on the way
+
+    with pytest.raises(RankError, match="rank 1 of 2 failed"):
+        launch(run, 2, str(tmp_path / "step_000001"), timeout_s=60)
+    assert (tmp_path / "step_000001.partial").exists()
+    state = Trainer("single", CFG, B, T).state(step=-1)
+    load(state, tmp_path / "step_000001")
+    assert state["step"] == 0  # the first save, whole
+    assert latest_checkpoint(tmp_path)[0] == 1
+    shutil.rmtree(tmp_path / "step_000001")
+    with pytest.raises(CheckpointError, match="only step_000001.partial, a save that never finished"):
+        load(state, tmp_path / "step_000001")
+
+
+def test_values_a_checkpoint_cannot_hold_are_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"state entry 'data.seen' is a set"):
+        save({"data": {"seen": {1, 2}}}, tmp_path / "x")
+    with pytest.raises(CheckpointError, match="no checkpoint at .* does not exist"):
+        load({"step": 0}, tmp_path / "nothing")
+    with pytest.raises(ValueError, match="unknown layout 'zero4'"):
+        parse_layout("zero4", 2)
+    with pytest.raises(ValueError, match="layout dp2-tp2 needs 4 ranks, not 2"):
+        parse_layout("dp2-tp2", 2)
+
+
+# --- placements ---------------------------------------------------------------------------------------
+
+
+def test_placement_positions_cuts_and_flat_runs():
+    assert runs([0, 1, 2, 8, 9]) == ((0, 3), (8, 10))
+    whole = Placement((4, 3))
+    assert whole.whole and whole.positions().tolist() == list(range(12))
+    rows = Placement((4, 3), cut=(0, ((2, 4),)))
+    assert rows.local_shape == (2, 3) and rows.positions().tolist() == [6, 7, 8, 9, 10, 11]
+    cols = Placement((4, 3), cut=(1, ((1, 2),)))
+    assert cols.positions().tolist() == [1, 4, 7, 10]
+    strided = Placement((4, 3), cut=(1, ((0, 2),)), flat=(1, 2, 4))  # every 2nd element of the 8 cut ones
+    assert strided.positions().tolist() == [1, 4, 7, 10]
+    assert Placement((4, 3), cut=(0, ((0, 4),)), flat=(0, 1, 12)).whole  # normalised: the whole tensor
+    assert Placement.from_json(strided.to_json()) == strided and strided.key() != cols.key()
+    with pytest.raises(ValueError, match="leaves the 8 elements"):
+        Placement((4, 3), cut=(1, ((0, 2),)), flat=(1, 2, 5))
+    with pytest.raises(ValueError, match="cut along dim 2 of a 2-D tensor"):
+        Placement((4, 3), cut=(2, ((0, 1),)))
+
+
+# --- the failure drill ------------------------------------------------------------------------------------
+
+
+def test_a_rank_killed_mid_step_is_survived_on_fewer_ranks(tmp_path, reference):
+    cfg_steps, every = 8, 3
+    run = run_elastic(lambda n: "zero3", [4, 3], CFG, 12, T, cfg_steps, every, tmp_path, fail=Failure(2, 5))
+    first, second = run.attempts
+    assert (first.world_size, first.failed_rank, second.world_size, second.failed_rank) == (4, 2, 3, None)
+    assert first.error == "rank 2 died without reporting a result: killed by signal SIGKILL (9)."
+    lost = run.lost_work()[0]
+    assert lost["resumed_from"] == 3 and lost["steps_redone"] == 3  # steps 3, 4 done again, 5 in progress
+    assert lost["compute_lost_s"] > 0 and lost["restart_s"] > 0
+    trainer = Trainer("single", CFG, 12, T)
+    want = [trainer.step(s) for s in range(cfg_steps)]
+    got = run.losses()
+    torch.testing.assert_close([got[s] for s in range(cfg_steps)], want, atol=LOSS_ATOL, rtol=0)
