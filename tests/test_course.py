@@ -134,13 +134,13 @@ def test_written_chapter_solutions_define_every_exercise(ch):
 
 DESIGN_SLUGS = ("00_foundations 01_data_parallel 02_parameter_servers 03_pipeline 04_tensor_parallel "
                 "05_sequence_parallel 06_zero_fsdp 07_checkpointing 08_mixed_precision 09_compression "
-                "10_moe 11_fused_kernels 12_putting_it_together").split()
+                "10_moe 11_fused_kernels 12_putting_it_together 13_resilience").split()
 
 
-def test_registry_has_the_thirteen_chapters_in_order():
+def test_registry_has_the_fourteen_chapters_in_order():
     assert [c.slug for c in CHAPTERS] == DESIGN_SLUGS
-    assert [c.number for c in CHAPTERS] == list(range(13))
-    assert len({c.tag for c in CHAPTERS}) == len({c.stem for c in CHAPTERS}) == 13
+    assert [c.number for c in CHAPTERS] == list(range(14))
+    assert len({c.tag for c in CHAPTERS}) == len({c.stem for c in CHAPTERS}) == 14
     for c in CHAPTERS:
         assert c.modules and all(m.startswith("minitorch_dist.") for m in c.modules)
         assert c.headline is None or re.fullmatch(r"[\w.]+:[\w.]+", c.headline), c.headline
@@ -168,8 +168,8 @@ def test_chapter_lookup(key):
 
 
 def test_unknown_chapter_lists_valid_keys():
-    with pytest.raises(KeyError, match=r"no chapter 'ch13'.*ch00, ch01.*ch12"):
-        registry.chapter("ch13")
+    with pytest.raises(KeyError, match=r"no chapter 'ch14'.*ch00, ch01.*ch13"):
+        registry.chapter("ch14")
 
 
 def test_chapter_markers_declared_in_pyproject():

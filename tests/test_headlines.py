@@ -58,3 +58,15 @@ def test_ch11_smoke_rows_are_ok():
     for row in rows:
         assert set(row) == KEYS and row["chapter"] == "ch11"
         assert row["ok"], row
+
+
+@pytest.mark.ch13
+@pytest.mark.slow
+def test_ch13_smoke_rows_are_ok():
+    from minitorch_dist.course.headlines.ch13_resilience import headline
+
+    rows = headline(smoke=True)
+    _assert_rows(rows, "ch13", 4)
+    n_params = sum(p.numel() for p in GPT(GPTConfig.tiny(vocab_size=32, block_size=16, n_layer=2, n_head=2,
+                                                         n_embd=16)).parameters())
+    assert rows[1]["theory"] == 12 * n_params  # weights and two AdamW moments, fp32

@@ -161,6 +161,8 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(12, "12_putting_it_together", "Putting it together: 3D parallelism and planning",
             (_M + "parallelism.mesh", _M + "parallelism.three_d", _M + "analysis.planner"), written=True,
             headline=_HL + "ch12_putting_it_together:headline"),
+    Chapter(13, "13_resilience", "Saving, resharding and surviving failures",
+            (_M + "resilience",), written=True, headline=_HL + "ch13_resilience:headline"),
 )
 
 

@@ -1,0 +1,562 @@
+"""Chapter 13 exercises, autograded: resharding by positions, the writers of a deduplicated save, the
+atomic commit, Young's interval and its waste, the steps a failure costs.
+
+Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
+stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+expected value comes from an independent source: a known dense tensor cut by slicing (rows,
+columns, ``[u, v)`` runs, every n-th element); the writers' properties checked one by one (each
+piece once, by a holder, the least loaded at its turn, Graham's bound) and the library's own
+planner on the plans of real layouts (DDP, ZeRO-1, ZeRO-3, TP, DP x TP, listed by ranks that
+trained one step); a file system whose renames and deletions are made to crash at every point of
+the commit; a brute-force minimisation of the waste over a fine grid and its closed forms; the
+save-and-fail loop simulated step by step, and one real job on two ranks whose rank 1 is killed
+mid-step. The two harnesses that judge a whole answer are shown failing on a deliberately wrong one
+(every piece written by rank 0; delete the old checkpoint, then rename the new one in).
+
+Checks of bad input first make a valid call, so a stub fails them too.
+"""
+import math
+import os
+import random
+import re
+import shutil
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+from minitorch_dist import launch
+from minitorch_dist.analysis.costmodel import resilience as cmr
+from minitorch_dist.course.exercises import load
+from minitorch_dist.models.gpt import GPTConfig
+from minitorch_dist.resilience.checkpoint import _writers
+from minitorch_dist.resilience.placement import Placement
+
+pytestmark = [pytest.mark.ch13, pytest.mark.timeout(120)]
+
+# The rank function below is sent to the ranks by value, so spawned ranks need not import this file.
+if __name__ in sys.modules:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def ex():
+    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    return load("ch13")
+
+
+# --- 1. scatter_gather_pieces ------------------------------------------------------------------------
+
+SHAPE = (6, 8)  # 48 elements
+
+
+def _dense(dtype=torch.float32):
+    return torch.arange(48, dtype=torch.float64).mul(1.5).add(0.25).to(dtype).view(SHAPE)
+
+
+# Each layout: per rank, its placement and how to cut its local tensor out of the dense one by slicing.
+LAYOUTS = {
+    "whole": [(Placement(SHAPE), lambda d: d)],
+    "tp-rows": [(Placement(SHAPE, cut=(0, ((0, 3),))), lambda d: d[0:3]),
+                (Placement(SHAPE, cut=(0, ((3, 6),))), lambda d: d[3:6])],
+    "tp-cols": [(Placement(SHAPE, cut=(1, ((0, 4),))), lambda d: d[:, 0:4]),
+                (Placement(SHAPE, cut=(1, ((4, 8),))), lambda d: d[:, 4:8])],
+    "tp-qkv": [(Placement(SHAPE, cut=(1, ((0, 2), (4, 6)))), lambda d: torch.cat([d[:, 0:2], d[:, 4:6]], 1)),
+               (Placement(SHAPE, cut=(1, ((2, 4), (6, 8)))), lambda d: torch.cat([d[:, 2:4], d[:, 6:8]], 1))],
+    "fsdp-3": [(Placement(SHAPE, flat=(u, 1, 16)), lambda d, u=u: d.reshape(-1)[u:u + 16])
+               for u in (0, 16, 32)],
+    "fsdp-5": [(Placement(SHAPE, flat=(u, 1, min(10, 48 - u))), lambda d, u=u: d.reshape(-1)[u:u + 10])
+               for u in (0, 10, 20, 30, 40)],
+    "zero1-3": [(Placement(SHAPE, flat=(r, 3, 16)), lambda d, r=r: d.reshape(-1)[r::3]) for r in range(3)],
+    "dp2-tp2": [(Placement(SHAPE, cut=(1, ((4 * t, 4 * t + 4),)), flat=(dp, 2, 12)),
+                 lambda d, t=t, dp=dp: d[:, 4 * t:4 * t + 4].reshape(-1)[dp::2])
+                for t in (0, 1) for dp in (0, 1)],
+}
+
+
+def _saved(layout, dtype=torch.float32):
+    """The pieces a layout saves: (positions, local values cut by slicing, in the local shape)."""
+    d = _dense(dtype)
+    return [(pl.positions(), cut(d).clone()) for pl, cut in LAYOUTS[layout]]
+
+
+@pytest.mark.parametrize("src", list(LAYOUTS))
+def test_scatter_gather_pieces_reshards_between_layouts(ex, src):
+    pieces = _saved(src)
+    d = _dense()
+    for dst, ranks in LAYOUTS.items():
+        for r, (pl, cut) in enumerate(ranks):
+            got = ex.scatter_gather_pieces(pieces, SHAPE, pl.positions())
+            want = cut(d).reshape(-1)
+            what = f"saved as {src}, loaded as {dst} rank {r}"
+            assert torch.is_tensor(got) and got.dim() == 1, f"{what}: expected a 1-D tensor, got {got!r}"
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def test_scatter_gather_pieces_any_order_duplicates_and_replicas(ex):
+    d = _dense().reshape(-1)
+    pieces = _saved("tp-rows") + _saved("zero1-3") + _saved("whole")  # overlapping replicas, equal values
+    random.Random(0).shuffle(pieces)
+    want = torch.tensor([47, 0, 5, 5, 30, 12, 0, 46])
+    got = ex.scatter_gather_pieces(pieces, SHAPE, want)
+    torch.testing.assert_close(got, d[want], rtol=0, atol=0)
+    empty = ex.scatter_gather_pieces(pieces, SHAPE, torch.zeros(0, dtype=torch.long))
+    assert empty.shape == (0,) and empty.dtype == torch.float32, f"want nothing: got {empty!r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int64])
+def test_scatter_gather_pieces_keeps_the_dtype(ex, dtype):
+    pieces = _saved("fsdp-5", dtype)
+    want = LAYOUTS["tp-cols"][1][0].positions()
+    got = ex.scatter_gather_pieces(pieces, SHAPE, want)
+    assert got.dtype == dtype, f"pieces of {dtype} gave a tensor of {got.dtype}"
+    torch.testing.assert_close(got, _dense(dtype)[:, 4:8].reshape(-1), rtol=0, atol=0)
+
+
+def test_scatter_gather_pieces_a_scalar(ex):
+    # Adam's step: a 0-d tensor, one element at position 0, held whole by every rank
+    pieces = [(torch.tensor([0]), torch.tensor(7.0)), (torch.tensor([0]), torch.tensor(7.0))]
+    got = ex.scatter_gather_pieces(pieces, (), torch.tensor([0]))
+    torch.testing.assert_close(got, torch.tensor([7.0]))
+
+
+def test_scatter_gather_pieces_does_not_alias_the_pieces(ex):
+    pieces = _saved("whole")
+    before = pieces[0][1].clone()
+    got = ex.scatter_gather_pieces(pieces, SHAPE, torch.arange(48))
+    got.zero_()
+    torch.testing.assert_close(pieces[0][1], before, msg="changing the result changed a saved piece")
+
+
+def test_scatter_gather_pieces_names_the_uncovered_count(ex):
+    fsdp = _saved("fsdp-5")
+    ex.scatter_gather_pieces(fsdp, SHAPE, torch.arange(48))  # a valid call first: all five cover everything
+    # ranks 0 and 2 only hold [0, 10) and [20, 30): rows 0-2 of the dense tensor (0..23) miss 10..19
+    pieces = [fsdp[0], fsdp[2]]
+    rows = LAYOUTS["tp-rows"][0][0].positions()
+    with pytest.raises(ValueError) as info:
+        ex.scatter_gather_pieces(pieces, SHAPE, rows)
+    assert re.search(r"\b10\b", str(info.value)), \
+        f"10 wanted elements are uncovered; the error says: {info.value}"
+    # and a count that is not a piece's size: want 7 of the missing ones among covered ones
+    want = torch.tensor([0, 1, 11, 12, 13, 20, 21, 14, 15, 16, 17])
+    with pytest.raises(ValueError) as info:
+        ex.scatter_gather_pieces(pieces, SHAPE, want)
+    assert re.search(r"\b7\b", str(info.value)), \
+        f"7 wanted elements are uncovered; the error says: {info.value}"
+    # covered ones alone are fine
+    ok = ex.scatter_gather_pieces(pieces, SHAPE, torch.tensor([0, 9, 20, 29]))
+    torch.testing.assert_close(ok, _dense().reshape(-1)[[0, 9, 20, 29]], rtol=0, atol=0)
+
+
+def test_scatter_gather_pieces_rejects_bad_input(ex):
+    pieces = _saved("tp-rows")
+    ex.scatter_gather_pieces(pieces, SHAPE, torch.arange(4))  # a valid call first
+    with pytest.raises(ValueError, match="outside"):
+        ex.scatter_gather_pieces(pieces, SHAPE, torch.tensor([48]))
+    with pytest.raises(ValueError, match="24 positions but 23 values"):
+        ex.scatter_gather_pieces([(pieces[0][0], pieces[0][1].reshape(-1)[:23])], SHAPE, torch.arange(4))
+    with pytest.raises(ValueError, match="different dtypes"):
+        ex.scatter_gather_pieces([pieces[0], (pieces[1][0], pieces[1][1].double())], SHAPE, torch.arange(4))
+
+
+# --- 2. plan_writers -------------------------------------------------------------------------------------
+
+CFG4 = GPTConfig.tiny(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16)
+REAL_LAYOUTS = ["ddp", "zero1", "zero3", "tp", "dp2-tp2"]
+
+
+def _plans_of(layouts):
+    """On a rank: for each layout, this rank's plan after one training step (the save's first stage)."""
+    from minitorch_dist.resilience.checkpoint import flatten
+    from minitorch_dist.resilience.trainers import Trainer
+
+    out = {}
+    for name in layouts:
+        trainer = Trainer(name, CFG4, 4, 16)
+        trainer.step(0)  # the optimizer state exists: it is saved too
+        tensors, _, _ = flatten(trainer.state(step=1))
+        out[name] = [(k, s.placement.key(), s.local.numel() * s.local.element_size())
+                     for k, s in sorted(tensors.items())]
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_plans():
+    """{layout: plans} listed by 4 ranks of each layout."""
+    per_rank = launch(_plans_of, 4, REAL_LAYOUTS, timeout_s=60)
+    return {name: [per_rank[r][name] for r in range(4)] for name in REAL_LAYOUTS}
+
+
+def _synthetic(kind, n, seed=0):
+    """Plans of n ranks: ``full`` replication (DDP), ``disjoint`` pieces (ZeRO-3), ``partial``
+    replication (TP: half the tensors cut, the rest replicated), ``groups`` (replicas within pairs)."""
+    rng = random.Random(seed)
+    sizes = {f"layer{i}.{p}": rng.choice([4, 64, 256, 1024, 4096]) for i in range(6) for p in ("w", "b", "g")}
+    plans = [[] for _ in range(n)]
+    for name, nbytes in sizes.items():
+        for r in range(n):
+            if kind == "full" or (kind == "partial" and name.endswith((".b", ".g"))):
+                plans[r].append((name, "whole", nbytes))
+            elif kind in ("disjoint", "partial"):
+                plans[r].append((name, f"part{r}of{n}", nbytes // n))
+            else:  # groups: ranks 2g and 2g + 1 hold the same piece
+                plans[r].append((name, f"group{r // 2}", nbytes // 2))
+    for plan in plans:
+        rng.shuffle(plan)  # the answer must not depend on the order a rank lists its pieces
+    return plans
+
+
+def _check_writers(got, plans, what):
+    """Each distinct piece once, by one of its holders, the least loaded (lowest rank on a tie) at its
+    turn; returns the bytes each rank writes."""
+    holders, sizes = {}, {}
+    for r, plan in enumerate(plans):
+        for name, key, nbytes in plan:
+            holders.setdefault((name, key), set()).add(r)
+            sizes[(name, key)] = nbytes
+    assert isinstance(got, dict), f"{what}: expected a dict, got {type(got).__name__}"
+    assert set(got) == set(holders), (f"{what}: pieces missing {sorted(set(holders) - set(got))[:3]}, "
+                                      f"unknown {sorted(set(got) - set(holders))[:3]}")
+    load = [0] * len(plans)
+    for piece in sorted(holders):
+        w = got[piece]
+        assert w in holders[piece], f"{what}: {piece} given to rank {w}, which does not hold it"
+        best = min((load[q], q) for q in holders[piece])
+        assert (load[w], w) == best, (f"{what}: {piece} given to rank {w} (load {load[w]} B); the least "
+                                      f"loaded holder then was rank {best[1]} ({best[0]} B)")
+        load[w] += sizes[piece]
+    return load
+
+
+def test_plan_writers_by_hand(ex):
+    plans = [[("a", "k", 10), ("b", "k", 5)],
+             [("b", "k", 5), ("a", "k", 10), ("c", "k", 1)]]
+    # a: both at 0 B -> rank 0 (10 B); b: rank 1 has 0 B -> rank 1; c: only rank 1 holds it
+    assert ex.plan_writers(plans) == {("a", "k"): 0, ("b", "k"): 1, ("c", "k"): 1}
+    # the same tensor in two placements is two pieces
+    two = ex.plan_writers([[("w", "rows0", 8)], [("w", "rows1", 8)]])
+    assert two == {("w", "rows0"): 0, ("w", "rows1"): 1}
+    assert ex.plan_writers([[], []]) == {}
+
+
+@pytest.mark.parametrize("kind", ["full", "disjoint", "partial", "groups"])
+@pytest.mark.parametrize("n", [1, 2, 4, 6])
+def test_plan_writers_properties(ex, kind, n):
+    plans = _synthetic(kind, n, seed=n)
+    got = ex.plan_writers(plans)
+    load = _check_writers(got, plans, f"{kind} on {n} ranks")
+    if kind == "full":  # Graham's bound: at most one piece above the average
+        total, biggest = sum(nbytes for _, _, nbytes in plans[0]), max(nbytes for _, _, nbytes in plans[0])
+        assert max(load) <= total / n + biggest, f"loads {load}: above total/n + max piece"
+        assert sum(load) == total, f"loads {load}: the replicas were not written exactly once ({total} B)"
+    if kind == "disjoint":
+        assert all(got[(name, key)] == r for r, plan in enumerate(plans) for name, key, _ in plan)
+
+
+def test_plan_writers_catches_a_wrong_variant(ex):
+    plans = _synthetic("full", 4)
+    _check_writers(ex.plan_writers(plans), plans, "the exercise")  # the exercise itself first
+    everything_on_rank0 = {(name, key): 0 for name, key, _ in plans[0]}
+    with pytest.raises(AssertionError, match="least loaded"):
+        _check_writers(everything_on_rank0, plans, "all on rank 0")
+
+
+@pytest.mark.parametrize("layout", REAL_LAYOUTS)
+def test_plan_writers_real_layouts(ex, real_plans, layout):
+    plans = real_plans[layout]
+    got = ex.plan_writers(plans)
+    load = _check_writers(got, plans, layout)
+    assert got == _writers(plans), f"{layout}: differs from the save's own planner"
+    distinct = {(name, key): nbytes for plan in plans for name, key, nbytes in plan}
+    assert sum(load) == sum(distinct.values()), f"{layout}: each distinct piece's bytes written once"
+    if layout == "ddp":  # every rank holds everything: each writes about a quarter
+        assert max(load) <= sum(load) / 4 + max(distinct.values())
+
+
+def test_plan_writers_rejects_bad_input(ex):
+    ex.plan_writers([[("a", "k", 4)], [("a", "k", 4)]])  # a valid call first
+    with pytest.raises(ValueError, match="4 bytes on one rank and 8 on rank 1"):
+        ex.plan_writers([[("a", "k", 4)], [("a", "k", 8)]])
+    with pytest.raises(ValueError, match="twice"):
+        ex.plan_writers([[("a", "k", 4), ("a", "k", 4)]])
+    with pytest.raises(ValueError, match="name, placement_key, nbytes"):
+        ex.plan_writers([[("a", 4)]])
+
+
+# --- 3. replace_folder_atomically ------------------------------------------------------------------------
+
+OLD = {"metadata.json": b'{"step": 3}', "rank00000.pt": b"old weights " * 50}
+NEW = {"metadata.json": b'{"step": 6}', "rank00000.pt": b"new weights " * 50, "rank00001.pt": b"more"}
+
+
+def _write(folder, files):
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+
+
+def _read(folder):
+    """The folder's files and contents, or None if it is not a folder."""
+    if not folder.is_dir():
+        return None
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def _setup(tmp_path, old=True, stale=False):
+    path, new = tmp_path / "step_000006", tmp_path / "step_000006.partial"
+    _write(new, NEW)
+    if old:
+        _write(path, OLD)
+    if stale:
+        _write(path.with_name(path.name + ".old"), {"metadata.json": b"stale"})
+    return new, path, path.with_name(path.name + ".old")
+
+
+class Crash(Exception):
+    """The machine went down here."""
+
+
+class CrashingFS:
+    """Count the file-system operations a commit makes (``os.replace``, ``os.rename``, ``shutil.rmtree``,
+    ``shutil.move``, ``shutil.copytree``) and make the ``crash_at``-th one raise :class:`Crash` before it
+    does anything. Operations inside another one are not counted."""
+
+    NAMES = [(os, "replace"), (os, "rename"), (shutil, "rmtree"), (shutil, "move"), (shutil, "copytree")]
+
+    def __init__(self, monkeypatch, crash_at=None):
+        self.calls, self.crash_at, self._inside = [], crash_at, False
+        for mod, name in self.NAMES:
+            monkeypatch.setattr(mod, name, self._wrap(name, getattr(mod, name)))
+
+    def _wrap(self, name, real):
+        def op(*args, **kwargs):
+            if self._inside:
+                return real(*args, **kwargs)
+            self.calls.append(name)
+            if len(self.calls) == self.crash_at:
+                raise Crash(f"crash at {name}{args}")
+            self._inside = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._inside = False
+        return op
+
+
+def _a_complete_checkpoint_exists(path, old, what):
+    """The invariant when a checkpoint was at ``path`` before the commit: it, or the new one, is whole."""
+    at_path, at_old = _read(path), _read(old)
+    assert at_path in (OLD, NEW) or at_old == OLD, \
+        f"{what}: no complete checkpoint: {path.name} holds {at_path and sorted(at_path)}, " \
+        f"{old.name} holds {at_old and sorted(at_old)}"
+
+
+@pytest.mark.parametrize("old, stale", [(True, False), (False, False), (True, True), (False, True)])
+def test_replace_folder_atomically_final_state(ex, tmp_path, old, stale):
+    new, path, old_path = _setup(tmp_path, old, stale)
+    inode = (new / "rank00000.pt").stat().st_ino
+    out = ex.replace_folder_atomically(new, path)
+    assert out == path
+    assert _read(path) == NEW, f"{path.name} should hold the new checkpoint, holds {_read(path)}"
+    assert not new.exists(), f"{new.name} should be gone: it was renamed to {path.name}"
+    assert not old_path.exists(), f"{old_path.name} should be removed once the new checkpoint is in place"
+    assert (path / "rank00000.pt").stat().st_ino == inode, \
+        "the files were copied, not renamed: a copy is not atomic (and writes every byte again)"
+
+
+@pytest.mark.parametrize("old, stale", [(True, False), (False, False), (True, True), (False, True)])
+def test_replace_folder_atomically_survives_a_crash_anywhere(ex, tmp_path, monkeypatch, old, stale):
+    with monkeypatch.context() as m:  # how many operations does a commit make?
+        new, path, old_path = _setup(tmp_path / "count", old, stale)
+        fs = CrashingFS(m)
+        ex.replace_folder_atomically(new, path)
+        n_ops = len(fs.calls)
+    assert n_ops >= 1
+    for k in range(1, n_ops + 1):
+        with monkeypatch.context() as m:
+            new, path, old_path = _setup(tmp_path / f"crash{k}", old, stale)
+            fs = CrashingFS(m, crash_at=k)
+            with pytest.raises(Crash):
+                ex.replace_folder_atomically(new, path)
+        if old:
+            what = f"crash at operation {k} of {n_ops} ({fs.calls[-1]})"
+            _a_complete_checkpoint_exists(path, old_path, what)
+        assert _read(path) == NEW or _read(new) == NEW, \
+            f"crash at operation {k}: the new checkpoint is neither at {path.name} nor still at {new.name}"
+
+
+def test_replace_folder_atomically_crash_between_the_renames(ex, tmp_path, monkeypatch):
+    new, path, old_path = _setup(tmp_path)
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append((os.fspath(src), os.fspath(dst)))
+        if len(calls) == 2:
+            raise Crash("down between the two renames")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Crash):
+        ex.replace_folder_atomically(new, path)
+    monkeypatch.undo()
+    assert calls[0] == (str(path), str(old_path)), f"the first rename should move {path.name} aside: {calls}"
+    assert _read(old_path) == OLD, "the old checkpoint must survive, whole, at .old"
+    assert _read(new) == NEW, "the new checkpoint, not yet committed, is still whole"
+
+
+def test_replace_folder_atomically_catches_a_wrong_variant(ex, tmp_path, monkeypatch):
+    def delete_then_rename(new, path):  # opens a window with no checkpoint at all
+        shutil.rmtree(path)
+        os.replace(new, path)
+
+    ex.replace_folder_atomically(*_setup(tmp_path / "ok")[:2])  # the exercise itself first
+    new, path, old_path = _setup(tmp_path / "wrong")
+    CrashingFS(monkeypatch, crash_at=2)
+    with pytest.raises(Crash):
+        delete_then_rename(new, path)
+    with pytest.raises(AssertionError, match="no complete checkpoint"):
+        _a_complete_checkpoint_exists(path, old_path, "delete, then rename")
+
+
+def test_replace_folder_atomically_rejects_bad_input(ex, tmp_path):
+    new, path, _ = _setup(tmp_path)
+    ex.replace_folder_atomically(new, path)  # a valid call first
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        ex.replace_folder_atomically(tmp_path / "nothing.partial", path)
+    (tmp_path / "file").write_text("x")
+    _write(tmp_path / "x.partial", NEW)
+    with pytest.raises(ValueError, match="not a folder"):
+        ex.replace_folder_atomically(tmp_path / "x.partial", tmp_path / "file")
+
+
+# --- 4. interval_and_waste ------------------------------------------------------------------------------
+
+DAY = 86400.0
+WASTE_CASES = [  # (M, C, R) in seconds
+    (DAY, 300.0, 0.0),  # Daly's Fig. 3: M = 24 h, C = 5 min
+    (6 * 3600.0, 300.0, 120.0),  # Daly's Fig. 4
+    (cmr.mtbf_seconds(), 60.0, 600.0),  # Llama 3's interruptions, a one-minute save, ten-minute restart
+    (3600.0, 1.0, 30.0),
+    (1e6, 1e3, 0.0),
+    (100.0, 2.0, 5.0),
+]
+
+
+def _brute_force(M, C, R):
+    """The τ of least waste over a fine geometric grid from 1 ms to 10⁸ s, and that waste."""
+    tau = np.geomspace(1e-3, 1e8, 400_001)  # neighbours 1.0000633 apart
+    waste = C / tau + (tau / 2 + R) / M
+    i = int(np.argmin(waste))
+    return float(tau[i]), float(waste[i])
+
+
+@pytest.mark.parametrize("M, C, R", WASTE_CASES)
+def test_interval_and_waste_brute_force(ex, M, C, R):
+    tau, waste = ex.interval_and_waste(M, C, R)
+    tau0, waste0 = _brute_force(M, C, R)
+    assert tau == pytest.approx(tau0, rel=2e-4), f"M={M}, C={C}, R={R}: τ = {tau}; the grid's best is {tau0}"
+    assert waste == pytest.approx(waste0, rel=1e-7), \
+        f"M={M}, C={C}, R={R}: waste {waste}; the least on the grid is {waste0}"
+
+
+@pytest.mark.parametrize("M, C, R", WASTE_CASES)
+def test_interval_and_waste_closed_forms(ex, M, C, R):
+    tau, waste = ex.interval_and_waste(M, C, R)
+    assert waste == pytest.approx(math.sqrt(2 * C / M) + R / M, rel=1e-12), "at the optimum: √(2C/M) + R/M"
+    assert -C / tau ** 2 + 1 / (2 * M) == pytest.approx(0, abs=1e-12 / M), "the waste's derivative at τ is 0"
+    assert C / tau == pytest.approx(tau / (2 * M), rel=1e-12), "at τ saving and lost work cost alike"
+    assert waste == pytest.approx(cmr.first_order_waste(tau, M, C, R), rel=1e-12)
+
+
+def test_interval_and_waste_daly_figure(ex):
+    tau, _ = ex.interval_and_waste(DAY, 300.0)
+    assert tau == pytest.approx(7200.0), "M = 24 h, C = 5 min: √(2·1440·5) = 120 min"
+    # Daly's higher-order optimum, 117 min in his Fig. 3, lies just below Young's
+    assert 0.95 < cmr.daly_interval(DAY, 300.0) / tau < 1.0
+
+
+def test_interval_and_waste_scaling(ex):
+    tau, waste = ex.interval_and_waste(3600.0, 10.0)
+    tau4, waste4 = ex.interval_and_waste(4 * 3600.0, 10.0)
+    assert tau4 == pytest.approx(2 * tau) and waste4 == pytest.approx(waste / 2), \
+        "four times the MTBF: twice the interval, half the waste"
+    tau_r, waste_r = ex.interval_and_waste(3600.0, 10.0, restart_s=360.0)
+    assert tau_r == pytest.approx(tau), "the restart is paid once per failure whatever τ: it does not move τ"
+    assert waste_r == pytest.approx(waste + 0.1), "a 360 s restart every 3600 s adds 10 % waste"
+
+
+def test_interval_and_waste_rejects_bad_input(ex):
+    ex.interval_and_waste(100.0, 1.0)  # a valid call first
+    with pytest.raises(ValueError, match="mtbf_s"):
+        ex.interval_and_waste(0.0, 1.0)
+    with pytest.raises(ValueError, match="checkpoint_s"):
+        ex.interval_and_waste(100.0, -1.0)
+    with pytest.raises(ValueError, match="restart_s"):
+        ex.interval_and_waste(100.0, 1.0, restart_s=-1.0)
+
+
+# --- 5. lost_steps -----------------------------------------------------------------------------------------
+
+
+def _simulate(fail_step, every, start):
+    """Run the job's loop step by step, keeping the latest checkpoint; the steps redone at the failure."""
+    latest = start  # what this attempt loaded (or step 0)
+    for step in range(start, fail_step + 1):
+        if step == fail_step:  # dies mid-step: redo from the latest checkpoint up to and including this one
+            return len(range(latest, fail_step + 1))
+        if (step + 1) % every == 0:  # finished a step that ends an interval: saved
+            latest = step + 1
+    raise AssertionError("unreachable")
+
+
+def test_lost_steps_by_hand(ex):
+    assert ex.lost_steps(7, 3) == 2, "checkpoints at 3, 6; a failure in step 7 redoes 6 and 7"
+    assert ex.lost_steps(6, 3) == 1, "step_6 was saved just before step 6 began: only step 6 is redone"
+    assert ex.lost_steps(2, 3) == 3, "no checkpoint yet: steps 0, 1, 2"
+    assert ex.lost_steps(0, 1) == 1, "saving after every step: only the step in progress"
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("start", [0, 4, 6, 10])
+def test_lost_steps_brute_force(ex, every, start):
+    for fail_step in range(start, start + 3 * every + 2):
+        want = _simulate(fail_step, every, start)
+        got = ex.lost_steps(fail_step, every, start)
+        assert got == want, (f"every {every}, attempt started at step {start}, failure in step {fail_step}: "
+                             f"got {got}; the job redoes {want}")
+
+
+def test_lost_steps_averages_half_an_interval(ex):
+    # failures equally likely in every step: (every + 1) / 2 steps on average, τ/2 plus the step itself
+    for every in (4, 10, 25):
+        mean = sum(ex.lost_steps(s, every) for s in range(every, 101 * every)) / (100 * every)
+        assert mean == pytest.approx((every + 1) / 2)
+
+
+def test_lost_steps_rejects_bad_input(ex):
+    ex.lost_steps(5, 2)  # a valid call first
+    with pytest.raises(ValueError, match="every"):
+        ex.lost_steps(5, 0)
+    with pytest.raises(ValueError, match="start"):
+        ex.lost_steps(5, 2, start=6)
+
+
+@pytest.mark.slow
+def test_lost_steps_matches_a_killed_job(ex, tmp_path):
+    from minitorch_dist.resilience.elastic import Failure, run_elastic
+
+    cfg = GPTConfig.tiny(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    steps, every, fail_step = 6, 3, 4
+    predicted = ex.lost_steps(fail_step, every)  # first: a stub fails before the job runs
+    run = run_elastic(lambda n: "zero3", [2, 2], cfg, 4, 16, steps, every, tmp_path,
+                      fail=Failure(1, fail_step))
+    first, second = run.attempts
+    assert (first.failed_rank, second.failed_rank) == (1, None), f"the drill went otherwise: {run.attempts}"
+    measured = run.lost_work()[0]
+    assert measured["resumed_from"] == 3, measured
+    assert predicted == measured["steps_redone"], \
+        f"predicted {predicted} steps redone; the job redid {measured['steps_redone']} ({measured})"
+    assert sorted(run.losses()) == list(range(steps)), "the resumed job finished every step"
