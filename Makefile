@@ -8,7 +8,9 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: setup tour lint test test-fast lab notebooks exercises grade gpu-report clean
+.PHONY: setup tour lint test test-fast lab notebooks exercises check-exercises grade student-repo figures gpu-report clean
+# A student's copy of the course has no solutions/: there `make test` leaves tests/exercises to `make grade`.
+NO_SOLUTIONS := $(if $(wildcard solutions),,--ignore=tests/exercises)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,11 +29,11 @@ lint: $(STAMP)                       ## ruff over the repository (configured in 
 
 test: $(STAMP)                       ## lint, then the whole suite: library, exercises, notebooks (smoke sizes)
 	$(BIN)/ruff check .
-	MTD_SMOKE=1 $(BIN)/python -m pytest $(NBVAL) tests notebooks
+	MTD_SMOKE=1 $(BIN)/python -m pytest $(NBVAL) tests notebooks $(NO_SOLUTIONS)
 
 test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests
 	$(BIN)/ruff check .
-	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow" tests
+	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow" tests $(NO_SOLUTIONS)
 
 lab: $(STAMP)                        ## JupyterLab on the notebooks
 	$(BIN)/jupyter lab notebooks/
@@ -41,11 +43,21 @@ notebooks: $(STAMP)                  ## re-execute every notebook in place at fu
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
 	done
 
-exercises: $(STAMP)                  ## regenerate exercises/ from solutions/
-	$(BIN)/python -m minitorch_dist.course.exercises generate
+exercises: $(STAMP)                  ## regenerate exercises/ from solutions/ (a filled-in stub is kept; FORCE=1 replaces it)
+	$(BIN)/python -m minitorch_dist.course.exercises generate $(if $(FORCE),--force,)
 
-grade: $(STAMP)                      ## grade the exercise stubs (what a student hands in)
-	$(BIN)/python -m minitorch_dist grade --impl exercises
+check-exercises: $(STAMP)            ## instructors and CI: exercises/ is exactly what solutions/ generates
+	$(BIN)/python -m minitorch_dist.course.exercises check
+
+grade: $(STAMP)                      ## grade the exercise stubs (what a student hands in); CH=ch03 for one chapter
+	$(BIN)/python -m minitorch_dist grade --impl exercises $(if $(CH),--chapter $(CH),)
+
+student-repo: $(STAMP)               ## a copy of the course without solutions/, to hand out: make student-repo DEST=../course
+	@test -n "$(DEST)" || (echo "usage: make student-repo DEST=path/to/new/folder" && exit 2)
+	$(BIN)/python -m minitorch_dist.course.student_repo "$(DEST)"
+
+figures: $(STAMP)                    ## redraw the chapters' figures into chapters/figures/*.svg
+	$(BIN)/python -m minitorch_dist figures
 
 gpu-report: $(STAMP)                 ## GPU numbers: gpu tests, calibration, busbw, DDP/FSDP vs torch, kernels, GEMMs, MFU
 	$(BIN)/python -m minitorch_dist.analysis.gpu_report

@@ -1,11 +1,11 @@
-# generated from solutions/ch00_foundations.py; do not edit — run `make exercises`
+# generated from solutions/ch00_foundations.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 3743ab7a19ab51ab of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 00 exercises: ranks, collectives and their cost, memory math.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch00_foundations.py`` is generated from this file with each such
-region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch00 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch00``.
 
 1. :func:`recursive_doubling_all_gather`: a latency-optimal all-gather built from point-to-point
    messages (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication

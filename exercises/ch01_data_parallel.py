@@ -1,11 +1,11 @@
-# generated from solutions/ch01_data_parallel.py; do not edit — run `make exercises`
+# generated from solutions/ch01_data_parallel.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 3328eb3d626877ab of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 01 exercises: data parallelism — gradient buckets, overlapped all-reduce, no_sync.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch01_data_parallel.py`` is generated from this file with each such
-region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch01 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch01``.
 
 All three follow Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
 Training" (VLDB), the design of ``torch.nn.parallel.DistributedDataParallel`` (DDP):

@@ -1,12 +1,12 @@
-# generated from solutions/ch02_parameter_servers.py; do not edit — run `make exercises`
+# generated from solutions/ch02_parameter_servers.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 3aa08bb17dc0885e of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 02 exercises: parameter servers — the SSP admission rule, backup workers,
 sharding keys over servers.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch02_parameter_servers.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch02 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch02``.
 
 Nothing here needs ranks: these are the rules a parameter server applies, written as plain functions.
 

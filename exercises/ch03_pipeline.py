@@ -1,11 +1,11 @@
-# generated from solutions/ch03_pipeline.py; do not edit — run `make exercises`
+# generated from solutions/ch03_pipeline.py by `make exercises`: fill in each NotImplementedError
+# fingerprint f45596b10028929e of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 03 exercises: pipeline schedules, their bubble, and the zero-bubble trick.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch03_pipeline.py`` is generated from this file with each such
-region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch03 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch03``.
 
 A schedule here is plain data: one list of strings per stage, ``"F3"`` the forward of
 microbatch 3, ``"B3"`` its backward, ``"W3"`` its weight-gradient backward when the backward is

@@ -1,11 +1,11 @@
-# generated from solutions/ch04_tensor_parallel.py; do not edit — run `make exercises`
+# generated from solutions/ch04_tensor_parallel.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 45a06cf61e688ace of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 04 exercises: tensor parallelism — a row-parallel linear, a vocab-parallel loss, SUMMA, GQA heads.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch04_tensor_parallel.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch04 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch04``.
 
 Every function here runs inside ranks (start it with ``minitorch_dist.launch(fn, t)``) and
 talks through ``minitorch_dist.runtime.comm``, whose meter the tests read.

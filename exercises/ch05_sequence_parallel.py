@@ -1,11 +1,11 @@
-# generated from solutions/ch05_sequence_parallel.py; do not edit — run `make exercises`
+# generated from solutions/ch05_sequence_parallel.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 3d51a095149076eb of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 05 exercises: sequence / context parallelism — the attention merge, zigzag sharding, Ulysses.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch05_sequence_parallel.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch05 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch05``.
 
 1. :func:`merge_attention`: combine two partial attention results, each over a disjoint set of
    keys, using their log-sum-exps — the online-softmax merge (Milakov & Gimelshein 2018, "Online

@@ -1,12 +1,12 @@
-# generated from solutions/ch06_zero_fsdp.py; do not edit — run `make exercises`
+# generated from solutions/ch06_zero_fsdp.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 7a680a0519ff42bf of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 06 exercises: ZeRO — flat-buffer partitioning, the ZeRO-2 gradient hook,
 Adafactor's factored moment.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch06_zero_fsdp.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch06 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch06``.
 
 1. :func:`flatten_and_partition` / :func:`unflatten`: many tensors as one 1-D buffer, padded with
    zeros to a multiple of the world size n and cut into n equal shards — the layout every ZeRO stage

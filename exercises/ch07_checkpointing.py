@@ -1,12 +1,12 @@
-# generated from solutions/ch07_checkpointing.py; do not edit — run `make exercises`
+# generated from solutions/ch07_checkpointing.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 2d27bdc345c462ab of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 07 exercises: activation checkpointing — √n segments, an RNG-preserving checkpoint,
 selective attention.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch07_checkpointing.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch07 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch07``.
 
 Nothing here needs ranks: checkpointing trades compute for memory inside one process.
 

@@ -1,12 +1,12 @@
-# generated from solutions/ch08_mixed_precision.py; do not edit — run `make exercises`
+# generated from solutions/ch08_mixed_precision.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 457c560c531f79c6 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 08 exercises: mixed precision — the loss scaler's rule, stochastic rounding,
 a Kahan-compensated bf16 update.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch08_mixed_precision.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch08 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch08``.
 
 Nothing here needs ranks: number formats are a single-process matter.
 

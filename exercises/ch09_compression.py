@@ -1,12 +1,12 @@
-# generated from solutions/ch09_compression.py; do not edit — run `make exercises`
+# generated from solutions/ch09_compression.py by `make exercises`: fill in each NotImplementedError
+# fingerprint a6aa54a6ef210dfe of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 09 exercises: gradient compression — top-k with error feedback, QSGD, one PowerSGD step,
 1-bit Adam.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch09_compression.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch09 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch09``.
 
 Nothing here needs ranks: each exercise is what one rank does to its gradient before (or after)
 the collective that sends it.

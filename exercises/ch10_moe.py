@@ -1,12 +1,12 @@
-# generated from solutions/ch10_moe.py; do not edit — run `make exercises`
+# generated from solutions/ch10_moe.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 28e70687576992cb of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss,
 expert choice, auxiliary-loss-free balancing.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch10_moe.py`` is generated from this file with each such region
-replaced by ``raise NotImplementedError``. Everything else (imports, argument checks, helpers)
-is scaffolding the student keeps. Tests: ``pytest -m ch10 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch10``.
 
 Nothing here needs ranks: a router is what every rank runs on its own tokens before the
 all-to-all that sends them to their experts. Tokens are flattened: ``T`` tokens, ``E`` experts.

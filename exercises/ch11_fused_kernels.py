@@ -1,13 +1,12 @@
-# generated from solutions/ch11_fused_kernels.py; do not edit — run `make exercises`
+# generated from solutions/ch11_fused_kernels.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 76658cf57fbf5a73 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online softmax, LayerNorm backward
 reductions, FlashAttention's forward.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch11_fused_kernels.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (the launchers that check
-their input, allocate the output and pick the grid) is scaffolding the student keeps and reads:
-it shows how a kernel is called. Tests: ``pytest -m ch11 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch11``.
 
 The kernels compile for a CUDA GPU when there is one; otherwise importing
 :mod:`minitorch_dist.kernels._runtime` (first, below) sets ``TRITON_INTERPRET=1`` and they run

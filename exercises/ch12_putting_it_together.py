@@ -1,11 +1,11 @@
-# generated from solutions/ch12_putting_it_together.py; do not edit — run `make exercises`
+# generated from solutions/ch12_putting_it_together.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 7a90a93e4875f0e2 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 12 exercises: 3D parallelism by hand — the rank grid, the memory filter, microbatches for a bubble.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch12_putting_it_together.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-the parameter count, error messages) is scaffolding the student keeps. Tests:
-``pytest -m ch12 tests/exercises`` (``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch12``.
 
 Nothing here needs ranks: these are the three pieces of arithmetic a 3D configuration rests on
 (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using

@@ -1,12 +1,12 @@
-# generated from solutions/ch13_resilience.py; do not edit — run `make exercises`
+# generated from solutions/ch13_resilience.py by `make exercises`: fill in each NotImplementedError
+# fingerprint 612ef15667934859 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 13 exercises: saving, resharding and surviving failures — the gather at positions, the
 writers of a deduplicated save, the atomic commit, the optimal interval, the work a failure costs.
 
-Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION``; ``exercises/ch13_resilience.py`` is generated from this file with each
-such region replaced by ``raise NotImplementedError``. Everything else (imports, argument checks,
-helpers) is scaffolding the student keeps. Tests: ``pytest -m ch13 tests/exercises``
-(``MTD_IMPL=exercises`` runs them against the stubs).
+Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
+(imports, argument checks, helpers) is given. The first line of each exercise's docstring
+says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
+then run). Check your work: ``python -m minitorch_dist grade --chapter ch13``.
 
 The first line of each exercise's docstring says its kind: *build* (write a piece of the system),
 *derive* (turn a model of the cost into a formula) or *measure* (predict a number, then check it

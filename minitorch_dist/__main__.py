@@ -1,4 +1,4 @@
-"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,...,dryrun,calibrate,predict}``
+"""Chapter 00 — the command line: ``python -m minitorch_dist {tour,grade,...,calibrate,predict,figures}``
 (or ``minitorch-dist``).
 
     tour      run each written chapter's headline experiment; print theory vs measured
@@ -9,6 +9,7 @@
     dryrun    one rank's training step at the papers' scale, on meta tensors (chapter 12)
     calibrate measure this machine into a profile (collectives' α-β, GEMMs, ops); --show h100 (chapter 00)
     predict   a technique's step time from a profile, and with --measure the clock's (chapter 12)
+    figures   draw the chapters' figures into chapters/figures/*.svg (--check: list stale ones)
 """
 from __future__ import annotations
 
@@ -183,7 +184,37 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--measure")
     predict.add_arguments(pr)
     pr.set_defaults(func=predict.main)
+    fi = sub.add_parser("figures", help="draw the chapters' figures into chapters/figures/*.svg",
+                        description="Draw every chapter's figures (course/figures/chNN_*.py) as SVG into "
+                                    "chapters/figures/. Example: --chapter ch03; --check lists the "
+                                    "committed figures that differ from what the code draws.")
+    fi.add_argument("--chapter", help="one chapter's figures (ch03, 3 or 03_pipeline); default all")
+    fi.add_argument("--check", action="store_true", help="write nothing; exit 1 if a figure is stale")
+    fi.set_defaults(func=figures)
     return p
+
+
+def figures(args) -> int:
+    """Write (or ``--check``) the chapters' figures."""
+    from .course import figures as figs
+    from .course.registry import UnknownChapter, chapter
+
+    try:
+        tag = chapter(args.chapter).tag if args.chapter else None
+    except UnknownChapter as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        old = figs.stale(tag)
+        for name in old:
+            print(f"stale: chapters/figures/{name}.svg (run: python -m minitorch_dist figures)")
+        print(f"{len(figs.names_of(tag)) - len(old)} figure(s) up to date, {len(old)} stale")
+        return 1 if old else 0
+    changed = figs.generate(chapter=tag)
+    for path in changed:
+        print(f"wrote {path.relative_to(figs.FIGURE_DIR.parents[1])}")
+    print(f"{len(changed)} figure(s) written, {len(figs.names_of(tag)) - len(changed)} already up to date")
+    return 0
 
 
 def _formula(args) -> str:

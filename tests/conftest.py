@@ -1,6 +1,8 @@
 """Suite-wide rules: `gpu` tests skip with a reason where there is no CUDA GPU; every test starts
 from the same random state (torch, Python's `random`, NumPy seeded with 0), so a test that draws
-unseeded numbers still sees the same ones whatever ran before it or alone."""
+unseeded numbers still sees the same ones whatever ran before it or alone; and the report's header
+says which implementation the exercise tests load (your stubs or the worked solutions)."""
+import os
 import random
 
 import numpy as np
@@ -13,6 +15,19 @@ def _seed_everything():
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
+
+
+def pytest_report_header(config):
+    from minitorch_dist.course import exercises, registry
+
+    if os.environ.get("MTD_IMPL"):
+        return f"exercise tests load: {os.environ['MTD_IMPL']} (MTD_IMPL)"
+    yours = [ch.tag for ch in registry.CHAPTERS if exercises.resolve_impl(chapter=ch) == "exercises"]
+    if len(yours) == len(registry.CHAPTERS):
+        return "exercise tests load: your stubs in exercises/ (MTD_IMPL=solutions|exercises forces one)"
+    mine = f", except your filled-in stubs of {', '.join(yours)}" if yours else ""
+    return (f"exercise tests load: the worked solutions in solutions/{mine} "
+            f"(MTD_IMPL=exercises|solutions forces one)")
 
 
 def pytest_collection_modifyitems(config, items):

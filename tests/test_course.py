@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -69,8 +70,12 @@ def _find(tree: ast.AST, qualname: str):
     return node
 
 
-def stub_problems(ch: Chapter) -> list[str]:
-    """exercises/ matches solutions/, and every function holding a solution raises NotImplementedError."""
+def stub_problems(ch: Chapter, instructor: bool = True) -> list[str]:
+    """exercises/ matches solutions/, and every function holding a solution raises NotImplementedError.
+    A stub a student has filled in (its fingerprint no longer matches) is theirs, not a problem, unless
+    ``instructor`` (CI: ``MTD_INSTRUCTOR=1``)."""
+    if ch.exercises.exists() and ex.stub_is_edited(ch.exercises.read_text()) and not instructor:
+        return []
     problems = [f"{ch.rel(p)} is out of sync with solutions/ (run `make exercises`)"
                 for p in ex.check_sync(ch)]
     tree = ast.parse(ch.exercises.read_text())
@@ -85,14 +90,84 @@ def stub_problems(ch: Chapter) -> list[str]:
     return problems
 
 
-def chapter_problems(ch: Chapter) -> list[str]:
-    """Everything a written chapter must satisfy; [] when it does."""
-    files = dict(ch.parts(), **{f"module {m}": f for m, f in zip(ch.modules, ch.module_files)},
+#: Words a lab report uses and a textbook does not (and the test paragraph a chapter used to have).
+REPORT_WORDS = ("committed run", "acceptance", "**tests.**")
+FIGURE_LINK = re.compile(r"!\[[^\]]*\]\(figures/(ch\d\d_[a-z0-9_]+)\.svg\)")
+
+
+def _section(text: str, keyword: str) -> str:
+    """The text under the first heading containing ``keyword``, up to the next heading of its level."""
+    m = re.search(rf"^(#+)\s+[^\n]*{re.escape(keyword)}[^\n]*$", text, re.M | re.I)
+    if m is None:
+        return ""
+    rest = text[m.end():]
+    end = re.search(rf"^#{{1,{len(m.group(1))}}}\s", rest, re.M)
+    return rest[:end.start()] if end else rest
+
+
+def textbook_problems(ch: Chapter) -> list[str]:
+    """A chapter reads as a textbook: at least two figures, a "How we know it is right" section, three
+    or more worked problems with their answers in ``<details>``, a takeaways box, no lab-report words."""
+    text, where = ch.prose.read_text(), ch.rel(ch.prose)
+    problems = []
+    figures = set(FIGURE_LINK.findall(text))
+    if len(figures) < 2:
+        problems.append(f"{where} links {len(figures)} figure(s) (![...](figures/{ch.tag}_*.svg)), "
+                        f"not at least 2")
+    worked = _section(text, "Worked problems")
+    if worked.count("<details>") < 3 or worked.count("<details>") != worked.count("</details>"):
+        problems.append(f"{where}: a 'Worked problems' section with at least 3 answers in <details> blocks")
+    if not re.search(r"^> \*\*Takeaways\*\*", text, re.M):
+        problems.append(f"{where}: no takeaways box (a blockquote opening '> **Takeaways**')")
+    low = text.lower()
+    problems += [f"{where} says {w!r}: a lab report's word; say what the learner needs instead"
+                 for w in REPORT_WORDS if w in low]
+    return problems
+
+
+def _library_names() -> set[str]:
+    """Top-level functions and classes of the library (its course figures aside)."""
+    names = set()
+    for path in (REPO_ROOT / "minitorch_dist").rglob("*.py"):
+        if "figures" not in path.parts:
+            names |= {n.name for n in ast.parse(path.read_text()).body
+                      if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names
+
+
+def exercise_kind_problems(ch: Chapter) -> list[str]:
+    """Each exercise says its kind; a chapter has a build and a measure exercise; no exercise shares
+    its name with the library (a student could import the answer)."""
+    kinds = ex.chapter_exercises(ch)
+    problems = [f"{ch.tag}: exercise {name}'s docstring does not open with 'Kind: build', 'Kind: derive' "
+                f"or 'Kind: measure'" for name, kind in kinds.items() if kind not in ex.KINDS]
+    problems += [f"{ch.tag} has no {need} exercise" for need in ("build", "measure")
+                 if need not in kinds.values()]
+    twins = sorted(set(kinds) & _library_names())
+    if twins:
+        problems.append(f"{ch.tag}: exercises {twins} have the name of a library function or class")
+    return problems
+
+
+#: A student's copy of the course (``make student-repo``) has no solutions: those checks skip there.
+STUDENT_COPY = not (REPO_ROOT / "solutions").is_dir()
+#: Instructors and CI (``MTD_INSTRUCTOR=1``): a filled-in stub is an error, not a student's work.
+INSTRUCTOR = os.environ.get("MTD_INSTRUCTOR") == "1"
+
+
+def chapter_problems(ch: Chapter, student_copy: bool = False, instructor: bool = True) -> list[str]:
+    """Everything a written chapter must satisfy; [] when it does. In a student's copy the solutions
+    and the stubs' state (theirs to fill in) are not checked; a stub filled in by a student is checked
+    only for an ``instructor``."""
+    parts = {k: v for k, v in ch.parts().items() if not (student_copy and k == "solutions")}
+    files = dict(parts, **{f"module {m}": f for m, f in zip(ch.modules, ch.module_files)},
                  **{f"library tests of {m}": t for m, t in zip(ch.modules, ch.library_tests)})
     problems = [f"{name} missing: {ch.rel(path)}" for name, path in files.items() if not path.exists()]
     if problems:
         return problems
-    return prose_problems(ch) + notebook_problems(ch) + marker_problems(ch) + stub_problems(ch)
+    problems = prose_problems(ch) + notebook_problems(ch) + marker_problems(ch) + textbook_problems(ch)
+    problems += exercise_kind_problems(ch)
+    return problems if student_copy else problems + stub_problems(ch, instructor)
 
 
 # --- every written chapter --------------------------------------------------------------------
@@ -108,7 +183,7 @@ def _written(ch: Chapter) -> None:
 @by_tag
 def test_written_chapter_is_complete(ch):
     _written(ch)
-    assert chapter_problems(ch) == []
+    assert chapter_problems(ch, STUDENT_COPY, INSTRUCTOR) == []
 
 
 @by_tag
@@ -122,6 +197,8 @@ def test_written_chapter_headline_resolves(ch):
 @by_tag
 def test_written_chapter_solutions_define_every_exercise(ch):
     _written(ch)
+    if STUDENT_COPY:
+        pytest.skip("a student's copy of the course has no solutions/")
     names = ex.exercise_names(ch)
     assert names, f"{ch.rel(ch.solutions)} has no # BEGIN SOLUTION region"
     solved, stubs = ex.load(ch, "solutions"), ex.load(ch, "exercises")
@@ -185,6 +262,12 @@ def test_chapter_markers_declared_in_pyproject():
 
 
 def test_repository_exercises_in_sync():
+    if STUDENT_COPY:
+        pytest.skip("a student's copy of the course has no solutions/: its stubs are the student's")
+    theirs = [ch.exercises.name for ch in CHAPTERS
+              if ch.exercises.exists() and ex.stub_is_edited(ch.exercises.read_text())]
+    if theirs and not INSTRUCTOR:
+        pytest.skip(f"filled in by you: {theirs} (an instructor's check: MTD_INSTRUCTOR=1)")
     assert ex.check_sync() == []
 
 
@@ -251,13 +334,17 @@ SOLUTIONS = textwrap.dedent('''\
 
 
     def double(x):
-        """Return 2x."""
+        """Kind: build
+
+        Return 2x."""
         # BEGIN SOLUTION
         return 2 * x
         # END SOLUTION
 
 
     class Layer:
+        """Kind: derive"""
+
         def forward(self, x):
             """Halve, unless None."""
             if x is None:
@@ -270,6 +357,7 @@ SOLUTIONS = textwrap.dedent('''\
 
 
     def triple(x):
+        """Kind: measure"""
         # BEGIN SOLUTION
         return 3 * x
         # END SOLUTION
@@ -278,9 +366,10 @@ SOLUTIONS = textwrap.dedent('''\
 
 def test_strip_solutions_replaces_regions_and_keeps_the_rest():
     out = ex.strip_solutions(SOLUTIONS, "solutions/ch98_fake.py", "chapters/98_fake.md")
-    assert out.startswith("# generated from solutions/ch98_fake.py; do not edit — run `make exercises`\n")
+    assert out.startswith("# generated from solutions/ch98_fake.py by `make exercises`: fill in each")
+    assert not ex.stub_is_edited(out) and ex.stub_is_edited(out + "x = 1\n")
     assert "2 * x" not in out and "x / 2" not in out and "3 * x" not in out
-    assert ('    """Return 2x."""\n'
+    assert ('    Return 2x."""\n'
             '    raise NotImplementedError("exercise: double — see chapters/98_fake.md")\n') in out
     assert ('        else:\n            raise NotImplementedError("exercise: Layer.forward — see '
             'chapters/98_fake.md")\n') in out
@@ -324,6 +413,37 @@ def test_impl_is_checked(monkeypatch):
         ex.resolve_impl("answers")
 
 
+def test_the_tests_load_the_students_stub_once_it_is_filled_in(fake, monkeypatch):
+    monkeypatch.delenv("MTD_IMPL", raising=False)
+    assert ex.resolve_impl(chapter=fake) == "solutions"  # untouched stubs: the suite stays green
+    fake.exercises.write_text(fake.exercises.read_text().replace(
+        'raise NotImplementedError("exercise: double — see chapters/98_fake.md")', "return x + x"))
+    assert ex.resolve_impl(chapter=fake) == "exercises"  # the student's work is what gets tested
+    assert ex.load(fake, reload=True).double(4) == 8
+    fake.exercises.write_text(ex.stub_text(fake))
+    fake.solutions.unlink()
+    assert ex.resolve_impl(chapter=fake) == "exercises"  # a student's copy: no solutions at all
+
+
+def test_make_exercises_leaves_a_filled_in_stub_alone(fake):
+    mine = fake.exercises.read_text().replace('raise NotImplementedError("exercise: double',
+                                              'return 2 * x  # ("')
+    fake.exercises.write_text(mine)
+    fake.solutions.write_text(fake.solutions.read_text() + "\n\nY = 2\n")  # the instructor changed it
+    with pytest.raises(ex.StubEdited, match="changed since `make exercises` wrote it .* FORCE=1"):
+        ex.generate(fake)
+    assert fake.exercises.read_text() == mine
+    assert ex.generate(fake, force=True) == [fake.exercises]
+    assert not ex.stub_is_edited(fake.exercises.read_text())
+
+
+def test_kinds_are_read_from_the_docstrings(fake):
+    assert ex.chapter_exercises(fake) == {"double": "build", "Layer": "derive", "triple": "measure"}
+    stubs_only = ex.chapter_exercises(fake)
+    fake.solutions.unlink()  # a student's copy: the stubs say the same
+    assert ex.chapter_exercises(fake) == stubs_only
+
+
 # --- a fake chapter: the checks pass on it, and fail on each broken part -----------------------
 
 EXERCISE_TESTS = textwrap.dedent('''\
@@ -356,7 +476,11 @@ EXERCISE_TESTS = textwrap.dedent('''\
         assert True
     ''')
 
-PROSE = "# Fake\n" + "".join(f"\n## {kw}\n\ntext\n" for kw in PROSE_SECTIONS)
+PROSE = ("# Fake\n" + "".join(f"\n## {kw}\n\ntext\n" for kw in PROSE_SECTIONS)
+         + "\n![one](figures/ch98_one.svg) ![two](figures/ch98_two.svg)\n"
+         + "\n## How we know it is right\n\ntext\n"
+         + "\n## Worked problems\n\n" + "**1.** q\n<details>a</details>\n" * 3
+         + "\n> **Takeaways**\n>\n> - one\n")
 NOTEBOOK = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Fake"]},
                       {"cell_type": "code", "execution_count": 1, "metadata": {}, "source": ["print(1)"],
                        "outputs": [{"output_type": "stream", "name": "stdout", "text": ["1\n"]}]}],
@@ -558,3 +682,33 @@ def test_tour_with_nothing_to_run(capsys):
     assert tour.run([], progress=False) == 0
     out = capsys.readouterr().out
     assert "nothing to run" in out and "ch12" in out and "planned" in out
+
+
+# --- a student's copy of the course -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_student_copy_has_no_solutions_and_tests_the_stubs(tmp_path):
+    from minitorch_dist.course.student_repo import make_student_repo
+
+    dest = tmp_path / "course"
+    copied = make_student_repo(dest)
+    assert not any(f.startswith("solutions/") for f in copied) and not (dest / "solutions").exists()
+    assert (dest / "exercises" / "ch13_resilience.py").read_text() == CHAPTERS[13].exercises.read_text()
+    env = dict(os.environ, PYTHONPATH=str(dest), MTD_SMOKE="1")
+    env.pop("MTD_IMPL", None)
+
+    def pytest_in_copy(*args):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                              cwd=dest, env=env, capture_output=True, text=True, timeout=200)
+
+    course = pytest_in_copy("tests/test_course.py", "-k", "ch13 or in_sync or define_every")
+    assert course.returncode == 0, course.stdout[-3000:]
+    assert "skipped" in course.stdout  # the checks that need solutions/ skip themselves
+    stubs = pytest_in_copy("tests/exercises/test_ch13_resilience.py", "-k", "interval_and_waste")
+    assert stubs.returncode == 1 and "NotImplementedError" in stubs.stdout, stubs.stdout[-3000:]
+    with pytest.raises(FileExistsError, match="not empty"):
+        make_student_repo(dest)
+    with pytest.raises(ValueError, match="inside the course"):
+        make_student_repo(REPO_ROOT / "tmp-student-copy")

@@ -10,17 +10,25 @@ A solutions file marks the part a student writes::
 
 `strip_solutions` replaces every region, markers included, by one
 ``raise NotImplementedError("exercise: ring_all_reduce — see chapters/NN_slug.md")`` at the
-marker's indentation, so the signature and docstring (which sit before the marker) stay.
-``exercises/`` is never edited by hand: ``make exercises`` runs
-``python -m minitorch_dist.course.exercises generate`` and ``check`` lists stale stubs.
+marker's indentation, so the signature and docstring (which sit before the marker) stay; the
+docstring's "Worked solutions." paragraph becomes the student's instructions.
 
-`load` imports a chapter's solutions or stubs by file path; ``MTD_IMPL=exercises`` switches the
-exercise tests (and so the grader) from the worked solutions to a student's stubs.
+**Who edits what.** Instructors edit ``solutions/`` and run ``make exercises``
+(``python -m minitorch_dist.course.exercises generate``) to regenerate ``exercises/``; students fill in
+``exercises/``. Each stub carries the *fingerprint* of its generated text, so ``make exercises``
+knows a stub a student has filled in and leaves it alone (``FORCE=1`` replaces it); ``check`` lists
+stubs out of sync with their solutions (an instructor's and CI's check).
+
+`load` imports a chapter's solutions or stubs by file path. Which one the exercise tests load:
+``MTD_IMPL=exercises|solutions`` when set; otherwise a chapter's stubs if there are no solutions (a
+student's copy of the course, ``make student-repo``) or if its stub has been filled in, and its worked
+solutions if the stub is untouched (so the suite stays green on a fresh checkout).
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import importlib.util
 import io
 import os
@@ -115,26 +123,94 @@ def regions(source: str, origin: str = "<source>") -> list[Region]:
     return out
 
 
-def header(origin: str) -> str:
-    return f"# generated from {origin}; do not edit — run `make exercises`\n"
+#: The paragraph of a solutions file's docstring that speaks to the instructor; a stub replaces it.
+_WORKED = re.compile(r"^Worked solutions\..*?(?=\n\s*\n)", re.S | re.M)
+_FINGERPRINT = re.compile(r"^# fingerprint ([0-9a-f]{16}) ")
+KINDS = ("build", "derive", "measure")
 
 
-def strip_solutions(source: str, origin: str = "<source>", prose: str = "the chapter") -> str:
-    """The stub text for solutions `source`: each region becomes a `raise NotImplementedError`."""
+def fingerprint(body: str) -> str:
+    """16 hex digits of SHA-256 of a stub's text below its header."""
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def header(origin: str, body: str) -> str:
+    """Two comment lines: where the stub comes from, and the fingerprint of the text below them, which
+    tells ``make exercises`` an untouched stub (safe to regenerate) from one a student filled in."""
+    return (f"# generated from {origin} by `make exercises`: fill in each NotImplementedError\n"
+            f"# fingerprint {fingerprint(body)} of the text below (once you change it, `make exercises` "
+            f"leaves it alone)\n")
+
+
+def student_docstring(source: str, tag: str) -> str:
+    """The solutions' module docstring with its "Worked solutions." paragraph replaced by the
+    student's: what to fill in and the one command that checks it."""
+    note = ("Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest\n"
+            "(imports, argument checks, helpers) is given. The first line of each exercise's docstring\n"
+            "says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,\n"
+            f"then run). Check your work: ``python -m minitorch_dist grade --chapter {tag}``.")
+    return _WORKED.sub(lambda _: note, source, count=1)
+
+
+def strip_solutions(source: str, origin: str = "<source>", prose: str = "the chapter",
+                    tag: str = "chNN") -> str:
+    """The stub text for solutions `source`: each region becomes a `raise NotImplementedError`, the
+    docstring speaks to the student, and a header carries the fingerprint of the text."""
     lines = source.splitlines(keepends=True)
-    out, pos = [header(origin)], 0
+    out, pos = [], 0
     for r in regions(source, origin):
         out.extend(lines[pos:r.begin - 1])
         out.append(f'{r.indent}raise NotImplementedError("exercise: {r.qualname} — see {prose}")\n')
         pos = r.end
     out.extend(lines[pos:])
-    text = "".join(out)
+    body = student_docstring("".join(out), tag)
     try:
-        ast.parse(text)
+        ast.parse(body)
     except SyntaxError as e:  # e.g. a region that was a whole `if` branch but for its marker
         raise MarkerError(f"{origin}: the generated stub is not valid Python at line {e.lineno}: "
                           f"{e.msg}") from e
-    return text
+    return header(origin, body) + body
+
+
+def stub_is_edited(text: str) -> bool:
+    """Has a student changed this stub since ``make exercises`` wrote it (its text below the header no
+    longer matches the fingerprint in it)? A file without a fingerprint counts as edited."""
+    lines = text.splitlines(keepends=True)
+    m = _FINGERPRINT.match(lines[1]) if len(lines) > 1 else None
+    return m is None or fingerprint("".join(lines[2:])) != m.group(1)
+
+
+def kind_of(node) -> str | None:
+    """``build`` / ``derive`` / ``measure`` from the first line of an exercise's docstring ("Kind: build")."""
+    doc = (ast.get_docstring(node) or "").strip().splitlines()
+    m = re.fullmatch(r"Kind:\s*(\w+)\.?", doc[0].strip()) if doc else None
+    return m.group(1).lower() if m else None
+
+
+def _raises_exercise(node) -> bool:
+    """Does this def/class raise the stub's ``NotImplementedError("exercise: ...")``?"""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and getattr(n.exc.func, "id", "") == \
+                "NotImplementedError" and n.exc.args and isinstance(n.exc.args[0], ast.Constant) and \
+                str(n.exc.args[0].value).startswith("exercise:"):
+            return True
+    return False
+
+
+def chapter_exercises(chapter) -> dict[str, str | None]:
+    """``{exercise: kind}`` of a chapter, in file order: from its solutions (the regions' holders), or,
+    in a student's copy without ``solutions/``, from its stubs (the defs that raise the stub's error)."""
+    ch = registry.chapter(chapter)
+    if ch.solutions.exists():
+        tree, names = ast.parse(ch.solutions.read_text()), exercise_names(ch)
+    elif ch.exercises.exists():
+        tree = ast.parse(ch.exercises.read_text())
+        names = [n.name for n in tree.body
+                 if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and _raises_exercise(n)]
+    else:
+        return {}
+    nodes = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return {name: kind_of(nodes[name]) for name in names}
 
 
 def exercise_names_in(source: str, origin: str = "<source>") -> list[str]:
@@ -150,26 +226,44 @@ def exercise_names(chapter) -> list[str]:
 
 def stub_text(ch: Chapter) -> str:
     """What ``exercises/chNN_x.py`` must contain for chapter `ch`."""
-    return strip_solutions(ch.solutions.read_text(), ch.rel(ch.solutions), ch.rel(ch.prose))
+    return strip_solutions(ch.solutions.read_text(), ch.rel(ch.solutions), ch.rel(ch.prose), ch.tag)
 
 
 def _chapters(chapter) -> list[Chapter]:
     return list(registry.CHAPTERS) if chapter is None else [registry.chapter(chapter)]
 
 
-def generate(chapter=None) -> list[Path]:
-    """Write the stubs of `chapter` (default: every chapter with a solutions file); return those changed."""
-    changed = []
+class StubEdited(RuntimeError):
+    """``make exercises`` would overwrite stubs a student has filled in; ``.paths`` lists them."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+        shown = ", ".join(_show(p) for p in paths)
+        super().__init__(f"{shown}: changed since `make exercises` wrote it (your work?); it was left as it "
+                         f"is. To replace it with the fresh stub anyway: make exercises FORCE=1")
+
+
+def generate(chapter=None, force: bool = False) -> list[Path]:
+    """Write the stubs of `chapter` (default: every chapter with a solutions file); return those changed.
+    A stub that was filled in (:func:`stub_is_edited`) is not overwritten unless ``force``: the others
+    are written, then :class:`StubEdited` names the ones left alone."""
+    changed, kept = [], []
     for ch in _chapters(chapter):
         if not ch.solutions.exists():
             if chapter is not None:
                 raise FileNotFoundError(f"{ch.rel(ch.solutions)} does not exist: nothing to generate")
             continue
         text = stub_text(ch)
-        if not ch.exercises.exists() or ch.exercises.read_text() != text:
-            ch.exercises.parent.mkdir(parents=True, exist_ok=True)
-            ch.exercises.write_text(text)
-            changed.append(ch.exercises)
+        if ch.exercises.exists() and ch.exercises.read_text() == text:
+            continue
+        if ch.exercises.exists() and stub_is_edited(ch.exercises.read_text()) and not force:
+            kept.append(ch.exercises)
+            continue
+        ch.exercises.parent.mkdir(parents=True, exist_ok=True)
+        ch.exercises.write_text(text)
+        changed.append(ch.exercises)
+    if kept:
+        raise StubEdited(kept)
     return changed
 
 
@@ -185,13 +279,23 @@ def check_sync(chapter=None) -> list[Path]:
     return stale
 
 
-def resolve_impl(impl: str | None = None) -> str:
-    """`impl`, else ``$MTD_IMPL``, else "solutions"; checked."""
-    impl = (impl or os.environ.get("MTD_IMPL") or "solutions").strip().lower()
-    if impl not in IMPLS:
-        raise ValueError(f"MTD_IMPL / impl is {impl!r}; use 'solutions' "
+def resolve_impl(impl: str | None = None, chapter=None) -> str:
+    """`impl`, else ``$MTD_IMPL``, else the default: a chapter's stubs when there is nothing else to test
+    (no ``solutions/``: a student's copy of the course) or when a student has filled them in
+    (:func:`stub_is_edited`), its worked solutions otherwise; checked."""
+    chosen = impl or os.environ.get("MTD_IMPL")
+    if chosen is None:
+        chosen = "solutions"
+        if chapter is not None:
+            ch = registry.chapter(chapter)
+            edited = ch.exercises.exists() and stub_is_edited(ch.exercises.read_text())
+            if edited or not ch.solutions.exists():
+                chosen = "exercises"
+    chosen = chosen.strip().lower()
+    if chosen not in IMPLS:
+        raise ValueError(f"MTD_IMPL / impl is {chosen!r}; use 'solutions' "
                          "(worked answers) or 'exercises' (stubs)")
-    return impl
+    return chosen
 
 
 def load(chapter_key, impl: str | None = None, *, reload: bool = False) -> ModuleType:
@@ -202,7 +306,7 @@ def load(chapter_key, impl: str | None = None, *, reload: bool = False) -> Modul
     functions can be sent to spawned ranks that cannot import it by that name.
     """
     ch = registry.chapter(chapter_key)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, ch)
     path = ch.exercises if impl == "exercises" else ch.solutions
     if not path.exists():
         fix = "run `make exercises`" if impl == "exercises" and ch.solutions.exists() else \
@@ -242,12 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="write exercises/chNN_*.py from solutions/chNN_*.py")
     g.add_argument("--chapter", help="one chapter (ch00, 0 or 00_foundations); default all")
+    g.add_argument("--force", action="store_true", help="also overwrite stubs that were filled in")
     c = sub.add_parser("check", help="exit 1 listing stubs out of sync with their solutions")
     c.add_argument("--chapter", help="one chapter; default all")
     args = p.parse_args(argv)
     try:
         if args.cmd == "generate":
-            changed = generate(args.chapter)
+            try:
+                changed = generate(args.chapter, force=args.force)
+            except StubEdited as e:
+                print(f"left alone: {e}", file=sys.stderr)
+                return 1
             for path in changed:
                 print(f"wrote {_show(path)}")
             print(f"{len(changed)} exercise file(s) written, the rest already in sync")

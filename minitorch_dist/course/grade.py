@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry
-from .exercises import MarkerError, exercise_names
+from .exercises import MarkerError, chapter_exercises
 
 _ORDER = ("timeout", "missing", "failed", "todo", "passed", "blocked", "skipped", "no tests")
 _TODO = re.compile(r"NotImplementedError\W+exercise:")
@@ -69,6 +69,7 @@ class Row:
     status: str
     tests: str = ""  # "3 passed, 1 blocked"
     detail: str = ""
+    kind: str = ""  # build / derive / measure, from the exercise's docstring
 
 
 def parse_junit(path: Path) -> list[TestResult]:
@@ -107,8 +108,14 @@ def _first_line(text: str, width: int = 70) -> str:
 
 
 def summarize(tag: str, exercises: list[str], results: list[TestResult],
-              gpu_only: tuple[str, ...] = ()) -> list[Row]:
-    """Fold test results into one row per exercise (plus a row per test that maps to none)."""
+              gpu_only: tuple[str, ...] = (), kinds: dict | None = None) -> list[Row]:
+    """Fold test results into one row per exercise (plus a row per test that maps to none); ``kinds``
+    maps an exercise to its kind (build / derive / measure) for the table."""
+    rows = _summarize(tag, exercises, results, gpu_only)
+    return [dataclasses.replace(r, kind=(kinds or {}).get(r.exercise) or "") for r in rows]
+
+
+def _summarize(tag, exercises, results, gpu_only) -> list[Row]:
     groups: dict[str, list[TestResult]] = {ex: [] for ex in exercises}
     for r in results:
         groups.setdefault(exercise_for(r.name, exercises) or r.name, []).append(r)
@@ -251,9 +258,10 @@ def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float 
                   verbose: bool = False) -> list[Row]:
     """Grade one chapter: run its exercise tests against `impl` and fold them into rows."""
     try:
-        exercises = exercise_names(ch) if ch.solutions.exists() else []
+        kinds = chapter_exercises(ch)
     except MarkerError as e:
         return [Row(ch.tag, "(solutions)", "failed", detail=_first_line(e))]
+    exercises = list(kinds)
     if not ch.exercise_tests.exists():
         return [Row(ch.tag, ex, "missing", detail=f"no {ch.rel(ch.exercise_tests)}")
                 for ex in exercises or ["(all)"]]
@@ -265,13 +273,13 @@ def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float 
                 for ex in exercises or ["(all)"]]
     if outcome == "error":
         return [Row(ch.tag, "(all)", "failed", detail="pytest wrote no report: " + _first_line(output))]
-    return summarize(ch.tag, exercises, results, ch.gpu_only_exercises)
+    return summarize(ch.tag, exercises, results, ch.gpu_only_exercises, kinds)
 
 
 def report(rows: list[Row], impl: str) -> str:
     """The table and the score line."""
-    table = registry.format_table([[r.chapter, r.exercise, r.status, r.tests, r.detail] for r in rows],
-                                  ["chapter", "exercise", "status", "tests", "detail"])
+    cells = [[r.chapter, r.exercise, r.kind, r.status, r.tests, r.detail] for r in rows]
+    table = registry.format_table(cells, ["chapter", "exercise", "kind", "status", "tests", "detail"])
     counts = {s: sum(r.status == s for r in rows) for s in _ORDER}
     rest = ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "passed")
     score = f"score: {counts['passed']}/{len(rows)} exercises passed ({impl})" + (f"; {rest}" if rest else "")

@@ -1,7 +1,8 @@
 """Chapter 00 exercises, autograded: recursive-doubling all-gather, alpha-beta fit, memory math.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: PyTorch's own ``all_gather_into_tensor``, the
 comm meter, and the formulas of ``minitorch_dist.analysis.costmodel``.
 """
@@ -28,7 +29,7 @@ if __name__ in sys.modules:
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch00")
 
 

@@ -1,7 +1,8 @@
 """Chapter 01 exercises, autograded: gradient buckets, overlapped all-reduce hooks, no_sync.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: hand-worked bucket layouts, PyTorch's own
 bucket assignment (``dist._compute_bucket_assignment_by_size``, what DDP's reducer runs), the
 single-process gradient of the global batch, the comm meter, and a counting DDP comm hook.
@@ -37,7 +38,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch01")
 
 

@@ -1,7 +1,8 @@
 """Chapter 02 exercises, autograded: the SSP admission rule and schedule, backup workers, key sharding.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: the rule written as "the fastest and slowest
 are at most s apart", an event-by-event simulation of the workers, a sort of the arrivals written
 out by hand, a linear scan over the ranges and over the hash ring.
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.ch02
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch02")
 
 

@@ -1,7 +1,8 @@
 """Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1, ZB-V.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: small hand-derived schedules, the library's
 own schedules (``parallelism.pipeline.schedules``), its discrete-event simulator (timing,
 dependency order, stashed activations), ``analysis.timeline.bubble_fraction``, the formulas
@@ -27,7 +28,7 @@ SIZES = [(1, 1), (1, 4), (2, 1), (2, 3), (3, 2), (3, 5), (4, 4), (4, 8), (5, 3),
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch03")
 
 

@@ -1,7 +1,8 @@
 """Chapter 04 exercises, autograded: row-parallel linear, vocab-parallel cross-entropy, SUMMA.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: the dense single-process computation in torch
 (``X @ W + b`` and its autograd gradients, ``F.cross_entropy`` on the full logits, ``A @ B``)
 and the comm meter (which collectives ran, in which pass, on how many ranks, how many bytes).
@@ -35,7 +36,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch04")
 
 

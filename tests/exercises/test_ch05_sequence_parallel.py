@@ -1,7 +1,8 @@
 """Chapter 05 exercises, autograded: the attention merge, zigzag sharding, the Ulysses all-to-all.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: softmax attention over the full key set in
 float64 (and its autograd gradients), index lists built position by position, the causal mask
 counted entry by entry, slices of the global tensor, the comm meter (which collectives ran,
@@ -41,7 +42,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch05")
 
 

@@ -1,7 +1,8 @@
 """Chapter 06 exercises, autograded: flat-buffer partitioning, the ZeRO-2 reduce-scatter hook, Adafactor.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: ``torch.cat`` and ``torch.chunk`` of the
 flattened tensors, the single-process gradient of the whole global batch by autograd, the comm
 meter (which collectives ran during backward, on how many ranks, how many bytes), an unfactored
@@ -38,7 +39,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch06")
 
 

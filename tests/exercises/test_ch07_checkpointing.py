@@ -1,7 +1,8 @@
 """Chapter 07 exercises, autograded: the √n segment count, an RNG-preserving checkpoint, selective attention.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: a brute-force search over every segment count,
 ``√n`` itself, the un-checkpointed forward and backward by autograd (same seed, same dropout),
 ``F.scaled_dot_product_attention`` and ``torch.autograd.gradcheck``, and a
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.ch07
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch07")
 
 

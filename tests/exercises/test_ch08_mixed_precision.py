@@ -1,8 +1,9 @@
 """Chapter 08 exercises, autograded: the loss scaler's rule, stochastic rounding to bf16, a Kahan bf16 update,
 fp8 tiles of 1x128, delayed scaling.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: ``torch.amp.GradScaler`` driven by real
 finite / inf / NaN gradients and its kernel ``torch._amp_update_scale_``; bf16 neighbours and
 ulps computed in float64 from ``log2``; the sample mean of many roundings against its standard
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.ch08
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch08")
 
 

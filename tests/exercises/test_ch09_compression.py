@@ -1,7 +1,8 @@
 """Chapter 09 exercises, autograded: top-k with error feedback, QSGD, one PowerSGD step, 1-bit Adam.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Expected values
 come from independent sources: sorting for the top-k set; the sample mean of many quantisations
 against its standard error and the paper's variance bound (QSGD Lemma 3.1); matrices built from a
 chosen SVD, so the best rank-r error (Eckart-Young) is known without calling an SVD routine; for 1-bit Adam,
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.ch09
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch09")
 
 

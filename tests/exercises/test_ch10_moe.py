@@ -1,8 +1,9 @@
 """Chapter 10 exercises, autograded: top-2 gating with capacity, the load-balancing loss, expert choice,
 auxiliary-loss-free balancing (biased selection, the bias update).
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Expected values
 come from independent sources: routing written as plain Python loops over tokens (slots handed
 out one by one, first choices before second); the aux loss summed term by term from its
 definition, on hand-made router outputs whose value is known in closed form (α for a uniform
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.ch10, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch10")
 
 

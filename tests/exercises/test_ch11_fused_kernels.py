@@ -1,8 +1,9 @@
 """Chapter 11 exercises, autograded: fused bias + GeLU, online softmax, LayerNorm backward reductions,
 FlashAttention's forward.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). On a machine
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). On a machine
 without a CUDA GPU the kernels run in Triton's interpreter on CPU, so shapes stay small; they
 still include columns that are not powers of two (masked tails), rows longer than one block, and
 row counts that do not fill the last group. References are PyTorch in float64.
@@ -33,7 +34,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch11")
 
 

@@ -1,7 +1,8 @@
 """Chapter 12 exercises, autograded: the rank grid, the memory-feasibility filter, microbatches for a bubble.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Expected values
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Expected values
 come from independent sources: the library's ``parallelism.mesh.RankGrid``, torch's row-major
 ``DeviceMesh`` layout (an ``arange`` reshaped to (pp, dp, tp)) and the example in Megatron-LM's
 ``initialize_model_parallel`` docstring for the grid; the library's planner and ``costmodel``
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.ch12
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch12")
 
 

@@ -1,8 +1,9 @@
 """Chapter 13 exercises, autograded: resharding by positions, the writers of a deduplicated save, the
 atomic commit, Young's interval and its waste, the steps a failure costs.
 
-Runs the worked solutions by default; ``MTD_IMPL=exercises`` runs the same tests against the
-stubs in ``exercises/`` (what a student and ``python -m minitorch_dist grade`` do). Every
+Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
+course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
+one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: a known dense tensor cut by slicing (rows,
 columns, ``[u, v)`` runs, every n-th element); the writers' properties checked one by one (each
 piece once, by a holder, the least loaded at its turn, Graham's bound) and the library's own
@@ -43,7 +44,7 @@ if __name__ in sys.modules:
 
 @pytest.fixture(scope="module")
 def ex():
-    """The chapter's solutions, or its stubs under MTD_IMPL=exercises."""
+    """The chapter's stubs or its worked solutions (see the module docstring)."""
     return load("ch13")
 
 
