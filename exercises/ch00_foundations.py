@@ -1,5 +1,5 @@
 # generated from solutions/ch00_foundations.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 3743ab7a19ab51ab of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint e2b50d008d6e8159 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 00 exercises: ranks, collectives and their cost, memory math.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
@@ -10,12 +10,14 @@ then run). Check your work: ``python -m minitorch_dist grade --chapter ch00``.
 1. :func:`recursive_doubling_all_gather`: a latency-optimal all-gather built from point-to-point
    messages (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
    Operations in MPICH", §4.1).
-2. :func:`fit_alpha_beta`: the alpha-beta (Hockney 1994) cost of a ring all-reduce, fitted to a
-   timing table (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4).
+2. :func:`alpha_beta_from_timings`: the alpha-beta (Hockney 1994) cost of a ring all-reduce, fitted
+   to a timing table (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4).
 3. :func:`training_memory_bytes`: bytes of model states for training (Rajbhandari et al. 2020,
    ZeRO, §3.1; Anthony, Biderman & Schoelkopf 2023, "Transformer Math 101").
 4. :func:`largest_model_that_fits`: the largest model plain data parallelism can train on one
    device.
+5. :func:`predict_and_meter_allreduce_bytes`: predict the bytes each rank sends in a ring and a
+   recursive-doubling all-reduce, then count them on real ranks.
 """
 from __future__ import annotations
 
@@ -23,13 +25,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import collectives, comm
 
 # --- 1. recursive-doubling all-gather ----------------------------------------------------------
 
 
 def recursive_doubling_all_gather(chunk: torch.Tensor) -> torch.Tensor:
-    """All-gather ``chunk`` from every rank by recursive doubling; call it on every rank.
+    """Kind: build
+
+    All-gather ``chunk`` from every rank by recursive doubling; call it on every rank.
 
     Returns what ``dist.all_gather_into_tensor`` returns: the chunks of ranks 0..n-1
     concatenated along dim 0, a tensor of shape ``(n * chunk.shape[0], *chunk.shape[1:])``.
@@ -79,8 +83,10 @@ def recursive_doubling_all_gather(chunk: torch.Tensor) -> torch.Tensor:
 # --- 2. fitting the alpha-beta model --------------------------------------------------------
 
 
-def fit_alpha_beta(sizes_bytes, times_s, n: int) -> tuple[float, float]:
-    """Fit latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte) to ring all-reduce times.
+def alpha_beta_from_timings(sizes_bytes, times_s, n: int) -> tuple[float, float]:
+    """Kind: derive
+
+    Fit latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte) to ring all-reduce times.
 
     The ring all-reduce of an S-byte buffer on n ranks is a reduce-scatter then an all-gather,
     2(n-1) steps each sending S/n bytes (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4). Each
@@ -113,7 +119,7 @@ def fit_alpha_beta(sizes_bytes, times_s, n: int) -> tuple[float, float]:
         raise ValueError("need at least two distinct message sizes to separate alpha from beta")
     if np.any(t <= 0):
         raise ValueError("times must be > 0 seconds")
-    raise NotImplementedError("exercise: fit_alpha_beta — see chapters/00_foundations.md")
+    raise NotImplementedError("exercise: alpha_beta_from_timings — see chapters/00_foundations.md")
 
 
 # --- 3. memory of model states ----------------------------------------------------------------
@@ -128,7 +134,9 @@ PRECISIONS = ("fp32", "mixed")
 
 
 def training_memory_bytes(num_params, optimizer: str = "adamw", precision: str = "mixed") -> dict:
-    """Bytes of *model states* needed to train ``num_params`` parameters (no activations).
+    """Kind: derive
+
+    Bytes of *model states* needed to train ``num_params`` parameters (no activations).
 
     Returns ``{"weights", "gradients", "optimizer", "total"}`` in bytes, where ``optimizer`` is
     everything the optimizer owns (its states, plus the fp32 master weights under mixed
@@ -156,7 +164,9 @@ def training_memory_bytes(num_params, optimizer: str = "adamw", precision: str =
 
 def largest_model_that_fits(device_bytes, optimizer: str = "adamw", precision: str = "mixed",
                             activation_bytes=0) -> int:
-    """The largest parameter count whose model states and activations fit in ``device_bytes``.
+    """Kind: derive
+
+    The largest parameter count whose model states and activations fit in ``device_bytes``.
 
     Plain data parallelism replicates everything: every rank holds all weights, gradients and
     optimizer states, so adding ranks never lets a bigger model fit (ZeRO §3.1, "Where did all
@@ -175,3 +185,44 @@ def largest_model_that_fits(device_bytes, optimizer: str = "adamw", precision: s
         raise ValueError(f"device_bytes ({device_bytes}) and activation_bytes "
                          f"({activation_bytes}) must be >= 0")
     raise NotImplementedError("exercise: largest_model_that_fits — see chapters/00_foundations.md")
+
+
+# --- 5. bytes on the wire: predicted, then counted ---------------------------------------------
+
+
+def predict_and_meter_allreduce_bytes(x: torch.Tensor) -> dict:
+    """Kind: measure
+
+    Predict how many bytes this rank sends to all-reduce ``x``, with the ring and with recursive
+    doubling, then run both on the ranks and count them. Call it on every rank (inside
+    ``launch``), each rank with its own ``x`` of the same shape and dtype.
+
+    Returns ``{"ring": {"predicted": p, "measured": m}, "recursive_doubling": {...}}`` in bytes,
+    for *this* rank.
+
+    **Predict** from the alpha-beta model's bandwidth terms, with S = ``x.numel() * x.element_size()``
+    and n ranks: the ring sends ``2(n-1)/n * S`` per rank (the all-reduce's bus-bandwidth factor,
+    2(n-1)/n: n-1 reduce-scatter steps and n-1 all-gather steps of S/n each); recursive doubling
+    swaps the whole buffer in each of its log2(n) steps, ``log2(n) * S``.
+
+    **Measure** by running ``collectives.ring_all_reduce`` and
+    ``collectives.recursive_doubling_all_reduce`` (each on a *clone* of ``x``: they sum in place)
+    inside ``with comm.meter() as m:``, one meter each. Every message they send goes through
+    ``comm``, so ``m.wire_bytes["send"]`` is what really left this rank (a receive is not
+    charged: the sender pays).
+
+    **How close.** When n divides ``x.numel()`` the ring's chunks are equal and the count equals
+    the prediction exactly. Otherwise the chunks differ by one element, and each rank's count is
+    within ``2(n-1)/n * x.element_size()`` bytes of it (under two elements), while the counts of
+    all ranks still add up to exactly ``2(n-1) * S``. Recursive doubling's count is always exact.
+    The tests hold you to those tolerances, and check your measured counts against chunk sizes
+    worked out independently.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("predict_and_meter_allreduce_bytes runs inside ranks: call it from a function "
+                           "started with minitorch_dist.launch(fn, n)")
+    n = dist.get_world_size()
+    if n & (n - 1):
+        raise ValueError(f"recursive doubling needs a power-of-two number of ranks, got {n}")
+    S = x.numel() * x.element_size()
+    raise NotImplementedError("exercise: predict_and_meter_allreduce_bytes — see chapters/00_foundations.md")

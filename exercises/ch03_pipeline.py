@@ -1,6 +1,7 @@
 # generated from solutions/ch03_pipeline.py by `make exercises`: fill in each NotImplementedError
-# fingerprint f45596b10028929e of the text below (once you change it, `make exercises` leaves it alone)
-"""Chapter 03 exercises: pipeline schedules, their bubble, and the zero-bubble trick.
+# fingerprint c730de86837e99d1 of the text below (once you change it, `make exercises` leaves it alone)
+"""Chapter 03 exercises: pipeline schedules, their bubble, the zero-bubble trick, and the executor
+that runs a schedule on ranks.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -10,6 +11,7 @@ then run). Check your work: ``python -m minitorch_dist grade --chapter ch03``.
 A schedule here is plain data: one list of strings per stage, ``"F3"`` the forward of
 microbatch 3, ``"B3"`` its backward, ``"W3"`` its weight-gradient backward when the backward is
 split. ``minitorch_dist.parallelism.pipeline.simulator`` times such lists; the tests use it.
+Exercises 6 and 7 run on ranks.
 
 1. :func:`gpipe_schedule`: all forwards, then all backwards (Huang et al. 2019, "GPipe", §2.2,
    Fig. 2c).
@@ -24,8 +26,18 @@ split. ``minitorch_dist.parallelism.pipeline.simulator`` times such lists; the t
 5. :func:`v_stage` and :func:`zbv_rank_actions`: the V placement of two chunks per rank and one
    rank's ZB-V order (Qi et al. 2024, arXiv 2401.10241 §6), which runs without deadlock and idles
    only the V's start-up when t_F = t_B = t_W.
+6. :func:`run_stage_actions` (build): the executor, one rank's list of F and B actions run on real
+   ranks with activations sent forward and gradients back, point to point (Huang et al. 2019 §2.2;
+   Narayanan et al. 2021 §2.2). Its gradients must be the single process's and PyTorch's.
+7. :func:`predict_pipeline_sends` (measure): the messages and bytes each rank sends in a step,
+   predicted, then counted on ranks (Narayanan et al. 2021 §2.2.2: interleaving multiplies them).
 """
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minitorch_dist.runtime import comm
 
 
 def _check_pm(p, m) -> None:
@@ -38,7 +50,9 @@ def _check_pm(p, m) -> None:
 
 
 def gpipe_schedule(p: int, m: int) -> list[list[str]]:
-    """The GPipe schedule for ``p`` stages and ``m`` microbatches: one list of actions per stage.
+    """Kind: build
+
+    The GPipe schedule for ``p`` stages and ``m`` microbatches: one list of actions per stage.
 
     GPipe (Huang et al. 2019, §2.2) splits the batch into m microbatches and pipelines their
     forwards through the p stages; only when every forward is done do the backwards run, in the
@@ -62,7 +76,9 @@ def gpipe_schedule(p: int, m: int) -> list[list[str]]:
 
 
 def one_f_one_b_schedule(p: int, m: int) -> list[list[str]]:
-    """The 1F1B (PipeDream-Flush) schedule: per stage, warm-up, steady state, drain.
+    """Kind: build
+
+    The 1F1B (PipeDream-Flush) schedule: per stage, warm-up, steady state, drain.
 
     GPipe's stages stash m microbatches of activations. 1F1B (Narayanan et al. 2021, §2.2.1)
     starts each backward as early as possible instead, so a microbatch's activations are freed
@@ -92,7 +108,9 @@ def one_f_one_b_schedule(p: int, m: int) -> list[list[str]]:
 
 
 def bubble_from_timeline(events, p: int) -> float:
-    """The fraction of device-time the ``p`` stages spend idle during the step ``events`` span.
+    """Kind: measure
+
+    The fraction of device-time the ``p`` stages spend idle during the step ``events`` span.
 
     ``events`` are objects with ``.rank`` (the stage, 0..p-1), ``.t_start`` and ``.t_end``
     (``minitorch_dist.analysis.timeline.Event``: what ranks record and what the simulator
@@ -127,7 +145,9 @@ def bubble_from_timeline(events, p: int) -> float:
 
 
 def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
-    """ZB-H1 (Qi et al. 2024, §3.1): the 1F1B schedule with each backward split and W deferred.
+    """Kind: derive
+
+    ZB-H1 (Qi et al. 2024, §3.1): the 1F1B schedule with each backward split and W deferred.
 
     A backward does two things: B, the gradient with respect to the stage's *input*, which the
     stage before is waiting for, and W, the gradient with respect to the stage's *weights*,
@@ -170,7 +190,9 @@ def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
 
 
 def v_stage(p: int, rank: int, chunk: int) -> int:
-    """The virtual stage that ``chunk`` (0 or 1) of ``rank`` holds when ``p`` ranks hold a
+    """Kind: derive
+
+    The virtual stage that ``chunk`` (0 or 1) of ``rank`` holds when ``p`` ranks hold a
     ``2p``-stage model in a V (ZB-V, Qi et al. 2024 §6; DualPipeV).
 
     A microbatch's forward goes *down* the ranks on their chunk 0 and comes back *up* on their
@@ -190,7 +212,9 @@ def v_stage(p: int, rank: int, chunk: int) -> int:
 
 
 def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:
-    """Rank ``rank``'s ZB-V action list for ``p`` ranks and ``m`` microbatches, as strings: ``"F3"``
+    """Kind: build
+
+    Rank ``rank``'s ZB-V action list for ``p`` ranks and ``m`` microbatches, as strings: ``"F3"``
     the forward of microbatch 3 on chunk 0, ``"F3.1"`` on chunk 1; ``"B3"``, ``"W3.1"`` likewise
     (B the input gradient, W the weight gradient: every backward is split).
 
@@ -222,3 +246,95 @@ def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:
     if not (isinstance(rank, int) and 0 <= rank < p):
         raise ValueError(f"rank must be in 0..{p - 1}, got {rank!r}")
     raise NotImplementedError("exercise: zbv_rank_actions — see chapters/03_pipeline.md")
+
+
+# --- 6. the executor: one rank's actions on real ranks ---------------------------------------------
+
+
+def _parse_action(a) -> tuple[str, int]:
+    if not (isinstance(a, str) and a[:1] in ("F", "B") and a[1:].isdigit()):
+        raise ValueError(f"actions are strings 'F<i>' and 'B<i>' (one stage per rank, no W), got {a!r}")
+    return a[0], int(a[1:])
+
+
+def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[float]:
+    """Kind: build
+
+    One rank's step of a pipeline: run its list of actions, sending activations forward and their
+    gradients back, point to point. Every rank of ``launch(fn, p)`` calls it; rank r holds stage r
+    of p (p = the world size), one stage per rank.
+
+    - ``stage``: this rank's module. On rank 0 it takes token ids, ``stage(inputs[i])``; on the last
+      rank it takes the hidden states and the targets and returns the microbatch's mean loss,
+      ``stage(h, targets[i])``; in between, ``stage(h)`` returns hidden states.
+    - ``actions``: this rank's list, ``"F3"`` (forward of microbatch 3) and ``"B3"`` (its backward),
+      e.g. one stage's row of a 1F1B or a GPipe schedule.
+    - ``inputs`` / ``targets``: the m microbatches' token ids and targets (every rank gets them; rank 0
+      reads the inputs, the last rank the targets); m = ``len(inputs)``.
+    - ``boundary_shape``: the shape of the hidden states one stage passes to the next (fp32): the
+      shape of every message, for the receive buffers.
+
+    **F i:** the stage's input is ``inputs[i]`` on rank 0, else the activation received from rank
+    r − 1 (a leaf that requires grad, so its gradient can be sent back). Run the stage. On the last
+    rank keep ``loss / m`` (so that the m microbatches' gradients add up to the gradient of the whole
+    batch's mean loss) and record the unscaled loss; elsewhere send the output to rank r + 1. Keep
+    what B i needs.
+
+    **B i:** on the last rank, backpropagate ``loss / m``; elsewhere receive the gradient of the
+    output from rank r + 1 and backpropagate the output with it. Send the input's gradient to rank
+    r − 1 (except on rank 0). Then drop what F i kept.
+
+    Messages go through the metered wrappers: send with ``comm.isend(tensor, dst)``, which does not
+    wait. Keep every returned work and its tensor, and wait for all of them at the end of the step. A
+    blocking send could deadlock two neighbours that send to each other at once. Receive with
+    ``comm.recv(buffer, src)`` into ``torch.empty(boundary_shape)``. Activations go one way between
+    two ranks and gradients the other, each in microbatch order, so no tags are needed.
+
+    **Your task:** run the actions in order and return the unscaled microbatch losses in the order
+    their F ran on the last rank, ``[]`` on the others. The weight gradients accumulate in the
+    stage's parameters' ``.grad``.
+    """
+    parsed = [_parse_action(a) for a in actions]
+    inputs, targets = list(inputs), list(targets)
+    if not inputs or len(inputs) != len(targets):
+        raise ValueError(f"need one target per input microbatch, got {len(inputs)} inputs and "
+                         f"{len(targets)} targets")
+    m = len(inputs)
+    bad = sorted({i for _, i in parsed if not 0 <= i < m})
+    if bad:
+        raise ValueError(f"actions name microbatches {bad}, outside 0..{m - 1}")
+    if not dist.is_initialized():
+        raise RuntimeError("run_stage_actions runs on ranks: call it inside launch(fn, p)")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == p - 1
+    raise NotImplementedError("exercise: run_stage_actions — see chapters/03_pipeline.md")
+
+
+# --- 7. the messages of a step, predicted and counted --------------------------------------------
+
+
+def predict_pipeline_sends(p: int, m: int, activation_bytes: int, v: int = 1) -> dict:
+    """Kind: measure
+
+    Predict the point-to-point messages, and their bytes, that each rank sends in one step of a
+    pipeline of ``p`` ranks and ``m`` microbatches. Each rank holds ``v`` chunks in Megatron's loop:
+    chunk c of rank r is virtual stage ``c·p + r`` of ``p·v``, and v = 1 is GPipe or 1F1B.
+
+    Consecutive virtual stages exchange one activation per microbatch (forward) and its gradient
+    (backward), ``activation_bytes`` each (b·s·h elements). A rank sends the activation of each of its
+    chunks that is not the model's last virtual stage, and the gradient of each chunk that is not the
+    first. When two consecutive virtual stages sit on the same rank (only when p = 1), the tensor is
+    handed over in memory: no message.
+
+    **Your task:** return ``{"messages": [per rank], "bytes": [per rank]}`` for one step (whatever the
+    schedule's order: GPipe, 1F1B and ZB-H1 send the same messages). The tests check the prediction
+    against the total per step at several sizes. Then they check it exactly (counted, no tolerance)
+    against what ``comm.meter()`` counts on every rank of a real 1F1B step and a real interleaved
+    step (v = 2) on 4 ranks.
+    """
+    for name, x in (("p", p), ("m", m), ("v", v)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int, got {x!r}")
+    if not activation_bytes >= 0:
+        raise ValueError(f"activation_bytes must be >= 0, got {activation_bytes!r}")
+    raise NotImplementedError("exercise: predict_pipeline_sends — see chapters/03_pipeline.md")

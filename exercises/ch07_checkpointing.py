@@ -1,7 +1,7 @@
 # generated from solutions/ch07_checkpointing.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 2d27bdc345c462ab of the text below (once you change it, `make exercises` leaves it alone)
-"""Chapter 07 exercises: activation checkpointing — √n segments, an RNG-preserving checkpoint,
-selective attention.
+# fingerprint b6f633571520bd34 of the text below (once you change it, `make exercises` leaves it alone)
+"""Chapter 07 exercises: activation checkpointing — the number of segments, an RNG-preserving
+checkpoint, selective attention, a recompute policy for a GPT, predicting and metering what it keeps.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -10,7 +10,7 @@ then run). Check your work: ``python -m minitorch_dist grade --chapter ch07``.
 
 Nothing here needs ranks: checkpointing trades compute for memory inside one process.
 
-1. :func:`optimal_segments`: how many segments to cut a chain of n layers into, so that the
+1. :func:`choose_segments`: how many segments to cut a chain of n layers into, so that the
    activations held at the peak of backward are fewest — or, under a memory budget, the fewest
    segments that fit (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", §4: the
    cost ``O(n/k) + O(k)``, least at ``k = √n``).
@@ -22,20 +22,32 @@ Nothing here needs ranks: checkpointing trades compute for memory inside one pro
    never stored — backward recomputes them from Q and K (Korthikanti et al. 2022, "Reducing
    Activation Recomputation in Large Transformer Models", §5, selective activation recomputation:
    the ``5as/h`` term of the ``sbh(34 + 5as/h)`` bytes per layer).
+4. :class:`SegmentedRecompute`: a recompute policy for a GPT — its blocks in k segments (√n by
+   default), each but the last checkpointed (Chen et al. 2016, §4.3).
+5. :func:`meter_recompute`: predict the peak of saved activations and the recomputed forwards of
+   such a policy with the cost model, then meter them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.meters import MemoryMeter
+from minitorch_dist.memory.checkpointing import apply_recompute, checkpoint, count_forwards
 
 # --- 1. the number of segments ---------------------------------------------------------------------
 
 
-def optimal_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
-                     budget_bytes: int | None = None) -> int:
-    """The number of segments k to cut a chain of ``n_layers`` equal layers into (Chen et al. §4).
+def choose_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
+                    budget_bytes: int | None = None) -> int:
+    """Kind: derive
+
+    The number of segments k to cut a chain of ``n_layers`` equal layers into (Chen et al. §4).
 
     Cut the chain into k segments of at most ``ceil(n/k)`` consecutive layers. Forward keeps only
     each segment's input (its *boundary*, ``boundary_bytes``) and frees everything inside. Backward
@@ -67,14 +79,16 @@ def optimal_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be > 0 (or None for the least peak), got {budget_bytes}")
     n_layers = int(n_layers)
-    raise NotImplementedError("exercise: optimal_segments — see chapters/07_checkpointing.md")
+    raise NotImplementedError("exercise: choose_segments — see chapters/07_checkpointing.md")
 
 
 # --- 2. an RNG-preserving checkpoint ---------------------------------------------------------------
 
 
 class RNGCheckpoint(torch.autograd.Function):
-    """``y = fn(x)``, keeping only ``x`` (and the RNG state) for backward; ``fn`` runs again there.
+    """Kind: build
+
+    ``y = fn(x)``, keeping only ``x`` (and the RNG state) for backward; ``fn`` runs again there.
 
     A plain forward keeps every activation inside ``fn`` until backward reaches it. A
     checkpointed one runs ``fn`` without recording a graph (``Function.forward`` already runs
@@ -153,7 +167,9 @@ def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Te
 
 
 class SelectiveAttention(torch.autograd.Function):
-    """``O = softmax(Q Kᵀ / √d) V`` (causal or not) that keeps Q, K, V for backward, not the scores.
+    """Kind: build
+
+    ``O = softmax(Q Kᵀ / √d) V`` (causal or not) that keeps Q, K, V for backward, not the scores.
 
     A transformer layer's attention core holds, per layer, the scores ``S = Q Kᵀ/√d``, the
     probabilities ``P = softmax(S)`` (and dropout's mask of P): ``a s²`` numbers per sequence for
@@ -198,3 +214,120 @@ def selective_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``softmax(Q Kᵀ/√d) V`` recomputed in backward (see :class:`SelectiveAttention`)."""
     _check_qkv(q, k, v)
     return SelectiveAttention.apply(q, k, v, bool(causal))
+
+
+# --- 4. a recompute policy: checkpointed segments of a GPT's blocks --------------------------------------
+
+
+def _run_blocks(blocks, h: torch.Tensor) -> torch.Tensor:
+    """The blocks one after the other (what a segment computes)."""
+    for block in blocks:
+        h = block(h)
+    return h
+
+
+class SegmentedRecompute(nn.Module):
+    """Kind: build
+
+    A recompute policy for a GPT (``minitorch_dist.models.GPT``: ``embed``, ``blocks``, ``head``,
+    ``loss_fn``): its n blocks run as k contiguous segments, and every segment but the last is
+    checkpointed — in the forward it keeps only its input; in the backward it runs again, with
+    the random-number generator put back so that dropout draws the same masks, and is
+    back-propagated (Chen et al. 2016, §4.3). The peak of saved activations falls from
+    ``n·L`` to about ``k·b + (n/k)·L`` (L: what a block saves, b: its input), least near
+    ``k = √(n·L/b)``; with L ≈ b, k = √n: O(√n) memory for one more forward of the checkpointed
+    blocks. The last segment runs normally: its backward starts right after its forward, so
+    dropping and recomputing it would buy nothing (``checkpoint_last=True`` checkpoints it too;
+    with k = n that is "every block").
+
+    ``SegmentedRecompute(model, segments)`` is called like the model: ``logits, loss = wrapped(idx,
+    targets)``; the parameters stay the model's. The scaffolding (keep it) checks ``segments``
+    (``None``: Chen's rule, ``round(√n)``) and stores ``self.model``, ``self.n``, ``self.k`` and
+    ``self.checkpoint_last``; ``_run_blocks(blocks, h)`` runs blocks in a row.
+
+    **Your task:**
+
+    - :meth:`bounds`: the boundaries ``[0, b_1, ..., n]`` of k segments as equal as possible, the
+      longer ones first (n = q·k + r: r segments of q + 1 blocks, then k − r of q);
+    - :meth:`forward`: ``h = model.embed(idx)``; each segment ``[lo, hi)`` through the chapter's
+      ``checkpoint(fn, h)`` (imported above: it keeps ``h`` and the RNG state, and runs ``fn`` again
+      in the backward; ``torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=True)`` would do the
+      same) with ``fn`` running ``model.blocks[lo:hi]`` (e.g. ``functools.partial(_run_blocks, ...)``)
+      — except the last segment unless ``checkpoint_last``, and except under ``torch.no_grad()``,
+      where no backward will come and the blocks just run; then ``logits = model.head(h)`` and
+      ``(logits, model.loss_fn(logits, targets) if targets is not None else None)``.
+    """
+
+    def __init__(self, model: nn.Module, segments: int | None = None, checkpoint_last: bool = False):
+        super().__init__()
+        if not all(hasattr(model, a) for a in ("embed", "blocks", "head", "loss_fn")):
+            raise TypeError(f"SegmentedRecompute wraps a minitorch_dist GPT (embed, blocks, head, loss_fn), "
+                            f"got {type(model).__name__}")
+        n = len(model.blocks)
+        k = max(1, round(math.sqrt(n))) if segments is None else segments
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+            raise ValueError(f"segments must be an int between 1 and the number of blocks {n} (or None for "
+                             f"round(√n) = {max(1, round(math.sqrt(n)))}), got {segments!r}")
+        self.model, self.n, self.k, self.checkpoint_last = model, n, k, checkpoint_last
+
+    def bounds(self) -> list[int]:
+        """``[0, b_1, ..., n]``: k segments, the longer ones first."""
+        raise NotImplementedError("exercise: SegmentedRecompute.bounds — see chapters/07_checkpointing.md")
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        raise NotImplementedError("exercise: SegmentedRecompute.forward — see chapters/07_checkpointing.md")
+
+
+# --- 5. predict, then meter, what a recompute policy keeps ---------------------------------------------
+
+
+def _peak_activations(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> int:
+    """The peak of saved activations ``MemoryMeter`` sees over one forward and backward."""
+    meter = MemoryMeter(model)
+    with meter.track():
+        model(idx, targets)[1].backward()
+    return meter.peak["activations"]
+
+
+def meter_recompute(make_model: Callable[[int], nn.Module], n_layers: int, segments: int,
+                    idx: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Kind: measure
+
+    Predict the peak of saved activations and the recomputed block forwards of a GPT of
+    ``n_layers`` blocks trained with ``segments`` equal segments, each but the last checkpointed,
+    then measure both. (With equal segments the peak comes at the end of the forward, while the part
+    outside the blocks is still held; with unequal ones it can come later, in a longer earlier
+    segment, after the head and the loss have freed theirs — try it.)
+
+    ``make_model(n)`` builds the same GPT with n blocks (same seed, dropout on); ``idx``, ``targets``
+    are one batch. ``_peak_activations(model, idx, targets)`` (given) meters one forward and
+    backward with ``MemoryMeter``. The policy under test is the library's: ``apply_recompute(model,
+    "sqrt", segments)``.
+
+    **Your task:** return ``{"L", "b", "rest", "predicted": {"peak", "recomputed"}, "measured":
+    {"peak", "recomputed"}}`` (bytes and block forwards):
+
+    - *calibrate* Chen's chain model on plain models: ``L`` = what one more block saves (the peak
+      of ``make_model(2)`` minus that of ``make_model(1)``), ``rest`` = what lies outside the blocks
+      (the peak of ``make_model(1)`` minus L), and ``b`` = the bytes of one block's input, the
+      hidden state ``(B, T, n_embd)`` in fp32 (``model.cfg.n_embd``);
+    - *predict*: ``peak = rest + costmodel.checkpoint_saved_bytes(n_layers, L, b, segments,
+      checkpoint_last=False)``, and ``recomputed`` = the blocks of every segment but the last, each
+      run once more in the backward (``costmodel.segment_sizes`` gives the lengths, the longer first);
+    - *measure* on ``apply_recompute(make_model(n_layers), "sqrt", segments)``: the metered peak, and
+      the block forwards beyond the n of the forward, counted with ``count_forwards(model.blocks)``
+      over one forward and backward.
+
+    The tests hold you to: L, b and rest to the byte and the prediction to 1e-9 (relative), against
+    their own calibration; the measured peak to the byte against their own meter; the prediction
+    within 1% of the measured peak (a block's first LayerNorm saves the block's input, which is
+    the boundary itself: the meter counts that storage once, the formula up to b twice); the
+    recomputed forwards exactly.
+    """
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n_layers:
+        raise ValueError(f"segments must be an int in [1, n_layers={n_layers}], got {segments!r}")
+    if n_layers % segments:
+        raise ValueError(f"segments={segments} does not divide n_layers={n_layers}: use equal segments here "
+                         "(with unequal ones the peak can fall in an earlier segment, after the head has "
+                         "freed its part)")
+    raise NotImplementedError("exercise: meter_recompute — see chapters/07_checkpointing.md")

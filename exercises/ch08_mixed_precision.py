@@ -1,7 +1,7 @@
 # generated from solutions/ch08_mixed_precision.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 457c560c531f79c6 of the text below (once you change it, `make exercises` leaves it alone)
-"""Chapter 08 exercises: mixed precision — the loss scaler's rule, stochastic rounding,
-a Kahan-compensated bf16 update.
+# fingerprint a6a21a2840704dc9 of the text below (once you change it, `make exercises` leaves it alone)
+"""Chapter 08 exercises: mixed precision — the loss scaler and a training loop built on it, the
+updates bf16 loses, stochastic rounding, a Kahan-compensated bf16 update, fp8 tiles, delayed scaling.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -13,19 +13,26 @@ Nothing here needs ranks: number formats are a single-process matter.
 1. :func:`scaler_update`: the dynamic loss-scale rule (Micikevicius et al. 2018, "Mixed Precision
    Training", §3.2; the rule ``torch.amp.GradScaler.update`` applies): halve the scale and skip the
    step when a gradient overflowed, double it after ``growth_interval`` clean steps in a row.
-2. :func:`stochastic_round_to_bf16`: fp32 -> bf16 rounding that goes up or down at random, with the
+2. :class:`LossScaler`: the whole dynamic loss scaler, ``scale`` / ``unscale_`` / ``step`` /
+   ``update`` with ``torch.amp.GradScaler``'s semantics, its rule being exercise 1.
+3. :func:`train_with_loss_scaling`: mixed-precision training (Micikevicius et al. 2018, §3.1-3.3): a
+   half model for forward and backward, fp32 master weights owned by the optimizer, a loss scaler
+   deciding which steps are applied.
+4. :func:`count_lost_bf16_updates`: predict from bf16's bit layout how many elements of one SGD step
+   round away in a pure-bf16 model, then take the step and count them.
+5. :func:`stochastic_round_to_bf16`: fp32 -> bf16 rounding that goes up or down at random, with the
    probability that makes it unbiased, ``E[round(x)] = x`` (Gupta et al. 2015, "Deep Learning with
    Limited Numerical Precision", §3): tiny updates to a bf16 weight then survive *on average*,
    where round-to-nearest drops every one of them.
-3. :func:`kahan_bf16_update`: ``w += u`` for a bf16 weight that keeps a second bf16 tensor, the
+6. :func:`kahan_bf16_update`: ``w += u`` for a bf16 weight that keeps a second bf16 tensor, the
    *compensation*, holding what rounding took away (Kahan 1965, "Further Remarks on Reducing
    Truncation Errors"; used for bf16 optimizers by Zamirai et al. 2020, "Revisiting BFloat16
    Training", §4): the weight tracks the exact sum to within a rounding, deterministically, for
    4 bytes per parameter instead of an fp32 master copy's 6.
-4. :func:`quantize_tiles_1x128`: DeepSeek-V3's fine-grained fp8 quantisation of activations
+7. :func:`quantize_tiles_1x128`: DeepSeek-V3's fine-grained fp8 quantisation of activations
    (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.3.2): one scale per 1×128 tile, so that an
    outlier spoils only the 128 values that share its tile.
-5. :func:`delayed_scaling_update`: Transformer Engine's delayed-scaling step for one fp8 tensor: the
+8. :func:`delayed_scaling_update`: Transformer Engine's delayed-scaling step for one fp8 tensor: the
    next scale from a window of past amaxes, then the window rolled (Micikevicius et al. 2022, "FP8
    Formats for Deep Learning", §4, per-tensor scaling; TE's ``DelayedScaling`` recipe).
 """
@@ -35,6 +42,10 @@ import math
 import struct
 
 import torch
+from torch import nn
+
+from minitorch_dist.analysis.costmodel.precision import update_lost
+from minitorch_dist.memory.mixed_precision import fp32_cross_entropy, half_precision_copy
 
 # --- 1. the loss scaler's update rule --------------------------------------------------------------
 
@@ -50,9 +61,23 @@ def _fp32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+def _check_factors(growth_factor: float, backoff_factor: float, growth_interval: int) -> None:
+    """The scaler's constants, checked (shared by exercises 1 and 2)."""
+    if not growth_factor > 1.0:
+        raise ValueError("growth_factor must be > 1 "
+                         f"(the scale grows after clean steps), got {growth_factor}")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError("backoff_factor must be in (0, 1) (the scale shrinks on overflow), got "
+                         f"{backoff_factor}")
+    if int(growth_interval) != growth_interval or growth_interval < 1:
+        raise ValueError(f"growth_interval must be a whole number >= 1, got {growth_interval}")
+
+
 def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_factor: float = 2.0,
                   backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
-    """The loss scale and growth tracker after one step: ``(new_scale, new_growth_tracker)``.
+    """Kind: build
+
+    The loss scale and growth tracker after one step: ``(new_scale, new_growth_tracker)``.
 
     fp16 flushes gradients below 2^-24 to zero. Multiplying the loss by a scale ``S`` multiplies
     every gradient by ``S`` (backward is linear), lifting small gradients into fp16's range; the
@@ -80,14 +105,7 @@ def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_fac
     scale, growth_factor, backoff_factor = float(scale), float(growth_factor), float(backoff_factor)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
-    if not growth_factor > 1.0:
-        raise ValueError("growth_factor must be > 1 "
-                         f"(the scale grows after clean steps), got {growth_factor}")
-    if not 0.0 < backoff_factor < 1.0:
-        raise ValueError("backoff_factor must be in (0, 1) (the scale shrinks on overflow), got "
-                         f"{backoff_factor}")
-    if int(growth_interval) != growth_interval or growth_interval < 1:
-        raise ValueError(f"growth_interval must be a whole number >= 1, got {growth_interval}")
+    _check_factors(growth_factor, backoff_factor, growth_interval)
     if int(growth_tracker) != growth_tracker or not 0 <= growth_tracker < growth_interval:
         raise ValueError("growth_tracker must be a whole number in [0, growth_interval = "
                          f"{growth_interval}), got {growth_tracker}: it counts the clean steps since the "
@@ -96,13 +114,192 @@ def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_fac
     raise NotImplementedError("exercise: scaler_update — see chapters/08_mixed_precision.md")
 
 
-# --- 2. stochastic rounding to bf16 ----------------------------------------------------------------
+# --- 2. the loss scaler ----------------------------------------------------------------------------
+
+
+class LossScaler:
+    """Kind: build
+
+    A dynamic loss scaler with ``torch.amp.GradScaler``'s four calls (Micikevicius et al. 2018,
+    §3.2), for one optimizer whose parameters hold fp32 (or bf16) gradients::
+
+        scaler.scale(loss).backward()   # every gradient comes out multiplied by S
+        scaler.unscale_(optimizer)      # optional: g <- g / S now (before clipping, say), inf/NaN found?
+        scaler.step(optimizer)          # unscale_ unless done; optimizer.step() unless inf/NaN was found
+        scaler.update()                 # S and the growth tracker by the rule of exercise 1
+
+    - ``scale(loss)``: ``loss * S``, with S as an fp32 tensor on the loss's device.
+    - ``unscale_(optimizer)``: multiply every ``.grad`` of the optimizer's parameters in place by
+      ``1 / S`` — computed as GradScaler does, in float64 and rounded once to fp32 (``_fp32(1.0 /
+      S)``) — and record (and return) whether any gradient held an inf or a NaN *before* the
+      multiplication. ``_grads_of(optimizer)`` (given) lists the gradients and refuses fp16 ones.
+    - ``step(optimizer)``: call ``unscale_`` unless it was called this iteration; then, if a
+      gradient was not finite, skip the step — the weights keep their values, ``skipped_steps``
+      grows by one — and return None; otherwise return ``optimizer.step()``.
+    - ``update()``: ``scale, growth_tracker <- scaler_update(...)`` with this iteration's
+      ``found_inf`` and the scaler's factors, then forget the iteration (the next one starts clean).
+
+    The state: ``self._scale`` (a Python float, always an fp32 number), ``self.growth_tracker``,
+    ``self.skipped_steps``, and two per-iteration flags, ``self._found_inf`` (None until
+    ``unscale_`` ran this iteration, then a bool) and ``self._stepped``. The misuse checks (a second
+    ``unscale_``, a second ``step`` without ``update``, ``update`` before any check) are given.
+
+    **Your task:** the bodies of ``scale``, ``unscale_``, ``step`` and ``update``.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        if not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+        _check_factors(float(growth_factor), float(backoff_factor), growth_interval)
+        self._scale = _fp32(float(init_scale))
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.growth_tracker = 0
+        self.skipped_steps = 0
+        self._found_inf: bool | None = None
+        self._stepped = False
+
+    def get_scale(self) -> float:
+        """The current loss scale S."""
+        return self._scale
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S``."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        raise NotImplementedError("exercise: LossScaler.scale — see chapters/08_mixed_precision.md")
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Divide the gradients by S in place; return whether any was inf or NaN."""
+        if self._found_inf is not None:
+            raise RuntimeError("unscale_() has already been called since the last update(); "
+                               "call it at most once per iteration")
+        grads = _grads_of(optimizer)
+        raise NotImplementedError("exercise: LossScaler.unscale_ — see chapters/08_mixed_precision.md")
+
+    def step(self, optimizer: torch.optim.Optimizer):
+        """``unscale_`` unless done, then ``optimizer.step()`` unless a gradient was not finite."""
+        if self._stepped:
+            raise RuntimeError("step() has already been called since the last update(); call update() "
+                               "between steps")
+        raise NotImplementedError("exercise: LossScaler.step — see chapters/08_mixed_precision.md")
+
+    def update(self) -> None:
+        """The new S and growth tracker; the iteration's flags reset."""
+        if self._found_inf is None:
+            raise RuntimeError("update() before any inf/NaN check; call step() (or unscale_()) first")
+        raise NotImplementedError("exercise: LossScaler.update — see chapters/08_mixed_precision.md")
+
+
+def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The ``.grad`` tensors of ``optimizer``'s parameters (those that have one); fp16 ones refused, as
+    GradScaler refuses them: in fp16 1/S rounds to 0 once S > 2^24 and every gradient would become 0."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if any(g.dtype == torch.float16 for g in grads):
+        raise ValueError("Attempting to unscale FP16 gradients: keep fp32 master weights and unscale their "
+                         "fp32 gradients")
+    return grads
+
+
+# --- 3. mixed-precision training driven by a loss scaler -------------------------------------------
+
+
+def train_with_loss_scaling(model: nn.Module, batches, make_optimizer, scaler=None,
+                            dtype: torch.dtype = torch.float16, loss_fn=None) -> dict:
+    """Kind: build
+
+    Train ``model`` in mixed precision (Micikevicius et al. 2018, §3) on ``batches``, one optimizer
+    step per ``(x, y)`` batch, and return what happened.
+
+    The arrangement (set up for you below): ``half`` is a copy of the model in ``dtype`` (fp16 or
+    bf16) whose LayerNorms compute in fp32; ``masters`` are fp32 copies of the *original* weights,
+    in the order of ``half.parameters()``, and ``optimizer = make_optimizer(masters)`` owns them.
+    Each step:
+
+    1. forward and backward run on ``half``: ``loss = loss_fn(half, x, y)`` (an fp32 scalar), and the
+       backward starts from ``scaler.scale(loss)`` — or from ``loss`` itself when ``scaler`` is None
+       (bf16, or fp16 shown without loss scaling);
+    2. each half gradient becomes its master's fp32 gradient (``m.grad = h.grad.float()``), and the
+       half gradient is dropped (``h.grad = None``) — sums and the update happen in fp32;
+    3. ``scaler.step(optimizer)`` then ``scaler.update()`` (or ``optimizer.step()`` without a
+       scaler): the scaler unscales the fp32 gradients, and skips the step if one is inf or NaN;
+    4. every master is rounded into its half weight (``h.copy_(m)`` under ``torch.no_grad()``), which
+       the next forward uses.
+
+    ``scaler`` is anything with GradScaler's calls: your :class:`LossScaler`, or
+    ``torch.amp.GradScaler("cpu")`` itself. A step was applied unless the scaler backed off: a skip
+    is the only thing that lowers the scale, so ``applied = scaler.get_scale() >= scale_before``.
+
+    **Your task:** the loop. Return ``{"losses": [...], "applied": [...], "masters": masters,
+    "half_model": half}``: the unscaled loss of each step (``loss.item()``) and whether its update
+    was applied (always True without a scaler).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "step", "update", "get_scale")):
+        raise TypeError("scaler must have GradScaler's scale/step/update/get_scale, got "
+                        f"{type(scaler).__name__}")
+    loss_fn = loss_fn or fp32_cross_entropy
+    half = half_precision_copy(model, dtype)
+    half_params = list(half.parameters())
+    masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
+    optimizer = make_optimizer(masters)
+    losses, applied = [], []
+    raise NotImplementedError("exercise: train_with_loss_scaling — see chapters/08_mixed_precision.md")
+    return {"losses": losses, "applied": applied, "masters": masters, "half_model": half}
+
+
+# --- 4. the updates bf16 loses: predicted, then counted ---------------------------------------------
+
+
+def count_lost_bf16_updates(model: nn.Module, x, y, lr: float, loss_fn=None) -> dict:
+    """Kind: measure
+
+    A model kept entirely in bf16 — no fp32 master — takes one SGD step, ``w <- w - lr * g``. How
+    many of its elements does the step fail to move? Predict it from the number format, then take
+    the step and count.
+
+    - **Predict.** Forward and backward once (``loss_fn(model, x, y)``, default
+      ``fp32_cross_entropy``) to get every gradient ``g`` (bf16). The update of an element is ``u =
+      -lr * g.float()``. Among the elements with ``u != 0`` (a zero update moves nothing, lost or
+      not), count those whose update :func:`costmodel.precision.update_lost` says rounds away in
+      ``"bf16"`` (``update_lost(w, u, "bf16")`` takes tensors; give it the weights and updates as
+      float64). That needs nothing but bf16's bit layout: |u| below half the gap to w's neighbour.
+    - **Measure.** Take the step in place, as SGD does on bf16 weights: ``p.add_(p.grad, alpha=-lr)``
+      under ``torch.no_grad()``, and count, among the same elements, those whose weight is exactly
+      what it was.
+
+    Tolerance: the two counts agree to within 0.5 % of the updated elements. They can differ by a
+    few: the real step rounds w + u twice, to fp32 and then to bf16, where the prediction rounds once.
+
+    **Your task:** return ``{"predicted": int, "measured": int, "updated": int}`` (``updated``: the
+    elements with ``u != 0``), leaving ``model`` stepped and its gradients in place.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+        raise TypeError("model must be entirely bf16 (model.to(torch.bfloat16)): no fp32 master here")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    loss_fn = loss_fn or fp32_cross_entropy
+    model.zero_grad(set_to_none=True)
+    raise NotImplementedError("exercise: count_lost_bf16_updates — see chapters/08_mixed_precision.md")
+
+
+# --- 5. stochastic rounding to bf16 ----------------------------------------------------------------
 
 _LOW_BITS = 16  # bf16 is fp32 with the low 16 bits of the mantissa cut off
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``x`` (fp32) rounded to bf16, up or down at random so that the result is right on average.
+    """Kind: build
+
+    ``x`` (fp32) rounded to bf16, up or down at random so that the result is right on average.
 
     bf16 is the top half of an fp32: the same sign bit and 8 exponent bits, 7 of the 23 mantissa
     bits. Every fp32 ``x`` lies between two neighbouring bf16 numbers ``lo <= x < hi`` (towards
@@ -144,12 +341,14 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> tor
     raise NotImplementedError("exercise: stochastic_round_to_bf16 — see chapters/08_mixed_precision.md")
 
 
-# --- 3. a Kahan-compensated bf16 update ------------------------------------------------------------
+# --- 6. a Kahan-compensated bf16 update ------------------------------------------------------------
 
 
 def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
                       update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight + update`` for a bf16 weight, keeping what rounding lost in ``compensation``.
+    """Kind: build
+
+    ``weight + update`` for a bf16 weight, keeping what rounding lost in ``compensation``.
 
     ``bf16(w + u)`` loses everything of ``u`` below half of ``w``'s ulp: at ``w = 1`` an update of
     ``10^-3`` vanishes outright (the ulp is ``2^-7 ≈ 7.8e-3``), so a pure-bf16 optimizer with a
@@ -191,13 +390,15 @@ def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
     raise NotImplementedError("exercise: kahan_bf16_update — see chapters/08_mixed_precision.md")
 
 
-# --- 4. fine-grained fp8 quantisation: a scale per 1x128 tile --------------------------------------
+# --- 7. fine-grained fp8 quantisation: a scale per 1x128 tile --------------------------------------
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn: 1.75 * 2^8 (its top exponent is not inf)
 
 
 def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (tokens × channels) in fp8 E4M3 with one scale per ``1 × tile`` tile: ``(q, scales)``.
+    """Kind: build
+
+    ``x`` (tokens × channels) in fp8 E4M3 with one scale per ``1 × tile`` tile: ``(q, scales)``.
 
     E4M3 holds 448 at most and has 3 mantissa bits; below 2^-6 its numbers thin out into subnormals
     and below 2^-10 everything is 0. A tensor therefore has to be *scaled* into that range before the
@@ -232,12 +433,14 @@ def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor
     raise NotImplementedError("exercise: quantize_tiles_1x128 — see chapters/08_mixed_precision.md")
 
 
-# --- 5. delayed scaling: the scale of the next step from a window of amaxes -------------------------
+# --- 8. delayed scaling: the scale of the next step from a window of amaxes -------------------------
 
 
 def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int = 0,
                            algo: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of Transformer Engine's delayed scaling for one tensor: ``(new_history, new_scale)``.
+    """Kind: build
+
+    One step of Transformer Engine's delayed scaling for one tensor: ``(new_history, new_scale)``.
 
     Finding ``amax`` before every cast costs a pass over the tensor. *Delayed* scaling casts this
     step's tensor with a scale computed from *past* steps' amaxes instead, and records this step's
@@ -254,7 +457,7 @@ def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_
     and is cleared). ``margin`` leaves 2^margin of headroom for growth before the next update.
 
     **Your task:** return new tensors (fp32, on the inputs' device), leaving ``amax_history`` and
-    ``scale`` (a 0-dim fp32 tensor) unchanged. The arguments are already checked. (As in exercise 4,
+    ``scale`` (a 0-dim fp32 tensor) unchanged. The arguments are already checked. (As in exercise 7,
     divide tensors, ``torch.full_like(amax, fp8_max) / amax``, for a correctly rounded scale.)
     """
     if not isinstance(amax_history, torch.Tensor) or amax_history.dim() != 1 or amax_history.numel() < 1:

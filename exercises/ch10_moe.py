@@ -1,15 +1,17 @@
 # generated from solutions/ch10_moe.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 28e70687576992cb of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint ed347bfb2e41d59d of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss,
-expert choice, auxiliary-loss-free balancing.
+expert choice, auxiliary-loss-free balancing, expert-parallel dispatch and combine, the traffic and
+drops of an expert-parallel step predicted.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
 says its kind: *build* a piece of the system, *derive* a formula, or *measure* (predict,
 then run). Check your work: ``python -m minitorch_dist grade --chapter ch10``.
 
-Nothing here needs ranks: a router is what every rank runs on its own tokens before the
-all-to-all that sends them to their experts. Tokens are flattened: ``T`` tokens, ``E`` experts.
+Exercises 1-4 need no ranks: a router is what every rank runs on its own tokens before the
+all-to-all that sends them to their experts. Exercise 5 is that all-to-all, on ranks; exercise 6
+predicts what it moves and drops. Tokens are flattened: ``T`` tokens, ``E`` experts.
 
 1. :func:`top2_gating_with_capacity`: GShard's top-2 gating (Lepikhin et al. 2021, "GShard:
    Scaling Giant Models with Conditional Computation and Automatic Sharding", Algorithm 1)
@@ -18,11 +20,11 @@ all-to-all that sends them to their experts. Tokens are flattened: ``T`` tokens,
    that finds its expert full is dropped. The result is GShard's pair of ``[T, E, C]`` tensors:
    *dispatch* (which token sits in which slot of which expert's buffer) and *combine* (with
    what weight the slot's output comes back).
-2. :func:`load_balancing_loss`: the auxiliary loss of Switch Transformers (Fedus et al. 2021,
+2. :func:`switch_aux_loss`: the auxiliary loss of Switch Transformers (Fedus et al. 2021,
    "Switch Transformers: Scaling to Trillion Parameter Models with Simple and Efficient
    Sparsity", §2.2, eq. 4-6), ``α·N·Σ_i f_i·P_i``: the fraction of tokens routed to expert i
    times the router's mean probability for it, minimised (= α) by a uniform load.
-3. :func:`expert_choice_routing`: Expert Choice (Zhou et al. 2022, "Mixture-of-Experts with
+3. :func:`experts_choose_tokens`: Expert Choice (Zhou et al. 2022, "Mixture-of-Experts with
    Expert Choice Routing", §3.1, eq. 1): turn the choice around, each *expert* picks its top
    ``k = n·c/e`` tokens, so every expert is exactly full and nothing is dropped for capacity
    (a token may instead be picked by several experts, or by none).
@@ -31,12 +33,22 @@ all-to-all that sends them to their experts. Tokens are flattened: ``T`` tokens,
    Algorithm 1; DeepSeek-V3 Technical Report §2.1.2, eq. 16): a per-expert bias added to the
    scores *for choosing* the top-k experts only, the gates taken from the unbiased scores; after
    each step the bias of an overloaded expert falls by γ and an underloaded one's rises by γ.
+5. :func:`ep_moe_forward`: expert parallelism (GShard §2.2; Switch Transformers §5): each rank
+   holds E/n of the experts and routes its own tokens; the kept rows travel to their experts'
+   ranks by an all-to-all and come back by another, and the result equals the single-process
+   layer, gradients included.
+6. :func:`ep_traffic_forecast`: before running it, predict the bytes one rank's all-to-alls move
+   in a training step of that layer and the assignments its capacity drops, for a router that
+   spreads tokens at random; the tests measure both on 2 and 4 ranks.
 """
 from __future__ import annotations
 
 import torch
 
+from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.analysis.costmodel import expert_choice_capacity, moe_capacity
+from minitorch_dist.parallelism.mappings import all_to_all, size_and_rank
+from minitorch_dist.runtime import comm
 
 
 def _check_logits(logits: torch.Tensor, min_experts: int = 1) -> None:
@@ -54,7 +66,9 @@ def _check_logits(logits: torch.Tensor, min_experts: int = 1) -> None:
 
 def top2_gating_with_capacity(logits: torch.Tensor, capacity_factor: float = 1.0
                               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(combine_weights, dispatch_mask, dropped)`` of GShard top-2 gating (Lepikhin et al. 2021,
+    """Kind: build
+
+    ``(combine_weights, dispatch_mask, dropped)`` of GShard top-2 gating (Lepikhin et al. 2021,
     Algorithm 1, without its random dispatch of small second gates) for router ``logits`` [T, E].
 
     ``C = moe_capacity(T, E, k=2, capacity_factor)`` = ceil(cf · 2T / E) slots per expert.
@@ -85,9 +99,11 @@ def top2_gating_with_capacity(logits: torch.Tensor, capacity_factor: float = 1.0
 # --- 2. the load-balancing auxiliary loss ---------------------------------------------------------
 
 
-def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor,
-                        alpha: float = 0.01) -> torch.Tensor:
-    """Switch Transformers' auxiliary loss (Fedus et al. 2021, §2.2, eq. 4-6), a 0-dim tensor::
+def switch_aux_loss(router_probs: torch.Tensor, expert_index: torch.Tensor,
+                    alpha: float = 0.01) -> torch.Tensor:
+    """Kind: derive
+
+    Switch Transformers' auxiliary loss (Fedus et al. 2021, §2.2, eq. 4-6), a 0-dim tensor::
 
         loss = α · N · Σ_i f_i · P_i
         f_i  = (1/T) Σ_x 1{argmax p(x) = i}       fraction of tokens dispatched to expert i
@@ -115,15 +131,17 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_index: torch.Tensor,
         raise ValueError(f"expert_index has ids outside [0, {N}): one id per expert of router_probs")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0 (the paper uses 1e-2), got {alpha!r}")
-    raise NotImplementedError("exercise: load_balancing_loss — see chapters/10_moe.md")
+    raise NotImplementedError("exercise: switch_aux_loss — see chapters/10_moe.md")
 
 
 # --- 3. expert-choice routing ------------------------------------------------------------------------
 
 
-def expert_choice_routing(logits: torch.Tensor, capacity_factor: float = 1.0
+def experts_choose_tokens(logits: torch.Tensor, capacity_factor: float = 1.0
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gates, token_index)``, each [E, k]: Expert Choice routing (Zhou et al. 2022, §3.1, eq. 1)::
+    """Kind: derive
+
+    ``(gates, token_index)``, each [E, k]: Expert Choice routing (Zhou et al. 2022, §3.1, eq. 1)::
 
         S    = softmax(X · W_g)        [n, e]   token-to-expert affinity, softmax over experts
         G, I = TopK(Sᵀ, k)             [e, k]   each expert's k best tokens and their scores
@@ -139,7 +157,7 @@ def expert_choice_routing(logits: torch.Tensor, capacity_factor: float = 1.0
     _check_logits(logits)
     T, E = logits.shape
     k = expert_choice_capacity(T, E, capacity_factor)
-    raise NotImplementedError("exercise: expert_choice_routing — see chapters/10_moe.md")
+    raise NotImplementedError("exercise: experts_choose_tokens — see chapters/10_moe.md")
 
 
 # --- 4. auxiliary-loss-free load balancing -----------------------------------------------------------
@@ -154,7 +172,9 @@ def _check_scores_and_bias(scores: torch.Tensor, bias: torch.Tensor) -> None:
 
 def aux_free_select(scores: torch.Tensor, bias: torch.Tensor, k: int = 1
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(experts, gates)``, each [T, k]: top-k selection with a per-expert bias (DeepSeek-V3 eq. 16)::
+    """Kind: derive
+
+    ``(experts, gates)``, each [T, k]: top-k selection with a per-expert bias (DeepSeek-V3 eq. 16)::
 
         experts[t] = the k experts with the largest  scores[t, i] + bias[i]     (best first)
         gates[t]   = scores[t, experts[t]] / Σ_j scores[t, experts[t, j]]       (k > 1)
@@ -171,7 +191,9 @@ def aux_free_select(scores: torch.Tensor, bias: torch.Tensor, k: int = 1
 
 
 def aux_free_bias_step(bias: torch.Tensor, expert_index: torch.Tensor, rate: float = 0.001) -> torch.Tensor:
-    """The bias after one training step (Wang et al. 2024, Algorithm 1), a new tensor::
+    """Kind: derive
+
+    The bias after one training step (Wang et al. 2024, Algorithm 1), a new tensor::
 
         c_i  = number of assignments to expert i in ``expert_index`` ([T] or [T, k] expert ids)
         b_i ← b_i + rate · sign(mean_j c_j − c_i)
@@ -189,3 +211,92 @@ def aux_free_bias_step(bias: torch.Tensor, expert_index: torch.Tensor, rate: flo
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
         raise ValueError(f"rate must be > 0 (DeepSeek-V3 uses 0.001), got {rate!r}")
     raise NotImplementedError("exercise: aux_free_bias_step — see chapters/10_moe.md")
+
+
+# --- 5. expert-parallel dispatch and combine -----------------------------------------------------------
+
+
+def ep_moe_forward(x: torch.Tensor, router, local_experts, group=None) -> torch.Tensor:
+    """Kind: build
+
+    One MoE layer with its experts spread over the ``n`` ranks of ``group`` (GShard §2.2; Switch
+    Transformers §5): this rank's outputs ``y`` [T, h] for its own tokens ``x`` [T, h].
+
+    Every rank holds the same ``router`` (a :class:`~minitorch_dist.sparsity.routers.Router`) and only
+    its own experts, ``local_experts`` = experts ``[r·E/n, (r+1)·E/n)`` of the layer (rank r, E
+    experts). ``router(x)`` returns a ``Routing`` whose kept assignments ``tokens``, ``experts``,
+    ``weights`` [A] are sorted by expert, and ``counts`` [E] (int64) the kept assignments per expert.
+    The steps:
+
+        1. route x; the kept rows ``x[routing.tokens]`` are already grouped by expert, hence by the
+           rank that owns the expert (rank j owns experts j·E/n ... (j+1)·E/n - 1)
+        2. counts: an all-to-all of the E counts tells each rank how many rows every rank will send
+           to each of its experts (``comm.all_to_all(out, inp, out_splits, in_splits, group=group)``,
+           splits of E/n counts)
+        3. dispatch: an all-to-all of the rows, uneven splits (rows this rank sends to each rank, rows
+           it receives from each)
+        4. the received rows arrive source-major (all of rank 0's rows, by expert, then rank 1's ...):
+           regroup them by local expert, run each expert on its rows, put the outputs back in the
+           order they arrived
+        5. combine: the reverse all-to-all (the splits swapped) brings every output home;
+           ``y[t] = Σ weights[a] · out[a]`` over token t's kept assignments, 0 for a token with none
+
+    ``all_to_all(rows, out_splits, in_splits, group)`` (imported above) is differentiable: its backward
+    is the all-to-all of the gradients with the splits swapped. Use it for steps 3 and 5, so that the
+    gradients of ``x``, of the router (through ``weights``) and of the local experts (which saw every
+    rank's rows) all come out right. The result, outputs and gradients, must equal the single-process
+    layer (``sparsity.moe.MoELayer``: the same router and all E experts) run on this rank's ``x``
+    alone. Give every local expert its rows even when there are none (an expert run on an empty block
+    gets a zero gradient rather than ``None``).
+    """
+    n, r = size_and_rank(group, "expert parallelism")
+    if x.dim() != 2 or x.size(1) != router.h:
+        raise ValueError(f"x must be this rank's tokens [T, h={router.h}], got shape {tuple(x.shape)}")
+    E, El = router.n_experts, len(local_experts)
+    if El * n != E:
+        raise ValueError(f"rank {r} holds {El} experts but the router scores E = {E} on {n} ranks: each "
+                         f"rank must hold E/n experts (E divisible by n)")
+    raise NotImplementedError("exercise: ep_moe_forward — see chapters/10_moe.md")
+
+
+# --- 6. the traffic and drops of an expert-parallel step, predicted ----------------------------------
+
+
+def ep_traffic_forecast(tokens: int, hidden: int, n_experts: int, n_ranks: int, capacity_factor: float = 1.0,
+                        bytes_per_element: int = 4) -> dict:
+    """Kind: measure
+
+    Predict, before running it, what one training step (forward and backward) of an expert-parallel
+    Switch layer (top-1, the layer of exercise 5) costs one rank, when every rank routes ``tokens``
+    tokens and the router sends each token to one of the ``n_experts`` experts uniformly at random,
+    independently of the others. Return a dict:
+
+    * ``"capacity"``: C, the assignments one expert takes from one rank's batch (capacity is per rank:
+      every rank routes its own tokens);
+    * ``"dropped"``: the expected number of assignments one rank drops (an expert asked for more than
+      C keeps the first C);
+    * ``"bytes"``: the expected bytes one rank's comm meter counts in ``all_to_all`` over the step.
+
+    The step runs five all-to-alls: forward, the counts (E int64s), the dispatch (every kept row,
+    ``hidden`` elements of ``bytes_per_element`` bytes) and the combine (every row this rank received,
+    sent back); backward, the combine's and the dispatch's again, splits swapped. The meter counts a
+    rank's whole input to each call, the rows it keeps for itself included. On average a rank receives
+    as many rows as it keeps (every rank routes the same way).
+
+    ``costmodel`` has every formula you need (capacity, expected drops under random routing, the
+    all-to-all bytes of an MoE layer and of the counts exchange). The tests compare your numbers with
+    values computed independently (relative 1e-9), and with the mean over many batches measured on 2
+    and 4 ranks (within 5 standard errors of that mean).
+    """
+    for name, v in (("tokens", tokens), ("hidden", hidden), ("n_experts", n_experts), ("n_ranks", n_ranks),
+                    ("bytes_per_element", bytes_per_element)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n_experts % n_ranks:
+        raise ValueError(f"n_experts {n_experts} is not divisible by n_ranks {n_ranks}: each rank holds "
+                         f"E/n experts")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+            or not 0 < capacity_factor < float("inf"):
+        raise ValueError(f"capacity_factor must be a number > 0 (1.0 = an even share), "
+                         f"got {capacity_factor!r}")
+    raise NotImplementedError("exercise: ep_traffic_forecast — see chapters/10_moe.md")

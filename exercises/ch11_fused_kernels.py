@@ -1,7 +1,7 @@
 # generated from solutions/ch11_fused_kernels.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 76658cf57fbf5a73 of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint 87069c892be5de60 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online softmax, LayerNorm backward
-reductions, FlashAttention's forward.
+reductions, FlashAttention's forward; and the bytes a softmax moves, eager and fused, predicted.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -29,15 +29,18 @@ the interpreter cannot do arithmetic on bf16 values, and fp16 sums lose digits a
    column block into the final ``dw`` and ``db``.
 5. :func:`attention_forward_kernel`: FlashAttention-2's forward (Dao 2023, Algorithm 1) for one
    tile of query rows: sweep the key/value tiles with an online softmax, never writing a score to
-   memory; store the output and the row log-sum-exp. Graded against
-   ``F.scaled_dot_product_attention``.
+   memory; store the output and the row log-sum-exp. Graded against PyTorch's attention.
+6. :func:`softmax_traffic_forecast`: before counting them, predict the bytes a row softmax moves
+   through memory as five eager PyTorch ops and as one fused kernel (a row in one block, or streamed
+   in several), with the cost model; the tests count both.
 """
 from __future__ import annotations
 
 import torch
 
 # first: chooses compiled CUDA or the interpreter before any @triton.jit below runs
-from minitorch_dist.kernels._runtime import as_rows, check_device, tl, triton
+from minitorch_dist.kernels._runtime import as_rows, check_device, tl, triton  # isort: skip
+from minitorch_dist.analysis import costmodel as cm
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -53,7 +56,9 @@ def _pow2(name: str, value: int) -> int:
 
 @triton.jit
 def bias_gelu_kernel(x_ptr, bias_ptr, y_ptr, n_elements, N, BLOCK: tl.constexpr, APPROXIMATE: tl.constexpr):
-    """``y = gelu(x + bias)`` over a contiguous ``x`` of ``n_elements`` whose last dimension is ``N``.
+    """Kind: build
+
+    ``y = gelu(x + bias)`` over a contiguous ``x`` of ``n_elements`` whose last dimension is ``N``.
 
     Program ``p`` handles the flat elements ``[p * BLOCK, (p + 1) * BLOCK)``; the last block is
     partly past the end, so mask its loads and stores. Element ``i`` adds ``bias[i % N]``.
@@ -97,7 +102,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none",
 
 @triton.jit
 def online_softmax_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOCK: tl.constexpr):
-    """Softmax of row ``r = program_id(0)`` of ``x`` (``N`` columns, row ``r`` starts at
+    """Kind: build
+
+    Softmax of row ``r = program_id(0)`` of ``x`` (``N`` columns, row ``r`` starts at
     ``x_ptr + r * x_row_stride``) into ``y``, for any ``N``, ``BLOCK`` columns at a time.
 
     Sweep 1, over the column blocks ``B_1, B_2, ...``: keep two fp32 numbers, the running max
@@ -135,7 +142,9 @@ def online_softmax(x: torch.Tensor, block_size: int | None = None) -> torch.Tens
 @triton.jit
 def layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, partial_dw_ptr,
                               partial_db_ptr, row_stride, M, N, rows_per_group, BLOCK: tl.constexpr):
-    """LayerNorm backward for group ``g = program_id(0)``: rows ``[g R, min((g + 1) R, M))`` with
+    """Kind: build
+
+    LayerNorm backward for group ``g = program_id(0)``: rows ``[g R, min((g + 1) R, M))`` with
     ``R = rows_per_group``. ``dy``, ``x``, ``dx`` are ``M x N`` with row stride ``row_stride``;
     ``w`` has ``N`` entries; ``mean``, ``rstd`` (fp32, ``M``) were saved by the forward;
     ``partial_dw``, ``partial_db`` are fp32 ``G x N``, contiguous. A whole row fits one block
@@ -159,7 +168,9 @@ def layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, 
 
 @triton.jit
 def column_sum_kernel(a_ptr, out_ptr, G, N, a_row_stride, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out[j] = sum_i a[i, j]`` for the ``BLOCK_N`` columns of program ``program_id(0)``, over
+    """Kind: build
+
+    ``out[j] = sum_i a[i, j]`` for the ``BLOCK_N`` columns of program ``program_id(0)``, over
     all ``G`` rows of ``a`` (fp32, row stride ``a_row_stride``), ``BLOCK_G`` rows at a time.
 
     Load ``BLOCK_G x BLOCK_N`` tiles (``rows[:, None]`` and ``cols[None, :]`` broadcast to a 2-D
@@ -229,7 +240,9 @@ def attention_forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale,
                              stride_bh_q, stride_s_q, stride_bh_k, stride_s_k, stride_bh_o, stride_s_o,
                              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              D: tl.constexpr):
-    """Attention of query rows ``[i0, i0 + BLOCK_M)``, ``i0 = program_id(0) * BLOCK_M``, of the
+    """Kind: build
+
+    Attention of query rows ``[i0, i0 + BLOCK_M)``, ``i0 = program_id(0) * BLOCK_M``, of the
     (batch, head) pair ``program_id(1)`` to all the keys: FlashAttention-2's forward (Dao 2023,
     Algorithm 1; chapter 11, "FlashAttention").
 
@@ -278,3 +291,34 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                                        Sq * D, D, k.shape[2] * D, D, Sq * D, D, CAUSAL=bool(causal),
                                        BLOCK_M=block_m, BLOCK_N=_pow2("block_n", block_n), D=D)
     return o, lse
+
+
+# --- 6. the bytes a softmax moves, predicted -----------------------------------------------------------
+
+
+def softmax_traffic_forecast(M: int, N: int, dtype_bytes: int = 4, block: int | None = None) -> dict:
+    """Kind: measure
+
+    Predict, before anything runs, the bytes a row softmax of an ``M x N`` matrix (elements of
+    ``dtype_bytes`` bytes) moves to and from memory, read and written together:
+
+    * ``"eager"``: as the five PyTorch ops ``amax``, subtract, ``exp``, ``sum``, divide, each a kernel
+      that reads its tensor operands from memory and writes its result there (the row maxima and
+      sums are tensors of M elements; views move nothing);
+    * ``"fused"``: as one Triton kernel, one program per row, that loads ``block`` columns at a time
+      (``block=None``: the whole row in one block). A row that fits its block is read once and its
+      output written once; a longer row is streamed twice (the online softmax: one sweep for the max
+      and the normaliser, one to write the output) and written once. Nothing else goes to memory;
+    * ``"ratio"``: eager over fused, the speed-up a memory-bound kernel gets from fusion.
+
+    ``costmodel`` has the eager and the one-block counts; the streamed kernel is yours to adjust.
+    The tests count both exactly: the eager ops under a dispatch mode that adds up every op's tensor
+    arguments and results, the fused kernels in Triton's interpreter by wrapping its loads and
+    stores. Your numbers must equal the counts (to the byte).
+    """
+    for name, v in (("M", M), ("N", N), ("dtype_bytes", dtype_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if block is not None:
+        _pow2("block", block)
+    raise NotImplementedError("exercise: softmax_traffic_forecast — see chapters/11_fused_kernels.md")

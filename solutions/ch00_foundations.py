@@ -9,12 +9,14 @@ helpers) is scaffolding the student keeps. Tests: ``pytest -m ch00 tests/exercis
 1. :func:`recursive_doubling_all_gather`: a latency-optimal all-gather built from point-to-point
    messages (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
    Operations in MPICH", §4.1).
-2. :func:`fit_alpha_beta`: the alpha-beta (Hockney 1994) cost of a ring all-reduce, fitted to a
-   timing table (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4).
+2. :func:`alpha_beta_from_timings`: the alpha-beta (Hockney 1994) cost of a ring all-reduce, fitted
+   to a timing table (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4).
 3. :func:`training_memory_bytes`: bytes of model states for training (Rajbhandari et al. 2020,
    ZeRO, §3.1; Anthony, Biderman & Schoelkopf 2023, "Transformer Math 101").
 4. :func:`largest_model_that_fits`: the largest model plain data parallelism can train on one
    device.
+5. :func:`predict_and_meter_allreduce_bytes`: predict the bytes each rank sends in a ring and a
+   recursive-doubling all-reduce, then count them on real ranks.
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import collectives, comm
 
 # --- 1. recursive-doubling all-gather ----------------------------------------------------------
 
 
 def recursive_doubling_all_gather(chunk: torch.Tensor) -> torch.Tensor:
-    """All-gather ``chunk`` from every rank by recursive doubling; call it on every rank.
+    """Kind: build
+
+    All-gather ``chunk`` from every rank by recursive doubling; call it on every rank.
 
     Returns what ``dist.all_gather_into_tensor`` returns: the chunks of ranks 0..n-1
     concatenated along dim 0, a tensor of shape ``(n * chunk.shape[0], *chunk.shape[1:])``.
@@ -88,8 +92,10 @@ def recursive_doubling_all_gather(chunk: torch.Tensor) -> torch.Tensor:
 # --- 2. fitting the alpha-beta model --------------------------------------------------------
 
 
-def fit_alpha_beta(sizes_bytes, times_s, n: int) -> tuple[float, float]:
-    """Fit latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte) to ring all-reduce times.
+def alpha_beta_from_timings(sizes_bytes, times_s, n: int) -> tuple[float, float]:
+    """Kind: derive
+
+    Fit latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte) to ring all-reduce times.
 
     The ring all-reduce of an S-byte buffer on n ranks is a reduce-scatter then an all-gather,
     2(n-1) steps each sending S/n bytes (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4). Each
@@ -141,7 +147,9 @@ PRECISIONS = ("fp32", "mixed")
 
 
 def training_memory_bytes(num_params, optimizer: str = "adamw", precision: str = "mixed") -> dict:
-    """Bytes of *model states* needed to train ``num_params`` parameters (no activations).
+    """Kind: derive
+
+    Bytes of *model states* needed to train ``num_params`` parameters (no activations).
 
     Returns ``{"weights", "gradients", "optimizer", "total"}`` in bytes, where ``optimizer`` is
     everything the optimizer owns (its states, plus the fp32 master weights under mixed
@@ -179,7 +187,9 @@ def training_memory_bytes(num_params, optimizer: str = "adamw", precision: str =
 
 def largest_model_that_fits(device_bytes, optimizer: str = "adamw", precision: str = "mixed",
                             activation_bytes=0) -> int:
-    """The largest parameter count whose model states and activations fit in ``device_bytes``.
+    """Kind: derive
+
+    The largest parameter count whose model states and activations fit in ``device_bytes``.
 
     Plain data parallelism replicates everything: every rank holds all weights, gradients and
     optimizer states, so adding ranks never lets a bigger model fit (ZeRO §3.1, "Where did all
@@ -201,4 +211,54 @@ def largest_model_that_fits(device_bytes, optimizer: str = "adamw", precision: s
     per_param = training_memory_bytes(1, optimizer, precision)["total"]
     free = int(device_bytes - activation_bytes)  # whole bytes: N * per_param is an integer
     return max(0, free // per_param)
+    # END SOLUTION
+
+
+# --- 5. bytes on the wire: predicted, then counted ---------------------------------------------
+
+
+def predict_and_meter_allreduce_bytes(x: torch.Tensor) -> dict:
+    """Kind: measure
+
+    Predict how many bytes this rank sends to all-reduce ``x``, with the ring and with recursive
+    doubling, then run both on the ranks and count them. Call it on every rank (inside
+    ``launch``), each rank with its own ``x`` of the same shape and dtype.
+
+    Returns ``{"ring": {"predicted": p, "measured": m}, "recursive_doubling": {...}}`` in bytes,
+    for *this* rank.
+
+    **Predict** from the alpha-beta model's bandwidth terms, with S = ``x.numel() * x.element_size()``
+    and n ranks: the ring sends ``2(n-1)/n * S`` per rank (the all-reduce's bus-bandwidth factor,
+    2(n-1)/n: n-1 reduce-scatter steps and n-1 all-gather steps of S/n each); recursive doubling
+    swaps the whole buffer in each of its log2(n) steps, ``log2(n) * S``.
+
+    **Measure** by running ``collectives.ring_all_reduce`` and
+    ``collectives.recursive_doubling_all_reduce`` (each on a *clone* of ``x``: they sum in place)
+    inside ``with comm.meter() as m:``, one meter each. Every message they send goes through
+    ``comm``, so ``m.wire_bytes["send"]`` is what really left this rank (a receive is not
+    charged: the sender pays).
+
+    **How close.** When n divides ``x.numel()`` the ring's chunks are equal and the count equals
+    the prediction exactly. Otherwise the chunks differ by one element, and each rank's count is
+    within ``2(n-1)/n * x.element_size()`` bytes of it (under two elements), while the counts of
+    all ranks still add up to exactly ``2(n-1) * S``. Recursive doubling's count is always exact.
+    The tests hold you to those tolerances, and check your measured counts against chunk sizes
+    worked out independently.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("predict_and_meter_allreduce_bytes runs inside ranks: call it from a function "
+                           "started with minitorch_dist.launch(fn, n)")
+    n = dist.get_world_size()
+    if n & (n - 1):
+        raise ValueError(f"recursive doubling needs a power-of-two number of ranks, got {n}")
+    S = x.numel() * x.element_size()
+    # BEGIN SOLUTION
+    predicted = {"ring": 2 * (n - 1) / n * S, "recursive_doubling": (n.bit_length() - 1) * S}
+    out = {}
+    for name, algorithm in (("ring", collectives.ring_all_reduce),
+                            ("recursive_doubling", collectives.recursive_doubling_all_reduce)):
+        with comm.meter() as m:
+            algorithm(x.clone())
+        out[name] = {"predicted": predicted[name], "measured": m.wire_bytes["send"]}
+    return out
     # END SOLUTION

@@ -16,6 +16,10 @@ Training" (VLDB), the design of ``torch.nn.parallel.DistributedDataParallel`` (D
    with Communication"), without buckets.
 3. :func:`accumulate_gradients`: gradient accumulation over micro-batches with DDP's
    ``no_sync()``, one all-reduce per k micro-batches (§3.2.4 "Gradient Accumulation").
+4. :func:`install_bucketed_gradient_hooks`: the two ideas together — gradients packed into
+   buckets whose all-reduces are launched during backward, in bucket order (§3.2.2-3.2.3).
+5. :func:`predict_and_meter_ddp_traffic`: predict the all-reduces and bytes of one DDP step with
+   gradient accumulation, then count them with the comm meter.
 """
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ from minitorch_dist.runtime import comm
 
 
 def assign_buckets(param_sizes_bytes, cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
-    """Group parameters into all-reduce buckets; return the parameter indices of each bucket.
+    """Kind: derive
+
+    Group parameters into all-reduce buckets; return the parameter indices of each bucket.
 
     One all-reduce per gradient pays the latency alpha once per tensor (a GPT has hundreds);
     one all-reduce of everything cannot start until backward has finished. DDP takes the middle
@@ -82,7 +88,9 @@ def assign_buckets(param_sizes_bytes, cap_bytes: int, first_cap_bytes: int | Non
 
 
 def install_gradient_averaging_hooks(model: nn.Module, group=None) -> list:
-    """Make every backward of ``model`` average its gradients over the ranks, as they are produced.
+    """Kind: build
+
+    Make every backward of ``model`` average its gradients over the ranks, as they are produced.
 
     Data parallelism in its simplest overlapped form: each rank runs forward and backward on its
     slice of the global batch, and the gradient of the *global* mean loss is the mean over ranks
@@ -132,7 +140,9 @@ def install_gradient_averaging_hooks(model: nn.Module, group=None) -> list:
 
 
 def accumulate_gradients(model: nn.Module, loss_fn, micro_batches, no_sync: bool = True) -> float:
-    """Forward and backward over k micro-batches, accumulating the gradient of their mean loss.
+    """Kind: build
+
+    Forward and backward over k micro-batches, accumulating the gradient of their mean loss.
 
     When the batch that converges well does not fit in memory, split it into k micro-batches
     and let ``.grad`` accumulate over k backward passes. Under DDP every backward all-reduces
@@ -167,4 +177,158 @@ def accumulate_gradients(model: nn.Module, loss_fn, micro_batches, no_sync: bool
             (loss / k).backward()
         total += loss.item()
     return total / k
+    # END SOLUTION
+
+
+# --- 4. bucketed DDP with overlap -------------------------------------------------------------------
+
+
+def install_bucketed_gradient_hooks(model: nn.Module, cap_bytes: int, first_cap_bytes: int | None = None,
+                                    group=None) -> list:
+    """Kind: build
+
+    Data parallelism as DDP does it (Li et al. §3.2.2-3.2.3): gradients packed into buckets, each
+    bucket all-reduced *asynchronously* the moment it is complete, while backward computes the
+    rest; when backward returns, every ``param.grad`` is the average over the ranks of ``group``.
+
+    Exercise 2 all-reduced every tensor alone (one latency each); here a whole bucket goes in one
+    all-reduce. The pieces:
+
+    - **The plan.** Take the parameters that require grad, in registration order
+      (``model.parameters()``), and bucket them with your :func:`assign_buckets` on their gradient
+      sizes in bytes (``p.numel() * p.element_size()``), caps ``cap_bytes`` and ``first_cap_bytes``:
+      bucket 0 holds the last parameters, the ones whose gradients backward produces first.
+    - **One flat buffer per bucket** (``torch.zeros`` of the bucket's total numel, the parameters'
+      dtype): parameter k of the bucket owns a slice of it; ``flat[a:b].view_as(p)`` is a view you
+      can write into and read from.
+    - **A hook per parameter** (``register_post_accumulate_grad_hook``, as in exercise 2): copy
+      ``p.grad / n`` into the parameter's slice and mark it ready. Then launch, in bucket order,
+      every bucket that is complete and not yet launched: ``comm.all_reduce(flat, group=group,
+      async_op=True)``, keeping the work. **Never launch bucket j + 1 before bucket j**, even when
+      it is complete first: every rank must issue the same collectives in the same order, or the
+      ring pairs one rank's bucket 1 with another's bucket 0.
+    - **The end of backward.** The first hook of each backward queues a callback with
+      ``torch.autograd.Variable._execution_engine.queue_callback(fn)``; it runs when backward has
+      produced every gradient: wait for every launched work, copy each slice back into its
+      ``p.grad`` (``p.grad.copy_(view)``), and reset the per-backward state (nothing ready, no
+      bucket launched) so the next backward starts afresh.
+
+    Return the hook handles (one per parameter that requires grad). Every parameter is assumed to
+    get a gradient in every backward (no unused parameters), and all of them share one dtype.
+    The tests compare the gradients and several SGD steps with a single process on the global
+    batch and with ``torch.nn.parallel.DistributedDataParallel`` on 2 and 4 ranks, and count the
+    all-reduces with ``comm.meter()``: one per bucket, each of the bucket's size, asynchronous, in
+    bucket order, all but the last launched before backward reaches the first layer.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("install_bucketed_gradient_hooks runs inside ranks: call it from a function "
+                           "started with minitorch_dist.launch(fn, n)")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters with requires_grad=True: no gradients "
+                         "to average")
+    if len({(p.dtype, p.device) for p in params}) > 1:
+        raise ValueError("all parameters must share one dtype and device (one flat buffer per bucket)")
+    # BEGIN SOLUTION
+    n = dist.get_world_size(group)
+    plan = assign_buckets([p.numel() * p.element_size() for p in params], cap_bytes, first_cap_bytes)
+    buckets = [[params[i] for i in b] for b in plan]
+    flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device) for b in buckets]
+    views, bucket_of = {}, {}
+    for j, (b, flat) in enumerate(zip(buckets, flats)):
+        offset = 0
+        for p in b:
+            views[id(p)], bucket_of[id(p)] = flat[offset:offset + p.numel()].view_as(p), j
+            offset += p.numel()
+    state = {"ready": [0] * len(buckets), "works": [], "started": False}
+
+    def finish():  # the autograd engine calls it once backward has produced every gradient
+        for work in state["works"]:
+            work.wait()
+        for p in params:
+            p.grad.copy_(views[id(p)])
+        state.update(ready=[0] * len(buckets), works=[], started=False)
+
+    def on_grad(p):
+        if not state["started"]:  # the first gradient of this backward
+            state["started"] = True
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
+        torch.div(p.grad, n, out=views[id(p)])
+        state["ready"][bucket_of[id(p)]] += 1
+        launched = len(state["works"])  # buckets 0 .. launched-1 are on their way
+        while launched < len(buckets) and state["ready"][launched] == len(buckets[launched]):
+            state["works"].append(comm.all_reduce(flats[launched], group=group, async_op=True))
+            launched += 1
+
+    return [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+    # END SOLUTION
+
+
+# --- 5. predict, then count, the traffic of a DDP step -----------------------------------------------
+
+
+def predict_and_meter_ddp_traffic(model: nn.Module, micro_batches, bucket_cap_mb: float,
+                                  first_bucket_mb: float, no_sync: bool = True) -> dict:
+    """Kind: measure
+
+    Predict the all-reduces of one optimizer step of the course's DDP
+    (``minitorch_dist.parallelism.data_parallel.DistributedDataParallel``) with gradient
+    accumulation over k = ``len(micro_batches)`` micro-batches, then run the step and count them.
+    Call it on every rank (inside ``launch``).
+
+    ``model(x, y)`` returns ``(logits, loss)`` like the course GPT; ``micro_batches`` is this rank's
+    list of ``(x, y)``. Return::
+
+        {"predicted": {"all_reduce_bytes": [S_0, S_1, ...], "wire_bytes": w},
+         "measured":  {"all_reduce_bytes": [...],           "wire_bytes": w'}}
+
+    ``all_reduce_bytes`` lists the size S of each all-reduce of the step in the order they run,
+    ``wire_bytes`` what this rank sends for them in all.
+
+    **Predict** before running anything. DDP buckets the gradients of the parameters that require
+    grad with the rule of :func:`assign_buckets` (your exercise 1), caps ``bucket_cap_mb`` and
+    ``first_bucket_mb`` in MiB (``int(mb * 2**20)`` bytes, as torch's DDP counts them); each backward
+    that synchronises all-reduces every bucket once, in bucket order. With ``no_sync=True`` only the
+    last of the k backward passes synchronises (the first k-1 run under ``ddp.no_sync()``); with
+    ``no_sync=False`` all k do. Each all-reduce of S bytes makes a rank send 2(n-1)/n * S (the ring's
+    bus-bandwidth factor, chapter 00).
+
+    **Measure**: wrap the model (``DistributedDataParallel(model, bucket_cap_mb=...,
+    first_bucket_mb=...)``), then, inside ``with comm.meter() as m:``, run the k forward and backward
+    passes (loss / k each, ``ddp.no_sync()`` around the first k-1 when ``no_sync``). The meter's
+    all-reduce events (``e.op == "all_reduce"``) give each size (``e.nbytes``); their
+    ``e.wire_bytes`` add up to what the rank sent.
+
+    **How close.** Counted quantities: the sizes must match exactly, the wire bytes to 1e-9
+    relative (a float sum). The tests run your function inside their own meter, so the measured
+    numbers must be what really ran.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("predict_and_meter_ddp_traffic runs inside ranks: call it from a function "
+                           "started with minitorch_dist.launch(fn, n)")
+    if len(micro_batches) == 0:
+        raise ValueError("need at least one micro-batch")
+    from minitorch_dist.parallelism.data_parallel import DistributedDataParallel
+
+    n, k = dist.get_world_size(), len(micro_batches)
+    # BEGIN SOLUTION
+    params = [p for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in params]
+    plan = assign_buckets(sizes, int(bucket_cap_mb * 2**20), int(first_bucket_mb * 2**20))
+    per_backward = [sum(sizes[i] for i in b) for b in plan]
+    synced = 1 if no_sync else k  # backward passes that all-reduce
+    predicted = per_backward * synced
+    out = {"predicted": {"all_reduce_bytes": predicted,
+                         "wire_bytes": sum(2 * (n - 1) / n * S for S in predicted)}}
+
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    with comm.meter() as m:
+        for i, (x, y) in enumerate(micro_batches):
+            with ddp.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext():
+                _, loss = ddp(x, y)
+                (loss / k).backward()
+    reduces = [e for e in m.events if e.op == "all_reduce"]
+    out["measured"] = {"all_reduce_bytes": [e.nbytes for e in reduces],
+                       "wire_bytes": sum(e.wire_bytes for e in reduces)}
+    return out
     # END SOLUTION

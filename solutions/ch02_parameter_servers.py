@@ -1,5 +1,5 @@
 """Chapter 02 exercises: parameter servers — the SSP admission rule, backup workers,
-sharding keys over servers.
+sharding keys over servers, a stale-synchronous parameter server on ranks and its bytes.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch02_parameter_servers.py`` is generated from this file with each
@@ -7,7 +7,8 @@ such region replaced by ``raise NotImplementedError``. Everything else (imports,
 helpers) is scaffolding the student keeps. Tests: ``pytest -m ch02 tests/exercises``
 (``MTD_IMPL=exercises`` runs them against the stubs).
 
-Nothing here needs ranks: these are the rules a parameter server applies, written as plain functions.
+Exercises 1-3 are the rules a parameter server applies, written as plain functions; 4 assembles a
+parameter server on ranks, 5 predicts its bytes and compares them with what the ranks send.
 
 1. :func:`ssp_can_read` / :func:`ssp_schedule`: Stale Synchronous Parallel (Ho et al. 2013, "More
    Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", §3): a worker may
@@ -15,17 +16,27 @@ Nothing here needs ranks: these are the rules a parameter server applies, writte
 2. :func:`backup_workers_aggregate`: synchronous SGD with backup workers (Chen et al. 2016,
    "Revisiting Distributed Synchronous SGD", §3): of n gradients per step, average the first k to
    arrive and drop the n - k stragglers.
-3. :func:`key_ranges` / :func:`server_of` / :func:`consistent_hash_server`: which server holds a
+3. :func:`contiguous_key_ranges` / :func:`server_of` / :func:`consistent_hash_server`: which server holds a
    key — contiguous key ranges, or a hash ring with virtual nodes (Li et al. 2014, "Scaling
    Distributed Machine Learning with the Parameter Server", §3 key ranges, §4.3 consistent hashing).
+4. :func:`ssp_parameter_server` (build): servers holding key ranges, workers that pull and push, and
+   the staleness bound between them (Ho et al. 2013; Li et al. 2014, §3). s = 0 must be exactly
+   synchronous SGD on the workers' batches; SSP's staleness must never exceed s.
+5. :func:`predict_ps_traffic` (measure): the bytes of one clock, worker and server, against a ring
+   all-reduce (Li et al. 2014, §3; Jiang et al. 2020, "A Unified Architecture for Accelerating
+   Distributed DNN Training in Heterogeneous GPU/CPU Clusters", §4.1) — then counted on ranks.
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
 import math
+import time
 
 import torch
+import torch.distributed as dist
+
+from minitorch_dist.runtime import comm
 
 # --- 1. SSP: the admission rule and a schedule ----------------------------------------------------
 
@@ -37,7 +48,9 @@ def _check_staleness(staleness):
 
 
 def ssp_can_read(worker_clock: int, all_clocks, staleness) -> bool:
-    """May a worker at clock ``worker_clock`` start its next iteration (Ho et al. 2013, §3)?
+    """Kind: derive
+
+    May a worker at clock ``worker_clock`` start its next iteration (Ho et al. 2013, §3)?
 
     Every worker has a clock: the number of iterations it has finished (and pushed). Under SSP
     with staleness bound s, "the fastest and slowest workers must be <= s clocks apart": a worker
@@ -61,7 +74,9 @@ def ssp_can_read(worker_clock: int, all_clocks, staleness) -> bool:
 
 
 def ssp_schedule(durations, staleness) -> tuple[list[list[float]], int]:
-    """Simulate n SSP workers; return when each iteration started and the largest staleness seen.
+    """Kind: derive
+
+    Simulate n SSP workers; return when each iteration started and the largest staleness seen.
 
     ``durations[w][c]`` is how long worker w computes iteration c (every worker runs the same
     number of iterations; pushes are instantaneous). All start at time 0 with clock 0. Worker w
@@ -116,7 +131,9 @@ def ssp_schedule(durations, staleness) -> tuple[list[list[float]], int]:
 
 
 def backup_workers_aggregate(grads_with_arrival_times, k: int) -> tuple[torch.Tensor, list[int]]:
-    """One step of synchronous SGD with n - k backup workers (Chen et al. 2016, §3).
+    """Kind: build
+
+    One step of synchronous SGD with n - k backup workers (Chen et al. 2016, §3).
 
     n workers compute a gradient on the same parameters; the aggregator averages the first k to
     arrive, applies the update and moves on; the n - k later ones are dropped. A few slow or
@@ -156,8 +173,10 @@ def backup_workers_aggregate(grads_with_arrival_times, k: int) -> tuple[torch.Te
 # --- 3. which server holds a key ---------------------------------------------------------------------
 
 
-def key_ranges(num_keys: int, n_servers: int) -> list[range]:
-    """Cut keys ``0 .. num_keys - 1`` into ``n_servers`` contiguous ranges (Li et al. 2014, §3).
+def contiguous_key_ranges(num_keys: int, n_servers: int) -> list[range]:
+    """Kind: build
+
+    Cut keys ``0 .. num_keys - 1`` into ``n_servers`` contiguous ranges (Li et al. 2014, §3).
 
     A parameter server stores the model as (key, value) pairs and gives each server one range of
     keys, so that a worker's push or pull of a key range touches few servers. The ranges must be
@@ -183,7 +202,9 @@ def key_ranges(num_keys: int, n_servers: int) -> list[range]:
 
 
 def server_of(key: int, ranges: list[range]) -> int:
-    """The server whose range holds ``key``, for ranges as :func:`key_ranges` makes them.
+    """Kind: build
+
+    The server whose range holds ``key``, for ranges as :func:`contiguous_key_ranges` makes them.
 
     A worker does this lookup for every key it pushes or pulls, and there may be thousands of
     servers: scanning the list is O(S), a binary search on the ranges' starts is O(log S)
@@ -193,7 +214,7 @@ def server_of(key: int, ranges: list[range]) -> int:
     """
     if not ranges or ranges[0].start != 0:
         raise ValueError("ranges must be a non-empty list of contiguous key ranges starting at 0 (see "
-                         "key_ranges)")
+                         "contiguous_key_ranges)")
     if int(key) != key or not 0 <= key < ranges[-1].stop:
         raise ValueError(f"key {key} is outside the key space 0..{ranges[-1].stop - 1}")
     # BEGIN SOLUTION
@@ -211,7 +232,9 @@ def ring_position(label: str) -> int:
 
 
 def consistent_hash_server(key, servers, virtual_nodes: int = 16):
-    """The server that holds ``key`` under consistent hashing (Li et al. 2014, §4.3; Karger et al. 1997).
+    """Kind: build
+
+    The server that holds ``key`` under consistent hashing (Li et al. 2014, §4.3; Karger et al. 1997).
 
     Keys and servers are hashed onto one ring of positions 0 .. 2**64 - 1. Each server is placed
     at ``virtual_nodes`` points, ``ring_position(f"{server}#{i}")`` for i = 0 .. virtual_nodes-1
@@ -236,4 +259,233 @@ def consistent_hash_server(key, servers, virtual_nodes: int = 16):
     points = [p for p, _ in ring]
     i = bisect.bisect_left(points, ring_position(str(key)))
     return servers[ring[i % len(ring)][1]]  # past the last point: wrap round to the first
+    # END SOLUTION
+
+
+# --- 4. a stale-synchronous parameter server, on ranks ---------------------------------------------
+#
+# Scaffolding: the messages. Ranks 0..S-1 are servers, ranks S..S+W-1 workers (worker w is rank S + w).
+# Each message is metered by the comm layer (``with comm.meter() as m``) and leaves a status line that
+# ``launch`` prints if the ranks hang.
+
+PUSH, PULL, DONE = 0, 1, 2
+_TAG_REQUEST, _TAG_GRADIENT, _TAG_REPLY, _TAG_VALUES = 21, 22, 23, 24
+
+
+def _send(t: torch.Tensor, dst: int, tag: int, what: str) -> None:
+    comm.record("send", t.numel() * t.element_size(), 2, t.dtype, tuple(t.shape))
+    comm.set_status(f"in send {what} to rank {dst}")
+    dist.send(t, dst, tag=tag)
+    comm.set_status(f"after send {what} to rank {dst}")
+
+
+def send_request(server: int, op: int, worker: int, clock: int, read_clock: int = 0) -> None:
+    """Worker -> server ``server``: the header ``[op, worker, clock, read_clock]`` (int64).
+
+    ``op`` is PUSH (then send the gradient slice with :func:`send_gradient`), PULL (the server
+    answers with :func:`reply` when its rule admits it) or DONE (this worker has finished).
+    For a PUSH, ``read_clock`` is the server clock of the values the gradient was computed from.
+    """
+    _send(torch.tensor([op, worker, clock, read_clock], dtype=torch.int64), server, _TAG_REQUEST,
+          f"request {op} (clock {clock})")
+
+
+def send_gradient(server: int, grad_slice: torch.Tensor) -> None:
+    """Worker -> server: the slice of the gradient that server holds (right after a PUSH header)."""
+    _send(grad_slice.detach().float().contiguous(), server, _TAG_GRADIENT, "gradient")
+
+
+def recv_request(grad_buffer: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Server: wait for the next request from *any* worker; return ``(src, op, worker, clock, read_clock)``,
+    ``src`` the sender's rank. A PUSH's gradient slice is received into ``grad_buffer`` (this server's
+    number of keys) before returning."""
+    header = torch.zeros(4, dtype=torch.int64)
+    comm.set_status("in recv request from any rank")
+    src = dist.recv(header, None, tag=_TAG_REQUEST)
+    comm.record("recv", header.numel() * 8, 2, header.dtype, (4,))
+    op, worker, clock, read_clock = header.tolist()
+    if op == PUSH:
+        comm.set_status(f"in recv gradient from rank {src}")
+        dist.recv(grad_buffer, src, tag=_TAG_GRADIENT)
+        comm.record("recv", grad_buffer.numel() * 4, 2, grad_buffer.dtype, tuple(grad_buffer.shape))
+    comm.set_status(f"after recv request {op} from rank {src}")
+    return src, op, worker, clock, read_clock
+
+
+def reply(worker_rank: int, server_clock: int, values: torch.Tensor) -> list:
+    """Server -> worker: the answer to a pull, ``[server_clock]`` then a *copy* of ``values``, sent
+    without waiting (the server keeps serving meanwhile, and keeps changing its values: hence the
+    copy). Returns the two pending sends: wait on them before the server returns."""
+    header, snapshot = torch.tensor([server_clock], dtype=torch.int64), values.detach().clone()
+    comm.record("send", 8, 2, header.dtype, (1,))
+    comm.record("send", snapshot.numel() * 4, 2, snapshot.dtype, tuple(snapshot.shape))
+    return [dist.isend(header, worker_rank, tag=_TAG_REPLY),
+            dist.isend(snapshot, worker_rank, tag=_TAG_VALUES)]
+
+
+def pull(bounds, worker: int, clock: int) -> tuple[torch.Tensor, list[int]]:
+    """Worker: ask every server for its keys at ``clock`` and wait for all the answers; return the whole
+    parameter vector and, per server, the server clock of the values it sent. The receives are
+    posted before the requests go out, so a server's answer never waits for this worker."""
+    headers = [torch.zeros(1, dtype=torch.int64) for _ in bounds]
+    values = [torch.empty(hi - lo) for lo, hi in bounds]
+    works = [dist.irecv(t, k, tag=tag) for k in range(len(bounds))
+             for t, tag in ((headers[k], _TAG_REPLY), (values[k], _TAG_VALUES))]
+    for k in range(len(bounds)):
+        send_request(k, PULL, worker, clock)
+    comm.set_status(f"waiting for the answers to pull (clock {clock})")
+    for h in works:
+        h.wait()
+    for h, v in zip(headers, values):
+        comm.record("recv", 8, 2, h.dtype, (1,))
+        comm.record("recv", v.numel() * 4, 2, v.dtype, tuple(v.shape))
+    return torch.cat(values), [int(h) for h in headers]
+
+
+def _check_ps_arguments(problem, bounds, staleness, clocks, lr) -> int:
+    """Validate; return S, the number of servers."""
+    _check_staleness(staleness)
+    if int(clocks) != clocks or clocks < 1:
+        raise ValueError(f"clocks must be a whole number >= 1, got {clocks}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    bounds = [tuple(b) for b in bounds]
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != problem.n_params or \
+            any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])) or any(hi <= lo for lo, hi in bounds):
+        raise ValueError(f"bounds must be non-empty contiguous (lo, hi) ranges covering "
+                         f"0..{problem.n_params}, one per server, got {bounds}")
+    if not dist.is_initialized():
+        raise RuntimeError("ssp_parameter_server runs on ranks: call it inside launch(fn, S + W)")
+    if dist.get_world_size() != len(bounds) + problem.n_workers:
+        raise ValueError(f"the world has {dist.get_world_size()} ranks, but {len(bounds)} servers + "
+                         f"{problem.n_workers} workers were asked for")
+    return len(bounds)
+
+
+def ssp_parameter_server(problem, bounds, staleness, clocks: int, lr: float, straggler=None) -> dict:
+    """Kind: build
+
+    One rank of a parameter server whose workers may run at most ``staleness`` clocks apart (Ho et
+    al. 2013, SSP; s = 0 is BSP, ``math.inf`` ASP). Every rank of ``launch(fn, S + W)`` calls it; ranks
+    0..S-1 are the servers, rank S + w is worker w (``W = problem.n_workers``, a ``LeastSquares``
+    problem: ``problem.grad(x, rows)``, ``problem.batch_rows(w, c)``, ``problem.loss(x)``).
+
+    **Server k** holds the keys ``bounds[k] = (lo, hi)`` of the parameter vector x, starting at zeros,
+    and serves requests (:func:`recv_request`) until every worker has said DONE. It counts, per worker,
+    the pushes received: that is the worker's clock as this server sees it, and the *server clock* is
+    the smallest of them (every update of earlier clocks is in x).
+
+    - A **PUSH** of clock c from worker w: its *staleness* is ``c - read_clock`` (clocks of updates the
+      gradient may not have seen); log it. With s = 0, add the gradient to a running sum and, when the
+      W-th of that clock has arrived, apply ``x -= lr * (sum / W)``: one step of synchronous SGD on the
+      W batches. With s >= 1 apply each push at once, ``x -= (lr / W) * g`` (W pushes make one step).
+    - A **PULL** of clock c waits until the rule admits it: ``c - server_clock <= s``. After every
+      request, answer each waiting pull the rule now admits (:func:`reply` with the server clock).
+
+    **Worker w**, for c = 0, 1, ..., clocks: :func:`pull` the parameters for clock c, log
+    ``problem.loss(x)``; after the last pull stop; otherwise compute the gradient on
+    ``problem.batch_rows(w, c)``, sleep ``straggler.get(w, 0)`` seconds (a slow machine), and push each
+    server its slice (:func:`send_request` with PUSH and that server's read clock, then
+    :func:`send_gradient`). At the end send DONE to every server.
+
+    **Your task:** return, on a server, ``{"params": x (its keys), "staleness": [per applied push, in
+    order], "events": [("reply", w, c) when a pull is answered, ("push", w, c) when a push arrives, in
+    order]}``; on a worker ``{"loss": [the loss of the parameters it pulled at clocks 0..clocks]}``. Wait
+    on every pending reply before a server returns.
+    """
+    n_servers = _check_ps_arguments(problem, bounds, staleness, clocks, lr)
+    straggler = dict(straggler or {})
+    rank, n_workers = dist.get_rank(), problem.n_workers
+    # BEGIN SOLUTION
+    if rank < n_servers:  # --- a server
+        lo, hi = bounds[rank]
+        x, grad = torch.zeros(hi - lo), torch.empty(hi - lo)
+        pushed, pending, in_flight = [0] * n_workers, [], []
+        total, arrived, finished = torch.zeros(hi - lo), 0, 0
+        staleness_log, events = [], []
+        while finished < n_workers:
+            src, op, w, c, read_clock = recv_request(grad)
+            if op == PUSH:
+                pushed[w] += 1
+                staleness_log.append(c - read_clock)
+                events.append(("push", w, c))
+                if staleness == 0:  # BSP: the mean of the clock's W gradients, all at once
+                    total += grad
+                    arrived += 1
+                    if arrived == n_workers:
+                        x -= lr * (total / n_workers)
+                        total.zero_()
+                        arrived = 0
+                else:
+                    x -= (lr / n_workers) * grad
+            elif op == PULL:
+                pending.append((src, w, c))
+            else:
+                finished += 1
+            server_clock, waiting = min(pushed), []
+            for src_, w_, c_ in pending:
+                if c_ - server_clock <= staleness:
+                    events.append(("reply", w_, c_))
+                    in_flight += reply(src_, server_clock, x)
+                else:
+                    waiting.append((src_, w_, c_))
+            pending = waiting
+        for h in in_flight:
+            h.wait()
+        return {"params": x, "staleness": staleness_log, "events": events}
+    w, losses = rank - n_servers, []  # --- a worker
+    for c in range(clocks + 1):
+        x, reads = pull(bounds, w, c)
+        losses.append(problem.loss(x))
+        if c == clocks:
+            break
+        g = problem.grad(x, problem.batch_rows(w, c))
+        time.sleep(straggler.get(w, 0))
+        for k, (lo, hi) in enumerate(bounds):
+            send_request(k, PUSH, w, c, reads[k])
+            send_gradient(k, g[lo:hi])
+    for k in range(n_servers):
+        send_request(k, DONE, w, clocks)
+    return {"loss": losses}
+    # END SOLUTION
+
+
+# --- 5. the bytes of a step: parameter server against a ring all-reduce -----------------------------
+
+
+def predict_ps_traffic(n_params: int, n_workers: int, n_servers: int, bytes_per_element: int = 4) -> dict:
+    """Kind: measure
+
+    Predict the bytes of values (gradients and parameters; the small headers left out) that one
+    clock of a parameter server moves, and compare with a ring all-reduce of the same gradient.
+
+    The keys are split evenly over S servers (separate machines from the n workers); Ψ is the bytes
+    of the whole parameter vector. In one clock every worker pushes its gradient — each server its
+    slice — and pulls the whole vector back; each server receives its slice from every worker and
+    sends it back to every worker. The alternative, a ring all-reduce among the n workers, has each
+    of them send 2(n − 1) chunks of Ψ/n.
+
+    **Your task:** return a dict of bytes per clock: ``worker_push`` and ``worker_pull`` (what one
+    worker sends, and receives), ``server_in`` and ``server_out`` (what one server receives, and
+    sends), ``busiest_link`` (the most any one machine sends, or receives, in a clock: worker or
+    server) and ``ring_send`` (what each worker sends in the ring all-reduce).
+
+    The tests check the prediction against the closed forms at several sizes, then exactly
+    (counted bytes, no tolerance) against what ``comm.meter()`` counts on a real parameter server
+    with 1 server and 3 workers and a ring all-reduce among those 3 workers, for a number of keys
+    that both splits divide.
+    """
+    for name, v in (("n_params", n_params), ("n_workers", n_workers), ("n_servers", n_servers)):
+        if isinstance(v, bool) or int(v) != v:
+            raise ValueError(f"{name} must be a whole number, got {v!r}")
+    if n_params < 0 or n_workers < 1 or n_servers < 1:
+        raise ValueError(f"need n_params >= 0, n_workers >= 1 and n_servers >= 1, got {n_params}, "
+                         f"{n_workers}, {n_servers}")
+    if not bytes_per_element > 0:
+        raise ValueError(f"bytes_per_element must be > 0 (4 for fp32), got {bytes_per_element}")
+    # BEGIN SOLUTION
+    psi, n, s = n_params * bytes_per_element, n_workers, n_servers
+    server = n * psi / s
+    return {"worker_push": float(psi), "worker_pull": float(psi), "server_in": server, "server_out": server,
+            "busiest_link": max(float(psi), server), "ring_send": 2 * (n - 1) / n * psi}
     # END SOLUTION

@@ -1,4 +1,5 @@
-"""Chapter 04 exercises: tensor parallelism — a row-parallel linear, a vocab-parallel loss, SUMMA, GQA heads.
+"""Chapter 04 exercises: tensor parallelism — a row-parallel matmul, Megatron's MLP, a vocab-parallel loss,
+SUMMA, GQA heads, and a layer's traffic predicted then counted.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch04_tensor_parallel.py`` is generated from this file with each
@@ -9,21 +10,26 @@ helpers) is scaffolding the student keeps. Tests: ``pytest -m ch04 tests/exercis
 Every function here runs inside ranks (start it with ``minitorch_dist.launch(fn, t)``) and
 talks through ``minitorch_dist.runtime.comm``, whose meter the tests read.
 
-1. :class:`RowParallelLinear`: ``Y = X W`` with W split along its rows (its input dimension)
+1. :class:`RowParallelMatmul`: ``Y = X W`` with W split along its rows (its input dimension)
    over t ranks; one all-reduce in forward, none in backward (Shoeybi et al. 2019, "Megatron-LM:
    Training Multi-Billion Parameter Language Models Using Model Parallelism", §3, Fig. 3a: the
    second GEMM of the MLP, and the ``g`` operator).
-2. :func:`vocab_parallel_cross_entropy`: the cross-entropy of logits split along the vocabulary,
+2. :class:`MegatronMLP`: the whole tensor-parallel MLP, ``GeLU(X A) B`` with A split by columns
+   and B by rows, and Megatron's two conjugate operators ``f`` and ``g`` written as autograd
+   Functions (§3, Fig. 3a): one all-reduce forward, one backward.
+3. :func:`vocab_sharded_cross_entropy`: the cross-entropy of logits split along the vocabulary,
    communicating b*s numbers instead of b*s*V (Megatron-LM §3, last paragraphs: "we fuse the
    output of the parallel GEMM with the cross-entropy loss").
-3. :func:`summa_matmul`: 2D tensor parallelism, ``C = A B`` on a q x q grid of ranks with
+4. :func:`summa_matmul`: 2D tensor parallelism, ``C = A B`` on a q x q grid of ranks with
    broadcasts along rows and columns (van de Geijn & Watts 1997, "SUMMA: Scalable Universal
    Matrix Multiplication Algorithm"; used for transformers by Xu et al. 2021, "An Efficient 2D
    Method for Training Super-Large Deep Learning Models", Optimus, §3).
-4. :func:`gqa_head_shard`: which query and key/value heads one rank of t holds for grouped-query
+5. :func:`gqa_head_shard`: which query and key/value heads one rank of t holds for grouped-query
    attention (Ainslie et al. 2023, "GQA"): kv heads split when t divides ``n_kv_head``, replicated
    when ``n_kv_head`` divides t (chapter 04, "Tensor parallelism with grouped-query attention").
    Plain arithmetic: no ranks needed.
+6. :func:`tp_layer_traffic`: predict a tensor-parallel transformer layer's all-reduces and wire
+   bytes with the cost model (Narayanan et al. 2021, §3.2), then count them with the comm meter.
 """
 from __future__ import annotations
 
@@ -31,7 +37,10 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
+from minitorch_dist.analysis import costmodel
 from minitorch_dist.runtime import comm
 
 
@@ -41,11 +50,13 @@ def _require_dist(name: str) -> None:
                            "minitorch_dist.launch(fn, t)")
 
 
-# --- 1. the row-parallel linear layer ----------------------------------------------------------
+# --- 1. the row-parallel matmul ----------------------------------------------------------
 
 
-class RowParallelLinear(torch.autograd.Function):
-    """``Y = X W + b`` with X split along its columns and W along its rows over the t ranks.
+class RowParallelMatmul(torch.autograd.Function):
+    """Kind: build
+
+    ``Y = X W + b`` with X split along its columns and W along its rows over the t ranks.
 
     Convention (the paper's, not ``nn.Linear``'s): ``W`` has shape ``(k, n)``, input features by
     output features, and ``Y = X @ W``. Split the k input features into t equal slices; rank r
@@ -99,7 +110,7 @@ class RowParallelLinear(torch.autograd.Function):
 
 def row_parallel_linear(x_r: torch.Tensor, w_r: torch.Tensor, bias: torch.Tensor | None = None,
                         group=None) -> torch.Tensor:
-    """``X W + b`` from this rank's slices (see :class:`RowParallelLinear`), differentiable."""
+    """``X W + b`` from this rank's slices (see :class:`RowParallelMatmul`), differentiable."""
     _require_dist("row_parallel_linear")
     if w_r.dim() != 2:
         raise ValueError("w_r must be 2-D (k/t input features, n output features), got shape "
@@ -110,14 +121,127 @@ def row_parallel_linear(x_r: torch.Tensor, w_r: torch.Tensor, bias: torch.Tensor
     if bias is not None and tuple(bias.shape) != (w_r.shape[1],):
         raise ValueError(f"bias must have shape ({w_r.shape[1]},), one per output feature, got "
                          f"{tuple(bias.shape)}")
-    return RowParallelLinear.apply(x_r, w_r, bias, group)
+    return RowParallelMatmul.apply(x_r, w_r, bias, group)
 
 
-# --- 2. the vocab-parallel cross-entropy --------------------------------------------------------
+# --- 2. Megatron's MLP: column-parallel, GeLU, row-parallel, with f and g ---------------------------
 
 
-def vocab_parallel_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
-    """The mean cross-entropy of logits split along the vocabulary, without gathering them.
+class MegatronMLP(nn.Module):
+    """Kind: build
+
+    The MLP ``Y = GeLU(X A + a) B + b`` of a transformer layer, split over the t ranks of ``group``
+    as Megatron-LM does it (Shoeybi et al. 2019, §3, Fig. 3a): A by *columns*, B by *rows*.
+
+    Built from a dense MLP (``minitorch_dist.models.gpt.MLP``: ``c_fc`` an ``nn.Linear(h, f)``,
+    a tanh-approximated GeLU, ``c_proj`` an ``nn.Linear(f, h)``; nn.Linear stores its weight as
+    (out, in)), rank r of t keeps, with ``rows = slice(r*f/t, (r+1)*f/t)``:
+
+    - ``w_fc = c_fc.weight[rows]`` (f/t, h) and ``b_fc = c_fc.bias[rows]`` (f/t,): its columns of A;
+    - ``w_proj = c_proj.weight[:, rows]`` (h, f/t): its rows of B;
+    - ``b_proj = c_proj.bias`` (h,): the whole bias, the same on every rank.
+
+    Each an ``nn.Parameter`` holding a *copy* (``.detach().clone()``) of the dense slice. Forward,
+    on the full input x (the same on every rank)::
+
+        x -> f -> GeLU(x w_fc^T + b_fc) -> (.) w_proj^T -> g -> + b_proj
+
+    GeLU is elementwise, so it runs on the rank's f/t columns with no communication, and those
+    columns are exactly the input slice the row-parallel B needs. Two operators carry all the
+    communication; write each as a ``torch.autograd.Function``:
+
+    - ``f`` (before the column-parallel A): identity forward; backward **all-reduce** of the
+      input's gradient, because x fed every rank's slice, so ``dL/dx = sum_r dL/dx_r``;
+    - ``g`` (after the row-parallel B): forward **all-reduce** (``Y = sum_r Y_r``, each rank's
+      product is a full-sized partial sum); backward identity (each Y_r enters Y with weight 1).
+
+    ``comm.all_reduce`` works in place: all-reduce a clone, never a tensor autograd has saved.
+    Add ``b_proj`` once, after g. One all-reduce of the (b, s, h) activation forward and one
+    backward, nothing else.
+
+    **Your task:** ``f.forward`` / ``f.backward``, ``g.forward`` / ``g.backward`` (return one gradient
+    per input of forward: the tensor's, then None for ``group``), the shards in ``__init__`` and
+    ``forward``. The tests compare the output and every gradient (the parameters' and the input's)
+    with the dense MLP at t = 2 and 4, and with PyTorch's DTensor tensor parallelism
+    (``parallelize_module`` with ``ColwiseParallel`` on ``c_fc`` and ``RowwiseParallel`` on
+    ``c_proj``), and count the collectives of each pass with the comm meter.
+    """
+
+    class f(torch.autograd.Function):
+        """Megatron's f: identity forward, all-reduce of the gradient backward."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            # BEGIN SOLUTION
+            ctx.group = group
+            return x.view_as(x)  # a view, not x itself: autograd records this Function as its creator
+            # END SOLUTION
+
+        @staticmethod
+        def backward(ctx, grad):
+            # BEGIN SOLUTION
+            grad = grad.contiguous().clone()
+            comm.all_reduce(grad, group=ctx.group)
+            return grad, None
+            # END SOLUTION
+
+    class g(torch.autograd.Function):
+        """Megatron's g: all-reduce forward, identity backward."""
+
+        @staticmethod
+        def forward(ctx, y_r, group):
+            # BEGIN SOLUTION
+            y = y_r.contiguous().clone()
+            comm.all_reduce(y, group=group)
+            return y
+            # END SOLUTION
+
+        @staticmethod
+        def backward(ctx, grad):
+            # BEGIN SOLUTION
+            return grad, None
+            # END SOLUTION
+
+    def __init__(self, mlp: nn.Module, group=None):
+        super().__init__()
+        _require_dist("MegatronMLP")
+        for name in ("c_fc", "c_proj"):
+            lin = getattr(mlp, name, None)
+            if not isinstance(lin, nn.Linear) or lin.bias is None:
+                raise ValueError(f"mlp.{name} must be an nn.Linear with a bias (a models.gpt.MLP), "
+                                 f"got {lin!r}")
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        width = mlp.c_fc.out_features
+        if width % t:
+            raise ValueError(f"the MLP width {width} is not divisible by t={t}: each rank needs a whole "
+                             f"number of A's columns and B's rows")
+        if getattr(getattr(mlp, "dropout", None), "p", 0.0):
+            raise ValueError("dropout must be 0: a split region needs per-rank random streams "
+                             "(see the chapter)")
+        self.group = group
+        # BEGIN SOLUTION
+        rows = slice(r * width // t, (r + 1) * width // t)
+        self.w_fc = nn.Parameter(mlp.c_fc.weight.detach()[rows].clone())
+        self.b_fc = nn.Parameter(mlp.c_fc.bias.detach()[rows].clone())
+        self.w_proj = nn.Parameter(mlp.c_proj.weight.detach()[:, rows].clone())
+        self.b_proj = nn.Parameter(mlp.c_proj.bias.detach().clone())
+        # END SOLUTION
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # BEGIN SOLUTION
+        h_r = F.gelu(F.linear(self.f.apply(x, self.group), self.w_fc, self.b_fc), approximate="tanh")
+        y = self.g.apply(F.linear(h_r, self.w_proj), self.group)
+        return y + self.b_proj  # once, after the sum
+        # END SOLUTION
+
+
+# --- 3. the vocab-parallel cross-entropy --------------------------------------------------------
+
+
+def vocab_sharded_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """Kind: build
+
+    The mean cross-entropy of logits split along the vocabulary, without gathering them.
 
     The output layer of a language model maps b*s hidden states to b*s*V logits, V ~ 50k. With
     the output embedding split column-wise over t ranks, rank r holds the logits of its vocab
@@ -143,7 +267,7 @@ def vocab_parallel_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, 
     is asked for (the chapter's module gives this function its backward, ``softmax - onehot``
     on the rank's own slice).
     """
-    _require_dist("vocab_parallel_cross_entropy")
+    _require_dist("vocab_sharded_cross_entropy")
     if tuple(targets.shape) != tuple(logits_r.shape[:-1]):
         raise ValueError(f"targets has shape {tuple(targets.shape)}; expected logits_r's without its last "
                          f"(vocab) dimension, {tuple(logits_r.shape[:-1])}")
@@ -172,13 +296,15 @@ def vocab_parallel_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, 
     # END SOLUTION
 
 
-# --- 3. SUMMA: a 2D-parallel matmul --------------------------------------------------------------
+# --- 4. SUMMA: a 2D-parallel matmul --------------------------------------------------------------
 
 
 def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
-    """This rank's block of ``C = A B`` on a q x q grid of ranks (SUMMA).
+    """Kind: build
 
-    1D tensor parallelism (exercise 1) all-reduces a full activation in every layer; on a
+    This rank's block of ``C = A B`` on a q x q grid of ranks (SUMMA).
+
+    1D tensor parallelism (exercises 1 and 2) all-reduces a full activation in every layer; on a
     q x q grid each rank sends only along its row and its column, about 1/q of that. A, B and C
     are cut into q x q blocks; rank ``q*i + j`` (grid row i, column j) holds ``A_ij`` and
     ``B_ij`` and computes
@@ -222,11 +348,13 @@ def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
     # END SOLUTION
 
 
-# --- 4. grouped-query attention: which heads a rank holds ------------------------------------------
+# --- 5. grouped-query attention: which heads a rank holds ------------------------------------------
 
 
 def gqa_head_shard(n_head: int, n_kv_head: int, t: int, r: int) -> tuple[range, range, bool]:
-    """``(query heads, kv heads, replicated)`` of rank ``r`` of ``t`` for attention with ``n_head``
+    """Kind: derive
+
+    ``(query heads, kv heads, replicated)`` of rank ``r`` of ``t`` for attention with ``n_head``
     query heads sharing ``n_kv_head`` key/value heads (query head h reads kv head h // (n_head / n_kv_head)).
 
     Query heads are always split: rank r holds the n_head / t consecutive heads from r·n_head/t. The kv
@@ -260,4 +388,50 @@ def gqa_head_shard(n_head: int, n_kv_head: int, t: int, r: int) -> tuple[range, 
         return queries, range(r * per_kv, (r + 1) * per_kv), False
     head = queries.start // group
     return queries, range(head, head + 1), True
+    # END SOLUTION
+
+
+# --- 6. a layer's traffic: predicted, then counted ---------------------------------------------------
+
+
+def tp_layer_traffic(block: nn.Module, x: torch.Tensor, group=None) -> dict:
+    """Kind: measure
+
+    Predict what one tensor-parallel transformer layer sends, then count it.
+
+    ``block`` is one layer of a tensor-parallel GPT on this rank (attention split by heads, the
+    MLP column-then-row, f and g around both), ``x`` its input, of shape (b, s, h), the same on
+    every rank of ``group`` (t ranks).
+
+    1. **Predict**, before running anything, with the cost model
+       (``minitorch_dist.analysis.costmodel``): how many all-reduces of the b·s·h activation the
+       layer runs in its forward and in its backward, and how many bytes this rank puts on the
+       wire for all of them under the ring model (Narayanan et al. 2021, §3.2), with the element
+       size of ``x``.
+    2. **Measure**: run the layer forward (on a detached copy of x that requires grad) inside one
+       ``comm.meter()`` and the backward of ``y.sum()`` inside another, and read the number of
+       all-reduces in each pass and the wire bytes of both together.
+
+    Return ``{"predicted": {"forward": n, "backward": n, "wire_bytes": bytes},
+    "measured": {"forward": n, "backward": n, "wire_bytes": bytes}}``. The tests check the
+    prediction against the formula worked by hand and the measurement against their own meter, and
+    require the two to agree: the counts exactly, the wire bytes within 0.1 %.
+    """
+    _require_dist("tp_layer_traffic")
+    if x.dim() != 3:
+        raise ValueError(f"x must be the layer's (batch, seq, hidden) input, got shape {tuple(x.shape)}")
+    # BEGIN SOLUTION
+    b, s, h = x.shape
+    t = dist.get_world_size(group)
+    counts = costmodel.tensor_parallel_allreduces_per_layer()
+    predicted = {"forward": counts["forward"], "backward": counts["backward"],
+                 "wire_bytes": costmodel.tensor_parallel_bytes_per_layer(b, s, h, t, x.element_size())}
+    x = x.detach().clone().requires_grad_(True)
+    with comm.meter() as fwd:
+        y = block(x)
+    with comm.meter() as bwd:
+        y.sum().backward()
+    measured = {"forward": fwd.calls["all_reduce"], "backward": bwd.calls["all_reduce"],
+                "wire_bytes": fwd.total_wire_bytes + bwd.total_wire_bytes}
+    return {"predicted": predicted, "measured": measured}
     # END SOLUTION

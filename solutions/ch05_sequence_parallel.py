@@ -1,4 +1,5 @@
-"""Chapter 05 exercises: sequence / context parallelism — the attention merge, zigzag sharding, Ulysses.
+"""Chapter 05 exercises: sequence / context parallelism — the attention merge, zigzag sharding, Ulysses,
+the activations of a layer, ring attention forward and backward, and the bytes of context parallelism.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch05_sequence_parallel.py`` is generated from this file with each
@@ -6,13 +7,13 @@ such region replaced by ``raise NotImplementedError``. Everything else (imports,
 helpers) is scaffolding the student keeps. Tests: ``pytest -m ch05 tests/exercises``
 (``MTD_IMPL=exercises`` runs them against the stubs).
 
-1. :func:`merge_attention`: combine two partial attention results, each over a disjoint set of
+1. :func:`merge_partial_attention`: combine two partial attention results, each over a disjoint set of
    keys, using their log-sum-exps — the online-softmax merge (Milakov & Gimelshein 2018, "Online
    normalizer calculation for softmax", §3) that ring attention applies once per arriving K/V
    block (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
    Context", §3). The merge is associative and commutative, so the blocks may also be combined
    by a tree, like an all-reduce (Shyam et al. 2024, "Tree Attention", §3).
-2. :func:`zigzag_shard` / :func:`zigzag_unshard` / :func:`causal_work`: the load-balanced layout
+2. :func:`zigzag_rank_shard` / :func:`zigzag_reassemble` / :func:`causal_work`: the load-balanced layout
    of causal ring attention (context parallelism): cut the sequence into 2t chunks and give rank r
    chunks r and 2t-1-r, so every rank does the same causal work (Brandon et al. 2023, "Striped
    Attention", §3, for the problem; the zigzag layout is the one of Megatron-LM's context parallelism
@@ -26,12 +27,19 @@ helpers) is scaffolding the student keeps. Tests: ``pytest -m ch05 tests/exercis
 4. :func:`activation_bytes_per_layer`: the activation memory of one layer, tensor by tensor, under
    tensor parallelism alone and with sequence parallelism (Korthikanti et al. 2022, "Reducing
    Activation Recomputation in Large Transformer Models", §4, eq. 1-5).
+5. :class:`KVRingAttention`: ring attention, forward and backward — each rank keeps its
+   queries, the K/V blocks travel round the ring and are merged one at a time, and in the backward
+   the dK/dV of each block follow it round and come home to its owner (Liu et al. 2023, §3; the
+   blockwise backward of Dao et al. 2022, "FlashAttention", §3.1 and Appendix B).
+6. :func:`context_parallel_traffic`: predict with the cost model the bytes one rank sends for an
+   attention layer under Ulysses and under ring attention, then count them with the comm meter.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from minitorch_dist.analysis import costmodel
 from minitorch_dist.runtime import comm
 
 
@@ -44,9 +52,11 @@ def _require_dist(name: str) -> None:
 # --- 1. merging two partial attention results -------------------------------------------------
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the keys of A and B together, from attention over each alone.
+def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kind: build
+
+    Attention over the keys of A and B together, from attention over each alone.
 
     For one query row with scores ``s_j = q . k_j / sqrt(d)`` over a key set A, attention gives
 
@@ -101,8 +111,10 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 LAYOUTS = ("zigzag", "contiguous")
 
 
-def zigzag_shard(x: torch.Tensor, t: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s part of ``x`` along its sequence dimension ``dim``, in the zigzag layout.
+def zigzag_rank_shard(x: torch.Tensor, t: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Kind: build
+
+    Rank ``rank``'s part of ``x`` along its sequence dimension ``dim``, in the zigzag layout.
 
     With a causal mask, query i attends to keys 0..i: late queries do more work than early
     ones. Cut into t contiguous pieces, the last rank would do about 2t-1 times the work of the
@@ -132,16 +144,18 @@ def zigzag_shard(x: torch.Tensor, t: int, rank: int, dim: int = 1) -> torch.Tens
     # END SOLUTION
 
 
-def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The full sequence from the t zigzag shards ``shards[r] = zigzag_shard(x, t, r, dim)``.
+def zigzag_reassemble(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Kind: build
+
+    The full sequence from the t zigzag shards ``shards[r] = zigzag_rank_shard(x, t, r, dim)``.
 
     Each shard is two chunks, ``(c_r, c_{2t-1-r})``; put chunk j back at position j.
 
-    **Your task:** return ``x``, so that ``zigzag_unshard([zigzag_shard(x, t, r) for r in
+    **Your task:** return ``x``, so that ``zigzag_reassemble([zigzag_rank_shard(x, t, r) for r in
     range(t)]) == x``.
     """
     if not shards:
-        raise ValueError("zigzag_unshard needs the t shards, got none")
+        raise ValueError("zigzag_reassemble needs the t shards, got none")
     if any(s.shape != shards[0].shape for s in shards):
         raise ValueError(f"every zigzag shard has the same shape, got {[tuple(s.shape) for s in shards]}")
     if shards[0].shape[dim] % 2:
@@ -157,14 +171,16 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 def causal_work(seq_len: int, t: int, layout: str = "zigzag") -> list[int]:
-    """How many (query, key) pairs each rank scores in causal attention over ``seq_len`` tokens.
+    """Kind: derive
+
+    How many (query, key) pairs each rank scores in causal attention over ``seq_len`` tokens.
 
     In ring attention every rank keeps its own queries and sees every key block go by; under the
     causal mask query i scores the ``i + 1`` keys ``0..i`` (blocks wholly in the future are
     skipped). So rank r's work is the sum of ``i + 1`` over the positions i of its queries:
 
     - ``"contiguous"``: rank r holds positions ``[r*S/t, (r+1)*S/t)``;
-    - ``"zigzag"``: rank r holds chunks r and 2t-1-r of 2t (:func:`zigzag_shard`).
+    - ``"zigzag"``: rank r holds chunks r and 2t-1-r of 2t (:func:`zigzag_rank_shard`).
 
     The total is always ``S (S + 1) / 2``. **Your task:** return the t counts, rank order,
     as Python ints. Hint: shard ``torch.arange(seq_len)`` and sum. Raise a ``ValueError``
@@ -177,7 +193,7 @@ def causal_work(seq_len: int, t: int, layout: str = "zigzag") -> list[int]:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     positions = torch.arange(seq_len)
     if layout == "zigzag":
-        shards = [zigzag_shard(positions, t, r, dim=0) for r in range(t)]
+        shards = [zigzag_rank_shard(positions, t, r, dim=0) for r in range(t)]
     else:
         if seq_len % t:
             raise ValueError(f"sequence length {seq_len} is not divisible by t={t}")
@@ -190,7 +206,9 @@ def causal_work(seq_len: int, t: int, layout: str = "zigzag") -> list[int]:
 
 
 def ulysses_seq_to_heads(x_r: torch.Tensor, group=None) -> torch.Tensor:
-    """From sequence-sharded to head-sharded: ``(B, S/t, H, d)`` -> ``(B, S, H/t, d)``.
+    """Kind: build
+
+    From sequence-sharded to head-sharded: ``(B, S/t, H, d)`` -> ``(B, S, H/t, d)``.
 
     Outside attention, DeepSpeed-Ulysses splits every activation along the sequence: rank r
     holds positions ``[r*S/t, (r+1)*S/t)`` of q (or k, or v), all H heads. Attention needs the
@@ -228,7 +246,9 @@ def ulysses_seq_to_heads(x_r: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def ulysses_heads_to_seq(y_r: torch.Tensor, group=None) -> torch.Tensor:
-    """The inverse, after attention: ``(B, S, H/t, d)`` -> ``(B, S/t, H, d)``.
+    """Kind: build
+
+    The inverse, after attention: ``(B, S, H/t, d)`` -> ``(B, S/t, H, d)``.
 
     Rank r holds all positions of heads ``[r*H/t, (r+1)*H/t)`` (attention's output); afterwards
     it holds positions ``[r*S/t, (r+1)*S/t)`` of all H heads, ready for the output projection.
@@ -279,7 +299,9 @@ SAVED_TENSORS = (
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, t: int = 1,
                                sequence_parallel: bool = False) -> dict[str, float]:
-    """Bytes each rank stores for backward, per saved tensor of one layer (no recomputation).
+    """Kind: derive
+
+    Bytes each rank stores for backward, per saved tensor of one layer (no recomputation).
 
     The sizes above add up to ``sbh (34 + 5 a s / h)`` (the paper's eq. 1). With tensor
     parallelism over t ranks (chapter 04) the tensors *inside* the column-parallel / row-parallel
@@ -312,4 +334,198 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, t:
     outside_tp = {"ln1_input", "qkv_input", "attn_dropout_mask", "ln2_input", "fc1_input", "mlp_dropout_mask"}
     return {name: size if name in outside_tp and not sequence_parallel else size / t
             for name, size in full.items()}
+    # END SOLUTION
+
+
+# --- 5. ring attention, forward and backward -----------------------------------------------------
+
+
+def _pass_to_next(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """Send each of ``tensors`` to the next rank of the ring and receive same-shaped tensors from the
+    previous one (rank r sends to r + 1 and receives from r - 1, mod t); returns what arrived. Every
+    rank must call it at the same point, with the same shapes. One send and one receive per tensor,
+    posted together (``comm.batch_isend_irecv``, so that no rank waits for its neighbour's receive
+    before its own), then waited for."""
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    if t == 1:
+        return list(tensors)
+    glob = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
+    nxt, prv = glob((r + 1) % t), glob((r - 1) % t)
+    received = [torch.empty_like(x) for x in tensors]
+    ops = [dist.P2POp(dist.isend, x.contiguous(), nxt, group) for x in tensors]
+    ops += [dist.P2POp(dist.irecv, y, prv, group) for y in received]
+    for work in comm.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+class KVRingAttention(torch.autograd.Function):
+    """Kind: build
+
+    Exact attention of this rank's queries to the whole sequence, with the keys and values passed
+    round a ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+    Context", §3), forward and backward.
+
+    The sequence of S tokens is cut into t contiguous shards; rank r holds tokens
+    ``[r*S/t, (r+1)*S/t)`` of q, k and v, each ``(B, H, S/t, d)``, and must return its rows of
+    ``softmax(Q K^T / sqrt(d) [+ causal mask]) V`` over all S tokens — without ever holding more
+    than one K/V block besides its own.
+
+    **Forward.** At step ``i = 0 .. t-1`` rank r holds the K/V block of rank ``j = (r - i) mod t``:
+    its own at step 0; before each later step it passes the block it holds to the next rank and
+    receives one from the previous (:func:`_pass_to_next`, so t - 1 hops of K and V). For each
+    block compute the block's attention and its log-sum-exp,
+
+        scores = q k_j^T / sqrt(d),   lse_j = logsumexp(scores),   out_j = exp(scores - lse_j) v_j
+
+    and merge it into the running ``(out, lse)`` (the online softmax: ``lse = logaddexp(lse, lse_j)``,
+    ``out = exp(lse_old - lse) out + exp(lse_j - lse) out_j``). With ``causal``, query position p
+    sees keys 0..p: a block from an earlier rank (j < r) is attended fully, the own block (j = r)
+    under the lower-triangular mask, a block from a later rank (j > r) not at all (skip it, but
+    still pass it on). Save q, k, v, out and the final lse for the backward.
+
+    **Backward** (FlashAttention's, Dao et al. 2022, §3.1 and Appendix B): with ``dO`` the gradient
+    of this rank's output and ``D = rowsum(dO * out)``, for each block recompute the probabilities
+    from the *final* lse and accumulate
+
+        P = exp(scores - lse)  (0 where masked),      dV_j += P^T dO,
+        dS = P * (dO v_j^T - D),   dq += dS k_j / sqrt(d),   dK_j += dS^T q / sqrt(d)
+
+    dq stays home. dK_j and dV_j belong to rank j: give each K/V block a pair of accumulators that
+    travels *with* it — K and V make the same t - 1 hops as in the forward, and before each later
+    step the accumulators received from the previous rank are those of the block that arrives with
+    them; every rank adds its share. After the last step one more hop (t hops of dK, dV in all)
+    brings every block's finished accumulators home to its owner.
+
+    So, per rank: forward 2(t - 1) sends (K and V, t - 1 times); backward 2(t - 1) + 2t sends, each
+    a message of one shard's size. Nothing else communicates.
+
+    **Your task:** ``forward`` and ``backward`` (return ``dq, dk, dv, None, None``). Call it through
+    :func:`kv_ring_attention`. The tests compare the output and the gradients of q, k, v with
+    PyTorch's ``F.scaled_dot_product_attention`` on the whole sequence (sliced to the rank's rows), at
+    t = 2 and 4, causal and not, and count the sends with the comm meter.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, group):
+        # BEGIN SOLUTION
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        scale = q.shape[-1] ** -0.5
+        n = q.shape[-2]
+        tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        out = lse = None
+        k_j, v_j = k, v
+        for i in range(t):
+            if i > 0:  # pass the block on, receive the previous rank's
+                k_j, v_j = _pass_to_next([k_j, v_j], group)
+            j = (r - i) % t
+            if causal and j > r:  # wholly in the future of every query of this rank
+                continue
+            scores = q @ k_j.transpose(-1, -2) * scale
+            if causal and j == r:
+                scores = scores.masked_fill(~tril, float("-inf"))
+            lse_j = torch.logsumexp(scores, dim=-1)
+            out_j = torch.exp(scores - lse_j[..., None]) @ v_j
+            if out is None:  # step 0, the own block: every query sees at least itself
+                out, lse = out_j, lse_j
+            else:
+                new = torch.logaddexp(lse, lse_j)
+                out = torch.exp(lse - new)[..., None] * out + torch.exp(lse_j - new)[..., None] * out_j
+                lse = new
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.group = causal, group
+        return out
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, dout):
+        # BEGIN SOLUTION
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, group = ctx.causal, ctx.group
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        scale = q.shape[-1] ** -0.5
+        n = q.shape[-2]
+        tril = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        delta = (dout * out).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+        dq = torch.zeros_like(q)
+        k_j, v_j = k, v
+        dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
+        for i in range(t):
+            if i > 0:  # the block and its accumulators move one hop together
+                k_j, v_j = _pass_to_next([k_j, v_j], group)
+                dk_j, dv_j = _pass_to_next([dk_j, dv_j], group)
+            j = (r - i) % t
+            if causal and j > r:
+                continue
+            scores = q @ k_j.transpose(-1, -2) * scale
+            if causal and j == r:
+                scores = scores.masked_fill(~tril, float("-inf"))
+            p = torch.exp(scores - lse[..., None])  # exp(-inf) = 0 where masked
+            dv_j = dv_j + p.transpose(-1, -2) @ dout
+            ds = p * (dout @ v_j.transpose(-1, -2) - delta)
+            dq = dq + ds @ k_j * scale
+            dk_j = dk_j + ds.transpose(-1, -2) @ q * scale
+        dk, dv = _pass_to_next([dk_j, dv_j], group)  # the t-th hop: each block's gradients come home
+        return dq, dk, dv, None, None
+        # END SOLUTION
+
+
+def kv_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                      group=None) -> torch.Tensor:
+    """This rank's rows of attention over the whole sequence (see :class:`KVRingAttention`),
+    differentiable. q, k, v: this rank's contiguous shard, ``(B, H, S/t, d)`` each."""
+    _require_dist("kv_ring_attention")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must be this rank's (B, H, S/t, d) shards, all the same shape; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    return KVRingAttention.apply(q, k, v, bool(causal), group)
+
+
+# --- 6. the bytes of context parallelism: predicted, then counted -----------------------------------
+
+
+def context_parallel_traffic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None) -> dict:
+    """Kind: measure
+
+    Predict the bytes one rank sends for an attention layer under DeepSpeed-Ulysses and under ring
+    attention, then count them.
+
+    ``q, k, v`` are this rank's contiguous shards, ``(B, H, S/t, d)`` each, the same shapes on the t
+    ranks of ``group``; the layer's hidden size is h = H·d, its sequence S, its element size e.
+
+    1. **Predict**, before running anything, with the cost model
+       (``minitorch_dist.analysis.costmodel``, its sequence-parallel formulas): the bytes this rank
+       puts on the wire, forward and backward together, for Ulysses (four all-to-alls each way,
+       Jacobs et al. 2023, §3.2) and for ring attention (K/V forward; K/V and the dK/dV accumulators
+       backward, Liu et al. 2023, §3).
+    2. **Measure**: run the library's ``ulysses_attention`` (``parallelism.sequence_parallel.ulysses``)
+       and ``ring_attention`` (``parallelism.sequence_parallel.ring_attention``), non-causal, on
+       detached copies of q, k, v that require grad, each forward and backward (of ``out.sum()``)
+       inside one ``comm.meter()``, and read the wire bytes the meter counts.
+
+    Return ``{"ulysses": {"predicted": bytes, "measured": bytes}, "ring": {"predicted": bytes,
+    "measured": bytes}}``. The tests check the predictions against the formulas worked by hand, the
+    measurements against their own meter, and require each prediction within 0.1 % of its
+    measurement.
+    """
+    _require_dist("context_parallel_traffic")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must be this rank's (B, H, S/t, d) shards, all the same shape; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    # BEGIN SOLUTION
+    from minitorch_dist.parallelism.sequence_parallel.ring_attention import ring_attention
+    from minitorch_dist.parallelism.sequence_parallel.ulysses import ulysses_attention
+
+    b, heads, s_r, d = q.shape
+    t = dist.get_world_size(group)
+    seq, hidden, e = s_r * t, heads * d, q.element_size()
+    predicted = {"ulysses": costmodel.ulysses_bytes_per_layer(b, seq, hidden, t, e),
+                 "ring": costmodel.ring_attention_bytes_per_layer(b, seq, hidden, t, e)["total"]}
+    out = {}
+    for name, fn in (("ulysses", ulysses_attention), ("ring", ring_attention)):
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        with comm.meter() as m:
+            fn(q_, k_, v_, group=group).sum().backward()
+        out[name] = {"predicted": predicted[name], "measured": m.total_wire_bytes}
+    return out
     # END SOLUTION

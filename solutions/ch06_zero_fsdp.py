@@ -1,5 +1,5 @@
-"""Chapter 06 exercises: ZeRO — flat-buffer partitioning, the ZeRO-2 gradient hook,
-Adafactor's factored moment.
+"""Chapter 06 exercises: ZeRO — flat-buffer partitioning, the ZeRO-2 gradient hook, a ZeRO-3 unit,
+predicting and metering a ZeRO step, Adafactor's factored moment.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch06_zero_fsdp.py`` is generated from this file with each
@@ -17,7 +17,14 @@ helpers) is scaffolding the student keeps. Tests: ``pytest -m ch06 tests/exercis
    its 1/n shard; the full gradients are freed. It runs inside ranks (start it with
    ``minitorch_dist.launch(fn, n)``) and talks through ``minitorch_dist.runtime.comm``, whose meter
    the tests read.
-3. :func:`adafactor_update`: one step of Adafactor's factored second moment (Shazeer & Stern 2018,
+3. :class:`Zero3Unit`: ZeRO stage 3 (P_os+g+p, ZeRO §5.3; FSDP's unit, Zhao et al. 2023, §3) for one
+   module: its parameters live as one flat buffer of which this rank keeps 1/n; the buffer is
+   all-gathered before the forward and freed after it, all-gathered again for the backward, and
+   the gradients are reduce-scattered into the shard.
+4. :func:`meter_zero_stage`: predict the per-rank model-state bytes (ZeRO §5, Figure 1) and the
+   bytes on the wire of one step (§7) of a ZeRO stage, then measure both with ``MemoryMeter`` and
+   ``comm.meter()``.
+5. :func:`adafactor_update`: one step of Adafactor's factored second moment (Shazeer & Stern 2018,
    "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", §3, Algorithm 4): a
    ``rows x cols`` matrix of squared-gradient averages kept as ``rows + cols`` numbers.
 """
@@ -27,7 +34,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from minitorch_dist.analysis import costmodel
+from minitorch_dist.analysis.meters import MemoryMeter
+from minitorch_dist.memory.zero import ZeroDataParallel, fully_shard
 from minitorch_dist.runtime import comm
 
 
@@ -42,7 +53,9 @@ def _require_dist(name: str) -> None:
 
 def flatten_and_partition(tensors: list[torch.Tensor], n: int,
                           rank: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Size]]]:
-    """One padded flat buffer holding ``tensors`` end to end, and rank ``rank``'s shard of it.
+    """Kind: build
+
+    One padded flat buffer holding ``tensors`` end to end, and rank ``rank``'s shard of it.
 
     ZeRO partitions parameters, gradients and optimizer state as flat 1-D buffers: one
     reduce-scatter or all-gather moves all of them at once, and an elementwise optimizer (SGD,
@@ -91,7 +104,9 @@ def flatten_and_partition(tensors: list[torch.Tensor], n: int,
 
 
 def unflatten(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) -> list[torch.Tensor]:
-    """The shaped tensors of ``layout`` (from :func:`flatten_and_partition`) as views into ``flat``.
+    """Kind: build
+
+    The shaped tensors of ``layout`` (from :func:`flatten_and_partition`) as views into ``flat``.
 
     ``flat`` is a padded buffer with that layout (the one returned, or another of the same
     length, e.g. the all-gathered parameters or a gradient buffer). Tensor i is the ``numel_i``
@@ -118,7 +133,9 @@ def unflatten(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) -> list[
 
 
 def zero2_reduce_scatter_hook(params: list[torch.nn.Parameter], group=None) -> tuple[torch.Tensor, list]:
-    """Make every backward end with this rank's shard of the averaged gradient, and nothing else.
+    """Kind: build
+
+    Make every backward end with this rank's shard of the averaged gradient, and nothing else.
 
     Plain data parallelism all-reduces the full gradient (2Ψ bytes per rank on the wire) and every
     rank keeps all Ψ gradients. ZeRO-2 (§5.2) notices that a rank only *updates* its own 1/n of
@@ -186,12 +203,259 @@ def zero2_reduce_scatter_hook(params: list[torch.nn.Parameter], group=None) -> t
     # END SOLUTION
 
 
-# --- 3. Adafactor's factored second moment ---------------------------------------------------------
+# --- 3. a ZeRO-3 unit ------------------------------------------------------------------------------------
+
+
+class _UnitFunction(torch.autograd.Function):
+    """The unit as one node of the outer autograd graph (scaffolding). Autograd calls ``backward``
+    exactly when the gradient of the unit's output is ready: the moment to gather the weights again."""
+
+    @staticmethod
+    def forward(ctx, unit, shard, x):
+        out, ctx.saved = unit.unit_forward(x)
+        ctx.unit = unit
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_shard, grad_x = ctx.unit.unit_backward(ctx.saved, grad_out)
+        ctx.saved = ctx.unit = None
+        return None, grad_shard, grad_x
+
+
+class Zero3Unit(nn.Module):
+    """Kind: build
+
+    ZeRO stage 3 (P_os+g+p, ZeRO §5.3) for one module — FSDP's *unit* (Zhao et al. 2023, §3): the
+    module's parameters live as one flat buffer of ``padded = n * S`` elements (``S = ceil(Ψ / n)``,
+    zero padding at the end) of which this rank keeps only its S elements, ``self.shard``. One step::
+
+        forward:   all-gather shard -> full    run the module on views of full    free full
+        backward:  all-gather shard -> full    backward through the saved graph
+                   reduce-scatter(flat gradient / n) -> the shard's gradient       free full
+
+    Chain units (``nn.Sequential(Zero3Unit(a), Zero3Unit(b))``) and only one unit's weights are ever
+    whole at a time; train with any elementwise optimizer over ``model.parameters()`` — the shards.
+    Every rank must build the same ``module`` (same seed) and feed its own rows of the global batch;
+    the gradient reaching the shard is *averaged* over the ranks, so n ranks take the step of one
+    process on the whole batch. ``module`` takes one tensor and returns one tensor.
+
+    The scaffolding (keep it) lays out the module's trainable parameters, in ``named_parameters()``
+    order, as :func:`flatten_and_partition` would: ``self.numels``, ``self.offsets``, ``self.shapes``
+    (one per parameter), ``self.S``, ``self.padded``, ``self.n``, ``self.rank``, ``self.group``; makes
+    ``self.shard`` (an ``nn.Parameter`` of S elements, the unit's only parameter) and removes the
+    parameters from the module, so nothing but the shard stays allocated; ``self.full`` is the
+    gathered buffer, a 1-D tensor of ``padded`` elements whose storage is resized to 0 bytes while
+    the unit is sharded; ``self.gather_into`` is the same storage seen through another tensor (see
+    :meth:`gather`); ``self._bind(leaves)`` puts one tensor per parameter on the module where its
+    parameter was (``self._bind(None)`` takes them off again); and ``forward`` runs
+    :class:`_UnitFunction`, which calls :meth:`unit_forward` and :meth:`unit_backward`.
+
+    **Your task:** the four methods below.
+    """
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        _require_dist("Zero3Unit")
+        named = list(module.named_parameters(remove_duplicate=False))
+        unique = list({id(p): p for _, p in named}.values())  # a tied parameter once
+        if not unique:
+            raise ValueError("Zero3Unit needs a module with parameters")
+        if any(not p.requires_grad for p in unique) or len({(p.dtype, p.device) for p in unique}) != 1:
+            raise ValueError("Zero3Unit shards trainable parameters of one dtype on one device")
+        self.module, self.group = module, group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shapes = [p.shape for p in unique]
+        self.numels = [p.numel() for p in unique]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(unique))]
+        self.S = math.ceil(sum(self.numels) / self.n)
+        self.padded = self.n * self.S
+        with torch.no_grad():
+            flat = torch.zeros(self.padded, dtype=unique[0].dtype, device=unique[0].device)
+            for p, offset in zip(unique, self.offsets):
+                flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+            self.shard = nn.Parameter(flat[self.rank * self.S:(self.rank + 1) * self.S].clone())
+        index = {id(p): i for i, p in enumerate(unique)}
+        self._slots = []  # (submodule, attribute, parameter index), tied parameters under each name
+        for name, p in named:
+            path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(path)
+            self._slots.append((owner, attr, index[id(p)]))
+            owner._parameters.pop(attr, None)  # the dense parameter goes away ...
+            setattr(owner, attr, None)  # ... and its name waits for _bind
+        self.full = flat  # the gathered buffer: its storage exists only while gathered
+        # The same storage through a second tensor, with a version counter of its own: gathering into
+        # it does not mark the tensors autograd saved (views of `full`) as modified in place.
+        self.gather_into = flat.new_empty(0).set_(flat.untyped_storage(), 0, flat.shape)
+        self.full.untyped_storage().resize_(0)
+
+    def _bind(self, leaves: list[torch.Tensor] | None) -> None:
+        for owner, attr, i in self._slots:
+            setattr(owner, attr, None if leaves is None else leaves[i])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _UnitFunction.apply(self, self.shard, x)
+
+    def gather(self) -> None:
+        """Give ``self.full``'s storage its ``padded * element_size`` bytes back
+        (``untyped_storage().resize_``) and all-gather every rank's shard into it with one
+        ``comm.all_gather(self.gather_into, self.shard.detach(), group=self.group)``.
+
+        Gather through ``self.gather_into``, not ``self.full``: an all-gather is an in-place write,
+        and one into ``full`` would bump the version counter of every view of it that autograd
+        saved in the forward, so the backward would refuse to run ("modified by an inplace
+        operation"). The contents are the same weights, so nothing is lost by hiding the write.
+        """
+        # BEGIN SOLUTION
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        comm.all_gather(self.gather_into, self.shard.detach(), group=self.group)
+        # END SOLUTION
+
+    def free(self) -> None:
+        """Reshard: resize ``self.full``'s storage to 0 bytes (every view of it keeps its shape and
+        sees the weights again after the next :meth:`gather`)."""
+        # BEGIN SOLUTION
+        self.full.untyped_storage().resize_(0)
+        # END SOLUTION
+
+    def unit_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Gather; run the module on the whole weights; free; return ``(output, saved)``.
+
+        - :meth:`gather`, then make one leaf per parameter: a shaped view of ``self.full``
+          (``full[offset:offset + numel].view(shape)``), detached, requiring grad;
+        - run the module under ``torch.enable_grad()`` (``_UnitFunction.forward`` runs under no-grad)
+          on ``x.detach().requires_grad_(x.requires_grad)``, with the leaves bound (``_bind``) and
+          unbound again after: a small graph of the unit's own, whose saved tensors include views
+          of ``full``;
+        - :meth:`free` — the weights exist in full only while the unit computes;
+        - return the output *detached* and ``saved``, anything :meth:`unit_backward` will need (the
+          leaves, the detached input, the inner output).
+        """
+        # BEGIN SOLUTION
+        self.gather()
+        leaves = [self.full[o:o + k].view(shape).detach().requires_grad_()
+                  for o, k, shape in zip(self.offsets, self.numels, self.shapes)]
+        inp = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad():
+            self._bind(leaves)
+            try:
+                out = self.module(inp)
+            finally:
+                self._bind(None)
+        self.free()
+        return out.detach(), (leaves, inp, out)
+        # END SOLUTION
+
+    def unit_backward(self, saved, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gather again; backward through the saved graph; reduce-scatter; free.
+
+        - :meth:`gather` (into the same storage the saved views see), then
+          ``torch.autograd.backward(inner_output, grad_out)``: each leaf gets its ``.grad``;
+        - copy the leaves' gradients into one flat buffer of ``padded`` elements (zero padding, zero
+          for a leaf without a gradient), divide it by n, and ``comm.reduce_scatter`` it into a new
+          tensor of S elements: this rank's shard of the gradient averaged over the ranks;
+        - :meth:`free`, and return ``(grad_shard, grad_x)``: ``grad_x`` is the detached input's
+          ``.grad`` (None when the input did not require grad), the gradient the previous unit needs.
+        """
+        # BEGIN SOLUTION
+        leaves, inp, out = saved
+        self.gather()
+        torch.autograd.backward(out, grad_out)
+        flat_grad = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        for leaf, o, k in zip(leaves, self.offsets, self.numels):
+            if leaf.grad is not None:
+                flat_grad[o:o + k].copy_(leaf.grad.reshape(-1))
+        grad_shard = torch.empty_like(self.shard)
+        comm.reduce_scatter(grad_shard, flat_grad.div_(self.n), group=self.group)
+        self.free()
+        return grad_shard, inp.grad
+        # END SOLUTION
+
+
+# --- 4. predict, then meter, a ZeRO step ---------------------------------------------------------------
+
+
+def _zero_model(model: nn.Module, stage: int, lr: float):
+    """(model, optimizer, inner): the model at ZeRO ``stage`` with AdamW; ``inner`` holds the state."""
+    adamw = lambda params: torch.optim.AdamW(params, lr=lr)  # noqa: E731
+    if stage == 3:
+        model = fully_shard(model)  # one unit: the whole model
+        opt = adamw(model.parameters())
+        return model, opt, opt
+    zero = ZeroDataParallel(model, adamw, stage=stage)
+    return zero, zero, zero.optimizer
+
+
+def meter_zero_stage(make_model, stage: int, x: torch.Tensor, y: torch.Tensor, lr: float = 1e-3) -> dict:
+    """Kind: measure
+
+    Predict what one training step of ZeRO ``stage`` costs this rank — the bytes of model states it
+    holds and the bytes it puts on the wire — then measure both.
+
+    Runs inside ranks. ``make_model()`` builds the same fp32 model on every rank; ``x``, ``y`` are
+    this rank's rows; the loss is ``F.mse_loss(model(x), y)``; the optimizer is AdamW. The
+    scaffolding wraps the model: ``model, opt, inner = _zero_model(make_model(), stage, lr)``
+    (stages 0-2: the library's ``ZeroDataParallel``; stage 3: ``fully_shard`` of the whole model,
+    one unit; ``inner`` is the optimizer that holds the state). A step is ``opt.zero_grad()``,
+    forward, ``loss.backward()``, ``opt.step()``.
+
+    **Your task:** return ``{"predicted": {"model_states", "wire"}, "measured": {"parameters",
+    "gradients", "optimizer_state", "model_states", "wire"}}``, in bytes:
+
+    - *predict* from Ψ, the number of parameters of the model (count them before wrapping it), with
+      the cost model: model states per rank in fp32 with AdamW (p = g = 4 bytes, K = 8: m and v;
+      ``costmodel.zero_memory_bytes``) and wire bytes per step (4-byte elements;
+      ``costmodel.zero_comm_bytes``);
+    - *measure*: take one step first (AdamW creates its state in its first step), then a second one
+      inside ``with comm.meter() as m:`` — ``m.total_wire_bytes`` is the measured wire — reading
+      ``MemoryMeter(model, inner).current()`` right after its backward, before ``opt.step()``
+      (gradients complete, state allocated: the moment ZeRO counts); ``model_states`` is the sum
+      of its three categories.
+
+    The tests hold each number to a stated tolerance: the predictions exactly (to 1e-9, relative);
+    the measured wire to the byte against an independent count of that one step (the formula on the
+    buffer padded to a multiple of n, plus the bookkeeping the meter also sees: stages 0-2 all-reduce
+    one "has a gradient" byte per tensor, stage 3 carries one flag per tensor in each reduce-scatter
+    chunk); the measured model states within 1% above the prediction and never below it (padding
+    and AdamW's 4-byte step counter per tensor only add), each category within 1% of its term of
+    the formula.
+    """
+    _require_dist("meter_zero_stage")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    # BEGIN SOLUTION
+    n = dist.get_world_size()
+    model = make_model()
+    psi = sum(p.numel() for p in model.parameters())
+    predicted = {"model_states": costmodel.zero_memory_bytes(psi, n, stage, k=8, param_bytes=4, grad_bytes=4),
+                 "wire": costmodel.zero_comm_bytes(psi, n, stage, bytes_per_element=4)}
+    model, opt, inner = _zero_model(model, stage, lr)
+
+    def step(meter=None):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        states = MemoryMeter(model, inner).current() if meter else None
+        opt.step()
+        return states
+
+    step()  # AdamW allocates its state in its first step
+    with comm.meter() as m:
+        states = step(meter=True)
+    measured = {k: states[k] for k in ("parameters", "gradients", "optimizer_state")}
+    measured["model_states"] = sum(measured.values())
+    measured["wire"] = m.total_wire_bytes
+    return {"predicted": predicted, "measured": measured}
+    # END SOLUTION
+
+
+# --- 5. Adafactor's factored second moment ---------------------------------------------------------
 
 
 def adafactor_update(grad: torch.Tensor, row_avg: torch.Tensor, col_avg: torch.Tensor, beta2: float,
                      eps: float = 1e-30) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of Adafactor's factored second moment for a 2-D gradient ``G`` (rows x cols).
+    """Kind: build
+
+    One step of Adafactor's factored second moment for a 2-D gradient ``G`` (rows x cols).
 
     Adam keeps ``V``, an exponential moving average of ``G * G``: as many numbers as the
     parameter, a full copy of the model per moment. Adafactor (§3) keeps only its row and column

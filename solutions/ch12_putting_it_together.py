@@ -1,4 +1,5 @@
-"""Chapter 12 exercises: 3D parallelism by hand — the rank grid, the memory filter, microbatches for a bubble.
+"""Chapter 12 exercises: 3D parallelism by hand — the rank grid, the memory filter, microbatches for a
+bubble, one training step on a 2-D grid of ranks, and a 3D step's traffic predicted then counted.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch12_putting_it_together.py`` is generated from this file with each
@@ -6,10 +7,10 @@ such region replaced by ``raise NotImplementedError``. Everything else (imports,
 the parameter count, error messages) is scaffolding the student keeps. Tests:
 ``pytest -m ch12 tests/exercises`` (``MTD_IMPL=exercises`` runs them against the stubs).
 
-Nothing here needs ranks: these are the three pieces of arithmetic a 3D configuration rests on
-(Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", SC'21), the ones :mod:`minitorch_dist.parallelism.mesh` and
-:mod:`minitorch_dist.analysis.planner` do for the library.
+The first three are the arithmetic a 3D configuration rests on (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21), the ones
+:mod:`minitorch_dist.parallelism.mesh` and :mod:`minitorch_dist.analysis.planner` do for the
+library; the last two run on ranks.
 
 1. :func:`rank_to_coords`, :func:`coords_to_rank`, :func:`group_ranks`: which rank is which point
    ``(dp, tp, pp)`` of the grid, in Megatron's order -- tensor parallelism fastest-varying (a TP
@@ -21,12 +22,22 @@ Megatron-LM", SC'21), the ones :mod:`minitorch_dist.parallelism.mesh` and
    "Reducing Activation Recomputation in Large Transformer Models", §4 (Table 2).
 3. :func:`microbatches_for_bubble`: the fewest microbatches whose pipeline bubble
    ``(p-1)/(v*m)`` (Narayanan §2.2) meets a target, given how the batch can be split.
+4. :func:`train_on_2d_grid`: SGD steps of the GPT on a data x tensor grid of ranks, built from the
+   groups up; it must equal the single-process run on the same global batches.
+5. :func:`predict_rank_traffic`: the bytes one rank of a 3D step sends on the data-parallel and the
+   pipeline axes, predicted from the cost model, then counted on 4 ranks.
 """
 from __future__ import annotations
 
 from fractions import Fraction
 
+import torch
+import torch.distributed as dist
+
 from minitorch_dist.analysis import costmodel
+from minitorch_dist.models.data import MarkovCorpus
+from minitorch_dist.models.gpt import GPT
+from minitorch_dist.parallelism.tensor_parallel import parallelize_gpt
 
 AXES = ("dp", "tp", "pp")
 
@@ -41,7 +52,9 @@ def _positive_ints(**values) -> None:
 
 
 def rank_to_coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """``(dp_rank, tp_rank, pp_rank)``: where ``rank`` sits in a ``dp x tp x pp`` grid, Megatron's order.
+    """Kind: derive
+
+    ``(dp_rank, tp_rank, pp_rank)``: where ``rank`` sits in a ``dp x tp x pp`` grid, Megatron's order.
 
     The ranks are numbered with TP fastest-varying, then DP, then PP (the slowest)::
 
@@ -64,7 +77,9 @@ def rank_to_coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]
 
 
 def coords_to_rank(coords: tuple[int, int, int], dp: int, tp: int, pp: int) -> int:
-    """The rank at ``coords = (dp_rank, tp_rank, pp_rank)``: the inverse of :func:`rank_to_coords`,
+    """Kind: derive
+
+    The rank at ``coords = (dp_rank, tp_rank, pp_rank)``: the inverse of :func:`rank_to_coords`,
     ``tp_rank + tp * (dp_rank + dp * pp_rank)``."""
     _positive_ints(dp=dp, tp=tp, pp=pp)
     if len(coords) != 3:
@@ -79,7 +94,9 @@ def coords_to_rank(coords: tuple[int, int, int], dp: int, tp: int, pp: int) -> i
 
 
 def group_ranks(axis: str, dp: int, tp: int, pp: int) -> list[list[int]]:
-    """Every process group along ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``): the ranks that share the
+    """Kind: derive
+
+    Every process group along ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``): the ranks that share the
     other two coordinates, each group listed by its coordinate on ``axis`` (which is also increasing
     rank order), the groups sorted by their first rank. There are ``dp*tp*pp / size(axis)`` groups
     of ``size(axis)`` ranks, and they partition the ranks.
@@ -109,15 +126,17 @@ def group_ranks(axis: str, dp: int, tp: int, pp: int) -> list[list[int]]:
 
 # --- 2. the memory-feasibility filter --------------------------------------------------------------
 
-#: Mixed-precision AdamW (ZeRO §3.1): 16-bit weights and gradients, K = 12 bytes of optimizer
-#: state per parameter (fp32 master copy, momentum and variance).
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+#: Mixed-precision AdamW: 16-bit weights, K = 12 bytes of optimizer state per parameter (fp32 master
+#: copy, momentum and variance; ZeRO §3.1). The gradients are ``grad_bytes`` (below).
+WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12
 
 
 def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro_batch: int,
                    microbatches: int, zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
-                   usable: float = 0.9) -> tuple[bool, dict]:
-    """``(fits, parts)``: does one GPU of the first pipeline stage hold its share of training?
+                   usable: float = 0.9, grad_bytes: int = 4) -> tuple[bool, dict]:
+    """Kind: derive
+
+    ``(fits, parts)``: does one GPU of the first pipeline stage hold its share of training?
 
     ``cfg`` is a GPT config (``models.gpt.GPTConfig`` field names: ``n_layer`` L, ``n_embd`` h,
     ``n_head`` a, ``vocab_size``, ``block_size`` = the sequence length s) trained in mixed precision
@@ -128,13 +147,20 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
     ``Psi`` (given below) is the parameters one GPU of that stage holds: its ``L/pp`` layers split
     ``tp`` ways plus the embeddings (``costmodel.pipeline_stage_params``). ``parts`` holds bytes:
 
-    * model states, ZeRO over the ``dp`` ranks (ZeRO §5.1), 2 / 2 / 12 bytes per parameter::
+    * model states, ZeRO over the ``dp`` ranks (ZeRO §5.1), 2 / g / 12 bytes per parameter, with
+      g = ``grad_bytes``: 4 for Megatron-LM's fp32 gradient buffer ``main_grad`` (18 bytes in all),
+      2 for 16-bit gradients (the ZeRO paper's 16)::
 
           weights    2 Psi   (/dp at stage 3)
-          gradients  2 Psi   (/dp at stages 2, 3)
+          gradients  g Psi   (/dp at stages 2, 3)
           optimizer 12 Psi   (/dp at stages 1, 2, 3)
           buffers    ZeRO-3 gathers a layer's weights just in time and prefetches the next: two
                      layers' worth, 2 * (2 Psi / (L/pp)); 0 for stages 0-2
+
+      **Under a pipeline** (``pp > 1``) ZeRO-2 accumulates the m microbatches' gradients whole and
+      reduce-scatters them once, after the last one: the whole gradient is held until then, so
+      its gradients are ``g Psi``, as at stage 1. (ZeRO-3 re-gathers the weights for every
+      microbatch and keeps its sharded memory.)
 
     * ``activations``: 16-bit activations, Korthikanti §4 Table 2, per layer (t = tp)::
 
@@ -168,12 +194,16 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
         raise ValueError(f"memory_bytes must be > 0 (the GPU's memory, e.g. 80e9), got {memory_bytes!r}")
     if not 0 < usable <= 1:
         raise ValueError(f"usable must be in (0, 1], got {usable!r}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (16-bit gradients) or 4 (an fp32 main_grad), "
+                         f"got {grad_bytes!r}")
     psi = costmodel.pipeline_stage_params(cfg, tp, pp)[0]  # parameters on one GPU of the first stage
     s, b, h, a, t = cfg.block_size, micro_batch, cfg.n_embd, cfg.n_head, tp
     layers = cfg.n_layer // pp
     # BEGIN SOLUTION
+    grads_sharded = zero == 3 or (zero == 2 and pp == 1)  # ZeRO-2 under a pipeline reduces once, at the end
     parts = {"weights": WEIGHT_BYTES * psi / (dp if zero >= 3 else 1),
-             "gradients": GRAD_BYTES * psi / (dp if zero >= 2 else 1),
+             "gradients": grad_bytes * psi / (dp if grads_sharded else 1),
              "optimizer": OPTIMIZER_BYTES * psi / (dp if zero >= 1 else 1),
              "buffers": 2 * WEIGHT_BYTES * psi / layers if zero == 3 else 0.0}
 
@@ -201,7 +231,9 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
 
 def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, micro_batch_size: int = 1,
                             v: int = 1) -> int:
-    """The smallest number of microbatches ``m`` whose pipeline bubble ``(p-1)/(v*m)`` is at most ``target``.
+    """Kind: derive
+
+    The smallest number of microbatches ``m`` whose pipeline bubble ``(p-1)/(v*m)`` is at most ``target``.
 
     Narayanan et al. 2021 §2.2: with ``p`` stages, 1F1B idles ``(p-1)`` microbatch-times per step
     out of ``m`` useful ones, a bubble of ``(p-1)/m`` of the ideal time; the interleaved schedule
@@ -249,3 +281,136 @@ def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, m
                          + "; raise the global batch, lower dp or micro_batch_size, interleave (v > 1), "
                            "or accept a larger bubble")
     return m
+
+
+# --- 4. one training step on a data x tensor grid ------------------------------------------------
+
+
+def train_on_2d_grid(cfg, dp: int, tp: int, steps: int, batch: int, seq: int, lr: float = 0.1):
+    """Kind: build
+
+    ``steps`` SGD steps of the GPT ``cfg`` on a ``dp x tp`` grid of ranks -- data parallelism around
+    tensor parallelism, the first two axes of 3D training -- run on every rank of
+    ``launch(train_on_2d_grid, dp * tp, cfg, dp, tp, steps, batch, seq)``. It must train exactly the
+    model one process trains on the same global batches.
+
+    What each rank does, with ``rank = tp_rank + tp * dp_rank`` (Megatron's order, as in
+    :func:`rank_to_coords` with ``pp = 1``):
+
+    1. **Groups.** A TP group is ``tp`` consecutive ranks; a DP group is the ``dp`` ranks with the
+       same ``tp_rank``. ``torch.distributed.new_group(ranks)`` must be entered by *every* rank of
+       the job, for *every* group, in the same order (each call takes the next group number), so
+       loop over all groups of both axes on every rank and keep the two this rank is in.
+    2. **The model.** ``torch.manual_seed(0)`` then ``GPT(cfg)`` (``models.gpt``): the dense model
+       the single process builds. With ``tp > 1`` keep this rank's slice of it with chapter 04's
+       ``parallelize_gpt(model, tp_group)`` (``parallelism.tensor_parallel``); its forward
+       ``model(x, y)`` returns ``(logits, loss)``, the loss of the whole vocabulary on every TP rank.
+       The optimizer is ``torch.optim.SGD(params, lr=lr)``.
+    3. **The data.** Step ``k`` trains on the global batch ``MarkovCorpus(cfg.vocab_size,
+       seed=0).batch(k, batch, seq, ...)`` (``models.data``); this rank's replica takes its
+       ``1/dp`` share of the rows: ``rank=dp_rank, world_size=dp`` -- its coordinate on the DP
+       axis, not its global rank (the ``tp`` ranks of a TP group read the same rows).
+    4. **The step.** Forward, backward, then average each parameter's gradient over the DP group
+       only (sum with an all-reduce, divide by ``dp``), then ``optimizer.step()``.
+
+    Why it is the single process's step: the TP slice computes the layer outputs exactly, the loss
+    is the mean over this replica's rows, and the mean of the ``dp`` replicas' gradients is the
+    gradient of the mean over the global batch. Replicated tensors (LayerNorms, ``wpe``) get the
+    same gradient on the ``tp`` ranks of a group and stay equal.
+
+    **Your task:** return ``(losses, params)``: ``losses`` the ``steps`` losses of this replica
+    (floats, each before its update), and ``params`` ``{name: tensor}`` over
+    ``model.named_parameters()`` after the last update, detached (the names are the dense GPT's;
+    each tensor is this rank's slice).
+    """
+    for name, v in (("dp", dp), ("tp", tp), ("steps", steps), ("batch", batch), ("seq", seq)):
+        _positive_ints(**{name: v})
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("train_on_2d_grid runs on every rank: launch(train_on_2d_grid, dp * tp, ...)")
+    if dist.get_world_size() != dp * tp:
+        raise ValueError(f"the grid has dp*tp = {dp * tp} ranks but the job has {dist.get_world_size()}")
+    if batch % dp:
+        raise ValueError(f"batch {batch} is not divisible by dp={dp}: each replica needs the same rows")
+    if cfg.n_head % tp or cfg.vocab_size % tp:
+        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must be divisible by tp={tp}")
+    # BEGIN SOLUTION
+    rank = dist.get_rank()
+    dp_rank = rank // tp  # rank = tp_rank + tp * dp_rank
+    tp_group = dp_group = None
+    for first in range(0, dp * tp, tp):  # TP groups: consecutive ranks
+        ranks = list(range(first, first + tp))
+        g = dist.new_group(ranks)  # every rank makes every group
+        if rank in ranks:
+            tp_group = g
+    for t in range(tp):  # DP groups: the same tp_rank, tp apart
+        ranks = list(range(t, dp * tp, tp))
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = g
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if tp > 1:
+        model = parallelize_gpt(model, tp_group)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=lr)
+    data = MarkovCorpus(cfg.vocab_size, seed=0)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = data.batch(step, batch, seq, rank=dp_rank, world_size=dp)
+        _, loss = model(x, y)
+        loss.backward()
+        for p in params:  # the gradient of the global mean: average over the replicas
+            dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(dp)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+    # END SOLUTION
+
+
+# --- 5. a 3D step's bytes, predicted ------------------------------------------------------------------
+
+
+def predict_rank_traffic(cfg, dp: int, tp: int, pp: int, batch: int, seq: int, microbatches: int,
+                         zero: int = 0, stage: int = 0) -> dict:
+    """Kind: measure
+
+    The bytes one rank at pipeline position ``stage`` sends in one step of the library's 3D step
+    (chapter 12's ``train_3d``: fp32, 1F1B over ``pp`` stages, tensor parallelism over ``tp``, ZeRO
+    ``zero`` over ``dp`` replicas), predicted before it runs. Returns ``{"dp": ..., "pp": ...}``:
+
+    * ``"dp"``: the wire bytes of its data-parallel collectives in one step (ring model: a
+      reduce-scatter or an all-gather of S bytes on n ranks sends S(n-1)/n, an all-reduce twice
+      that). Its buffer is the rank's parameters, ``Psi = costmodel.pipeline_stage_params(cfg, tp,
+      pp)[stage]`` (the first stage holds the embeddings, the last the final LayerNorm and the tied
+      output layer), 4 bytes each. ZeRO 0 all-reduces it once a step; ZeRO-1 reduce-scatters the
+      gradients and all-gathers the updated parameters; ZeRO-2 *under a pipeline* accumulates the m
+      microbatches and reduce-scatters once after the last (not once per microbatch), then
+      all-gathers. (``costmodel`` has the collectives of each stage and what a stage costs under a
+      pipeline.)
+    * ``"pp"``: the bytes it sends to its pipeline neighbours: per microbatch the activation of
+      ``b x seq x h`` floats forward (every stage but the last) and its gradient back (every stage
+      but the first), ``b = batch / (dp * microbatches)``; every TP rank of a stage sends the whole
+      activation (no scatter/gather here). 0 without a pipeline.
+
+    The test runs the step on 4 ranks and counts what each rank sent with the comm meter: ``"pp"``
+    must equal the count exactly, ``"dp"`` within 1% (ZeRO's one-byte has-gradient masks and the
+    padding of the flat buffer are not in the prediction).
+    """
+    _positive_ints(dp=dp, tp=tp, pp=pp, batch=batch, seq=seq, microbatches=microbatches)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage!r} is outside 0..{pp - 1}")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero must be 0, 1 or 2 (the 3D step has no ZeRO-3), got {zero!r}")
+    if batch % (dp * microbatches):
+        raise ValueError(f"batch {batch} is not divisible by dp * microbatches = {dp * microbatches}")
+    # BEGIN SOLUTION
+    psi = costmodel.pipeline_stage_params(cfg, tp, pp)[stage]
+    z = costmodel.zero_stage_under_pipeline(zero, pp)
+    dp_bytes = costmodel.zero_dp_bytes_per_step(psi, dp, z, microbatches, bytes_per_element=4)
+    b = batch // (dp * microbatches)
+    message = b * seq * cfg.n_embd * 4
+    directions = (stage < pp - 1) + (stage > 0)  # activations forward, gradients back
+    return {"dp": dp_bytes, "pp": microbatches * message * directions}
+    # END SOLUTION

@@ -431,3 +431,23 @@ def test_vocab_parallel_logits_bytes():
     assert got["saved"] == got["gathered"] - got["vocab_parallel"]
     with pytest.raises(ValueError, match="vocab_size 50257 is not divisible by tp=4"):
         cm.vocab_parallel_logits_bytes(8, 1024, 50257, 4)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16, 64])
+def test_allreduce_crossover_is_where_the_algorithms_take_equal_time(n):
+    alpha, beta = 5e-6, 1 / 50e9
+    ring = lambda S: cm.allreduce_time(S, n, alpha, beta)  # noqa: E731
+    for algo, time in (("recursive_doubling", cm.recursive_doubling_allreduce_time),
+                       ("tree", cm.tree_allreduce_time), ("naive", cm.naive_allreduce_time)):
+        S = cm.allreduce_crossover_bytes(n, alpha, beta, algo)
+        if S == float("inf"):  # faster at every size
+            assert all(time(x, n, alpha, beta) < ring(x) for x in (0, 1e3, 1e9)), (n, algo)
+        elif S == 0.0:  # never faster
+            assert all(time(x, n, alpha, beta) >= ring(x) for x in (0, 1e3, 1e9)), (n, algo)
+        else:
+            assert time(S, n, alpha, beta) == pytest.approx(ring(S), rel=1e-9), (n, algo)
+            assert time(0.5 * S, n, alpha, beta) < ring(0.5 * S) and time(2 * S, n, alpha, beta) > ring(2 * S)
+    # it is not the ring's own latency = bandwidth point n*alpha/beta
+    assert cm.allreduce_crossover_bytes(8, alpha, beta) == pytest.approx(8.8 * alpha / beta)
+    with pytest.raises(ValueError, match="recursive_doubling"):
+        cm.allreduce_crossover_bytes(4, alpha, beta, "ring")

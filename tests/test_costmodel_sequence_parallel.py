@@ -179,3 +179,19 @@ def test_attention_activation_bytes_ring_linear_naive_quadratic():
     assert naive[1] > 3 * naive[0]  # the s^2 probabilities dominate
     with pytest.raises(ValueError, match="sequence length 30 is not divisible"):
         cm.ring_attention_activation_bytes(1, 30, 1, 8, 4)
+
+
+@pytest.mark.parametrize("b,h", [(1, 1024), (4, 8192)])
+@pytest.mark.parametrize("e", [2, 4])
+def test_ring_attention_min_block_is_where_a_blocks_compute_equals_its_send(b, h, e):
+    flops, link = 400e12, 300e9
+    c = cm.ring_attention_min_block_tokens(flops, link, e)
+    compute = lambda n: 4 * b * n * n * h / flops  # one step: attend c queries to c keys (QK^T, PV)
+    send = lambda n: 2 * b * n * h * e / link  # ... while sending the K and V blocks on
+    assert compute(c) == pytest.approx(send(c), rel=1e-12)
+    assert compute(2 * c) > send(2 * c) and compute(c / 2) < send(c / 2)
+    assert cm.ring_attention_min_block_tokens(flops, link, e, causal=True) == pytest.approx(2 * c, rel=1e-12)
+    if e == 2:  # 16-bit K and V: F / W
+        assert c == pytest.approx(flops / link, rel=1e-12)
+    with pytest.raises(ValueError, match="need positive"):
+        cm.ring_attention_min_block_tokens(0, link)

@@ -13,6 +13,7 @@ from minitorch_dist.parallelism.large_batch import (
     LAMB,
     LARS,
     linear_scaling_lr,
+    sqrt_scaling_lr,
     trust_ratios,
     warmup_schedule,
 )
@@ -289,6 +290,14 @@ def test_linear_scaling_rule():
     assert linear_scaling_lr(0.3, 32, 32 * k) == pytest.approx(0.3 * k)
 
 
+def test_sqrt_scaling_rule():
+    # 16x the batch, 4x the rate; 4x the batch, 2x; the same batch, the same rate
+    assert sqrt_scaling_lr(1e-3, 256, 4096) == pytest.approx(4e-3)
+    assert sqrt_scaling_lr(1e-3, 256, 1024) == pytest.approx(2e-3)
+    assert sqrt_scaling_lr(1e-3, 256, 256) == pytest.approx(1e-3)
+    assert sqrt_scaling_lr(1e-3, 64, 32) == pytest.approx(1e-3 / math.sqrt(2))
+
+
 def lrs_of(scheduler, opt, n):
     out = []
     for _ in range(n):
@@ -340,6 +349,8 @@ def p():
     (lambda: linear_scaling_lr(0.1, 0, 8192), "base_batch"),
     (lambda: linear_scaling_lr(0.1, 256, 1.5), "batch"),
     (lambda: linear_scaling_lr(-0.1, 256, 512), "base_lr"),
+    (lambda: sqrt_scaling_lr(0.1, 256, 0), "batch"),
+    (lambda: sqrt_scaling_lr(-0.1, 256, 512), "base_lr"),
     (lambda: warmup_schedule(torch.optim.SGD(p(), lr=0.1), -1), "warmup_steps"),
     (lambda: warmup_schedule(torch.optim.SGD(p(), lr=0.1), 5), "total_steps"),
     (lambda: warmup_schedule(torch.optim.SGD(p(), lr=0.1), 5, 5), "total_steps"),

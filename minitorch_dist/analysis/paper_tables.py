@@ -281,7 +281,7 @@ def narayanan_row_measured(index: int, gpu: str = "a100") -> dict:
     The step runs min(batch / d, p) microbatches: 1F1B's first stage stashes at most p at once, so
     this is the schedule's steady state, and the dry run stays short. Not the whole batch's step:
     the library's first stage also holds one b x s x h boundary tensor per microbatch of the step
-    until it ends (temporaries; 54.8 GB for the 1T row's 512 microbatches, which then does not fit)."""
+    until it ends (temporaries that grow with all B/d microbatches, not with the p in flight)."""
     from .dryrun import DryRun, dryrun
     from .planner_presets import NARAYANAN_TABLE1
 

@@ -9,12 +9,19 @@ the recipe this search makes mechanical. Every configuration ``(t, p, d, b, zero
 
 **Divisibility** (:func:`check_config`): ``t`` divides the GPUs of a node (a tensor-parallel group
 never leaves its NVLink domain), the heads and the vocabulary; ``p`` divides the layers; ``d*b``
-divides the global batch ``B``, leaving ``m = B/(d*b)`` microbatches; ZeRO-2/3 only without
-pipelining (they communicate per microbatch: ``costmodel.zero_dp_collectives``).
+divides the global batch ``B``, leaving ``m = B/(d*b)`` microbatches. Every ZeRO stage combines with
+pipelining, at the cost ``costmodel.zero_stage_under_pipeline`` gives it: under a pipeline ZeRO-2
+reduces the accumulated gradients once after the last microbatch (as ``parallelism.three_d.Model3D``
+does), which costs ZeRO-1's memory and bytes, and ZeRO-3 re-gathers the stage's parameters for every
+microbatch's forward and backward (``costmodel.zero_dp_collectives``: 3m collectives a step). The search
+lists ZeRO-2 with ``p > 1`` only when ZeRO-1 is not searched too (it would be the same row twice).
 
 **Memory per GPU** (the first pipeline stage, which holds the embedding and the most activations)::
 
-    model states = zero_memory_bytes(Psi_stage, d, zero)      Psi_stage = pipeline_stage_params(t, p)[0]
+    model states = zero_memory_bytes(Psi_stage, d, zero', k=12, param_bytes=2, grad_bytes=g)
+                   Psi_stage = pipeline_stage_params(t, p)[0], zero' = zero_stage_under_pipeline(zero, p)
+                   g = 4: Megatron-LM's fp32 gradient buffer main_grad (18 B/param unsharded);
+                   g = 2 with Assumptions(main_grad=False): the ZeRO paper's 16 B/param
     activations  = pipeline_activation_bytes(s, b, h, a, L, t, p, m, sp, recompute)   (Korthikanti §4.2)
 
 A configuration fits when their sum is at most ``usable_memory`` (0.9) of the GPU's: the rest is
@@ -27,12 +34,15 @@ efficiency constant. :mod:`.costmodel.planner_time` has the formulas: each GEMM 
 its own size through ``profile.matmul_seconds``; the elementwise bytes of Megatron's fused kernels
 (Korthikanti §4.1's tensors) over ``profile.copy_bytes_per_s``; the tensor-parallel all-reduces
 (NVLink inside a node), the pipeline messages and ZeRO's collectives with the profile's α, β
-(``inter_node`` when a group spans nodes); the 1F1B bubble; the optimizer's pass over its shard.
-The slowest stage (the last: it also computes the logits) sets the pace.
+(``inter_node`` when a group spans nodes; with ``main_grad`` the gradients are reduced in fp32, as
+Megatron-LM does with bf16 and Llama 3 did, §3.3.2, and the parameters all-gathered in bf16); the 1F1B
+bubble; the optimizer's pass over its shard. The slowest stage (the last: it also computes the logits)
+sets the pace.
 
 **MFU** (Chowdhery et al. 2022, App. B) = model FLOPs per token x tokens/s / (GPUs x the profile's
 peak); ``mfu_6nd`` uses ``6 * params`` per token instead. ``tflops_per_gpu`` counts the FLOPs executed,
-recomputation included: Narayanan's Table 1 counting, so the two compare.
+recomputation included (eq. 3's 96·B·s·l·h²(...) under full recomputation, 72·B·s·l·h²(...) without):
+Narayanan's Table 1 counting, so the two compare.
 
 **What runs here** (:func:`local_plans`, :func:`predict_local`): for the course's tiny GPT on this
 machine's ranks the planner scores the configurations the course's techniques implement, and the
@@ -146,6 +156,10 @@ class Assumptions:
     overlap_dp: bool = True  #: hide the DP gradient sync behind the backward it follows
     usable_memory: float = 0.9  #: fraction of the GPU's memory tensors may use
     scatter_gather: bool = True  #: Narayanan §4.1: pipeline messages of b*s*h/t per rank
+    #: Megatron-LM's recipe under "mixed": the gradients live in an fp32 buffer (main_grad) that the
+    #: microbatches accumulate into and that is reduced over the DP group in fp32, 18 B/param of model
+    #: states (costmodel.model_state_bytes(..., main_grad=True)); False: 16-bit gradients, 16 B/param
+    main_grad: bool = True
 
     def __post_init__(self):
         if not 0 < self.usable_memory <= 1:
@@ -215,9 +229,6 @@ def check_config(c: Config, model: ModelSpec, cluster: Cluster,
                       f"batch {model.global_batch}")
     if c.zero not in (0, 1, 2, 3):
         errors.append(f"zero must be 0, 1, 2 or 3, got {c.zero!r}")
-    elif c.zero >= 2 and c.pp > 1:
-        errors.append(f"ZeRO-{c.zero} with pp={c.pp}: stages 2/3 communicate every microbatch; use zero <= 1 "
-                      f"with pipelining (as DeepSpeed requires)")
     if c.recompute not in costmodel.RECOMPUTE:
         errors.append(f"recompute must be one of {costmodel.RECOMPUTE}, got {c.recompute!r}")
     if c.sequence_parallel and model.seq % max(c.tp, 1):
@@ -238,7 +249,9 @@ def candidates(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costmodel.R
     """Every :class:`Config` for ``model`` on ``cluster`` that passes :func:`check_config`.
 
     ``micro_batches`` defaults to the powers of two; ZeRO stages > 0 are skipped at dp = 1 (nothing
-    to shard over) and sequence parallelism at tp = 1 (nothing to split), as duplicates.
+    to shard over), sequence parallelism at tp = 1 (nothing to split) and ZeRO-2 at pp > 1 when ZeRO-1
+    is searched too (under a pipeline it costs ZeRO-1's memory and bytes:
+    ``costmodel.zero_stage_under_pipeline``), as duplicates.
     """
     model, out = get_model(model), []
     bs = micro_batches or [2 ** i for i in range(model.global_batch.bit_length())]
@@ -253,7 +266,7 @@ def candidates(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costmodel.R
                 for z in zero:
                     for r in recompute:
                         for sp in sequence_parallel:
-                            if (z > 0 and dp == 1) or (sp and tp == 1):
+                            if (z > 0 and dp == 1) or (sp and tp == 1) or (z == 2 and pp > 1 and 1 in zero):
                                 continue
                             c = Config(tp, pp, dp, b, model.global_batch // (dp * b), z, r, sp)
                             try:
@@ -264,22 +277,28 @@ def candidates(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costmodel.R
     return out
 
 
+def _zero(c: Config) -> int:
+    """The ZeRO stage whose memory and bytes ``c`` costs (its own, but under a pipeline)."""
+    return costmodel.zero_stage_under_pipeline(c.zero, c.pp)
+
+
 def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> dict:
     """Bytes per GPU of the first pipeline stage (embedding + the most stashed microbatches)."""
     psi = model.stage_params(c.tp, c.pp)[0]
-    per = costmodel.model_state_bytes(1, a.precision, a.optimizer)  # bytes per parameter of each part
+    per = costmodel.model_state_bytes(1, a.precision, a.optimizer, a.main_grad)  # bytes per parameter
     w, g, k = per["weights"], per["gradients"], per["optimizer"]
+    stage = _zero(c)
 
     # zero_memory_bytes is linear in its byte sizes: one part at a time is the breakdown
     def zero(pw, pg, pk):
-        return costmodel.zero_memory_bytes(psi, c.dp, c.zero, k=pk, param_bytes=pw, grad_bytes=pg)
+        return costmodel.zero_memory_bytes(psi, c.dp, stage, k=pk, param_bytes=pw, grad_bytes=pg)
 
     act = model.activation_bytes(c.micro_batch, c.tp, c.pp, c.microbatches, c.sequence_parallel, c.recompute,
                                  a.schedule, a.v)
     mem = {"weights": zero(w, 0, 0), "gradients": zero(0, g, 0), "optimizer": zero(0, 0, k),
            "activations": act * (2 if a.precision == "fp32" else 1),  # Korthikanti counts 16-bit activations
            # ZeRO-3 gathers a layer's weights just in time and prefetches the next: about two whole layers
-           "buffers": 2 * w * psi / (model.layers // c.pp) if c.zero == 3 else 0.0}
+           "buffers": 2 * w * psi / (model.layers // c.pp) if stage == 3 else 0.0}
     mem["total"] = sum(mem.values())
     mem["capacity"] = a.usable_memory * cluster.gpu.memory_bytes
     return mem
@@ -290,7 +309,9 @@ def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
     per step by axis, and the FLOPs executed."""
     s, h = model.seq, model.hidden
     b, m, layers, prof = c.micro_batch, c.microbatches, model.layers // c.pp, cluster.profile
-    e = 4 if a.precision == "fp32" else 2  # bytes of an activation or a gradient on the wire
+    e = 4 if a.precision == "fp32" else 2  # bytes of an activation or a weight on the wire
+    g = costmodel.gradient_bytes_per_param(a.precision, a.main_grad)  # of a gradient in the DP reductions
+    zero = _zero(c)
     # one microbatch on the slowest stage, the last: its layers, the logits and the loss
     mb = model.microbatch_seconds(prof, b, layers, c.tp, a.precision, c.recompute, c.sequence_parallel)
     # tensor parallelism: 4 all-reduces per layer on the critical path; full recompute redoes the forward's 2
@@ -305,15 +326,15 @@ def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
     # data parallelism: ZeRO's collectives on the DP link; then the optimizer's pass over its shard
     stages = model.stage_params(c.tp, c.pp)
     psi = max(stages)  # the stage with the most parameters syncs and updates the longest
-    t_dp = costmodel.zero_dp_seconds(psi, c.dp, c.zero, lambda op: cluster.link(c.tp, c.dp, op), m, e)
-    shard = psi / c.dp if c.zero >= 1 else psi
+    t_dp = costmodel.zero_dp_seconds(psi, c.dp, zero, lambda op: cluster.link(c.tp, c.dp, op), m, e, g)
+    shard = psi / c.dp if zero >= 1 else psi
     t_opt = costmodel.optimizer_step_bytes(shard, a.precision, a.optimizer) / prof.copy_bytes_per_s
-    time = costmodel.step_seconds(mb, m, c.pp, t_tp, t_p2p, t_dp, c.zero, t_opt, prof.overlap, a.schedule,
+    time = costmodel.step_seconds(mb, m, c.pp, t_tp, t_p2p, t_dp, zero, t_opt, prof.overlap, a.schedule,
                                   a.v, a.overlap_dp)
     comm = {"tp": m * layers * (redo * costmodel.tensor_parallel_bytes_per_layer(b, s, h, c.tp, e)
                                 + costmodel.bus_bytes("all_reduce", kv, c.tp)),
             "pp": costmodel.pipeline_p2p_bytes(c.pp, m, msg, a.v) / c.pp,  # averaged over the stages
-            "dp": costmodel.zero_dp_bytes_per_step(stages[0], c.dp, c.zero, m, e)}  # the first stage's
+            "dp": costmodel.zero_dp_bytes_per_step(stages[0], c.dp, zero, m, e, g)}  # the first stage's
     return time, comm, model.flops_per_step(c.recompute)  # FLOPs executed, recomputation included
 
 

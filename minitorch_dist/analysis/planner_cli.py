@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=_count, default=10, help="how many configurations to print (default 10)")
     p.add_argument("--efficiency", help=argparse.SUPPRESS)  # removed: refused with the reason
     p.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    p.add_argument("--no-main-grad", action="store_true",
+                   help="16-bit gradients (the ZeRO paper's 16 B/param of model states) instead of "
+                        "Megatron-LM's fp32 main_grad buffer (18 B/param, reduced in fp32)")
     p.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1, 2, 3],
                    help="stages to try")
     p.add_argument("--recompute", nargs="+", choices=costmodel.RECOMPUTE, default=list(costmodel.RECOMPUTE))
@@ -104,9 +107,9 @@ def _why_no_candidates(model: ModelSpec, cluster: Cluster, zero, recompute, sequ
         return (f"{n} GPUs = tp*pp*dp has no factorization with tp | {cluster.node_size} GPUs per node, "
                 f"the heads, vocab and MLP width (tp in {tps}), pp | {model.layers} layers (pp in {pps}) "
                 f"and dp*b | global batch {model.global_batch}; {use}")
-    if not [z for z in zero for (_, q, d) in shapes if (z == 0 or d > 1) and (z < 2 or q == 1)]:
+    if not [z for z in zero for (_, q, d) in shapes if z == 0 or d > 1]:
         return (f"ZeRO {sorted(zero)} fits none of the shapes (tp, pp, dp) {shapes}: ZeRO-1/2/3 need "
-                f"dp > 1 and ZeRO-2/3 need pp = 1; add stage 0 (--zero 0)")
+                f"dp > 1; add stage 0 (--zero 0)")
     t, q, d = shapes[0]
     try:
         check_config(Config(t, q, d, 1, max(1, model.global_batch // d), min(zero), recompute[0],
@@ -130,7 +133,7 @@ def why_nothing_fits(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costm
     if best.fits:
         return f"nothing is wrong: {best.config} and others fit"
     cap, gpu = best.memory["capacity"], cluster.gpu
-    states = costmodel.model_state_bytes(model.params, a.precision, a.optimizer)["total"]
+    states = costmodel.model_state_bytes(model.params, a.precision, a.optimizer, a.main_grad)["total"]
     found_text = (f"the smallest memory per GPU among the {len(found)} valid configurations is "
                   f"{best.memory['total'] / 1e9:,.1f} GB ({best.config}) > {cap / 1e9:.1f} GB usable "
                   f"({a.usable_memory:.0%} of {gpu.memory_bytes / 1e9:.0f} GB, {gpu.name})")
@@ -218,7 +221,7 @@ def main(args) -> int:
         return 2
     try:
         model, cluster = get_model(args.model), _cluster(args)
-        a = dict(precision=args.precision, overlap_dp=not args.no_overlap)
+        a = dict(precision=args.precision, overlap_dp=not args.no_overlap, main_grad=not args.no_main_grad)
         sp = (False, True) if args.sequence_parallel else (False,)
         n_valid = len(candidates(model, cluster, args.zero, args.recompute, sp, assumptions=Assumptions(**a)))
         plans = plan(model, cluster=cluster, zero=args.zero, recompute=args.recompute, sequence_parallel=sp,
@@ -230,9 +233,12 @@ def main(args) -> int:
           f"{model.hidden}, {model.heads} heads, seq {model.seq}, vocab {model.vocab}, global batch "
           f"{model.global_batch} ({model.source})")
     print(_describe(cluster, args.precision))
-    print(f"assumptions: {args.precision} precision AdamW; Megatron's fused kernels; 1F1B; DP sync "
-          f"{'not ' if args.no_overlap else ''}overlapped with backward; 90% of memory usable "
-          f"(analysis/planner.py, costmodel/planner_time.py)")
+    states = costmodel.model_state_bytes(1, args.precision, "adamw", a["main_grad"])["total"]
+    grads = ("fp32 main_grad" if a["main_grad"] and args.precision == "mixed"
+             else "gradients in the weights' dtype")
+    print(f"assumptions: {args.precision} precision AdamW, {grads}: {states:g} B/param of model states; "
+          f"Megatron's fused kernels; 1F1B; DP sync {'not ' if args.no_overlap else ''}overlapped with "
+          f"backward; 90% of memory usable (analysis/planner.py, costmodel/planner_time.py)")
     print(f"{n_valid} configurations satisfy divisibility; {len(plans)} fit in memory. "
           f"Columns gemm..opt: share of the step time.\n")
     if not plans:

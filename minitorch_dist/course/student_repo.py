@@ -30,7 +30,8 @@ def course_files(root: Path = REPO_ROOT) -> list[str]:
         files = [f for f in out.stdout.decode().split("\0") if f]
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         files = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
-        files = [f for f in files if not any(f"/{x}" in f"/{f}" for x in _NOT_SOURCES) and ".egg-info" not in f]
+        files = [f for f in files
+                 if not any(f"/{x}" in f"/{f}" for x in _NOT_SOURCES) and ".egg-info" not in f]
     return sorted(files)
 
 

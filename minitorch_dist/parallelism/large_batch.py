@@ -10,7 +10,8 @@ that keep a k-times larger batch training as well as the small one.
   Algorithm 1. One global rate is too large for some layers and too small for others at large
   batch (their ‖w‖/‖∇w‖ differ by orders of magnitude), so each layer gets its own rate.
 - You et al. 2020 (ICLR), "Large Batch Optimization for Deep Learning: Training BERT in
-  76 minutes": LAMB, Algorithm 2. The same layer-wise trust ratio, applied to Adam's update.
+  76 minutes": LAMB, Algorithm 2. The same layer-wise trust ratio, applied to Adam's update;
+  its experiments scale the learning rate with the square root of the batch.
 
 **Why layer-wise adaptation.** With weight decay 0, the LARS step of a layer is
 ``lr·η·‖w‖·g/‖g‖`` and the LAMB step is ``lr·φ(‖w‖)·r/‖r‖``: their norms are ``lr·η·‖w‖`` and
@@ -39,7 +40,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["LARS", "LAMB", "trust_ratios", "linear_scaling_lr", "warmup_schedule"]
+__all__ = ["LARS", "LAMB", "trust_ratios", "linear_scaling_lr", "sqrt_scaling_lr", "warmup_schedule"]
 
 
 def _one_dim(p: torch.Tensor) -> bool:
@@ -223,11 +224,28 @@ def linear_scaling_lr(base_lr: float, base_batch: int, batch: int) -> float:
     8192 gets 0.1 · 8192/256 = 3.2. (The rule stops holding past ~8k for ResNet-50, which is
     where LARS/LAMB take over.)
     """
+    _check_batches(base_lr, base_batch, batch)
+    return base_lr * batch / base_batch
+
+
+def sqrt_scaling_lr(base_lr: float, base_batch: int, batch: int) -> float:
+    """Square-root scaling: multiply the batch by k, multiply the learning rate by √k.
+
+    η = base_lr · √(batch / base_batch). The rule of the Adam family (LAMB's experiments, You et
+    al. 2020): the mean gradient of a k-times larger batch has 1/k of the variance, so its noise
+    (a standard deviation) shrinks by √k, and an adaptive optimizer, whose step is already
+    normalised by √v, takes steps √k larger for the same noise. Linear scaling
+    (:func:`linear_scaling_lr`) is the rule for SGD.
+    """
+    _check_batches(base_lr, base_batch, batch)
+    return base_lr * math.sqrt(batch / base_batch)
+
+
+def _check_batches(base_lr, base_batch, batch) -> None:
     _check("base_lr", base_lr, 0.0)
     for name, b in (("base_batch", base_batch), ("batch", batch)):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"{name} must be a positive int (a number of examples), got {b!r}")
-    return base_lr * batch / base_batch
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int | None = None,

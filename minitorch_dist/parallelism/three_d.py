@@ -30,8 +30,12 @@ after the embedding sync, ``reduce_accumulated()`` passes the accumulated gradie
 (``torch.autograd.backward`` on the parameters themselves), which fires stage 2's hooks: its bucketed
 reduce-scatter runs once, after the last microbatch, and the full gradients are freed bucket by bucket
 (2·Psi, as stage 1).
-ZeRO-3 is refused: it would all-gather the parameters for every microbatch's forward and backward
-(Megatron-LM and DeepSpeed do not combine it with pipeline parallelism either).
+ZeRO-3 is not implemented here. Under a pipeline it must either all-gather the stage's parameters for
+every microbatch's forward and backward (3m collectives a step), or keep them gathered from the first
+forward to the last backward, which holds the whole stage as ZeRO-1 does (Llama 3 ran FSDP beside pipeline
+parallelism, not resharding the parameters after the forward: Dubey et al. 2024, §3.3.2). The planner
+scores both (``costmodel.zero_stage_under_pipeline``); this step would gain nothing over ``zero_stage=1``
+from the second, and the first is chapter 06's ``fully_shard`` run m times.
 
 Options: ``checkpoint=True`` (``recompute="full"``) recomputes every block in backward (ch07, "full"
 recomputation: Korthikanti et al. 2022 §5; with TP the recomputed forward repeats its two all-reduces);
@@ -180,9 +184,9 @@ def zero_stage_of(zero1=False, zero_stage=None) -> int:
     """The ZeRO stage: ``zero_stage`` (0, 1 or 2) when given, else 1 with ``zero1`` and 0 without."""
     stage = (1 if zero1 else 0) if zero_stage is None else zero_stage
     if stage == 3:
-        raise ValueError("ZeRO-3 with pipeline parallelism would all-gather the parameters for every "
-                         "microbatch's forward and backward (Megatron-LM and DeepSpeed refuse the pair too); "
-                         "use zero_stage 0, 1 or 2")
+        raise ValueError("ZeRO-3 is not implemented in the 3D step: under a pipeline it would all-gather the "
+                         "parameters for every microbatch's forward and backward, or, kept gathered across "
+                         "the microbatches, hold what zero_stage=1 holds; use zero_stage 0, 1 or 2")
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise ValueError(f"zero_stage must be 0, 1 or 2, got {stage!r}")
     return stage

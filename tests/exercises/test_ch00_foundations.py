@@ -1,4 +1,5 @@
-"""Chapter 00 exercises, autograded: recursive-doubling all-gather, alpha-beta fit, memory math.
+"""Chapter 00 exercises, autograded: recursive-doubling all-gather, alpha-beta fit, memory math,
+bytes on the wire predicted and counted.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -82,28 +83,28 @@ def test_recursive_doubling_all_gather_sends_log2n_messages_of_n_minus_1_over_n_
         assert sum(sends) == (n - 1) * S // n == costmodel.bus_bytes("all_gather", S, n)
 
 
-# --- 2. fit_alpha_beta ---------------------------------------------------------------------------
+# --- 2. alpha_beta_from_timings----------------------------------------------------------------------
 
 SIZES = 2.0 ** np.arange(10, 27)  # 1 KiB .. 64 MiB, the range of an nccl-tests sweep
 
 
 @pytest.mark.parametrize("alpha,beta", [(20e-6, 1 / 5e9), (3e-6, 1 / 150e9), (1e-3, 1 / 1e8)])
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_fit_alpha_beta_recovers_exact_parameters(ex, n, alpha, beta):
+def test_alpha_beta_from_timings_recovers_exact_parameters(ex, n, alpha, beta):
     times = [costmodel.allreduce_time(S, n, alpha, beta) for S in SIZES]
-    got = ex.fit_alpha_beta(SIZES, times, n)
+    got = ex.alpha_beta_from_timings(SIZES, times, n)
     assert len(got) == 2 and all(isinstance(v, float) for v in got), f"return two floats, got {got!r}"
     assert got[0] == pytest.approx(alpha, rel=1e-6), "alpha"
     assert got[1] == pytest.approx(beta, rel=1e-6), "beta"
 
 
-def test_fit_alpha_beta_with_noise_matches_costmodel(ex):
+def test_alpha_beta_from_timings_with_noise_matches_costmodel(ex):
     n, alpha, beta = 4, 20e-6, 1 / 5e9
     rng = np.random.default_rng(0)
     sizes = np.repeat(SIZES, 5)  # 5 repeats per size, 2% multiplicative noise on each
     times = np.array([costmodel.allreduce_time(S, n, alpha, beta) for S in sizes])
     times *= 1 + 0.02 * rng.standard_normal(sizes.size)
-    got_alpha, got_beta = ex.fit_alpha_beta(sizes, times, n)
+    got_alpha, got_beta = ex.alpha_beta_from_timings(sizes, times, n)
     ref_alpha, ref_beta = costmodel.fit_alpha_beta(sizes, times, n)  # same model, same objective
     assert got_alpha == pytest.approx(ref_alpha, rel=1e-6) and got_beta == pytest.approx(ref_beta, rel=1e-6)
     # and close to the truth: alpha too, which an unweighted fit loses under the large sizes' noise
@@ -169,3 +170,56 @@ def test_largest_model_that_fits_nothing_when_activations_fill_the_device(ex):
     assert ex.largest_model_that_fits(10 * costmodel.GB, activation_bytes=12 * costmodel.GB) == 0
     assert ex.largest_model_that_fits(15) == 0  # less than one parameter's 16 bytes
     assert ex.largest_model_that_fits(16) == 1
+
+
+# --- 5. predict_and_meter_allreduce_bytes ----------------------------------------------------
+
+N_RANKS, NUMEL = 4, 1001  # 1001 = 4 * 250 + 1: the ring's chunks are 251, 250, 250, 250 elements
+
+
+def _predict_and_meter_on_ranks(impl):
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(NUMEL, generator=g)
+    before = x.clone()
+    got = impl(x)
+    return got, torch.equal(x, before)
+
+
+@pytest.fixture(scope="module")
+def metered(ex):
+    """Every rank's answer, from one launch of 4 ranks (or the error the stubs raise)."""
+    try:
+        return launch(_predict_and_meter_on_ranks, N_RANKS, ex.predict_and_meter_allreduce_bytes,
+                      timeout_s=TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - reported by each test below
+        return e
+
+
+def _answers(metered):
+    if isinstance(metered, Exception):
+        pytest.fail(f"the ranks failed: {type(metered).__name__}: {metered}")
+    for r, (got, untouched) in enumerate(metered):
+        assert untouched, f"rank {r}: x was changed; all-reduce clones of it"
+        assert isinstance(got, dict) and set(got) == {"ring", "recursive_doubling"}, f"rank {r}: {got!r}"
+    return [got for got, _ in metered]
+
+
+def test_predict_and_meter_allreduce_bytes_predictions(metered):
+    S, n = NUMEL * 4, N_RANKS
+    for r, got in enumerate(_answers(metered)):
+        assert got["ring"]["predicted"] == pytest.approx(2 * (n - 1) * S / n), f"rank {r}: ring"  # 6006 B
+        assert got["recursive_doubling"]["predicted"] == pytest.approx(2 * S), f"rank {r}: log2(4) = 2 swaps"
+
+
+def test_predict_and_meter_allreduce_bytes_measured_counts(metered):
+    S, n, item = NUMEL * 4, N_RANKS, 4
+    chunks = [c.numel() for c in torch.tensor_split(torch.empty(NUMEL), n)]  # torch's cut: 251, 250, ...
+    answers = _answers(metered)
+    for r, got in enumerate(answers):
+        ring, rd = got["ring"], got["recursive_doubling"]
+        # reduce-scatter sends every chunk but r's own, all-gather every chunk but r+1's
+        want = (2 * NUMEL - chunks[r] - chunks[(r + 1) % n]) * item
+        assert ring["measured"] == want, f"rank {r}: measured {ring['measured']} B, it sends {want} B"
+        assert abs(ring["measured"] - ring["predicted"]) <= 2 * (n - 1) / n * item, f"rank {r}"
+        assert rd["measured"] == rd["predicted"] == 2 * S, f"rank {r}: recursive doubling {rd}"
+    assert sum(a["ring"]["measured"] for a in answers) == 2 * (n - 1) * S

@@ -349,3 +349,177 @@ def test_accumulate_gradients_without_no_sync_communicates_every_micro_batch(ex)
             f"rank {r}: with no_sync=False every backward all-reduces all {P} gradient elements; " \
             f"got {res['synced_before']} before each micro-batch, {res['synced']} in all"
         _assert_grads(res["grads"], ref, f"rank {r}, no_sync=False")
+
+
+# --- 4. install_bucketed_gradient_hooks ------------------------------------------------------------
+
+# The MLP's gradients in registration order: W1 384 B, b1 64, W2 1024, b2 64, W3 192, b3 12. Filled
+# from the end with a 256 B first bucket and 1100 B after: [b3, W3] (204 B; + b2 would be 268),
+# [b2, W2] (1088 B), [b1, W1] (448 B). Three buckets; the last one holds the first layer.
+CAP, FIRST_CAP = 1100, 256
+STEPS_4, LR_4 = 3, 0.1
+
+
+def _bucketed_on_ranks(install):
+    from minitorch_dist.analysis import costmodel
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    x, y = _global_batch(n * ROWS)
+    x, y = x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]
+    model = _mlp()
+    params = list(model.parameters())
+    install(model, CAP, FIRST_CAP)
+    opt = torch.optim.SGD(model.parameters(), lr=LR_4, momentum=0.9)
+    reference = DDP(_mlp(), bucket_cap_mb=CAP / 2**20)  # torch's DDP, the same ranks and batch
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR_4, momentum=0.9)
+    # the first layer's gradient is the last that backward produces: count the all-reduces already
+    # launched when it arrives (a tensor hook runs before the grad is accumulated)
+    probe = {"meter": None, "seen": []}
+    model[0].weight.register_hook(lambda g: probe["seen"].append(len(probe["meter"].events)))
+    first_grads, steps = None, []
+    for step in range(STEPS_4):
+        probe["seen"] = []
+        with comm.meter() as m:
+            probe["meter"] = m
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+        # [e.op ...], not m.ops(): cloudpickle would take `ops` beside `torch` for torch.ops and fail
+        steps.append({"sizes": [e.nbytes for e in m.events], "ops": [e.op for e in m.events],
+                      "async": [e.async_op for e in m.events], "before_first_layer": probe["seen"]})
+        if first_grads is None:
+            first_grads = [p.grad.clone() for p in params]
+        opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    sizes = [p.numel() * p.element_size() for p in params][::-1]  # the order gradients arrive
+    plan = costmodel.bucket_assignment(sizes, CAP, FIRST_CAP)
+    return {"first_grads": first_grads, "params": [p.detach().clone() for p in params],
+            "torch_params": [p.detach().clone() for p in reference.parameters()], "steps": steps,
+            "bucket_sizes": [sum(sizes[i] for i in b) for b in plan]}
+
+
+@pytest.fixture(scope="module")
+def bucketed(ex):
+    """`run(n)`: the per-rank results of _bucketed_on_ranks on n ranks, launched once per n."""
+    cache = {}
+
+    def run(n):
+        if n not in cache:
+            cache[n] = launch(_bucketed_on_ranks, n, ex.install_bucketed_gradient_hooks, timeout_s=TIMEOUT_S)
+        return cache[n]
+    return run
+
+
+def _single_process_sgd(n):
+    """One process on the global batch: the gradients of the first step, the weights after all."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR_4, momentum=0.9)
+    x, y = _global_batch(n * ROWS)
+    first = None
+    for _ in range(STEPS_4):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        first = first or [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    return first, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_bucketed_gradient_hooks_matches_single_process(bucketed, n):
+    grads, weights = _single_process_sgd(n)
+    for r, res in enumerate(bucketed(n)):
+        _assert_grads(res["first_grads"], grads, f"rank {r} of {n}, first step's gradients")
+        _assert_grads(res["params"], weights, f"rank {r} of {n}, weights after {STEPS_4} SGD steps")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_bucketed_gradient_hooks_matches_torch_ddp(bucketed, n):
+    for r, res in enumerate(bucketed(n)):
+        _assert_grads(res["params"], res["torch_params"], f"rank {r} of {n}, ours vs torch's DDP")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_bucketed_gradient_hooks_one_async_all_reduce_per_bucket_during_backward(bucketed, n):
+    for r, res in enumerate(bucketed(n)):
+        want = res["bucket_sizes"]
+        assert len(want) == 3, want
+        for step, got in enumerate(res["steps"]):
+            where = f"rank {r} of {n}, step {step}"
+            assert got["ops"] == ["all_reduce"] * len(want), \
+                f"{where}: collectives {got['ops']}; expected one comm.all_reduce per bucket ({len(want)})"
+            assert got["sizes"] == want, f"{where}: all-reduce sizes {got['sizes']}, buckets in order {want}"
+            assert all(got["async"]), f"{where}: launch each bucket with async_op=True"
+            assert got["before_first_layer"] == [len(want) - 1], \
+                f"{where}: {got['before_first_layer']} all-reduces launched before backward reached the " \
+                f"first layer; expected {len(want) - 1}: launch each bucket as soon as it is complete"
+
+
+# --- 5. predict_and_meter_ddp_traffic -----------------------------------------------------------------
+
+K_MICRO, MICRO_SEQS, CAP_MB, FIRST_MB = 3, 2, 0.1, 0.02  # caps of 104,857 and 20,971 bytes
+
+
+def _traffic_on_ranks(impl):
+    from minitorch_dist.models import GPT, GPTConfig, MarkovCorpus
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig.tiny(block_size=16)
+    corpus = MarkovCorpus(cfg.vocab_size)
+    micro = [corpus.batch(i, MICRO_SEQS * n, 16, rank=r, world_size=n) for i in range(K_MICRO)]
+    out = {}
+    for no_sync in (True, False):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        with comm.meter() as outer:  # the test's own count of what ran
+            got = impl(model, micro, CAP_MB, FIRST_MB, no_sync=no_sync)
+        seen = [e for e in outer.events if e.op == "all_reduce"]
+        out[no_sync] = {"got": got, "seen_bytes": [e.nbytes for e in seen],
+                        "seen_wire": sum(e.wire_bytes for e in seen),
+                        "sizes": [p.numel() * p.element_size() for p in model.parameters()]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def traffic(ex):
+    try:
+        return launch(_traffic_on_ranks, 2, ex.predict_and_meter_ddp_traffic, timeout_s=TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - reported by each test below
+        return e
+
+
+def _traffic(traffic):
+    if isinstance(traffic, Exception):
+        pytest.fail(f"the ranks failed: {type(traffic).__name__}: {traffic}")
+    return traffic
+
+
+@pytest.mark.parametrize("no_sync", [True, False])
+def test_predict_and_meter_ddp_traffic_predictions(traffic, no_sync):
+    from minitorch_dist.analysis import costmodel
+
+    n = 2
+    for r, res in enumerate(_traffic(traffic)):
+        res = res[no_sync]
+        sizes = res["sizes"][::-1]
+        plan = costmodel.bucket_assignment(sizes, int(CAP_MB * 2**20), int(FIRST_MB * 2**20))
+        buckets = [sum(sizes[i] for i in b) for b in plan]
+        want = buckets * (1 if no_sync else K_MICRO)
+        pred = res["got"]["predicted"]
+        assert pred["all_reduce_bytes"] == want, f"rank {r}, no_sync={no_sync}: predicted {pred}"
+        assert pred["wire_bytes"] == pytest.approx(2 * (n - 1) / n * sum(want), rel=1e-9), f"rank {r}"
+
+
+@pytest.mark.parametrize("no_sync", [True, False])
+def test_predict_and_meter_ddp_traffic_measured(traffic, no_sync):
+    for r, res in enumerate(_traffic(traffic)):
+        res = res[no_sync]
+        measured, pred = res["got"]["measured"], res["got"]["predicted"]
+        assert res["seen_bytes"], f"rank {r}: no all-reduce ran; run the DDP step inside the function"
+        assert measured["all_reduce_bytes"] == res["seen_bytes"], \
+            f"rank {r}, no_sync={no_sync}: measured {measured['all_reduce_bytes']}, " \
+            f"the ranks ran {res['seen_bytes']}"
+        assert measured["wire_bytes"] == pytest.approx(res["seen_wire"], rel=1e-9), f"rank {r}"
+        assert measured["all_reduce_bytes"] == pred["all_reduce_bytes"], \
+            f"rank {r}: prediction and count differ"
+        assert measured["wire_bytes"] == pytest.approx(pred["wire_bytes"], rel=1e-9), f"rank {r}"

@@ -1,14 +1,19 @@
-"""Chapter 02 exercises, autograded: the SSP admission rule and schedule, backup workers, key sharding.
+"""Chapter 02 exercises, autograded: the SSP admission rule and schedule, backup workers, key sharding,
+a stale-synchronous parameter server on ranks, and the bytes of one clock.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: the rule written as "the fastest and slowest
 are at most s apart", an event-by-event simulation of the workers, a sort of the arrivals written
-out by hand, a linear scan over the ranges and over the hash ring.
+out by hand, a linear scan over the ranges and over the hash ring; for the parameter server, one
+process running synchronous SGD with autograd on the same batches, and the staleness rebuilt from the
+server's own log of events; for the bytes, the closed forms and the comm meter on real ranks.
 
-Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+Ranks are launched twice in all, once per fixture (4 ranks each). Checks of bad input first make a
+valid call, so a stub fails them too.
 """
+import functools
 import hashlib
 import heapq
 import itertools
@@ -17,8 +22,11 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from minitorch_dist import comm, launch
 from minitorch_dist.course.exercises import load
+from minitorch_dist.parallelism.parameter_server import LeastSquares
 
 pytestmark = pytest.mark.ch02
 
@@ -209,8 +217,8 @@ def test_backup_workers_aggregate_rejects_bad_input(ex):
 
 
 @pytest.mark.parametrize("num_keys, s", [(10, 3), (12, 4), (7, 1), (3, 5), (0, 2), (1000, 7), (1, 1)])
-def test_key_ranges_contiguous_balanced(ex, num_keys, s):
-    rs = ex.key_ranges(num_keys, s)
+def test_contiguous_key_ranges_contiguous_balanced(ex, num_keys, s):
+    rs = ex.contiguous_key_ranges(num_keys, s)
     assert len(rs) == s
     assert all(isinstance(r, range) and r.step == 1 for r in rs)
     assert rs[0].start == 0 and rs[-1].stop == num_keys
@@ -223,12 +231,12 @@ def test_key_ranges_contiguous_balanced(ex, num_keys, s):
     assert sizes == [len(c) for c in torch.tensor_split(torch.arange(num_keys), s)]
 
 
-def test_key_ranges_rejects_bad_input(ex):
-    ex.key_ranges(4, 2)  # a valid call first
+def test_contiguous_key_ranges_rejects_bad_input(ex):
+    ex.contiguous_key_ranges(4, 2)  # a valid call first
     with pytest.raises(ValueError, match="n_servers"):
-        ex.key_ranges(4, 0)
+        ex.contiguous_key_ranges(4, 0)
     with pytest.raises(ValueError, match="num_keys"):
-        ex.key_ranges(-1, 2)
+        ex.contiguous_key_ranges(-1, 2)
 
 
 @pytest.mark.parametrize("ranges", [[range(0, 4), range(4, 7), range(7, 10)],
@@ -241,8 +249,8 @@ def test_server_of_matches_a_scan(ex, ranges):
         assert ex.server_of(key, ranges) == expected, f"key {key} in {ranges}"
 
 
-def test_server_of_with_key_ranges(ex):
-    rs = ex.key_ranges(1001, 13)
+def test_server_of_with_contiguous_key_ranges(ex):
+    rs = ex.contiguous_key_ranges(1001, 13)
     for key in range(0, 1001, 7):
         assert key in rs[ex.server_of(key, rs)]
 
@@ -296,3 +304,185 @@ def test_consistent_hash_server_rejects_bad_input(ex):
         ex.consistent_hash_server(1, [])
     with pytest.raises(ValueError, match="virtual_nodes"):
         ex.consistent_hash_server(1, ["a"], virtual_nodes=0)
+
+
+# --- 4. a stale-synchronous parameter server on ranks ------------------------------------------------
+
+PS_SERVERS, PS_WORKERS, PS_CLOCKS, PS_LR, PS_S = 2, 2, 15, 0.2, 2
+PS_BOUNDS = [(0, 51), (51, 101)]        # the 101 keys of LeastSquares() over 2 servers
+PS_STRAGGLER = {1: 0.025}               # worker 1 sleeps 25 ms per clock in the SSP run
+
+
+def _ps_on_ranks(fn):
+    """On every rank: a call with a bad staleness, then BSP (s = 0), then SSP(PS_S) with a straggler."""
+    problem = LeastSquares(n_workers=PS_WORKERS)
+    out = {"bad": None}
+    try:
+        fn(problem, PS_BOUNDS, -1, PS_CLOCKS, PS_LR)
+    except ValueError as e:
+        out["bad"] = str(e)
+    out["bsp"] = fn(problem, PS_BOUNDS, 0, PS_CLOCKS, PS_LR)
+    dist.barrier()                      # one run's last messages before the next run's first
+    out["ssp"] = fn(problem, PS_BOUNDS, PS_S, PS_CLOCKS, PS_LR, straggler=PS_STRAGGLER)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ps_runs(ex):
+    return launch(_ps_on_ranks, PS_SERVERS + PS_WORKERS, ex.ssp_parameter_server, timeout_s=60)
+
+
+@functools.cache
+def _synchronous_sgd_autograd():
+    """One process: autograd on the concatenation of the workers' batches of each clock."""
+    p = LeastSquares(n_workers=PS_WORKERS)
+    x, losses = torch.zeros(p.n_params, requires_grad=True), []
+    for c in range(PS_CLOCKS):
+        losses.append(p.loss(x.detach()))
+        rows = torch.cat([p.batch_rows(w, c) for w in range(PS_WORKERS)])
+        (g,) = torch.autograd.grad(0.5 * ((p.A[rows] @ x - p.b[rows]) ** 2).mean(), x)
+        with torch.no_grad():
+            x -= PS_LR * g
+    return x.detach(), losses + [p.loss(x.detach())]
+
+
+def _rebuild_staleness(events):
+    """From a server's event log alone: each push's clock minus the slowest worker's clock (pushes
+    seen here) when that worker's pull of the same clock was answered."""
+    pushed, read_at, out = [0] * PS_WORKERS, {}, []
+    for kind, w, c in events:
+        if kind == "reply":
+            read_at[(w, c)] = min(pushed)
+        else:
+            pushed[w] += 1
+            out.append(c - read_at[(w, c)])
+    return out
+
+
+def test_ssp_parameter_server_bsp_is_synchronous_sgd(ps_runs):
+    x_ref, losses_ref = _synchronous_sgd_autograd()
+    servers, workers = ps_runs[:PS_SERVERS], ps_runs[PS_SERVERS:]
+    x = torch.cat([srv["bsp"]["params"] for srv in servers])
+    torch.testing.assert_close(x, x_ref, atol=1e-6, rtol=1e-6,
+                               msg="s = 0: the parameters differ from synchronous SGD on the same batches")
+    for w, wk in enumerate(workers):
+        assert len(wk["bsp"]["loss"]) == PS_CLOCKS + 1, f"worker {w}: one loss per pull, 0..{PS_CLOCKS}"
+        torch.testing.assert_close(torch.tensor(wk["bsp"]["loss"], dtype=torch.float64),
+                                   torch.tensor(losses_ref, dtype=torch.float64), atol=1e-6, rtol=1e-6,
+                                   msg=f"worker {w}: under BSP every pull must see the synchronous iterate")
+    for srv in servers:
+        assert srv["bsp"]["staleness"] == [0] * (PS_WORKERS * PS_CLOCKS), "BSP: no push is ever stale"
+
+
+def test_ssp_parameter_server_staleness_never_above_the_bound(ps_runs):
+    seen = []
+    for k, srv in enumerate(ps_runs[:PS_SERVERS]):
+        run = srv["ssp"]
+        assert len(run["staleness"]) == PS_WORKERS * PS_CLOCKS, f"server {k}: every push of every clock, once"
+        assert run["staleness"] == _rebuild_staleness(run["events"]), \
+            f"server {k}: the logged staleness disagrees with its own event log"
+        seen += run["staleness"]
+    assert min(seen) >= 0 and max(seen) <= PS_S, f"SSP({PS_S}) staleness histogram {sorted(seen)}"
+    assert max(seen) == PS_S, \
+        f"with a 25 ms straggler the fast worker should run {PS_S} clocks ahead: {sorted(seen)}"
+
+
+def test_ssp_parameter_server_answers_pulls_by_the_rule(ps_runs):
+    for run, s in ((srv[m], b) for srv in ps_runs[:PS_SERVERS] for m, b in (("bsp", 0), ("ssp", PS_S))):
+        pushed, replies = [0] * PS_WORKERS, 0
+        for kind, w, c in run["events"]:
+            if kind == "push":
+                pushed[w] += 1
+            else:
+                replies += 1
+                assert c - min(pushed) <= s, f"s={s}: a pull of clock {c} answered with pushes {pushed}"
+        assert replies == PS_WORKERS * (PS_CLOCKS + 1), f"s={s}: every pull answered once"
+
+
+def test_ssp_parameter_server_converges(ps_runs):
+    p = LeastSquares(n_workers=PS_WORKERS)
+    x = torch.cat([srv["ssp"]["params"] for srv in ps_runs[:PS_SERVERS]])
+    _, losses_ref = _synchronous_sgd_autograd()
+    gap, gap_ref = p.loss(x) - p.loss_opt, losses_ref[-1] - p.loss_opt
+    assert losses_ref[0] - p.loss_opt > 50 * gap_ref, "it had far to go"
+    # stale gradients cost a little progress, never most of it
+    assert gap <= 2.5 * gap_ref, \
+        f"SSP({PS_S}) ends {gap:.2e} above the optimum, synchronous SGD at {gap_ref:.2e}"
+
+
+def test_ssp_parameter_server_rejects_bad_input(ps_runs):
+    for r, out in enumerate(ps_runs):
+        assert out["bsp"] is not None                       # the valid calls ran
+        assert out["bad"] is not None and "staleness" in out["bad"], f"rank {r}: staleness -1 must be refused"
+
+
+# --- 5. the bytes of one clock, predicted and counted ----------------------------------------------
+
+
+def _closed_forms(p, n, s, b=4):
+    psi = p * b
+    return {"worker_push": psi, "worker_pull": psi, "server_in": n * psi / s, "server_out": n * psi / s,
+            "busiest_link": psi * max(1, n / s), "ring_send": 2 * (n - 1) / n * psi}
+
+
+@pytest.mark.parametrize("p, n, s, b", [(10**9, 8, 1, 4), (10**9, 8, 2, 4), (10**9, 8, 8, 4),
+                                        (10**9, 8, 16, 4), (7 * 10**9, 32, 4, 2), (102, 3, 1, 4),
+                                        (1000, 1, 1, 4)])
+def test_predict_ps_traffic_closed_forms(ex, p, n, s, b):
+    got = ex.predict_ps_traffic(p, n, s, bytes_per_element=b)
+    for key, want in _closed_forms(p, n, s, b).items():
+        assert got[key] == pytest.approx(want, rel=1e-12), f"{key} for {p} keys, {n} workers, {s} servers"
+
+
+TRAFFIC_KEYS, TRAFFIC_CLOCKS = 102, 3   # 102 keys: the 3 workers' ring chunks are whole
+
+
+def _metered_ps_and_ring():
+    """1 server and 3 workers run the chapter's parameter server (BSP) under the comm meter; then the
+    3 workers run a ring all-reduce of a gradient-sized vector, also metered. Values only: fp32 bytes."""
+    from minitorch_dist.parallelism.parameter_server import PSConfig, _ps_main
+    from minitorch_dist.runtime.collectives import ring_all_reduce
+
+    cfg = PSConfig("bsp", 0, 1, 3, TRAFFIC_CLOCKS, 0.1, {}, {})
+    problem = dict(n_params=TRAFFIC_KEYS, n_rows=240, n_workers=3, batch_size=16, noise=0.1, seed=0)
+    with comm.meter() as m:
+        _ps_main(cfg, problem)
+    workers = dist.new_group([1, 2, 3])
+    ring = 0
+    if dist.get_rank() >= 1:
+        with comm.meter() as mr:
+            ring_all_reduce(torch.ones(TRAFFIC_KEYS), group=workers)
+        ring = mr.bytes["send"]
+
+    def values(op):
+        return sum(e.nbytes for e in m.events if e.op == op and e.dtype == str(torch.float32))
+
+    return {"sent": values("send"), "received": values("recv"), "ring": ring}
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    return launch(_metered_ps_and_ring, 4, timeout_s=60)
+
+
+def test_predict_ps_traffic_measured_on_ranks(ex, traffic):
+    got = ex.predict_ps_traffic(TRAFFIC_KEYS, 3, 1)
+    server, workers = traffic[0], traffic[1:]
+    pulls = TRAFFIC_CLOCKS + 1          # a last pull reads the final parameters
+    assert got["server_in"] == server["received"] / TRAFFIC_CLOCKS, "the server's bytes in per clock"
+    assert got["server_out"] == server["sent"] / pulls, "the server's bytes out per pull"
+    for r, wk in enumerate(workers, start=1):
+        assert got["worker_push"] == wk["sent"] / TRAFFIC_CLOCKS, f"rank {r}: a worker's push per clock"
+        assert got["worker_pull"] == wk["received"] / pulls, f"rank {r}: a worker's pull"
+        assert got["ring_send"] == wk["ring"], f"rank {r}: the ring all-reduce's bytes sent"
+    assert got["busiest_link"] == max(server["received"] / TRAFFIC_CLOCKS, server["sent"] / pulls), \
+        "one server and 3 workers: the server's link is the busiest"
+
+
+def test_predict_ps_traffic_rejects_bad_input(ex):
+    ex.predict_ps_traffic(100, 2, 2)  # a valid call first
+    with pytest.raises(ValueError, match="n_workers"):
+        ex.predict_ps_traffic(100, 0, 2)
+    with pytest.raises(ValueError, match="n_params"):
+        ex.predict_ps_traffic(1.5, 2, 2)

@@ -1,4 +1,5 @@
-"""Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1, ZB-V.
+"""Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1, ZB-V,
+the executor on ranks, and the messages of a step.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -6,20 +7,32 @@ one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: small hand-derived schedules, the library's
 own schedules (``parallelism.pipeline.schedules``), its discrete-event simulator (timing,
 dependency order, stashed activations), ``analysis.timeline.bubble_fraction``, the formulas
-of ``analysis.costmodel``, and PyTorch's ``ScheduleZBVZeroBubble`` order. Pure Python: no ranks are
-launched.
+of ``analysis.costmodel``, and PyTorch's ``ScheduleZBVZeroBubble`` order. For the executor: one
+process running the whole GPT on the whole batch, and ``torch.distributed.pipelining``'s
+``Schedule1F1B`` on the same ranks; for the messages, the comm meter on a real step.
+
+Ranks are launched twice in all, once per fixture (4 ranks each). Checks of bad input first
+make a valid call, so a stub fails them too.
 """
+import functools
 import random
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.analysis.costmodel import pipeline as v_costs
 from minitorch_dist.analysis.timeline import Event, bubble_fraction
 from minitorch_dist.course.exercises import load
+from minitorch_dist.models.data import MarkovCorpus
+from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import schedules
 from minitorch_dist.parallelism.pipeline.schedules import Action, Schedule
 from minitorch_dist.parallelism.pipeline.simulator import check_dependencies, simulate
+from minitorch_dist.runtime import comm
+from minitorch_dist.runtime.launch import launch
 
 pytestmark = pytest.mark.ch03
 
@@ -277,3 +290,195 @@ def test_zbv_rank_actions_run_without_deadlock_and_idle_only_the_start_up(ex, p,
     assert sim.peak_stashed == [p] * p  # 1F1B's peak (its stage 0), on every rank
     base = simulate(schedules.one_f_one_b(p, m))
     assert max(sim.peak_stashed) == max(base.peak_stashed)
+
+
+# --- 6. run_stage_actions: the executor on ranks ---------------------------------------------------
+
+ROWS, SEQ, VOCAB, WIDTH, SEED = 16, 16, 64, 32, 3
+CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=WIDTH, tie_embeddings=False)
+
+
+def _batch():
+    return MarkovCorpus(VOCAB, seed=0).batch(0, ROWS, SEQ)
+
+
+@functools.cache
+def _one_process():
+    """The whole GPT on the whole batch in this process: the loss and every parameter's gradient."""
+    torch.manual_seed(SEED)
+    model = GPT(CFG)
+    _, loss = model(*_batch())
+    loss.backward()
+    return loss.item(), {k: q.grad.clone() for k, q in model.named_parameters()}
+
+
+def _stage_grads(stage):
+    return {k: q.grad.clone() for k, q in stage.named_parameters() if q.grad is not None}
+
+
+def _student_step(fn, actions, m):
+    """This rank's stage of a fresh GPT, the student's executor on it; losses, gradients, sends counted."""
+    from minitorch_dist.parallelism.pipeline.executor import split_gpt
+    p, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(SEED)
+    stage = split_gpt(GPT(CFG), p)[r]
+    x, y = _batch()
+    with comm.meter() as meter:
+        losses = fn(stage, actions, list(x.chunk(m)), list(y.chunk(m)), stage.boundary_shape(ROWS // m, SEQ))
+    sends = [(e.op, e.nbytes) for e in meter.events if e.op != "recv"]
+    return {"losses": list(losses), "grads": _stage_grads(stage), "sends": sends,
+            "names": [k for k, _ in stage.named_parameters()]}
+
+
+def _torch_1f1b(m):
+    """The same step with torch.distributed.pipelining's Schedule1F1B on the same ranks."""
+    import torch.distributed.pipelining as pp
+
+    from minitorch_dist.parallelism.pipeline.executor import split_gpt
+    p, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(SEED)
+    stage = split_gpt(GPT(CFG), p)[r]
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))  # noqa: E731
+    sched = pp.Schedule1F1B(pp.PipelineStage(stage, r, p, torch.device("cpu")), m, loss_fn=loss_fn)
+    x, y = _batch()
+    sched.step(*([x] if r == 0 else []), target=y if r == p - 1 else None)
+    return _stage_grads(stage)
+
+
+def _executor_on_ranks(fn, runs, with_torch):
+    """On every rank: two refused calls, then the student's executor on each (name, m), then torch's
+    Schedule1F1B with the first run's m."""
+    from minitorch_dist.parallelism.pipeline import schedules as sch
+    p, r = dist.get_world_size(), dist.get_rank()
+    out = {"bad": []}
+    for bad_actions in (["F0", "X0"], ["F9"]):
+        try:
+            fn(None, bad_actions, [None] * 2, [None] * 2, (1,))
+            out["bad"].append(None)
+        except ValueError as e:
+            out["bad"].append(str(e))
+    for name, m in runs:
+        acts = [str(a) for a in sch.make_schedule(name, p, m)[r]]
+        out[name, m] = _student_step(fn, acts, m)
+    if with_torch:
+        out["torch"] = _torch_1f1b(runs[0][1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def executor_runs(ex):
+    """p = 4 (one launch): 1F1B with m = 8, GPipe with m = 4, and torch's Schedule1F1B with m = 8."""
+    return {4: launch(_executor_on_ranks, 4, ex.run_stage_actions, [("1f1b", 8), ("gpipe", 4)], True,
+                      timeout_s=90)}
+
+
+EXECUTOR_CASES = [(4, "1f1b", 8), (4, "gpipe", 4)]
+
+
+@pytest.mark.parametrize("p, name, m", EXECUTOR_CASES)
+def test_run_stage_actions_equals_one_process(executor_runs, p, name, m):
+    ref_loss, ref = _one_process()
+    ranks = [out[name, m] for out in executor_runs[p]]
+    seen = [k for rk in ranks for k in rk["names"]]
+    assert sorted(seen) == sorted(ref), "the stages together hold every parameter of the model, once"
+    for r, rk in enumerate(ranks):
+        assert set(rk["grads"]) == set(rk["names"]), f"rank {r}: every parameter of its stage has a gradient"
+        for k, g in rk["grads"].items():
+            # the same sum in another order: float32 rounding, far below a lost or doubled microbatch (~1/m)
+            torch.testing.assert_close(g, ref[k], atol=1e-6, rtol=1e-5, msg=f"rank {r}: gradient of {k}")
+    *middle, last = ranks
+    assert all(rk["losses"] == [] for rk in middle), "only the last rank returns losses"
+    assert len(last["losses"]) == m, f"the last rank returns the {m} microbatch losses"
+    assert sum(last["losses"]) / m == pytest.approx(ref_loss, abs=1e-6), "the mean of the microbatch losses"
+
+
+def test_run_stage_actions_equals_pytorch_pipelining(executor_runs):
+    for r, out in enumerate(executor_runs[4]):
+        theirs, ours = out["torch"], out["1f1b", 8]["grads"]
+        assert set(theirs) == set(ours), f"rank {r}"
+        for k in theirs:
+            torch.testing.assert_close(ours[k], theirs[k], atol=1e-6, rtol=1e-5,
+                                       msg=f"rank {r}: {k} differs from torch's Schedule1F1B")
+
+
+@pytest.mark.parametrize("p, name, m", EXECUTOR_CASES)
+def test_run_stage_actions_sends_activations_and_gradients_point_to_point(executor_runs, p, name, m):
+    act = (ROWS // m) * SEQ * WIDTH * 4  # one microbatch's hidden states, fp32
+    for r, out in enumerate(executor_runs[p]):
+        sends = out[name, m]["sends"]
+        assert all(op == "send" for op, _ in sends), f"rank {r}: only point-to-point sends, got {set(sends)}"
+        want = m * ((r < p - 1) + (r > 0))  # activations forward unless last, gradients back unless first
+        assert len(sends) == want, f"rank {r}: {len(sends)} sends, expected {want}"
+        assert all(nbytes == act for _, nbytes in sends), f"rank {r}: every message is one activation"
+
+
+def test_run_stage_actions_rejects_bad_input(executor_runs):
+    for p, outs in executor_runs.items():
+        for r, out in enumerate(outs):
+            assert out["1f1b", 8]["grads"], "the valid call ran"
+            unknown, outside = out["bad"]
+            assert unknown is not None and "X0" in unknown, f"p={p} rank {r}: an unknown action is refused"
+            assert outside is not None and "outside" in outside, \
+                f"p={p} rank {r}: microbatch 9 of 2 is refused"
+
+
+# --- 7. predict_pipeline_sends: the messages of a step ----------------------------------------------
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 1), (4, 8, 1), (4, 8, 2), (8, 32, 1), (8, 32, 4), (3, 6, 3)])
+def test_predict_pipeline_sends_adds_up_to_the_step(ex, p, m, v):
+    act = 1536
+    got = ex.predict_pipeline_sends(p, m, act, v)
+    assert len(got["messages"]) == len(got["bytes"]) == p
+    assert sum(got["bytes"]) == costmodel.pipeline_p2p_bytes(p, m, act, v), \
+        "every boundary, twice per microbatch"
+    assert sum(got["messages"]) == 2 * m * (p * v - 1)
+    # the two ends: the first rank sends no gradient of its first chunk, the last no activation of its last
+    assert got["messages"][0] == got["messages"][-1] == m * (2 * v - 1)
+    assert all(k == 2 * m * v for k in got["messages"][1:-1]), "a middle rank: both ways, every chunk"
+    assert got["bytes"] == [k * act for k in got["messages"]]
+
+
+def test_predict_pipeline_sends_one_rank_sends_nothing(ex):
+    assert ex.predict_pipeline_sends(1, 4, 100, 1) == {"messages": [0], "bytes": [0]}
+    assert ex.predict_pipeline_sends(1, 4, 100, 2) == {"messages": [0], "bytes": [0]}  # handed over in memory
+
+
+COUNT_M = 4
+
+
+def _count_library_sends():
+    """This rank's sends in a real 1F1B step and a real interleaved step (v = 2) of the chapter's executor."""
+    from minitorch_dist.parallelism.pipeline import executor as X
+    from minitorch_dist.parallelism.pipeline import schedules as sch
+    p, out = dist.get_world_size(), {}
+    for name, v in (("1f1b", 1), ("interleaved", 2)):
+        torch.manual_seed(SEED)
+        cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=p * v, n_head=2, n_embd=WIDTH,
+                        tie_embeddings=False)
+        sched = sch.make_schedule(name, p, COUNT_M, v)
+        with comm.meter() as meter:
+            X.run_schedule(sched, X.local_stages(GPT(cfg), sched), *_batch())
+        out[v] = {"messages": meter.calls["send"], "bytes": meter.bytes["send"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def counted_sends():
+    return launch(_count_library_sends, 4, timeout_s=90)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_predict_pipeline_sends_counted_on_ranks(ex, counted_sends, v):
+    act = (ROWS // COUNT_M) * SEQ * WIDTH * 4
+    got = ex.predict_pipeline_sends(4, COUNT_M, act, v)
+    assert got["messages"] == [c[v]["messages"] for c in counted_sends], "messages sent per rank"
+    assert got["bytes"] == [c[v]["bytes"] for c in counted_sends], "bytes sent per rank"
+
+
+def test_predict_pipeline_sends_rejects_bad_input(ex):
+    ex.predict_pipeline_sends(2, 2, 10)  # a valid call first
+    with pytest.raises(ValueError, match="v must be"):
+        ex.predict_pipeline_sends(2, 2, 10, 0)
+    with pytest.raises(ValueError, match="activation_bytes"):
+        ex.predict_pipeline_sends(2, 2, -1)

@@ -1,11 +1,14 @@
-"""Chapter 04 exercises, autograded: row-parallel linear, vocab-parallel cross-entropy, SUMMA.
+"""Chapter 04 exercises, autograded: a row-parallel matmul, Megatron's MLP, a vocab-parallel cross-entropy,
+SUMMA, GQA heads, and one layer's traffic predicted then counted.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: the dense single-process computation in torch
-(``X @ W + b`` and its autograd gradients, ``F.cross_entropy`` on the full logits, ``A @ B``)
-and the comm meter (which collectives ran, in which pass, on how many ranks, how many bytes).
+(``X @ W + b`` and its autograd gradients, the dense MLP and its gradients, ``F.cross_entropy`` on
+the full logits, ``A @ B``), PyTorch's DTensor tensor parallelism (``parallelize_module``), the
+formula for a layer's traffic worked by hand, and the comm meter (which collectives ran, in which
+pass, on how many ranks, how many bytes).
 
 All rank work is batched: one launch on 2 ranks and one on 4 run every exercise, each exercise
 guarded so that an unfinished one fails only its own tests.
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from minitorch_dist import comm, launch
 from minitorch_dist.course.exercises import load, resolve_impl
+from minitorch_dist.models.gpt import GPT, MLP, GPTConfig
 
 pytestmark = pytest.mark.ch04
 
@@ -45,6 +49,9 @@ def ex():
 B, S, K, N = 2, 3, 8, 5  # X is (B, S, K), W is (K, N)
 ROWS, VOCAB = 12, 256  # cross-entropy: 12 rows, a 256-word vocabulary
 M_A, K_A, N_B = 6, 4, 8  # SUMMA: A is (6, 4), B is (4, 8)
+# the MLP and the layer: h = 16, MLP width 64, 4 heads, vocabulary 64 (all divisible by t = 4)
+MLP_CFG = GPTConfig.tiny(vocab_size=64, block_size=8, n_layer=1, n_head=4, n_embd=16)
+MB, MS = 2, 4  # the MLP's and the layer's input is (MB, MS, h)
 
 
 def _linear_data():
@@ -65,6 +72,15 @@ def _summa_data():
     g = torch.Generator().manual_seed(2)
     return torch.randn(M_A, K_A, generator=g, dtype=torch.float64), torch.randn(K_A, N_B, generator=g,
                                                                                  dtype=torch.float64)
+
+
+def _mlp_data():
+    """The dense MLP (the same weights wherever it is built), its input and the output's gradient."""
+    torch.manual_seed(3)
+    mlp = MLP(MLP_CFG)
+    g = torch.Generator().manual_seed(4)
+    h = MLP_CFG.n_embd
+    return mlp, torch.randn(MB, MS, h, generator=g), torch.randn(MB, MS, h, generator=g)
 
 
 def _block(x, q, i, j):
@@ -109,6 +125,59 @@ def _row_parallel(ex):
             "nobias_ops": _ops(nobias)}
 
 
+def _column_row_mlp(ex):
+    mlp, x, dy = _mlp_data()
+    ours = ex.MegatronMLP(mlp)
+    x = x.clone().requires_grad_()
+    with comm.meter() as fwd:
+        y = ours(x)
+    with comm.meter() as bwd:
+        y.backward(dy)
+    return {"y": y.detach(), "grad_x": x.grad,
+            "params": {k: (tuple(q.shape), q.grad) for k, q in ours.named_parameters()},
+            "fwd": [(e.op, e.nbytes) for e in fwd.events], "bwd": [(e.op, e.nbytes) for e in bwd.events]}
+
+
+def _column_row_mlp_vs_dtensor(ex):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mlp, x0, dy = _mlp_data()
+    ours = ex.MegatronMLP(mlp)  # copies its shards before parallelize_module makes mlp's weights DTensors
+    theirs = parallelize_module(mlp, init_device_mesh("cpu", (dist.get_world_size(),)),
+                                {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+    out = {}
+    for name, m in (("ours", ours), ("torch", theirs)):
+        x = x0.clone().requires_grad_()
+        y = m(x)
+        y.backward(dy)
+        local = {k: (q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad)
+                 for k, q in m.named_parameters()}
+        out[name] = {"y": y.detach(), "grad_x": x.grad, "grads": local}
+    p = dict(ours.named_parameters())
+    out["ours"]["grads"] = {"c_fc.weight": p["w_fc"].grad, "c_fc.bias": p["b_fc"].grad,
+                            "c_proj.weight": p["w_proj"].grad, "c_proj.bias": p["b_proj"].grad}
+    return out
+
+
+def _layer_traffic(ex):
+    from minitorch_dist.parallelism.tensor_parallel import parallelize_gpt
+
+    torch.manual_seed(5)
+    block = parallelize_gpt(GPT(MLP_CFG)).blocks[0]
+    x = torch.randn(MB, MS, MLP_CFG.n_embd, generator=torch.Generator().manual_seed(6))
+    got = ex.tp_layer_traffic(block, x)
+    xr = x.clone().requires_grad_()  # the test's own count of the same layer
+    with comm.meter() as fwd:
+        y = block(xr)
+    with comm.meter() as bwd:
+        y.sum().backward()
+    own = {"forward": fwd.calls["all_reduce"], "backward": bwd.calls["all_reduce"],
+           "wire_bytes": fwd.total_wire_bytes + bwd.total_wire_bytes,
+           "ops": [e.op for e in fwd.events + bwd.events]}
+    return {"got": got, "own": own}
+
+
 def _vocab_parallel(ex):
     r, t = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -116,7 +185,7 @@ def _vocab_parallel(ex):
         logits, targets = _ce_data(shift)
         v_r = VOCAB // t
         with comm.meter() as m:
-            loss = ex.vocab_parallel_cross_entropy(logits[:, r * v_r:(r + 1) * v_r].clone(), targets)
+            loss = ex.vocab_sharded_cross_entropy(logits[:, r * v_r:(r + 1) * v_r].clone(), targets)
         out[shift] = {"loss": loss, "ops": _ops(m), "bytes": m.total_bytes}
     return out
 
@@ -133,15 +202,19 @@ def _summa(ex):
 def _all_on_ranks(impl):
     # each rank imports the chapter by its path (a module object cannot be pickled)
     ex = load("ch04", impl)
-    out = {"row": _guarded(_row_parallel, ex), "vocab": _guarded(_vocab_parallel, ex)}
+    out = {"row": _guarded(_row_parallel, ex), "mlp": _guarded(_column_row_mlp, ex),
+           "vocab": _guarded(_vocab_parallel, ex), "traffic": _guarded(_layer_traffic, ex)}
     if dist.get_world_size() == 4:  # a 2 x 2 grid
         out["summa"] = _guarded(_summa, ex)
+    out["dtensor"] = _guarded(_column_row_mlp_vs_dtensor, ex)  # last: it builds a device mesh
     return out
 
 
 @pytest.fixture(scope="module")
 def ranks(ex):
     """`run(t)`: the per-rank results of _all_on_ranks on t ranks, launched once per t."""
+    import torch.distributed.tensor.parallel  # noqa: F401  (~3 s to import; forked ranks inherit it)
+
     cache = {}
 
     def run(t):
@@ -160,7 +233,7 @@ def _results(ranks, t, part):
     return out
 
 
-# --- 1. RowParallelLinear ---------------------------------------------------------------------------
+# --- 1. RowParallelMatmul ---------------------------------------------------------------------------
 
 
 def _dense_linear():
@@ -172,7 +245,7 @@ def _dense_linear():
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_RowParallelLinear_matches_dense(ranks, t):
+def test_RowParallelMatmul_matches_dense(ranks, t):
     y, gx, gw, gb, y_nobias = _dense_linear()
     for r, res in enumerate(_results(ranks, t, "row")):
         cols = slice(r * K // t, (r + 1) * K // t)
@@ -189,7 +262,7 @@ def test_RowParallelLinear_matches_dense(ranks, t):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_RowParallelLinear_one_all_reduce_forward_none_backward(ranks, t):
+def test_RowParallelMatmul_one_all_reduce_forward_none_backward(ranks, t):
     for r, res in enumerate(_results(ranks, t, "row")):
         assert res["fwd_ops"] == ["all_reduce"], \
             f"rank {r} of {t}: forward ran {res['fwd_ops']}; expected exactly one comm.all_reduce"
@@ -202,12 +275,64 @@ def test_RowParallelLinear_one_all_reduce_forward_none_backward(ranks, t):
             f"rank {r} of {t}: without bias, forward ran {res['nobias_ops']}"
 
 
-# --- 2. vocab_parallel_cross_entropy ----------------------------------------------------------------
+# --- 2. MegatronMLP ------------------------------------------------------------------------------
+
+
+def _dense_mlp():
+    mlp, x, dy = _mlp_data()
+    x = x.requires_grad_()
+    y = mlp(x)
+    y.backward(dy)
+    return y.detach(), x.grad, mlp
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_MegatronMLP_matches_dense(ranks, t):
+    y, gx, mlp = _dense_mlp()
+    f = mlp.c_fc.out_features
+    for r, res in enumerate(_results(ranks, t, "mlp")):
+        rows, what = slice(r * f // t, (r + 1) * f // t), f"rank {r} of {t}"
+        want = {"w_fc": mlp.c_fc.weight.grad[rows], "b_fc": mlp.c_fc.bias.grad[rows],
+                "w_proj": mlp.c_proj.weight.grad[:, rows], "b_proj": mlp.c_proj.bias.grad}
+        assert {k: v[0] for k, v in res["params"].items()} == {k: tuple(v.shape) for k, v in want.items()}, \
+            f"{what}: parameters {[(k, v[0]) for k, v in res['params'].items()]}; expected this rank's " \
+            f"shards {[(k, tuple(v.shape)) for k, v in want.items()]}"
+        torch.testing.assert_close(res["y"], y, msg=lambda m: f"{what}, output: {m}")
+        torch.testing.assert_close(res["grad_x"], gx, msg=lambda m: f"{what}, gradient of the input x "
+                                   f"(f's backward must sum the ranks' parts): {m}")
+        for k, g in want.items():
+            assert res["params"][k][1] is not None, f"{what}: {k} has no gradient"
+            torch.testing.assert_close(res["params"][k][1], g, msg=lambda m: f"{what}, gradient of {k}: {m}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_MegatronMLP_one_all_reduce_each_way(ranks, t):
+    act = MB * MS * MLP_CFG.n_embd * 4  # the (b, s, h) activation in float32
+    for r, res in enumerate(_results(ranks, t, "mlp")):
+        assert res["fwd"] == [("all_reduce", act)], \
+            f"rank {r} of {t}: forward ran {res['fwd']}; expected g's one all-reduce of the output, {act} B"
+        assert res["bwd"] == [("all_reduce", act)], \
+            f"rank {r} of {t}: backward ran {res['bwd']}; expected f's one all-reduce of dL/dx, {act} B"
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_MegatronMLP_matches_torch_dtensor(ranks, t):
+    for r, res in enumerate(_results(ranks, t, "dtensor")):
+        ours, theirs, what = res["ours"], res["torch"], f"rank {r} of {t}"
+        torch.testing.assert_close(ours["y"], theirs["y"], msg=lambda m: f"{what}, output vs DTensor: {m}")
+        torch.testing.assert_close(ours["grad_x"], theirs["grad_x"],
+                                   msg=lambda m: f"{what}, input gradient vs DTensor: {m}")
+        for k, g in theirs["grads"].items():
+            torch.testing.assert_close(ours["grads"][k], g,
+                                       msg=lambda m: f"{what}, gradient of {k} vs DTensor's local shard: {m}")
+
+
+# --- 3. vocab_sharded_cross_entropy ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("shift", [0.0, 1000.0])
-def test_vocab_parallel_cross_entropy_matches_full_logits(ranks, t, shift):
+def test_vocab_sharded_cross_entropy_matches_full_logits(ranks, t, shift):
     logits, targets = _ce_data(shift)
     ref = F.cross_entropy(logits.double(), targets).float()
     for r, res in enumerate(_results(ranks, t, "vocab")):
@@ -221,7 +346,7 @@ def test_vocab_parallel_cross_entropy_matches_full_logits(ranks, t, shift):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_vocab_parallel_cross_entropy_communicates_per_row_not_per_logit(ranks, t):
+def test_vocab_sharded_cross_entropy_communicates_per_row_not_per_logit(ranks, t):
     full_logits_bytes = ROWS * VOCAB * 4
     for r, res in enumerate(_results(ranks, t, "vocab")):
         ops, nbytes = res[0.0]["ops"], res[0.0]["bytes"]
@@ -233,7 +358,7 @@ def test_vocab_parallel_cross_entropy_communicates_per_row_not_per_logit(ranks, 
             f"{full_logits_bytes} B); reduce each row to a few numbers before communicating"
 
 
-# --- 3. summa_matmul --------------------------------------------------------------------------------
+# --- 4. summa_matmul --------------------------------------------------------------------------------
 
 
 def test_summa_matmul_matches_dense(ranks):
@@ -261,7 +386,7 @@ def test_summa_matmul_broadcasts_along_rows_and_columns(ranks):
 
 
 
-# --- 4. gqa_head_shard ------------------------------------------------------------------------------
+# --- 5. gqa_head_shard ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n_head,n_kv_head", [(8, 2), (8, 8), (12, 4), (4, 1), (32, 8)])
@@ -294,3 +419,29 @@ def test_gqa_head_shard_rejects_bad_input(ex):
         ex.gqa_head_shard(8, 2, 2, 2)
     with pytest.raises(ValueError, match="not a multiple"):
         ex.gqa_head_shard(6, 4, 2, 0)
+
+
+# --- 6. tp_layer_traffic ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_tp_layer_traffic_prediction_and_count(ranks, t):
+    act = MB * MS * MLP_CFG.n_embd * 4  # bytes of the float32 (b, s, h) activation
+    by_hand = 4 * 2 * (t - 1) / t * act  # four ring all-reduces, 2(t-1)/t of the buffer each
+    for r, res in enumerate(_results(ranks, t, "traffic")):
+        pred, meas, own = res["got"]["predicted"], res["got"]["measured"], res["own"]
+        what = f"rank {r} of {t}"
+        assert own["ops"] == ["all_reduce"] * 4, own  # the layer itself is sound
+        assert (pred["forward"], pred["backward"]) == (2, 2), \
+            f"{what}: predicted {pred['forward']} + {pred['backward']} all-reduces; Megatron's layer has g " \
+            f"after attention and the MLP forward, f before both backward"
+        assert pred["wire_bytes"] == pytest.approx(by_hand, rel=1e-9), \
+            f"{what}: predicted {pred['wire_bytes']} wire bytes; 8·b·s·h·(t-1)/t elements of 4 B = {by_hand}"
+        assert (meas["forward"], meas["backward"]) == (own["forward"], own["backward"]), \
+            f"{what}: counted {meas['forward']} + {meas['backward']}; the meter sees {own['forward']} + " \
+            f"{own['backward']} (one meter around the forward, another around the backward)"
+        assert meas["wire_bytes"] == pytest.approx(own["wire_bytes"], rel=1e-9), \
+            f"{what}: measured {meas['wire_bytes']} wire bytes; the meter counts {own['wire_bytes']}"
+        assert (pred["forward"], pred["backward"]) == (meas["forward"], meas["backward"]) and \
+            pred["wire_bytes"] == pytest.approx(meas["wire_bytes"], rel=1e-3), \
+            f"{what}: prediction {pred} and measurement {meas} disagree"

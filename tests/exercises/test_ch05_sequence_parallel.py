@@ -1,16 +1,19 @@
-"""Chapter 05 exercises, autograded: the attention merge, zigzag sharding, the Ulysses all-to-all.
+"""Chapter 05 exercises, autograded: the attention merge, zigzag sharding, the Ulysses all-to-all, a layer's
+activations, ring attention forward and backward, and the bytes of context parallelism.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: softmax attention over the full key set in
 float64 (and its autograd gradients), index lists built position by position, the causal mask
-counted entry by entry, slices of the global tensor, the comm meter (which collectives ran,
-on how many ranks, how many bytes) and ``costmodel.activation_memory_bytes`` (Korthikanti's formulas).
+counted entry by entry, slices of the global tensor, PyTorch's ``F.scaled_dot_product_attention`` on
+the whole sequence (and its autograd gradients), the comm meter (which collectives ran, on how many
+ranks, how many bytes), the bytes of Ulysses and of the ring worked out by hand, and
+``costmodel.activation_memory_bytes`` (Korthikanti's formulas).
 
-The merge, zigzag and activation-memory exercises are pure functions, tested in this process. The Ulysses
-exercises run on ranks: one launch on 2 ranks and one on 4 run every case, each guarded so that
-an unfinished exercise fails only its own tests.
+The merge, zigzag and activation-memory exercises are pure functions, tested in this process. The Ulysses,
+ring-attention and traffic exercises run on ranks: one launch on 2 ranks and one on 4 run every case,
+each guarded so that an unfinished exercise fails only its own tests.
 
 Tolerances: float64 comparisons use torch's defaults (1e-7 relative); the large-logit case runs
 in float32 against a float64 reference, and a merge rounds each weight once, hence 1e-5.
@@ -23,6 +26,7 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from minitorch_dist import comm, launch
 from minitorch_dist.analysis import costmodel
@@ -46,7 +50,7 @@ def ex():
     return load("ch05")
 
 
-# --- 1. merge_attention -------------------------------------------------------------------------
+# --- 1. merge_partial_attention -------------------------------------------------------------------------
 
 B, H, S, D, NK = 2, 3, 5, 4, 12  # batch, heads, queries, head dim, keys
 
@@ -93,21 +97,21 @@ def _check_merged(got, ref_out, ref_lse, what, **tol):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_merge_attention_matches_softmax_over_all_keys(ex, seed):
+def test_merge_partial_attention_matches_softmax_over_all_keys(ex, seed):
     q, k, v = _qkv(seed)
     a, b = _split(NK, 2, seed)
     out_a, lse_a = _attend(q, k, v, a)
     out_b, lse_b = _attend(q, k, v, b)
     ref_out, ref_lse = _attend(q, k, v, range(NK))
-    _check_merged(ex.merge_attention(out_a, lse_a, out_b, lse_b), ref_out, ref_lse,
+    _check_merged(ex.merge_partial_attention(out_a, lse_a, out_b, lse_b), ref_out, ref_lse,
                   f"keys split {a} | {b}")
 
 
-def test_merge_attention_is_associative_and_commutative(ex):
+def test_merge_partial_attention_is_associative_and_commutative(ex):
     q, k, v = _qkv(10)
     parts = [_attend(q, k, v, keys) for keys in _split(NK, 4, 10)]
     ref_out, ref_lse = _attend(q, k, v, range(NK))
-    m = ex.merge_attention
+    m = ex.merge_partial_attention
     (a, la), (b, lb), (c, lc), (d, ld) = parts
     ring = m(*m(*m(a, la, b, lb), c, lc), d, ld)  # one block at a time, as ring attention does
     tree = m(*m(a, la, b, lb), *m(c, lc, d, ld))  # pairwise, as tree attention does
@@ -118,7 +122,7 @@ def test_merge_attention_is_associative_and_commutative(ex):
     _check_merged(m(b, lb, a, la), *m(a, la, b, lb), "merge(b, a) vs merge(a, b)")
 
 
-def test_merge_attention_fully_masked_block(ex):
+def test_merge_partial_attention_fully_masked_block(ex):
     q, k, v = _qkv(20, n_keys=S)  # causal self-attention: query i sees keys 0..i
     causal = torch.ones(S, S, dtype=torch.bool).tril()
     early, late = list(range(2)), list(range(2, S))
@@ -127,44 +131,45 @@ def test_merge_attention_fully_masked_block(ex):
     # the setting is as described
     assert torch.isneginf(lse_l[..., :2]).all() and out_l[..., :2, :].isnan().all()
     ref_out, ref_lse = _attend(q, k, v, range(S), causal)
-    _check_merged(ex.merge_attention(out_e, lse_e, out_l, lse_l), ref_out, ref_lse,
+    _check_merged(ex.merge_partial_attention(out_e, lse_e, out_l, lse_l), ref_out, ref_lse,
                   "causal: keys 2.. are all in the future of queries 0 and 1 (lse -inf, out NaN)")
-    _check_merged(ex.merge_attention(out_l, lse_l, out_e, lse_e), ref_out, ref_lse,
+    _check_merged(ex.merge_partial_attention(out_l, lse_l, out_e, lse_e), ref_out, ref_lse,
                   "the same, masked block first")
 
     # a block no query sees at all: merging it changes nothing
     nothing = torch.zeros(S, S, dtype=torch.bool)
     out_0, lse_0 = _attend(q, k, v, late, nothing)
-    _check_merged(ex.merge_attention(out_e, lse_e, out_0, lse_0), out_e, lse_e, "merge with an empty block")
+    _check_merged(ex.merge_partial_attention(out_e, lse_e, out_0, lse_0), out_e, lse_e,
+                  "merge with an empty block")
     # two empty blocks: out 0, lse -inf, and still mergeable with a third
-    out, lse = ex.merge_attention(out_0, lse_0, out_0.clone(), lse_0.clone())
+    out, lse = ex.merge_partial_attention(out_0, lse_0, out_0.clone(), lse_0.clone())
     assert not out.isnan().any() and (out == 0).all(), "a row empty in both blocks must get out = 0"
     assert torch.isneginf(lse).all(), "a row empty in both blocks must get lse = -inf"
-    _check_merged(ex.merge_attention(out, lse, out_e, lse_e), out_e, lse_e,
+    _check_merged(ex.merge_partial_attention(out, lse, out_e, lse_e), out_e, lse_e,
                   "an empty merge result merged with a block")
 
 
 @pytest.mark.parametrize("scale", [200.0, 3000.0])
-def test_merge_attention_large_logits_float32(ex, scale):
+def test_merge_partial_attention_large_logits_float32(ex, scale):
     q, k, v = _qkv(30, dtype=torch.float32, scale=scale)  # scores of hundreds to thousands: exp overflows
     a, b = _split(NK, 2, 30)
     out_a, lse_a = _attend(q, k, v, a)
     out_b, lse_b = _attend(q, k, v, b)
     ref_out, ref_lse = _attend(q.double(), k.double(), v.double(), range(NK))
-    got = ex.merge_attention(out_a, lse_a, out_b, lse_b)
+    got = ex.merge_partial_attention(out_a, lse_a, out_b, lse_b)
     assert got[0].dtype == torch.float32, f"out must keep out_a's dtype float32, got {got[0].dtype}"
     _check_merged((got[0].double(), got[1].double()), ref_out, ref_lse,
                   f"float32, scores scaled by {scale}: subtract max(lse_a, lse_b) before exp",
                   rtol=1e-5, atol=1e-5)
 
 
-def test_merge_attention_gradients(ex):
+def test_merge_partial_attention_gradients(ex):
     q, k, v = (x.requires_grad_() for x in _qkv(40))
     a, b = _split(NK, 2, 40)
     g = torch.Generator().manual_seed(41)
     d_out = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
     d_lse = torch.randn(B, H, S, generator=g, dtype=torch.float64)
-    out, lse = ex.merge_attention(*_attend(q, k, v, a), *_attend(q, k, v, b))
+    out, lse = ex.merge_partial_attention(*_attend(q, k, v, a), *_attend(q, k, v, b))
     got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))
     ref_out, ref_lse = _attend(q, k, v, range(NK))
     ref = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), (q, k, v))
@@ -172,16 +177,16 @@ def test_merge_attention_gradients(ex):
         torch.testing.assert_close(gg, rr, msg=lambda m: f"grad of {name} through the merge: {m}")
 
 
-def test_merge_attention_shapes_and_bad_input(ex):
+def test_merge_partial_attention_shapes_and_bad_input(ex):
     out_a, lse_a = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7)
-    out, lse = ex.merge_attention(out_a, lse_a, torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7))
+    out, lse = ex.merge_partial_attention(out_a, lse_a, torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7))
     assert tuple(out.shape) == (2, 3, 7, 8) and tuple(lse.shape) == (2, 3, 7), \
         f"got out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected (B, H, S, d) and (B, H, S)"
     with pytest.raises(ValueError, match="lse_b has shape"):
-        ex.merge_attention(out_a, lse_a, out_a, lse_a[..., :1])
+        ex.merge_partial_attention(out_a, lse_a, out_a, lse_a[..., :1])
 
 
-# --- 2. zigzag_shard, zigzag_unshard, causal_work ---------------------------------------------
+# --- 2. zigzag_rank_shard, zigzag_reassemble, causal_work ---------------------------------------------
 
 
 def _zigzag_index(seq, t, r):
@@ -199,39 +204,39 @@ def _causal_pairs(rows):
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("dim", [0, 1, -1])
-def test_zigzag_shard_matches_index_construction(ex, t, dim):
+def test_zigzag_rank_shard_matches_index_construction(ex, t, dim):
     seq = 4 * t
     shape = [3, 5, 2]
     shape[dim] = seq
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(t))
     for r in range(t):
-        got = ex.zigzag_shard(x, t, r, dim=dim)
+        got = ex.zigzag_rank_shard(x, t, r, dim=dim)
         want = x.index_select(dim, torch.tensor(_zigzag_index(seq, t, r)))
         assert torch.equal(got, want), \
             f"t={t}, rank {r}, dim {dim}: expected positions {_zigzag_index(seq, t, r)}"
 
 
-def test_zigzag_shard_hand_worked(ex):
+def test_zigzag_rank_shard_hand_worked(ex):
     x = torch.arange(8)[None]  # (1, 8)
-    assert ex.zigzag_shard(x, 2, 0).tolist() == [[0, 1, 6, 7]]
-    assert ex.zigzag_shard(x, 2, 1).tolist() == [[2, 3, 4, 5]]
+    assert ex.zigzag_rank_shard(x, 2, 0).tolist() == [[0, 1, 6, 7]]
+    assert ex.zigzag_rank_shard(x, 2, 1).tolist() == [[2, 3, 4, 5]]
 
 
-def test_zigzag_shard_rejects_indivisible_length(ex):
+def test_zigzag_rank_shard_rejects_indivisible_length(ex):
     with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 2\*t=8"):
-        ex.zigzag_shard(torch.zeros(2, 30, 4), 4, 0)
+        ex.zigzag_rank_shard(torch.zeros(2, 30, 4), 4, 0)
     with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2\*t=4"):
-        ex.zigzag_shard(torch.zeros(6, 3), 2, 1, dim=0)
+        ex.zigzag_rank_shard(torch.zeros(6, 3), 2, 1, dim=0)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
-def test_zigzag_unshard_round_trip(ex, t):
+def test_zigzag_reassemble_round_trip(ex, t):
     x = torch.randn(2, 6 * t, 3, generator=torch.Generator().manual_seed(t))
     # built independently
     shards = [x.index_select(1, torch.tensor(_zigzag_index(6 * t, t, r))) for r in range(t)]
-    assert torch.equal(ex.zigzag_unshard(shards), x), f"t={t}: unshard of the zigzag shards is not x"
+    assert torch.equal(ex.zigzag_reassemble(shards), x), f"t={t}: unshard of the zigzag shards is not x"
     y = torch.randn(6 * t, 5, generator=torch.Generator().manual_seed(t + 10))
-    got = ex.zigzag_unshard([ex.zigzag_shard(y, t, r, dim=0) for r in range(t)], dim=0)
+    got = ex.zigzag_reassemble([ex.zigzag_rank_shard(y, t, r, dim=0) for r in range(t)], dim=0)
     assert torch.equal(got, y), f"t={t}, dim 0: unshard(shard(y)) != y"
 
 
@@ -319,11 +324,60 @@ def _bad_heads(ex):
     return None
 
 
+# ring attention: a (1, 2, 8, 4) float64 q, k, v, sharded contiguously (2 or 4 tokens per rank)
+RB, RH, RS, RD = 1, 2, 8, 4
+
+
+def _ring_data():
+    g = torch.Generator().manual_seed(70)
+    return [torch.randn(RB, RH, RS, RD, generator=g, dtype=torch.float64) for _ in range(4)]  # q, k, v, dO
+
+
+def _ring(ex):
+    r, t = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = _ring_data()
+    rows = slice(r * RS // t, (r + 1) * RS // t)
+    out = {}
+    for causal in (False, True):
+        qr, kr, vr = (x[..., rows, :].clone().requires_grad_() for x in (q, k, v))
+        with comm.meter() as fwd:
+            y = ex.kv_ring_attention(qr, kr, vr, causal)
+        with comm.meter() as bwd:
+            y.backward(dout[..., rows, :])
+        out[causal] = {"y": y.detach(), "grads": [x.grad for x in (qr, kr, vr)],
+                       "fwd": [(e.op, e.nbytes) for e in fwd.events],
+                       "bwd": [(e.op, e.nbytes) for e in bwd.events]}
+    return out
+
+
+# the traffic of one attention layer: (1, 4, 8, 4) float32, 4 heads so that Ulysses runs at t = 4
+TB, TH, TS, TD = 1, 4, 8, 4
+
+
+def _traffic(ex):
+    from minitorch_dist.parallelism.sequence_parallel.ring_attention import ring_attention
+    from minitorch_dist.parallelism.sequence_parallel.ulysses import ulysses_attention
+
+    r, t = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(80)
+    rows = slice(r * TS // t, (r + 1) * TS // t)
+    q, k, v = (torch.randn(TB, TH, TS, TD, generator=g)[..., rows, :] for _ in range(3))
+    got = ex.context_parallel_traffic(q, k, v)
+    own = {}  # the test's own count of the same two layers
+    for name, fn in (("ulysses", ulysses_attention), ("ring", ring_attention)):
+        q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+        with comm.meter() as m:
+            fn(q_, k_, v_).sum().backward()
+        own[name] = m.total_wire_bytes
+    return {"got": got, "own": own}
+
+
 def _all_on_ranks(impl):
     # each rank imports the chapter by its path (a module object cannot be pickled)
     ex = load("ch05", impl)
     return {"seq_to_heads": _guarded(_seq_to_heads, ex), "heads_to_seq": _guarded(_heads_to_seq, ex),
-            "bad_heads": _guarded(_bad_heads, ex)}
+            "bad_heads": _guarded(_bad_heads, ex), "ring": _guarded(_ring, ex),
+            "traffic": _guarded(_traffic, ex)}
 
 
 @pytest.fixture(scope="module")
@@ -436,3 +490,67 @@ def test_activation_bytes_per_layer_what_sp_shards(ex):
         "QKV and first MLP projections and the two dropout masks"
     for n in sp:
         assert sp[n] == pytest.approx(one[n] / t), f"with SP every saved tensor is split t ways, {n} is not"
+
+
+# --- 5. KVRingAttention ---------------------------------------------------------------------------
+
+
+def _sdpa(causal):
+    """Attention over the whole sequence in one process, and the gradients of q, k, v."""
+    q, k, v, dout = _ring_data()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    y.backward(dout)
+    return y.detach(), [q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_KVRingAttention_matches_sdpa(ranks, t, causal):
+    y, grads = _sdpa(causal)
+    for r, res in enumerate(_results(ranks, t, "ring")):
+        rows, what = slice(r * RS // t, (r + 1) * RS // t), f"rank {r} of {t}, causal={causal}"
+        got = res[causal]
+        torch.testing.assert_close(got["y"], y[..., rows, :], msg=lambda m: f"{what}, output: {m}")
+        for name, g, want in zip("qkv", got["grads"], grads):
+            assert g is not None, f"{what}: no gradient for {name}"
+            torch.testing.assert_close(g, want[..., rows, :],
+                                       msg=lambda m: f"{what}, gradient of {name} (this rank's rows): {m}")
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_KVRingAttention_passes_blocks_round_the_ring(ranks, t):
+    block = RB * RH * (RS // t) * RD * 8  # one float64 shard of k (or v, dk, dv)
+    for r, res in enumerate(_results(ranks, t, "ring")):
+        for causal, got in res.items():
+            what = f"rank {r} of {t}, causal={causal}"
+            for phase, sends in (("fwd", 2 * (t - 1)), ("bwd", 2 * (t - 1) + 2 * t)):
+                ops = {op for op, _ in got[phase]}
+                assert ops <= {"send", "recv"}, f"{what}, {phase}: ran {sorted(ops)}; only point-to-point " \
+                                                f"sends and receives round the ring"
+                sent = [n for op, n in got[phase] if op == "send"]
+                assert sent == [block] * sends, \
+                    f"{what}, {phase}: sent {len(sent)} messages of {sorted(set(sent))} B; expected {sends}" \
+                    f" of one shard, {block} B (forward: K and V, t-1 hops; backward: the same, plus dK" \
+                    f" and dV, t hops)"
+
+
+# --- 6. context_parallel_traffic ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_context_parallel_traffic_prediction_and_count(ranks, t):
+    shard = TB * (TS // t) * TH * TD * 4  # one rank's (b, s/t, h) block, float32
+    by_hand = {"ulysses": 8 * shard * (t - 1) / t,  # eight all-to-alls, each keeps 1/t of the shard
+               "ring": (6 * t - 4) * shard}  # K, V: t-1 hops each way; dK, dV: t hops
+    for r, res in enumerate(_results(ranks, t, "traffic")):
+        for name in ("ulysses", "ring"):
+            got, own, what = res["got"][name], res["own"][name], f"rank {r} of {t}, {name}"
+            assert own == pytest.approx(by_hand[name], rel=1e-9), (name, own, by_hand[name])  # the layer
+            assert got["predicted"] == pytest.approx(by_hand[name], rel=1e-9), \
+                f"{what}: predicted {got['predicted']} B; worked by hand {by_hand[name]} B"
+            assert got["measured"] == pytest.approx(own, rel=1e-9), \
+                f"{what}: measured {got['measured']} B; the meter counts {own} B (wire bytes, forward and " \
+                f"backward)"
+            assert got["predicted"] == pytest.approx(got["measured"], rel=1e-3), \
+                f"{what}: prediction {got['predicted']} B and measurement {got['measured']} B disagree"

@@ -1,16 +1,19 @@
-"""Chapter 06 exercises, autograded: flat-buffer partitioning, the ZeRO-2 reduce-scatter hook, Adafactor.
+"""Chapter 06 exercises, autograded: flat-buffer partitioning, the ZeRO-2 reduce-scatter hook, a ZeRO-3
+unit, predicting and metering a ZeRO step, Adafactor.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: ``torch.cat`` and ``torch.chunk`` of the
-flattened tensors, the single-process gradient of the whole global batch by autograd, the comm
-meter (which collectives ran during backward, on how many ranks, how many bytes), an unfactored
+flattened tensors, the single-process gradient of the whole global batch by autograd, torch's FSDP2
+``fully_shard`` trained the same way, the comm meter (which collectives ran during backward, on how
+many ranks, how many bytes), ZeRO's memory and traffic formulas written out in the tests, an unfactored
 exponential moving average of ``G * G``, and ``torch.optim.Adafactor``'s own state and steps.
 
-Flattening and Adafactor are pure functions, tested in this process. The ZeRO-2 hook runs on
-ranks: one launch on 2 ranks and one on 4, each guarded so that an unfinished exercise fails
-only its own tests. Checks of bad input first make a valid call, so a stub fails them too.
+Flattening and Adafactor are pure functions, tested in this process. The ZeRO-2 hook, the ZeRO-3 unit
+and the metered ZeRO step run on ranks: one launch on 2 ranks and one on 4, each exercise guarded so
+that an unfinished one fails only its own tests. Checks of bad input first make a valid call, so a
+stub fails them too.
 """
 import math
 import sys
@@ -226,7 +229,8 @@ def _zero2(ex):
 def _all_on_ranks(impl):
     # each rank imports the chapter by its path (a module object cannot be pickled)
     ex = load("ch06", impl)
-    return {"zero2": _guarded(_zero2, ex)}
+    return {"zero2": _guarded(_zero2, ex), "zero3": _guarded(_zero3, ex), "fsdp2": _guarded(_zero3_fsdp2),
+            "measure": _guarded(_measure, ex)}
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +304,251 @@ def test_zero2_reduce_scatter_hook_frees_full_gradients(ranks, n):
             "collective(s) or dropped p.grad; return the handles of every hook registered"
 
 
-# --- 3. adafactor_update ------------------------------------------------------------------------------
+# --- 3. Zero3Unit (on ranks) ------------------------------------------------------------------------------
+
+Z3_IN, Z3_HID, Z3_OUT, Z3_STEPS, Z3_LR = 4, 7, 3, 3, 0.1
+# unit 0: Linear(4, 7) + Tanh, 35 parameters (padded at n = 2 and 4); unit 1: Linear(7, 3), 24 parameters
+Z3_NUMELS = (Z3_IN * Z3_HID + Z3_HID, Z3_HID * Z3_OUT + Z3_OUT)
+
+
+def _z3_dense():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(Z3_IN, Z3_HID), torch.nn.Tanh()),
+                               torch.nn.Linear(Z3_HID, Z3_OUT))
+
+
+def _z3_batch(step):
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(GLOBAL_B, Z3_IN, generator=g), torch.randn(GLOBAL_B, Z3_OUT, generator=g)
+
+
+def _rows(r, n):
+    return slice(r * GLOBAL_B // n, (r + 1) * GLOBAL_B // n)
+
+
+def _sgd(params):  # momentum: an n-fold gradient would be an n-fold step (Adam would hide it)
+    return torch.optim.SGD(params, lr=Z3_LR, momentum=0.9)
+
+
+def _zero3(ex):
+    r, n = dist.get_rank(), dist.get_world_size()
+    dense = _z3_dense()
+    model = torch.nn.Sequential(ex.Zero3Unit(dense[0]), ex.Zero3Unit(dense[1]))
+    units = list(model)
+    gathered = lambda: [u.full.untyped_storage().nbytes() for u in units]  # noqa: E731
+    seen, calls = [], [0, 0]  # what is gathered while unit 1 computes; forwards run per unit
+    dense[1].register_forward_pre_hook(lambda *_: seen.append(gathered()))
+    for i in (0, 1):
+        dense[i].register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    opt = _sgd(model.parameters())
+    steps = []
+    for step in range(Z3_STEPS):
+        x, y = _z3_batch(step)
+        xr = x[_rows(r, n)].clone().requires_grad_()
+        opt.zero_grad()
+        with comm.meter() as fwd:
+            out = model(xr)
+        after_fwd = gathered()
+        with comm.meter() as bwd:
+            F.mse_loss(out, y[_rows(r, n)]).backward()
+        steps.append({"grads": [u.shard.grad.clone() for u in units], "x_grad": xr.grad.clone(),
+                      "fwd": [(e.op, e.nbytes, e.group_size) for e in fwd.events],
+                      "bwd": [(e.op, e.nbytes, e.group_size) for e in bwd.events],
+                      "wire": fwd.total_wire_bytes + bwd.total_wire_bytes,
+                      "after_fwd": after_fwd, "after_bwd": gathered()})
+        opt.step()
+    return {"steps": steps, "shards": [u.shard.detach().clone() for u in units], "seen": seen,
+            "calls": calls, "param_numels": [p.numel() for p in model.parameters()]}
+
+
+def _zero3_fsdp2():
+    """The same training under torch's FSDP2 `fully_shard`, a unit per child then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = _z3_dense()
+    mesh = init_device_mesh("cpu", (n,))
+    for m in (model[0], model[1], model):
+        fully_shard(m, mesh=mesh)
+    opt = _sgd(model.parameters())
+    for step in range(Z3_STEPS):
+        x, y = _z3_batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x[_rows(r, n)]), y[_rows(r, n)]).backward()
+        opt.step()
+    return {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+
+
+def _z3_reference(n):
+    """One process on the global batch: per step, each unit's gradient as n padded shards and each rank's
+    input gradient; at the end, each unit's weights as one padded flat buffer."""
+    model = _z3_dense()
+    opt = _sgd(model.parameters())
+    steps = []
+    for step in range(Z3_STEPS):
+        x, y = _z3_batch(step)
+        x_grads = []
+        for r in range(n):  # the gradient of rank r's own loss (the mean over its rows) for its rows
+            xr = x[_rows(r, n)].clone().requires_grad_()
+            F.mse_loss(model(xr), y[_rows(r, n)]).backward(inputs=[xr])
+            x_grads.append(xr.grad)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        grads = [_reference_flat([p.grad for p in model[i].parameters()], n)[1] for i in (0, 1)]
+        steps.append({"grads": grads, "x_grads": x_grads})
+        opt.step()
+    final = [_reference_flat([p.detach() for p in model[i].parameters()], n)[0] for i in (0, 1)]
+    return steps, final
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_Zero3Unit_matches_one_process(ranks, n):
+    ref_steps, ref_final = _z3_reference(n)
+    results = _results(ranks, n, "zero3")
+    for r, res in enumerate(results):
+        for step, (got, ref) in enumerate(zip(res["steps"], ref_steps)):
+            for u in (0, 1):
+                torch.testing.assert_close(
+                    got["grads"][u], ref["grads"][u][r], rtol=1e-5, atol=1e-6,
+                    msg=lambda m: f"rank {r} of {n}, step {step + 1}, unit {u}: the shard's gradient is not "
+                                  f"this rank's slice of the gradient averaged over the ranks: {m}")
+            torch.testing.assert_close(got["x_grad"], ref["x_grads"][r], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {r} of {n}, step {step + 1}: the gradient of the "
+                                                     f"input (unit 1 -> unit 0 -> x) is wrong: {m}")
+    for u in (0, 1):
+        weights = torch.cat([res["shards"][u] for res in results])
+        torch.testing.assert_close(
+            weights, ref_final[u], rtol=1e-5, atol=1e-6,
+            msg=lambda m: f"n={n}, unit {u}: the shards of ranks 0..n-1 after {Z3_STEPS} SGD steps are not "
+                          f"one process's weights on the global batch: {m}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_Zero3Unit_matches_torch_fsdp2(ranks, n):
+    ours = _results(ranks, n, "zero3")
+    theirs = _results(ranks, n, "fsdp2")[0]
+    for u, prefix in ((0, "0.0."), (1, "1.")):
+        weights = torch.cat([res["shards"][u] for res in ours])
+        expected = torch.cat([theirs[prefix + k].reshape(-1) for k in ("weight", "bias")])
+        torch.testing.assert_close(
+            weights[:expected.numel()], expected, rtol=1e-5, atol=1e-6,
+            msg=lambda m: f"n={n}, unit {u}: weights after {Z3_STEPS} steps differ from torch's FSDP2 "
+                          f"fully_shard trained the same way: {m}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_Zero3Unit_collectives(ranks, n):
+    padded = [n * -(-k // n) for k in Z3_NUMELS]
+    gather = [("all_gather", 4 * p, n) for p in padded]
+    scatter = [("reduce_scatter", 4 * p, n) for p in padded]
+    wire = 3 * sum(padded) * 4 * (n - 1) / n  # ZeRO §7.2.2: 3Ψ per step, (n-1)/n of each buffer per rank
+    for r, res in enumerate(_results(ranks, n, "zero3")):
+        for step, got in enumerate(res["steps"]):
+            what = f"rank {r} of {n}, step {step + 1}"
+            assert got["fwd"] == gather, \
+                f"{what}: the forward ran {got['fwd']} (op, bytes, ranks); expected one all-gather of each " \
+                f"unit's padded flat buffer, unit 0 then unit 1: {gather}"
+            bwd = [gather[1], scatter[1], gather[0], scatter[0]]
+            assert got["bwd"] == bwd, \
+                f"{what}: the backward ran {got['bwd']}; expected, unit 1 then unit 0, an all-gather of " \
+                f"the weights and a reduce-scatter of the gradient: {bwd}"
+            assert got["wire"] == pytest.approx(wire, rel=1e-12), \
+                f"{what}: {got['wire']} bytes on the wire; ZeRO-3 moves 3 x the padded parameters " \
+                f"x (n-1)/n = {wire}"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_Zero3Unit_frees_full_weights(ranks, n):
+    padded = [n * -(-k // n) for k in Z3_NUMELS]
+    for r, res in enumerate(_results(ranks, n, "zero3")):
+        assert res["param_numels"] == [p // n for p in padded], \
+            f"rank {r} of {n}: the units' parameters have {res['param_numels']} elements; expected the " \
+            "shards only"
+        for step, got in enumerate(res["steps"]):
+            assert got["after_fwd"] == [0, 0] and got["after_bwd"] == [0, 0], \
+                f"rank {r} of {n}, step {step + 1}: the full buffers hold {got['after_fwd']} bytes after " \
+                f"the forward and {got['after_bwd']} after the backward; free them (resize the storage to 0)"
+        assert res["seen"] == [[0, 4 * padded[1]]] * Z3_STEPS, \
+            f"rank {r} of {n}: while unit 1 computed, the units' full buffers held {res['seen']} bytes; " \
+            f"expected unit 0 freed and unit 1 gathered, [0, {4 * padded[1]}], at every step"
+        assert res["calls"] == [Z3_STEPS, Z3_STEPS], \
+            f"rank {r} of {n}: the modules ran {res['calls']} forwards in {Z3_STEPS} steps; the backward " \
+            "must reuse the saved graph, not recompute the forward"
+
+
+# --- 4. meter_zero_stage (on ranks) -------------------------------------------------------------------------
+
+MZ_IN, MZ_HID = 33, 64
+MZ_PSI = MZ_IN * MZ_HID + MZ_HID + MZ_HID * MZ_IN + MZ_IN  # 4321: odd, so padded at n = 2 and 4
+MZ_TENSORS = 4
+
+
+def _mz_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(MZ_IN, MZ_HID), torch.nn.Tanh(),
+                               torch.nn.Linear(MZ_HID, MZ_IN))
+
+
+def _measure(ex):
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(GLOBAL_B, MZ_IN, generator=g), torch.randn(GLOBAL_B, MZ_IN, generator=g)
+    rows = _rows(r, n)
+    return {stage: ex.meter_zero_stage(_mz_model, stage, x[rows], y[rows]) for stage in range(4)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_meter_zero_stage_predictions(ranks, n):
+    psi = MZ_PSI
+    states = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}  # ZeRO §5
+    wire = {s: (3 if s == 3 else 2) * psi * 4 * (n - 1) / n for s in range(4)}  # ZeRO §7.2
+    for r, res in enumerate(_results(ranks, n, "measure")):
+        for stage, got in res.items():
+            pred = got["predicted"]
+            assert pred["model_states"] == pytest.approx(states[stage], rel=1e-9), \
+                f"rank {r} of {n}, stage {stage}: predicted {pred['model_states']} B of model states; " \
+                f"fp32 AdamW (4 + 4 + 8 bytes per parameter, Ψ = {psi}) gives {states[stage]}"
+            assert pred["wire"] == pytest.approx(wire[stage], rel=1e-9), \
+                f"rank {r} of {n}, stage {stage}: predicted {pred['wire']} B on the wire; " \
+                f"expected {wire[stage]}"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_meter_zero_stage_measured_wire(ranks, n):
+    padded, f = n * -(-MZ_PSI // n), (n - 1) / n
+    mask = 2 * f * MZ_TENSORS  # stages 0-2: an all-reduce of one byte per tensor
+    exact = {0: 2 * f * 4 * padded + mask, 1: 2 * f * 4 * padded + mask, 2: 2 * f * 4 * padded + mask,
+             3: f * 4 * (2 * padded + padded + n * MZ_TENSORS)}  # stage 3: two gathers, one scatter + flags
+    for r, res in enumerate(_results(ranks, n, "measure")):
+        for stage, got in res.items():
+            assert got["measured"]["wire"] == pytest.approx(exact[stage], rel=1e-12), \
+                f"rank {r} of {n}, stage {stage}: measured {got['measured']['wire']} B on the wire; the " \
+                f"meter counts {exact[stage]} for one step (forward, backward and optimizer step)"
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_meter_zero_stage_measured_memory(ranks, n):
+    psi, padded = MZ_PSI, n * -(-MZ_PSI // n)
+    shard = padded // n
+    params = {0: padded, 1: padded, 2: padded, 3: shard}  # elements held: the padded buffer, or its shard
+    grads = {0: padded, 1: padded, 2: shard, 3: shard}
+    for r, res in enumerate(_results(ranks, n, "measure")):
+        for stage, got in res.items():
+            m, what = got["measured"], f"rank {r} of {n}, stage {stage}"
+            assert m["parameters"] == 4 * params[stage] and m["gradients"] == 4 * grads[stage], \
+                f"{what}: measured {m['parameters']} B of parameters and {m['gradients']} B of gradients; " \
+                f"expected {4 * params[stage]} and {4 * grads[stage]} (after the backward, before the step)"
+            state = 8 * psi / (1 if stage == 0 else n)
+            assert m["optimizer_state"] == pytest.approx(state, rel=0.01), \
+                f"{what}: measured {m['optimizer_state']} B of optimizer state; AdamW keeps about {state} " \
+                "(after its first step)"
+            assert m["model_states"] == m["parameters"] + m["gradients"] + m["optimizer_state"], \
+                f"{what}: model_states must be the sum of the three categories"
+            assert m["model_states"] == pytest.approx(got["predicted"]["model_states"], rel=0.01), \
+                f"{what}: measured {m['model_states']} B, more than 1% from the prediction"
+
+
+# --- 5. adafactor_update ------------------------------------------------------------------------------
 
 ROWS, COLS = 6, 4
 

@@ -1,12 +1,15 @@
-"""Chapter 07 exercises, autograded: the √n segment count, an RNG-preserving checkpoint, selective attention.
+"""Chapter 07 exercises, autograded: the segment count, an RNG-preserving checkpoint, selective attention,
+a recompute policy for a GPT, predicting and metering what it keeps.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: a brute-force search over every segment count,
 ``√n`` itself, the un-checkpointed forward and backward by autograd (same seed, same dropout),
-``F.scaled_dot_product_attention`` and ``torch.autograd.gradcheck``, and a
-``saved_tensors_hooks`` counter that sees every tensor kept for backward. Each check that a
+``F.scaled_dot_product_attention`` and ``torch.autograd.gradcheck``, a
+``saved_tensors_hooks`` counter that sees every tensor kept for backward, the plain GPT's gradients
+with the same dropout masks, forward hooks counting each block's runs, and ``MemoryMeter`` on plain
+and checkpointed GPTs (Chen's chain model calibrated here, a reference recompute policy). Each check that a
 test can fail is shown failing on a deliberately wrong variant (a checkpoint that does not
 restore the RNG, attention that keeps its scores).
 
@@ -14,12 +17,16 @@ Nothing here needs ranks. Checks of bad input first make a valid call, so a stub
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.course.exercises import load
+from minitorch_dist.memory.checkpointing import apply_recompute
+from minitorch_dist.models import GPT, GPTConfig, MarkovCorpus
 
 pytestmark = pytest.mark.ch07
 
@@ -53,7 +60,7 @@ class SavedTensors:
         return sum(math.prod(s) for s in self.shapes)
 
 
-# --- 1. optimal_segments ---------------------------------------------------------------------------
+# --- 1. choose_segments ---------------------------------------------------------------------------
 
 
 def _peaks(n, layer, boundary):
@@ -70,70 +77,70 @@ CASES = [(1, 10, 10), (2, 10, 10), (10, 10, 10), (12, 7, 3), (30, 1, 9), (64, 40
 
 
 @pytest.mark.parametrize("n, layer, boundary", CASES)
-def test_optimal_segments_brute_force_least_peak(ex, n, layer, boundary):
+def test_choose_segments_brute_force_least_peak(ex, n, layer, boundary):
     peaks = _peaks(n, layer, boundary)
     least = min(peaks.values())
     expected = min(k for k, p in peaks.items() if p == least)
-    got = ex.optimal_segments(n, layer, boundary)
+    got = ex.choose_segments(n, layer, boundary)
     assert isinstance(got, int) and 1 <= got <= n, f"n={n}: got {got!r}; expected an int k in 1..{n}"
     assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B: k={got} has peak "
                              f"{peaks.get(got)} B; the least peak is {least} B, first at k={expected}")
 
 
 @pytest.mark.parametrize("n, layer, boundary", CASES)
-def test_optimal_segments_brute_force_budget(ex, n, layer, boundary):
+def test_choose_segments_brute_force_budget(ex, n, layer, boundary):
     peaks = _peaks(n, layer, boundary)
     for budget in sorted(set(peaks.values())) + [max(peaks.values()) + 1, 10 ** 9]:
         expected = min(k for k, p in peaks.items() if p <= budget)
-        got = ex.optimal_segments(n, layer, boundary, budget_bytes=budget)
+        got = ex.choose_segments(n, layer, boundary, budget_bytes=budget)
         assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B, budget {budget} B: got "
                                  f"k={got} (peak {peaks.get(got)} B); the fewest segments that fit are "
                                  f"k={expected} (peak {peaks[expected]} B)")
 
 
 @pytest.mark.parametrize("n", [4, 16, 25, 64, 144, 400, 1024])
-def test_optimal_segments_sqrt_n_for_equal_sizes(ex, n):
+def test_choose_segments_sqrt_n_for_equal_sizes(ex, n):
     root = math.isqrt(n)
     assert root * root == n
-    assert ex.optimal_segments(n, 1000, 1000) == root, \
+    assert ex.choose_segments(n, 1000, 1000) == root, \
         f"n={n} equal layers and boundaries: expected k = √n = {root}"
 
 
-def test_optimal_segments_sqrt_of_n_times_ratio(ex):
+def test_choose_segments_sqrt_of_n_times_ratio(ex):
     # peak ≈ b k + L n / k, least at k = √(n L / b): n=64, L = 4b -> k = 16
-    assert ex.optimal_segments(64, 4000, 1000) == 16
+    assert ex.choose_segments(64, 4000, 1000) == 16
     # and the other way: boundaries 4x a layer -> k = √(64/4) = 4
-    assert ex.optimal_segments(64, 1000, 4000) == 4
+    assert ex.choose_segments(64, 1000, 4000) == 4
 
 
-def test_optimal_segments_grows_like_sqrt_n(ex):
-    ks = {n: ex.optimal_segments(n, 1, 1) for n in (100, 400, 1600)}
+def test_choose_segments_grows_like_sqrt_n(ex):
+    ks = {n: ex.choose_segments(n, 1, 1) for n in (100, 400, 1600)}
     assert ks == {100: 10, 400: 20, 1600: 40}, f"k for n = 100, 400, 1600: {ks}; √n doubles when n quadruples"
     # the peak itself, O(√n): 2√n for equal sizes
     for n, k in ks.items():
         assert _peaks(n, 1, 1)[k] == 2 * math.isqrt(n)
 
 
-def test_optimal_segments_everything_fits_is_no_checkpointing(ex):
-    assert ex.optimal_segments(12, 10, 10, budget_bytes=10 ** 6) == 1, "a budget that holds everything: k = 1"
+def test_choose_segments_everything_fits_is_no_checkpointing(ex):
+    assert ex.choose_segments(12, 10, 10, budget_bytes=10 ** 6) == 1, "a budget that holds everything: k = 1"
 
 
-def test_optimal_segments_impossible_budget(ex):
-    ex.optimal_segments(16, 10, 10, budget_bytes=80)  # a valid call first: 4 * 10 + 4 * 10 fits
+def test_choose_segments_impossible_budget(ex):
+    ex.choose_segments(16, 10, 10, budget_bytes=80)  # a valid call first: 4 * 10 + 4 * 10 fits
     with pytest.raises(ValueError, match="no number of segments fits") as info:
-        ex.optimal_segments(16, 10, 10, budget_bytes=79)
+        ex.choose_segments(16, 10, 10, budget_bytes=79)
     assert "80" in str(info.value) and "k = 4" in str(info.value), \
         f"the error should name the least peak (80 bytes) and its k (k = 4): {info.value}"
 
 
-def test_optimal_segments_rejects_bad_input(ex):
-    ex.optimal_segments(4, 1, 1)  # a valid call first
+def test_choose_segments_rejects_bad_input(ex):
+    ex.choose_segments(4, 1, 1)  # a valid call first
     with pytest.raises(ValueError, match="n_layers"):
-        ex.optimal_segments(0, 1, 1)
+        ex.choose_segments(0, 1, 1)
     with pytest.raises(ValueError, match="layer_bytes"):
-        ex.optimal_segments(4, 0, 1)
+        ex.choose_segments(4, 0, 1)
     with pytest.raises(ValueError, match="budget_bytes must be > 0"):
-        ex.optimal_segments(4, 1, 1, budget_bytes=0)
+        ex.choose_segments(4, 1, 1, budget_bytes=0)
 
 
 # --- 2. RNGCheckpoint ----------------------------------------------------------------------------
@@ -400,3 +407,195 @@ def test_SelectiveAttention_rejects_bad_shapes(ex):
         ex.selective_attention(q, k, v[..., :-1, :])
     with pytest.raises(ValueError, match="at least 2-D"):
         ex.selective_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
+
+
+# --- 4. SegmentedRecompute and 5. meter_recompute: a GPT --------------------------------------------------
+
+GB_, GT_ = 4, 32  # batch and sequence: each block's input is 4 x 32 x 64 fp32 = 32 KiB
+
+
+def _gpt(n):
+    torch.manual_seed(0)
+    return GPT(GPTConfig.tiny(n_layer=n, dropout=0.1, block_size=GT_))
+
+
+def _batch():
+    return MarkovCorpus(GPTConfig.tiny().vocab_size, seed=0).batch(0, GB_, GT_)
+
+
+def _step(model, seed=1):
+    """One seeded forward and backward: the loss, every parameter's gradient, each block's forward runs
+    and the peak of saved activations."""
+    x, y = _batch()
+    blocks = model.model.blocks if hasattr(model, "model") else model.blocks
+    runs = [0] * len(blocks)
+    handles = [b.register_forward_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+               for i, b in enumerate(blocks)]
+    meter = MemoryMeter(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is faster, and kinder to a shared machine
+    try:
+        torch.manual_seed(seed)  # the dropout masks of this step
+        with meter.track():
+            loss = model(x, y)[1]
+            loss.backward()
+    finally:
+        torch.set_num_threads(threads)
+        for h in handles:
+            h.remove()
+    return {"loss": loss.detach(), "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+            "runs": runs, "peak": meter.peak["activations"]}
+
+
+@pytest.fixture(scope="module")
+def chain():
+    """Chen's chain model calibrated here, on plain GPTs: L (one block), b (its input), rest (the others)."""
+    one, two = _step(_gpt(1))["peak"], _step(_gpt(2))["peak"]
+    layer = two - one
+    return {"L": layer, "b": GB_ * GT_ * GPTConfig.tiny().n_embd * 4, "rest": one - layer}
+
+
+def _bounds(n, k):
+    sizes = [len(a) for a in np.array_split(np.arange(n), k)]  # as equal as possible, longer first
+    return [0] + [int(v) for v in np.cumsum(sizes)]
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (4, 2), (5, 2), (7, 3), (10, 3), (10, 10), (12, 5)])
+def test_SegmentedRecompute_bounds(ex, n, k):
+    got = ex.SegmentedRecompute(_gpt(n), k).bounds()  # (construction only: no forward runs)
+    assert list(got) == _bounds(n, k), f"n={n}, k={k}: boundaries {got}; expected {_bounds(n, k)}"
+
+
+CONFIGS = [(4, None, False), (3, None, False), (3, 1, False), (4, 4, True)]  # (3, None): segments [2, 1]
+
+
+@pytest.fixture(scope="module")
+def wrapped(ex):
+    """One seeded step of each configuration (n, segments, checkpoint_last) and of the plain GPTs, once."""
+    out = {("plain", n): _step(_gpt(n)) for n in sorted({n for n, _, _ in CONFIGS})}
+    for n, k, last in CONFIGS:
+        try:
+            out[n, k, last] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
+        except Exception as e:  # noqa: BLE001  (raised again by each test that needs it)
+            out[n, k, last] = e
+    return out
+
+
+def _got(wrapped, key):
+    got = wrapped[key]
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
+@pytest.mark.parametrize("n, k, last", CONFIGS)
+def test_SegmentedRecompute_gradients_equal_plain_with_dropout(wrapped, n, k, last):
+    ref, got = wrapped["plain", n], _got(wrapped, (n, k, last))
+    what = f"n={n}, segments={k}, checkpoint_last={last}, dropout 0.1"
+    torch.testing.assert_close(got["loss"], ref["loss"], msg=lambda m: f"{what}: the loss differs: {m}")
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"]["model." + name], g,
+                                   msg=lambda m: f"{what}: {name}.grad differs from plain training: {m}")
+
+
+@pytest.mark.parametrize("n, k, last", CONFIGS)
+def test_SegmentedRecompute_forward_runs(wrapped, n, k, last):
+    bounds = _bounds(n, k or round(math.sqrt(n)))
+    once = bounds[-2] if not last else n  # the blocks of the last segment run once unless it is checkpointed
+    expected = [2 if i < once else 1 for i in range(n)]
+    got = _got(wrapped, (n, k, last))["runs"]
+    assert got == expected, f"n={n}, segments={k}, checkpoint_last={last}: forward runs per block {got}; " \
+                            f"expected {expected} (a checkpointed block runs again in the backward)"
+
+
+def test_SegmentedRecompute_saved_bytes(wrapped, chain):
+    L, b, rest = chain["L"], chain["b"], chain["rest"]
+    plain = wrapped["plain", 4]["peak"]
+    assert plain == rest + 4 * L, "sanity: without checkpointing a block keeps L"
+    # √4 = 2 equal segments, the last run normally: its L's and the rest at the end of the forward
+    sqrt = _got(wrapped, (4, None, False))["peak"]
+    assert sqrt == rest + 1 * b + 2 * L, \
+        f"√n segments of 4 blocks kept {sqrt:,} B at the peak; expected the first segment's input and the " \
+        f"last segment's activations, rest + b + 2L = {rest + b + 2 * L:,}"
+    # uneven segments: the same bytes as a reference policy
+    uneven = _got(wrapped, (3, None, False))["peak"]
+    library = _step(apply_recompute(_gpt(3), "sqrt", 2))["peak"]
+    assert uneven == library, \
+        f"segments [2, 1] of 3 blocks kept {uneven:,} B; a reference policy keeps {library:,}"
+    # every block checkpointed: n inputs and one block while it is recomputed
+    every = _got(wrapped, (4, 4, True))["peak"]
+    assert every == pytest.approx(4 * b + L, rel=0.01), \
+        f"every block checkpointed kept {every:,} B; Chen's n·b + L = {4 * b + L:,} (within 1%)"
+    assert every < sqrt < plain
+
+
+def test_SegmentedRecompute_under_no_grad_just_runs(ex):
+    x, _ = _batch()
+    model = ex.SegmentedRecompute(_gpt(4)).eval()
+    meter = MemoryMeter(model)
+    with torch.no_grad(), meter.track():
+        logits, loss = model(x)
+    with torch.no_grad():
+        ref, _ = _gpt(4).eval()(x)
+    assert loss is None and meter.peak["activations"] == 0
+    torch.testing.assert_close(logits, ref, msg=lambda m: f"eval logits differ from the plain model's: {m}")
+
+
+def test_SegmentedRecompute_rejects_bad_segments(ex):
+    ex.SegmentedRecompute(_gpt(4), 2).bounds()  # a valid call first
+    for bad in (0, 5, 2.0):
+        with pytest.raises(ValueError, match="segments must be an int"):
+            ex.SegmentedRecompute(_gpt(4), bad)
+
+
+MZ_CASES = [(4, 2), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def metered(ex):
+    """The exercise's answers and this file's own meter of the same policy, once per case."""
+    x, y = _batch()
+    out = {}
+    for n, k in MZ_CASES:
+        torch.manual_seed(2)
+        got = ex.meter_recompute(_gpt, n, k, x, y)
+        out[n, k] = (got, _step(apply_recompute(_gpt(n), "sqrt", k)))
+    return out
+
+
+@pytest.mark.parametrize("n, k", MZ_CASES)
+def test_meter_recompute_calibration(metered, chain, n, k):
+    got, _ = metered[n, k]
+    for key in ("L", "b", "rest"):
+        assert got[key] == chain[key], f"{key} = {got[key]:,} B; the plain models give {chain[key]:,}"
+
+
+@pytest.mark.parametrize("n, k", MZ_CASES)
+def test_meter_recompute_prediction(metered, chain, n, k):
+    got, _ = metered[n, k]
+    L, b, rest = chain["L"], chain["b"], chain["rest"]
+    q = n // k  # k equal segments; at the end of the forward: k - 1 inputs, the last segment, the rest
+    peak = rest + max((k - 1) * b + q * L, max((j * b + q * L for j in range(1, k)), default=0))
+    assert got["predicted"]["peak"] == pytest.approx(peak, rel=1e-9), \
+        f"n={n}, k={k}: predicted peak {got['predicted']['peak']:,} B; Chen's chain gives {peak:,}"
+    assert got["predicted"]["recomputed"] == n - q, \
+        f"n={n}, k={k}: predicted {got['predicted']['recomputed']} recomputed block forwards; " \
+        f"expected {n - q}"
+
+
+@pytest.mark.parametrize("n, k", MZ_CASES)
+def test_meter_recompute_measured(metered, n, k):
+    got, ref = metered[n, k]
+    assert got["measured"]["peak"] == ref["peak"], \
+        f"n={n}, k={k}: measured peak {got['measured']['peak']:,} B; MemoryMeter here sees {ref['peak']:,}"
+    assert got["measured"]["recomputed"] == sum(ref["runs"]) - n, \
+        f"n={n}, k={k}: measured {got['measured']['recomputed']} recomputed forwards; " \
+        f"counted {sum(ref['runs']) - n}"
+    assert got["measured"]["peak"] == pytest.approx(got["predicted"]["peak"], rel=0.01), \
+        f"n={n}, k={k}: prediction and measurement more than 1% apart"
+
+
+def test_meter_recompute_rejects_unequal_segments(ex, metered):
+    x, y = _batch()  # (the valid calls are the fixture's)
+    with pytest.raises(ValueError, match="does not divide"):
+        ex.meter_recompute(_gpt, 5, 2, x, y)

@@ -1,11 +1,14 @@
-"""Chapter 08 exercises, autograded: the loss scaler's rule, stochastic rounding to bf16, a Kahan bf16 update,
-fp8 tiles of 1x128, delayed scaling.
+"""Chapter 08 exercises, autograded: the loss scaler's rule, the loss scaler, mixed-precision training
+driven by it, the updates bf16 loses, stochastic rounding to bf16, a Kahan bf16 update, fp8 tiles of
+1x128, delayed scaling.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: ``torch.amp.GradScaler`` driven by real
-finite / inf / NaN gradients and its kernel ``torch._amp_update_scale_``; bf16 neighbours and
+finite / inf / NaN gradients and its kernel ``torch._amp_update_scale_``; a hand-written
+mixed-precision loop around ``torch.amp.GradScaler``; fp32 training on the same batches; the
+neighbours of a bf16 weight read from its bits, and torch's own SGD step; bf16 neighbours and
 ulps computed in float64 from ``log2``; the sample mean of many roundings against its standard
 error; float64 running sums. Each statistical check is shown failing on a deliberately wrong
 variant (round-to-nearest, an uncompensated bf16 weight).
@@ -13,12 +16,16 @@ variant (round-to-nearest, an uncompensated bf16 weight).
 Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
 """
 import collections
+import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from minitorch_dist.course.exercises import load
+from minitorch_dist.models import GPT, GPTConfig, MarkovCorpus
 
 pytestmark = pytest.mark.ch08
 
@@ -159,7 +166,274 @@ def test_scaler_update_rejects_bad_input(ex):
         ex.scaler_update(8.0, 3, False, growth_interval=3)
 
 
-# --- 2. stochastic_round_to_bf16 -------------------------------------------------------------------
+# --- 2. LossScaler ---------------------------------------------------------------------------------
+# Expected values: torch.amp.GradScaler driven through the same script, on the same model and optimizer.
+
+# per step: an ordinary gradient, an inf or a NaN planted in it, or a loss x 1e35 that is finite but
+# overflows fp32 once multiplied by the scale
+SCALER_SCRIPT = ["ok", "huge", "ok", "inf", "ok", "ok", "ok", "nan", "ok", "ok", "ok", "ok", "huge", "ok",
+                 "ok", "nan", "nan", "ok", "ok", "ok"]
+
+
+def _scaler_run(scaler, script, clip=None):
+    """Per step: (scale after update, growth tracker, skipped?, parameters) of an SGD+momentum Linear."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = []
+    for i, kind in enumerate(script):
+        opt.zero_grad()
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+        loss = model(x).square().mean() * (1e35 if kind == "huge" else 1.0)
+        scaler.scale(loss).backward()
+        if kind in ("inf", "nan"):
+            model.weight.grad[1, 2] = INF if kind == "inf" else NAN
+        before = [p.detach().clone() for p in model.parameters()]
+        if clip is not None:  # unscale, clip the true gradients, then step (which must not unscale again)
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        tracker = scaler._growth_tracker.item() if isinstance(scaler, torch.amp.GradScaler) \
+            else scaler.growth_tracker
+        skipped = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        params = [p.detach().clone() for p in model.parameters()]
+        out.append((scaler.get_scale(), int(tracker), skipped, params))
+    return out
+
+
+def _assert_same_scaler_run(got, want):
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert a[:3] == b[:3], (f"step {step} ({SCALER_SCRIPT[step]}): (scale, tracker, skipped) "
+                                f"got {a[:3]}, GradScaler {b[:3]}")
+        for p, q in zip(a[3], b[3]):
+            assert torch.equal(p, q), f"step {step}: the parameters differ from GradScaler's run"
+
+
+@pytest.mark.parametrize("kw", [dict(init_scale=2.0 ** 16, growth_interval=3),
+                                dict(init_scale=1e4, growth_factor=3.0, backoff_factor=0.3,
+                                     growth_interval=2)])
+def test_LossScaler_matches_GradScaler_on_a_scripted_run(ex, kw):
+    want = _scaler_run(torch.amp.GradScaler("cpu", **kw), SCALER_SCRIPT)
+    assert any(s for _, _, s, _ in want) and not all(s for _, _, s, _ in want), "sanity: some steps skipped"
+    assert want[1][2], "sanity: the huge finite gradient overflows once scaled"
+    scaler = ex.LossScaler(**kw)
+    got = _scaler_run(scaler, SCALER_SCRIPT)
+    _assert_same_scaler_run(got, want)
+    assert scaler.skipped_steps == sum(s for _, _, s, _ in want)
+
+
+def test_LossScaler_unscales_once_before_clipping(ex):
+    kw = dict(init_scale=2.0 ** 10, growth_interval=2)
+    want = _scaler_run(torch.amp.GradScaler("cpu", **kw), SCALER_SCRIPT, clip=0.05)
+    _assert_same_scaler_run(_scaler_run(ex.LossScaler(**kw), SCALER_SCRIPT, clip=0.05), want)
+
+
+def test_LossScaler_scale_and_defaults(ex):
+    s = ex.LossScaler()
+    assert s.get_scale() == 2.0 ** 16 and s.growth_tracker == 0 and s.skipped_steps == 0
+    loss = torch.tensor(0.75, requires_grad=True)
+    scaled = s.scale(loss)
+    assert scaled.dtype == torch.float32 and scaled.item() == 0.75 * 2.0 ** 16
+    scaled.backward()
+    assert loss.grad.item() == 2.0 ** 16, "the backward of the scaled loss carries S"
+
+
+def test_LossScaler_refuses_misuse(ex):
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ex.LossScaler(init_scale=4.0)
+    s.scale(p.sum()).backward()
+    assert s.unscale_(opt) is False and p.grad.tolist() == [1.0, 1.0]  # a valid call first
+    with pytest.raises(RuntimeError, match="unscale_"):
+        s.unscale_(opt)
+    s.step(opt)
+    with pytest.raises(RuntimeError, match="step"):
+        s.step(opt)
+    s.update()
+    with pytest.raises(RuntimeError, match="update"):
+        s.update()
+
+
+# --- 3. train_with_loss_scaling --------------------------------------------------------------------
+# Expected values: a hand-written loop (half model, fp32 masters, torch.amp.GradScaler), and fp32
+# training of the same model on the same batches.
+
+TINY = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+TB, TT = 8, 16
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3, eps=1e-30, weight_decay=0.0)
+
+
+def _xent(model, x, y):
+    logits, _ = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _reference_loop(model, batches, scaler):
+    """Micikevicius et al.'s loop written out around torch.amp.GradScaler."""
+    half = copy.deepcopy(model).half()
+    for m in half.modules():
+        if type(m) is nn.LayerNorm:  # statistics in fp32, weights in half
+            m.forward = (lambda ln: lambda x: F.layer_norm(x.float(), ln.normalized_shape, ln.weight.float(),
+                                                           ln.bias.float(), ln.eps).to(x.dtype))(m)
+    masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    opt, losses, applied = _adamw(masters), [], []
+    for x, y in batches:
+        loss = _xent(half, x, y)
+        scaler.scale(loss).backward()
+        for m, h in zip(masters, half.parameters()):
+            m.grad, h.grad = h.grad.float(), None
+        before = [m.detach().clone() for m in masters]
+        scaler.step(opt)
+        scaler.update()
+        applied.append(not all(torch.equal(a, m) for a, m in zip(before, masters)))
+        with torch.no_grad():
+            for m, h in zip(masters, half.parameters()):
+                h.copy_(m)
+        losses.append(loss.item())
+    return losses, applied, masters
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scaler", ["GradScaler", "LossScaler"])
+def test_train_with_loss_scaling_equals_a_GradScaler_loop(ex, one_thread, scaler):
+    torch.manual_seed(1)
+    model = GPT(TINY)
+    data = MarkovCorpus(32, seed=0)
+    batches = [data.batch(s, TB, TT) for s in range(8)]
+    kw = dict(init_scale=2.0 ** 24, growth_interval=2)  # 2^24 overflows fp16's gradients: steps are skipped
+    want = _reference_loop(model, batches, torch.amp.GradScaler("cpu", **kw))
+    assert not all(want[1]) and any(want[1]), "sanity: the reference skipped some steps and applied others"
+    use = torch.amp.GradScaler("cpu", **kw) if scaler == "GradScaler" else ex.LossScaler(**kw)
+    got = ex.train_with_loss_scaling(model, batches, _adamw, use, torch.float16, loss_fn=_xent)
+    assert got["losses"] == want[0], f"losses {got['losses']}\nreference {want[0]}"
+    assert got["applied"] == want[1], f"applied {got['applied']}, reference {want[1]}"
+    for step_master, ref_master in zip(got["masters"], want[2]):
+        assert step_master.dtype == torch.float32 and torch.equal(step_master, ref_master), "masters differ"
+    for h, m in zip(got["half_model"].parameters(), got["masters"]):
+        assert h.dtype == torch.float16 and torch.equal(h, m.detach().half()), \
+            "the half model is the rounded master"
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the fp32 model must stay as it was"
+
+
+def test_train_with_loss_scaling_learns_what_fp32_learns_from_tiny_gradients(ex, one_thread):
+    # the loss x 1e-4 stands in for a network whose gradients are naturally tiny (median ~1e-7): most of
+    # them are subnormal or zero in fp16. AdamW with eps ~ 0 does not notice the factor in fp32.
+    steps, mult = 40, 1e-4
+    data = MarkovCorpus(32, seed=0)
+    batches = [data.batch(s, TB, TT) for s in range(steps)]
+    small = lambda m, x, y: _xent(m, x, y) * mult  # noqa: E731
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    ref = copy.deepcopy(model)
+    opt, fp32 = _adamw(ref.parameters()), []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = small(ref, x, y)
+        loss.backward()
+        opt.step()
+        fp32.append(loss.item())
+    fp32 = torch.tensor(fp32) / mult
+    drop = lambda curve: (curve[0] - curve[-10:].mean()).item()  # noqa: E731
+    assert drop(fp32) > 0.25, "sanity: fp32 learns"
+    scaler = ex.LossScaler()
+    scaled = ex.train_with_loss_scaling(model, batches, _adamw, scaler, torch.float16, loss_fn=small)
+    raw = ex.train_with_loss_scaling(model, batches, _adamw, None, torch.float16, loss_fn=small)
+    bf16 = ex.train_with_loss_scaling(model, batches, _adamw, None, torch.bfloat16, loss_fn=small)
+    scaled, raw, bf16 = (torch.tensor(r["losses"]) / mult for r in (scaled, raw, bf16))
+    # measured: 2.3e-4 nats (fp16 rounding of weights and activations); 2e-3 is 1/100 of the drop
+    assert (scaled - fp32).abs().max() < 2e-3, "fp16 with loss scaling should follow fp32"
+    assert scaler.skipped_steps == 0
+    # measured: without scaling fp16 learns about a fifth of fp32's drop
+    assert drop(raw) < 0.4 * drop(fp32), "fp16 without loss scaling should barely learn"
+    # measured: 3.7e-4 nats; bf16 has fp32's range and needs no scaler
+    assert (bf16 - fp32).abs().max() < 1e-2
+
+
+def test_train_with_loss_scaling_rejects_bad_input(ex, one_thread):
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    batches = [MarkovCorpus(32, seed=0).batch(0, 2, 8)]
+    ex.train_with_loss_scaling(model, batches, _adamw, None, torch.bfloat16)  # a valid call first
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        ex.train_with_loss_scaling(model, batches, _adamw, None, torch.float32)
+    with pytest.raises(TypeError, match="scaler"):
+        ex.train_with_loss_scaling(model, batches, _adamw, object())
+
+
+# --- 4. count_lost_bf16_updates --------------------------------------------------------------------
+# Expected values: the neighbours of each bf16 weight read from its bits (a rule independent of the
+# cost model), and torch.optim.SGD's own step on a copy of the model.
+
+
+def _lost_by_bits(w, u):
+    """True where bf16 weight ``w`` (any sign) stays w after adding fp32 update ``u``: |u| below half the
+    gap to the neighbour on its side, or exactly half with w even (ties go to even)."""
+    a = w.float().abs()
+    bits = a.view(torch.int32)
+    up = (bits + 0x10000).view(torch.float32).double()  # the next bf16 magnitude
+    down = (bits - 0x10000).clamp(min=0).view(torch.float32).double()
+    a = a.double()
+    gap_up, gap_down = up - a, torch.where(a > 0, a - down, up - a)
+    v = u.double() * torch.where(w.float() < 0, -1.0, 1.0).double()  # the update along |w|
+    even = ((bits >> 16) & 1) == 0
+    inside = (v < gap_up / 2) & (v > -gap_down / 2)
+    if (a == 0).any():  # at 0 both neighbours are 2^-133 away
+        inside = inside | ((a == 0) & (v.abs() < gap_up / 2))
+    tie = ((v == gap_up / 2) | (v == -gap_down / 2)) & even
+    return inside | tie
+
+
+@pytest.mark.parametrize("lr", [0.01, 1.0])
+def test_count_lost_bf16_updates_predicts_and_counts(ex, one_thread, lr):
+    torch.manual_seed(0)
+    model = GPT(TINY).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    x, y = MarkovCorpus(32, seed=0).batch(0, TB, TT)
+    got = ex.count_lost_bf16_updates(model, x, y, lr, loss_fn=_xent)
+    _xent(ref, x, y).backward()
+    before = [p.detach().clone() for p in ref.parameters()]
+    updates = [-lr * p.grad.float() for p in ref.parameters()]
+    torch.optim.SGD(ref.parameters(), lr=lr).step()
+    moved = [u != 0 for u in updates]
+    updated = sum(m.sum().item() for m in moved)
+    predicted = sum((_lost_by_bits(w, u) & m).sum().item() for w, u, m in zip(before, updates, moved))
+    measured = sum(((p.detach() == w) & m).sum().item() for p, w, m in zip(ref.parameters(), before, moved))
+    assert got["updated"] == updated
+    assert abs(got["predicted"] - predicted) <= 0.005 * updated, \
+        f"predicted {got['predicted']} lost updates; bf16's bit layout says {predicted}"
+    assert got["measured"] == measured, \
+        f"measured {got['measured']}; SGD's own step leaves {measured} unmoved"
+    assert abs(got["predicted"] - got["measured"]) <= 0.005 * updated, "prediction and count should agree"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q), "the model should have taken SGD's step"
+    if lr == 0.01:  # a small learning rate: most of the step rounds away
+        assert got["measured"] > 0.5 * updated
+    else:
+        assert got["measured"] < 0.3 * updated
+
+
+def test_count_lost_bf16_updates_rejects_bad_input(ex):
+    torch.manual_seed(0)
+    x, y = MarkovCorpus(32, seed=0).batch(0, 2, 8)
+    ex.count_lost_bf16_updates(GPT(TINY).to(torch.bfloat16), x, y, 0.1)  # a valid call first
+    with pytest.raises(TypeError, match="bf16"):
+        ex.count_lost_bf16_updates(GPT(TINY), x, y, 0.1)
+    with pytest.raises(ValueError, match="lr"):
+        ex.count_lost_bf16_updates(GPT(TINY).to(torch.bfloat16), x, y, 0.0)
+
+
+# --- 5. stochastic_round_to_bf16 -------------------------------------------------------------------
 
 BF16_MANTISSA = 7
 BF16_MIN_NORMAL_EXP = -126  # bf16 has fp32's exponent range
@@ -294,7 +568,7 @@ def test_stochastic_round_to_bf16_rejects_bad_input(ex):
         ex.stochastic_round_to_bf16(torch.ones(3), 0)
 
 
-# --- 3. kahan_bf16_update --------------------------------------------------------------------------
+# --- 6. kahan_bf16_update --------------------------------------------------------------------------
 
 
 def _bf16_ulp(x):
@@ -375,7 +649,7 @@ def test_kahan_bf16_update_rejects_bad_input(ex):
         ex.kahan_bf16_update(w, c, torch.zeros(4, dtype=torch.int64))
 
 
-# --- 4. quantize_tiles_1x128 -----------------------------------------------------------------------
+# --- 7. quantize_tiles_1x128 -----------------------------------------------------------------------
 # Expected values: Python loops over the tiles (amax, 448 / amax, the cast of each element), the
 # float64 rounding of costmodel.round_to_format, and a tensor without the outlier.
 
@@ -453,7 +727,7 @@ def test_quantize_tiles_1x128_rejects_bad_input(ex):
         ex.quantize_tiles_1x128(torch.ones(2, 4, dtype=torch.int64))
 
 
-# --- 5. delayed_scaling_update ---------------------------------------------------------------------
+# --- 8. delayed_scaling_update ---------------------------------------------------------------------
 # Expected values: a deque of the last L amaxes kept by hand; the TE rule written out in Python floats.
 
 def _drive(ex, amaxes, L, fp8_max=448.0, **kw):

@@ -1,5 +1,6 @@
 """Chapter 10 exercises, autograded: top-2 gating with capacity, the load-balancing loss, expert choice,
-auxiliary-loss-free balancing (biased selection, the bias update).
+auxiliary-loss-free balancing (biased selection, the bias update), expert-parallel dispatch and combine,
+the traffic and drops of an expert-parallel step predicted.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -10,18 +11,37 @@ definition, on hand-made router outputs whose value is known in closed form (α 
 router, α·N for a collapsed one) and its gradient α·N·f_i/T; each expert's top tokens found by
 sorting; the MoE output combined token by token against the einsum over GShard's tensors.
 
-Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+The expert-parallel layer (exercise 5) runs on 2 and 4 ranks and is compared with the library's
+single-process ``MoELayer`` run on each rank's tokens alone: outputs, input gradients, each rank's
+experts' gradients (which must hold every rank's tokens) and the router's gradient summed over ranks,
+for four routings (Switch and top-2 with drops, expert choice, a skewed one with zero-row splits);
+its all-to-alls must move the kept rows and no more. The forecast (exercise 6) is compared with the
+binomial expectation summed term by term here and with the bytes the comm meter counts and the
+drops the library's expert-parallel layer reports over many random batches on the same ranks (one
+launch per world size serves both exercises).
+
+Checks of bad input first make a valid call, so a stub fails them too.
 """
 import math
+import sys
 
+import cloudpickle
 import pytest
 import torch
 import torch.nn.functional as F
 
+from minitorch_dist import launch
 from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.course.exercises import load
+from minitorch_dist.runtime import comm
+from minitorch_dist.sparsity.expert_parallel import ExpertParallelMoE
+from minitorch_dist.sparsity.moe import ExpertChoiceRouter, MoELayer, SwitchRouter, Top2Router
 
 pytestmark = [pytest.mark.ch10, pytest.mark.timeout(120)]
+
+# The rank function below is sent to the ranks by value, so spawned ranks need not import this file.
+if __name__ in sys.modules:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +160,7 @@ def test_top2_gating_with_capacity_rejects_bad_input(ex):
         ex.top2_gating_with_capacity(torch.randn(8, 4), 0.0)
 
 
-# --- 2. load_balancing_loss ----------------------------------------------------------------------------
+# --- 2. switch_aux_loss --------------------------------------------------------------------------------
 
 def _aux_by_definition(probs, index, alpha):
     T, N = probs.shape
@@ -153,64 +173,64 @@ def _aux_by_definition(probs, index, alpha):
     return alpha * N * total
 
 
-def test_load_balancing_loss_on_hand_made_router_outputs(ex):
+def test_switch_aux_loss_on_hand_made_router_outputs(ex):
     T, N, alpha = 12, 4, 0.01
     uniform = torch.full((T, N), 1 / N)
     balanced = torch.arange(T) % N
-    assert ex.load_balancing_loss(uniform, balanced, alpha).item() == pytest.approx(alpha)      # the minimum
+    assert ex.switch_aux_loss(uniform, balanced, alpha).item() == pytest.approx(alpha)      # the minimum
     collapsed = F.one_hot(torch.zeros(T, dtype=torch.long), N).float()
     top1 = torch.zeros(T, dtype=torch.long)
-    assert ex.load_balancing_loss(collapsed, top1, alpha).item() == pytest.approx(alpha * N)
+    assert ex.switch_aux_loss(collapsed, top1, alpha).item() == pytest.approx(alpha * N)
     # half the tokens on expert 0 with probability 0.7, the rest spread: the formula by hand
     probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 6 + [[0.1, 0.3, 0.3, 0.3]] * 6)
     index = torch.tensor([0] * 6 + [1, 2, 3, 1, 2, 3])
     f, P = [0.5, 1 / 6, 1 / 6, 1 / 6], [0.4, 0.2, 0.2, 0.2]
     want = alpha * N * sum(a * b for a, b in zip(f, P))
-    assert ex.load_balancing_loss(probs, index, alpha).item() == pytest.approx(want)
+    assert ex.switch_aux_loss(probs, index, alpha).item() == pytest.approx(want)
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_load_balancing_loss_equals_the_definition_on_random_routers(ex, k):
+def test_switch_aux_loss_equals_the_definition_on_random_routers(ex, k):
     T, N, alpha = 40, 6, 0.03
     probs = torch.softmax(_logits(T, N, seed=10 + k), dim=-1)
     index = probs.topk(k, dim=-1).indices
     index = index[:, 0] if k == 1 else index
-    loss = ex.load_balancing_loss(probs, index, alpha)
+    loss = ex.switch_aux_loss(probs, index, alpha)
     assert loss.dim() == 0
     assert loss.item() == pytest.approx(_aux_by_definition(probs, index, alpha), rel=1e-12)
 
 
-def test_load_balancing_loss_gradient_pushes_probability_off_busy_experts(ex):
+def test_switch_aux_loss_gradient_pushes_probability_off_busy_experts(ex):
     T, N, alpha = 20, 5, 0.1
     probs = torch.softmax(_logits(T, N, seed=12), dim=-1).requires_grad_(True)
     index = torch.tensor([0] * 10 + [1] * 5 + [2] * 5)  # experts 3 and 4 get nothing
-    ex.load_balancing_loss(probs, index, alpha).backward()
+    ex.switch_aux_loss(probs, index, alpha).backward()
     f = torch.bincount(index, minlength=N).double() / T
     # d loss / d p_i(x) = α·N·f_i / T: f is a count, the gradient flows through P only
     torch.testing.assert_close(probs.grad, (alpha * N * f / T).expand(T, N))
 
 
-def test_load_balancing_loss_rejects_bad_input(ex):
+def test_switch_aux_loss_rejects_bad_input(ex):
     probs, index = torch.full((4, 2), 0.5), torch.tensor([0, 1, 0, 1])
-    ex.load_balancing_loss(probs, index, 0.01)  # a valid call first
+    ex.switch_aux_loss(probs, index, 0.01)  # a valid call first
     with pytest.raises(ValueError, match=r"\[T, N\]"):
-        ex.load_balancing_loss(torch.full((4,), 0.5), index)
+        ex.switch_aux_loss(torch.full((4,), 0.5), index)
     with pytest.raises(ValueError, match="expert_index must be"):
-        ex.load_balancing_loss(probs, torch.tensor([0, 1, 0]))
+        ex.switch_aux_loss(probs, torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="outside"):
-        ex.load_balancing_loss(probs, torch.tensor([0, 1, 2, 1]))
+        ex.switch_aux_loss(probs, torch.tensor([0, 1, 2, 1]))
     with pytest.raises(TypeError, match="integer"):
-        ex.load_balancing_loss(probs, index.float())
+        ex.switch_aux_loss(probs, index.float())
     with pytest.raises(ValueError, match="alpha"):
-        ex.load_balancing_loss(probs, index, -1.0)
+        ex.switch_aux_loss(probs, index, -1.0)
 
 
-# --- 3. expert_choice_routing --------------------------------------------------------------------------
+# --- 3. experts_choose_tokens --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (30, 4, 2.0), (10, 3, 1.0), (7, 2, 5.0)])
-def test_expert_choice_routing_each_expert_takes_its_top_k_tokens(ex, T, E, cf):
+def test_experts_choose_tokens_each_expert_takes_its_top_k_tokens(ex, T, E, cf):
     logits = _logits(T, E, seed=T * E)
-    gates, token_index = ex.expert_choice_routing(logits, cf)
+    gates, token_index = ex.experts_choose_tokens(logits, cf)
     k = min(T, math.ceil(T * cf / E - 1e-9))  # k = n·c/e, at most n
     assert gates.shape == token_index.shape == (E, k), "every expert gets exactly its capacity"
     S = torch.softmax(logits, dim=-1)
@@ -220,27 +240,27 @@ def test_expert_choice_routing_each_expert_takes_its_top_k_tokens(ex, T, E, cf):
         torch.testing.assert_close(gates[e], S[best, e])
 
 
-def test_expert_choice_routing_lets_a_token_be_picked_by_many_or_none(ex):
+def test_experts_choose_tokens_lets_a_token_be_picked_by_many_or_none(ex):
     T, E = 12, 3
     logits = torch.zeros(T, E)   # token 11 stays [0, 0, 0]: a lukewarm 1/3 for every expert
     logits[0] = torch.tensor([1.0, -5.0, 1.0])  # token 0: ~0.5 for experts 0 and 2
     logits[1:4, 0] = 3.0         # tokens 1-3: ~0.91 for expert 0
     logits[4:8, 1] = 3.0         # tokens 4-7: ~0.91 for expert 1
     logits[8:11, 2] = 3.0        # tokens 8-10: ~0.91 for expert 2
-    gates, token_index = ex.expert_choice_routing(logits, 1.0)   # k = 12·1/3 = 4
+    gates, token_index = ex.experts_choose_tokens(logits, 1.0)   # k = 12·1/3 = 4
     assert [set(row) for row in token_index.tolist()] == [{0, 1, 2, 3}, {4, 5, 6, 7}, {0, 8, 9, 10}]
     picks = torch.bincount(token_index.flatten(), minlength=T)
     assert picks[0] == 2 and picks[11] == 0, "token 0 goes to two experts, token 11 to none"
     assert int(picks.sum()) == E * 4, "capacity is always used in full: nothing dropped for capacity"
 
 
-def test_expert_choice_routing_gates_are_differentiable_and_combine_token_by_token(ex):
+def test_experts_choose_tokens_gates_are_differentiable_and_combine_token_by_token(ex):
     T, E, h = 18, 3, 4
     g = torch.Generator().manual_seed(3)
     x = torch.randn(T, h, generator=g, dtype=torch.float64)
     W = torch.randn(E, h, h, generator=g, dtype=torch.float64)
     logits = _logits(T, E, seed=4).requires_grad_(True)
-    gates, idx = ex.expert_choice_routing(logits, 1.5)
+    gates, idx = ex.experts_choose_tokens(logits, 1.5)
     out = torch.tanh(torch.einsum("ekh,ehj->ekj", x[idx], W)) * gates[..., None]   # [E, k, h]
     y = torch.zeros(T, h, dtype=torch.float64).index_add(0, idx.flatten(), out.reshape(-1, h))
     S = torch.softmax(logits.detach(), dim=-1)
@@ -253,14 +273,14 @@ def test_expert_choice_routing_gates_are_differentiable_and_combine_token_by_tok
     assert logits.grad is not None and logits.grad.abs().sum() > 0
 
 
-def test_expert_choice_routing_rejects_bad_input(ex):
-    ex.expert_choice_routing(torch.randn(8, 4), 1.0)  # a valid call first
+def test_experts_choose_tokens_rejects_bad_input(ex):
+    ex.experts_choose_tokens(torch.randn(8, 4), 1.0)  # a valid call first
     with pytest.raises(ValueError, match=r"\[T, E\]"):
-        ex.expert_choice_routing(torch.randn(8), 1.0)
+        ex.experts_choose_tokens(torch.randn(8), 1.0)
     with pytest.raises(ValueError, match="capacity_factor"):
-        ex.expert_choice_routing(torch.randn(8, 4), -1.0)
+        ex.experts_choose_tokens(torch.randn(8, 4), -1.0)
     with pytest.raises(TypeError, match="floating point"):
-        ex.expert_choice_routing(torch.zeros(8, 4, dtype=torch.long), 1.0)
+        ex.experts_choose_tokens(torch.zeros(8, 4, dtype=torch.long), 1.0)
 
 
 # --- 4. aux_free_select, aux_free_bias_step -----------------------------------------------------------------
@@ -343,3 +363,234 @@ def test_aux_free_rejects_bad_input(ex):
         ex.aux_free_bias_step(bias, torch.tensor([0, 4]), 0.001)
     with pytest.raises(TypeError, match="integer"):
         ex.aux_free_bias_step(bias, experts.float(), 0.001)
+
+
+# --- 5 and 6 on ranks: one launch per world size --------------------------------------------------------
+
+H, D_FF, E, TOK, SEED = 8, 16, 8, 12, 7
+ROUTINGS = ("switch", "top2", "expert_choice", "skewed")
+# the forecast's measurement: uniform random top-1 routing of T_M tokens per rank, BATCHES batches
+T_M, CF_M, BATCHES = 64, 1.0, 24
+
+
+def _router(case):
+    return {"switch": lambda: SwitchRouter(H, E, capacity_factor=1.0),
+            "top2": lambda: Top2Router(H, E, capacity_factor=0.75),
+            "expert_choice": lambda: ExpertChoiceRouter(H, E, capacity_factor=1.0),
+            "skewed": lambda: SwitchRouter(H, E, capacity_factor=None)}[case]()
+
+
+def _layer(case):
+    torch.manual_seed(SEED)
+    return MoELayer(H, D_FF, E, _router(case))
+
+
+def _data(case, n):
+    g = torch.Generator().manual_seed(SEED + 1)
+    x, G = torch.randn(n * TOK, H, generator=g), torch.randn(n * TOK, H, generator=g)
+    if case == "skewed":  # all of a rank's tokens are one token: they all pick the same expert
+        x = x[::TOK].repeat_interleave(TOK, 0)
+    return x.view(n, TOK, H), G.view(n, TOK, H)
+
+
+def _uniform_layer():
+    """A Switch layer whose router sends tokens x ~ N(0, I) to its experts uniformly at random: w_gate's
+    columns are orthonormal, so a token's E logits are independent standard normals."""
+    torch.manual_seed(SEED)
+    layer = MoELayer(H, D_FF, E, SwitchRouter(H, E, capacity_factor=CF_M))
+    q, _ = torch.linalg.qr(torch.randn(H, H, generator=torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        layer.router.w_gate.copy_(q[:, :E])
+    return layer
+
+
+def _measure(n, r):
+    """Exercise 6's measurement, with the library's expert-parallel layer: per batch, the all-to-all
+    bytes the meter counts over a training step and the assignments this rank's capacity drops."""
+    ep = ExpertParallelMoE(_uniform_layer(), broadcast_weights=False)
+    g = torch.Generator().manual_seed(1000 + r)
+    nbytes, dropped = [], []
+    for _ in range(BATCHES):
+        x = torch.randn(T_M, H, generator=g, requires_grad=True)
+        with comm.meter() as m:
+            ep(x).sum().backward()
+        nbytes.append(m.bytes["all_to_all"])
+        dropped.append(ep.last_routing.dropped)
+    return {"bytes": nbytes, "dropped": dropped}
+
+
+def _build(ex, n, r):
+    """Exercise 5 on this rank, per routing: outputs and gradients, or the error it raised."""
+    out, per = {}, E // n
+    for case in ROUTINGS:
+        layer = _layer(case)
+        xs, Gs = _data(case, n)
+        x = xs[r].clone().requires_grad_(True)
+        try:
+            with comm.meter() as fwd:
+                y = ex.ep_moe_forward(x, layer.router, layer.experts[r * per:(r + 1) * per])
+            (y * Gs[r]).sum().backward()
+        except Exception as e:  # noqa: BLE001 - a stub's NotImplementedError, or a bug: reported by the test
+            out[case] = f"{type(e).__name__}: {e}"
+            continue
+        out[case] = {"y": y.detach(), "dx": x.grad, "router": layer.router.w_gate.grad,
+                     "experts": [[None if p.grad is None else p.grad.clone() for p in e.parameters()]
+                                 for e in layer.experts[r * per:(r + 1) * per]],
+                     "events": [(e.op, e.nbytes) for e in fwd.events],
+                     "counts": layer.router(xs[r]).counts.tolist()}
+    bad, layer = {}, _layer("switch")
+    for name, args in (("width", (torch.randn(4, H + 1), layer.router, layer.experts[:per])),
+                       ("experts", (torch.randn(4, H), layer.router, layer.experts[:per + 1]))):
+        try:
+            ex.ep_moe_forward(*args)
+            bad[name] = None
+        except Exception as e:  # noqa: BLE001
+            bad[name] = (type(e).__name__, str(e))
+    out["bad"] = bad
+    return out
+
+
+def _rank_run(ex):
+    import torch.distributed as dist
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    measured = _measure(n, r)  # first: the library's layer, whatever exercise 5 does
+    return {"measure": measured, "build": _build(ex, n, r)}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request, ex):
+    n = request.param
+    return n, launch(_rank_run, n, ex, timeout_s=90)
+
+
+def _reference(case, n):
+    """The single-process layer on each rank's tokens alone (each rank routes its own), losses summed."""
+    layer = _layer(case)
+    xs, Gs = _data(case, n)
+    out, total = [], 0.0
+    for r in range(n):
+        x = xs[r].clone().requires_grad_(True)
+        y = layer(x)
+        total = total + (y * Gs[r]).sum()
+        out.append({"x": x, "y": y.detach(), "counts": layer.last_routing.counts.tolist()})
+    total.backward()
+    return layer, out
+
+
+def _built(results, r, case):
+    got = results[r]["build"][case]
+    assert not isinstance(got, str), f"rank {r}, {case} routing: ep_moe_forward raised {got}"
+    return got
+
+
+ATOL, RTOL = 1e-6, 1e-5  # the same rows in other groupings, and n partial router gradients summed
+
+
+# --- 5. ep_moe_forward -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ROUTINGS)
+def test_ep_moe_forward_equals_one_process(ranks, case):
+    n, results = ranks
+    layer, ref = _reference(case, n)
+    per = E // n
+    router_grad = 0
+    for r in range(n):
+        got = _built(results, r, case)
+        torch.testing.assert_close(got["y"], ref[r]["y"], atol=ATOL, rtol=RTOL,
+                                   msg=lambda m: f"{n} ranks, rank {r}, {case}: outputs differ. {m}")
+        torch.testing.assert_close(got["dx"], ref[r]["x"].grad, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m: f"{n} ranks, rank {r}, {case}: input gradients differ. {m}")
+        for i, grads in enumerate(got["experts"]):
+            want = [p.grad for p in layer.experts[r * per + i].parameters()]
+            for a, b in zip(grads, want):
+                a = torch.zeros_like(b) if a is None else a  # an expert with no rows: zero or None
+                torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: (
+                    f"{n} ranks, rank {r}, {case}: expert {r * per + i}'s gradient is not the one every "
+                    f"rank's tokens give. {m}"))
+        router_grad = router_grad + got["router"]
+    torch.testing.assert_close(router_grad, layer.router.w_gate.grad, atol=ATOL, rtol=RTOL,
+                               msg=lambda m: f"{n} ranks, {case}: the router gradient summed over ranks. {m}")
+
+
+@pytest.mark.parametrize("case", ROUTINGS)
+def test_ep_moe_forward_sends_the_kept_rows_out_and_back(ranks, case):
+    n, results = ranks
+    S = cm.expert_parallel_send_matrix([_built(results, r, case)["counts"] for r in range(n)], n)
+    for r in range(n):
+        events = _built(results, r, case)["events"]
+        assert {op for op, _ in events} == {"all_to_all"}, \
+            f"rank {r}: the forward should move rows by all-to-all only, it ran {[op for op, _ in events]}"
+        rows = (sum(S[r]) + sum(S[i][r] for i in range(n))) * H * 4  # dispatch out, combine back
+        total = sum(b for _, b in events)
+        assert rows <= total <= rows + E * 8, (
+            f"{n} ranks, rank {r}, {case}: the forward's all-to-alls moved {total} bytes; the kept rows out "
+            f"and back are {rows}, plus at most E int64 counts")
+
+
+def test_ep_moe_forward_rejects_bad_input(ranks):
+    n, results = ranks
+    _built(results, 0, "switch")  # a valid call first
+    for r in range(n):
+        bad = results[r]["build"]["bad"]
+        assert bad["width"] is not None and bad["width"][0] == "ValueError", bad["width"]
+        assert f"h={H}" in bad["width"][1]
+        assert bad["experts"] is not None and bad["experts"][0] == "ValueError", bad["experts"]
+        assert "E/n experts" in bad["experts"][1]
+
+
+# --- 6. ep_traffic_forecast -------------------------------------------------------------------------------
+
+
+def _expected_excess(T, p, C):
+    """E[max(0, X - C)] for X ~ Binomial(T, p), term by term."""
+    return sum((x - C) * math.comb(T, x) * p ** x * (1 - p) ** (T - x) for x in range(C + 1, T + 1))
+
+
+def _by_definition(T, h, E, n, cf, e):
+    C = math.ceil(cf * T / E - 1e-9)
+    dropped = E * _expected_excess(T, 1 / E, C)
+    return C, dropped, 4 * (T - dropped) * h * e + E * 8
+
+
+def test_ep_traffic_forecast_by_hand(ex):
+    got = ex.ep_traffic_forecast(10, 8, 1, 1, 0.5)  # one expert takes 5 of the 10 tokens, surely
+    assert got["capacity"] == 5 and got["dropped"] == pytest.approx(5.0)
+    assert got["bytes"] == pytest.approx(4 * 5 * 8 * 4 + 8), \
+        "5 kept rows of 32 bytes, 4 calls (dispatch, combine, and both again backward), plus 1 count"
+    got = ex.ep_traffic_forecast(64, 16, 8, 4, 8.0, bytes_per_element=2)  # C = 64: nothing can drop
+    assert got["capacity"] == 64 and got["dropped"] == pytest.approx(0.0, abs=1e-12)
+    assert got["bytes"] == pytest.approx(4 * 64 * 16 * 2 + 8 * 8)
+
+
+@pytest.mark.parametrize("T,h,E,n,cf,e", [(64, 8, 8, 2, 1.0, 4), (256, 32, 8, 4, 1.25, 2),
+                                          (100, 4, 16, 4, 0.75, 4), (1000, 64, 32, 8, 1.0, 2)])
+def test_ep_traffic_forecast_equals_the_definition(ex, T, h, E, n, cf, e):
+    got = ex.ep_traffic_forecast(T, h, E, n, cf, e)
+    C, dropped, nbytes = _by_definition(T, h, E, n, cf, e)
+    assert got["capacity"] == C
+    assert got["dropped"] == pytest.approx(dropped, rel=1e-9), "the expected assignments dropped"
+    assert got["bytes"] == pytest.approx(nbytes, rel=1e-9), "the expected bytes the meter counts"
+
+
+def test_ep_traffic_forecast_matches_the_ranks(ex, ranks):
+    n, results = ranks
+    got = ex.ep_traffic_forecast(T_M, H, E, n, CF_M)
+    for key in ("dropped", "bytes"):
+        samples = torch.tensor([float(v) for res in results for v in res["measure"][key]],
+                               dtype=torch.float64)
+        mean, se = samples.mean().item(), samples.std().item() / math.sqrt(len(samples))
+        assert abs(got[key] - mean) <= 5 * se + 1e-9, (
+            f"{n} ranks: predicted {key} {got[key]:.2f}; measured {mean:.2f} ± {se:.2f} (one standard error) "
+            f"over {len(samples)} rank-batches")
+
+
+def test_ep_traffic_forecast_rejects_bad_input(ex):
+    ex.ep_traffic_forecast(64, 8, 8, 2, 1.0)  # a valid call first
+    with pytest.raises(ValueError, match="not divisible"):
+        ex.ep_traffic_forecast(64, 8, 6, 4, 1.0)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ex.ep_traffic_forecast(64, 8, 8, 2, 0.0)
+    with pytest.raises(ValueError, match="tokens"):
+        ex.ep_traffic_forecast(0, 8, 8, 2, 1.0)

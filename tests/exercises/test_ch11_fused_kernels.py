@@ -1,5 +1,5 @@
 """Chapter 11 exercises, autograded: fused bias + GeLU, online softmax, LayerNorm backward reductions,
-FlashAttention's forward.
+FlashAttention's forward, and the bytes of a softmax predicted, eager and fused.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -10,7 +10,10 @@ row counts that do not fill the last group. References are PyTorch in float64.
 
 In the interpreter the tests also count the bytes each kernel loads and stores, per tensor, by
 wrapping the interpreter's masked load and store: the online softmax must read each row exactly
-twice and write it once, the LayerNorm backward must read ``x`` and ``dy`` exactly once.
+twice and write it once, the LayerNorm backward must read ``x`` and ``dy`` exactly once. The
+softmax forecast (exercise 6) is compared with two counts: the library's five eager ops under
+``analysis.meters.ByteCounter`` (every op's tensor arguments and results), and the library's fused
+softmax kernels (one block, and streamed) under the same interpreter hooks.
 Checks of bad input first make a valid call, so a stub fails them too.
 """
 from __future__ import annotations
@@ -438,3 +441,46 @@ def test_attention_forward_kernel_rejects_bad_input(ex):
         ex.attention_forward(q, k, v[..., :4, :])
     with pytest.raises(ValueError, match="power of two"):
         ex.attention_forward(q, k, v, block_m=24)
+
+
+# --- 6. softmax_traffic_forecast ----------------------------------------------------------------------
+
+
+def test_softmax_traffic_forecast_by_hand(ex):
+    got = ex.softmax_traffic_forecast(1, 1)  # one element: 7 read and 5 written eager, 1 and 1 fused
+    assert got["eager"] == 12 * 4 and got["fused"] == 2 * 4 and got["ratio"] == pytest.approx(6.0)
+    big = ex.softmax_traffic_forecast(4096, 4096, 2)
+    assert big["ratio"] == pytest.approx(4.0, rel=1e-3), "wide rows in one block: about 4x"
+    streamed = ex.softmax_traffic_forecast(4096, 4096, 2, block=1024)
+    assert streamed["eager"] == big["eager"] and streamed["ratio"] == pytest.approx(8 / 3, rel=1e-3), \
+        "streamed rows are read twice: 3 MN moved instead of 2 MN"
+    assert ex.softmax_traffic_forecast(8, 100, block=128) == ex.softmax_traffic_forecast(8, 100), \
+        "a block as wide as the row is one block"
+
+
+@pytest.mark.parametrize("M,N,block,dtype", [(6, 100, None, torch.float32), (6, 100, 32, torch.float32),
+                                             (5, 64, 16, torch.float16)])
+def test_softmax_traffic_forecast_matches_the_counts(ex, M, N, block, dtype):
+    from minitorch_dist.analysis.meters import ByteCounter
+    from minitorch_dist.kernels.softmax import softmax_forward, softmax_reference
+
+    x = _randn(M, N, g=_gen(M * N), dtype=dtype)
+    got = ex.softmax_traffic_forecast(M, N, x.element_size(), block)
+    with ByteCounter() as c:
+        softmax_reference(x)
+    assert got["eager"] == c.read + c.written, \
+        f"eager: predicted {got['eager']} bytes, the ops moved {c.read} read + {c.written} written"
+    with _count_traffic() as t:
+        y = softmax_forward(x, block_size=block)
+    assert got["fused"] == t.read() + t.written(), \
+        f"fused: predicted {got['fused']} bytes, the kernel loaded {t.read()} and stored {t.written()}"
+    assert t.written() == t.written(y)
+    assert got["ratio"] == pytest.approx((c.read + c.written) / (t.read() + t.written()), rel=1e-12)
+
+
+def test_softmax_traffic_forecast_rejects_bad_input(ex):
+    ex.softmax_traffic_forecast(4, 8)  # a valid call first
+    with pytest.raises(ValueError, match="M must be"):
+        ex.softmax_traffic_forecast(0, 8)
+    with pytest.raises(ValueError, match="power of two"):
+        ex.softmax_traffic_forecast(4, 8, block=24)

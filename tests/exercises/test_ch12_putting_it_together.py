@@ -1,4 +1,5 @@
-"""Chapter 12 exercises, autograded: the rank grid, the memory-feasibility filter, microbatches for a bubble.
+"""Chapter 12 exercises, autograded: the rank grid, the memory-feasibility filter, microbatches for a
+bubble, a training step on a 2 x 2 grid of ranks, and a 3D step's bytes predicted then counted.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -8,24 +9,38 @@ come from independent sources: the library's ``parallelism.mesh.RankGrid``, torc
 ``initialize_model_parallel`` docstring for the grid; the library's planner and ``costmodel``
 (ZeRO §5.1, Korthikanti et al. 2022 eq. 1 written out here) and a published configuration for
 the memory filter; exact brute force with ``fractions.Fraction`` and ``costmodel``'s bubble for
-the microbatch count.
+the microbatch count; the single-process run (``models.train``) cut as chapter 04 cuts it for the
+2-D grid step; and the comm meter on the library's 3D step for the bytes.
 
-Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+One launch of 4 ranks, shared by a module fixture, runs the two exercises that need ranks (each
+guarded, so an unfinished one fails only its own tests). Checks of bad input first make a valid call,
+so a stub fails them too.
 """
 import itertools
 import math
 import random
+import sys
+import traceback
 from fractions import Fraction
 
+import cloudpickle
 import pytest
 import torch
 
+from minitorch_dist import launch
 from minitorch_dist.analysis import costmodel, planner
 from minitorch_dist.analysis.planner_presets import GPUS, PUBLISHED, get_model
-from minitorch_dist.course.exercises import load
+from minitorch_dist.course.exercises import load, resolve_impl
+from minitorch_dist.models.gpt import GPTConfig
 from minitorch_dist.parallelism.mesh import RankGrid
 
 pytestmark = pytest.mark.ch12
+
+# The rank functions below are sent to the ranks by value, so spawned ranks need not import this file.
+if __name__ in sys.modules:
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TIMEOUT_S = 90  # a rank stuck in a collective its peers never call fails after this long
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +170,7 @@ def test_group_ranks_rejects_bad_input(ex):
 # --- 2. fits_in_memory -------------------------------------------------------------------------------
 
 def _fits(ex, model, memory, c, **kw):
-    """ex.fits_in_memory for a ModelSpec and a planner Config."""
+    """ex.fits_in_memory for a ModelSpec and a planner Config (grad_bytes: the exercise's default, 4)."""
     return ex.fits_in_memory(model.as_cfg(), memory, dp=c.dp, tp=c.tp, pp=c.pp, micro_batch=c.micro_batch,
                              microbatches=c.microbatches, zero=c.zero, recompute=c.recompute,
                              sequence_parallel=c.sequence_parallel, **kw)
@@ -169,9 +184,13 @@ def test_fits_in_memory_matches_the_planner(ex, name, gpu, n_gpus):
     configs = planner.candidates(model, cluster, sequence_parallel=(False, True))
     rng = random.Random(0)
     verdicts = set()
-    for c in rng.sample(configs, min(150, len(configs))):
-        plan = planner.evaluate(c, model, cluster)
-        fits, parts = _fits(ex, model, cluster.gpu.memory_bytes, c)
+    # the search leaves out ZeRO-2 under a pipeline (the same row as ZeRO-1): add a few explicitly
+    extra = [planner.Config(c.tp, c.pp, c.dp, c.micro_batch, c.microbatches, 2, c.recompute,
+                            c.sequence_parallel) for c in configs if c.zero == 1 and c.pp > 1][:20]
+    for i, c in enumerate(rng.sample(configs, min(150, len(configs))) + extra):
+        main_grad = i % 3 != 2  # Megatron's fp32 main_grad (4 bytes), and 16-bit gradients (2) for a third
+        plan = planner.evaluate(c, model, cluster, planner.Assumptions(main_grad=main_grad))
+        fits, parts = _fits(ex, model, cluster.gpu.memory_bytes, c, grad_bytes=4 if main_grad else 2)
         for key in ("weights", "gradients", "optimizer", "buffers", "activations", "total", "capacity"):
             assert math.isclose(parts[key], plan.memory[key], rel_tol=1e-12, abs_tol=1e-6), \
                 f"{name} {c}: {key} {parts[key]:.6g} B, the planner says {plan.memory[key]:.6g} B"
@@ -184,21 +203,27 @@ def test_fits_in_memory_matches_the_planner(ex, name, gpu, n_gpus):
 def test_fits_in_memory_model_states_follow_zero(ex):
     model = get_model("gpt3-13b")
     cfg = model.as_cfg()
-    for tp, pp, dp in ((1, 1, 8), (2, 4, 8), (8, 5, 4), (4, 2, 64)):
+    for tp, pp, dp in ((1, 1, 8), (2, 4, 8), (8, 5, 4), (4, 2, 64), (8, 1, 16)):
         psi = costmodel.pipeline_stage_params(cfg, tp, pp)[0]
-        states = []
-        for zero in (0, 1, 2, 3):
-            _, parts = ex.fits_in_memory(cfg, 80e9, dp=dp, tp=tp, pp=pp, micro_batch=1, microbatches=8,
-                                         zero=zero)
-            state = parts["weights"] + parts["gradients"] + parts["optimizer"]
-            # ZeRO §5.1 with fp16 weights and gradients and K = 12
-            assert math.isclose(state, costmodel.zero_memory_bytes(psi, dp, zero), rel_tol=1e-12), \
-                (tp, pp, dp, zero)
-            assert parts["buffers"] == 0 or zero == 3
-            states.append(state)
-        assert math.isclose(states[0], 16 * psi, rel_tol=1e-12) and math.isclose(states[3], 16 * psi / dp,
-                                                                                 rel_tol=1e-12)
-        assert states[0] > states[1] > states[2] > states[3], "each ZeRO stage shards one more part"
+        for g in (2, 4):  # 16-bit gradients (the ZeRO paper: 16 B/param), Megatron's fp32 main_grad (18)
+            states = []
+            for zero in (0, 1, 2, 3):
+                _, parts = ex.fits_in_memory(cfg, 80e9, dp=dp, tp=tp, pp=pp, micro_batch=1, microbatches=8,
+                                             zero=zero, grad_bytes=g)
+                state = parts["weights"] + parts["gradients"] + parts["optimizer"]
+                # ZeRO §5.1 with 16-bit weights, g-byte gradients and K = 12; under a pipeline ZeRO-2
+                # holds the whole gradient until its one reduction: ZeRO-1's states
+                as_stage = 1 if zero == 2 and pp > 1 else zero
+                assert math.isclose(state, costmodel.zero_memory_bytes(psi, dp, as_stage, grad_bytes=g),
+                                    rel_tol=1e-12), (tp, pp, dp, zero, g)
+                assert parts["buffers"] == 0 or zero == 3
+                states.append(state)
+            assert math.isclose(states[0], (14 + g) * psi, rel_tol=1e-12)
+            assert math.isclose(states[3], (14 + g) * psi / dp, rel_tol=1e-12)
+            if pp == 1:
+                assert states[0] > states[1] > states[2] > states[3], "each ZeRO stage shards one more part"
+            else:
+                assert states[0] > states[1] == states[2] > states[3], "ZeRO-2 in a pipeline: ZeRO-1's states"
     # TP x PP sharding: t*p GPUs of the first stage hold at least 1/(t*p) of the model (embeddings and
     # LayerNorms are replicated), and more GPUs means fewer bytes each
     full = costmodel.transformer_params(cfg)
@@ -256,11 +281,11 @@ def test_fits_in_memory_published_gpt3_175b(ex):
     memory = GPUS[pub.gpu].memory_bytes
     fits, parts = _fits(ex, model, memory, c)
     assert fits, f"{c} needs {parts['total'] / 1e9:.1f} GB of {memory / 1e9:.0f}"
-    # ...and 175B parameters at 16 bytes each (2.8 TB) do not fit on one GPU, whatever the recompute
+    # ...and 175B parameters at 18 bytes each (3.1 TB) do not fit on one GPU, whatever the recompute
     for r in costmodel.RECOMPUTE:
         fits, parts = ex.fits_in_memory(model.as_cfg(), memory, dp=1, tp=1, pp=1, micro_batch=1,
                                         microbatches=1, recompute=r)
-        assert not fits and parts["total"] > 16 * 175e9
+        assert not fits and parts["total"] > 18 * 174e9
 
 
 def test_fits_in_memory_rejects_bad_input(ex):
@@ -279,6 +304,8 @@ def test_fits_in_memory_rejects_bad_input(ex):
         ex.fits_in_memory(cfg, 0, **ok)
     with pytest.raises(ValueError, match="microbatches must be a positive int"):
         ex.fits_in_memory(cfg, 1e9, **{**ok, "microbatches": 0})
+    with pytest.raises(ValueError, match="grad_bytes must be 2"):
+        ex.fits_in_memory(cfg, 1e9, **ok, grad_bytes=3)
 
 
 # --- 3. microbatches_for_bubble ------------------------------------------------------------------------
@@ -355,3 +382,146 @@ def test_microbatches_for_bubble_rejects_bad_input(ex):
         ex.microbatches_for_bubble(4, -0.1, 64, 2)
     with pytest.raises(ValueError, match="p must be a positive int"):
         ex.microbatches_for_bubble(0, 0.5, 64, 2)
+
+
+# --- 4 and 5: on ranks -----------------------------------------------------------------------------------
+
+GRID_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)  # chapter 12's 3D model
+GRID_STEPS, GRID_BATCH, GRID_SEQ = 2, 8, 16
+#: the library's 3D steps whose bytes the meter counts: (dp, tp, pp, zero, microbatches) on 4 ranks
+TRAFFIC_RUNS = ((2, 1, 2, 2, 2), (2, 2, 1, 1, 2))
+
+
+def _guarded(fn, *args):
+    try:
+        return {"ok": fn(*args)}
+    except Exception:  # noqa: BLE001 - reported by the test of that exercise
+        return {"error": traceback.format_exc()}
+
+
+def _grid_step(ex):
+    """The student's 2 x 2 grid, then the single-process run cut to this rank's slices (chapter 04's
+    layout, over a TP group the test makes itself)."""
+    import torch.distributed as dist
+
+    from minitorch_dist.parallelism.mesh import init_groups
+    from minitorch_dist.parallelism.tensor_parallel import shard_dense_tensors
+    from minitorch_dist.parallelism.three_d import reference_run
+
+    losses, params = ex.train_on_2d_grid(GRID_CFG, 2, 2, GRID_STEPS, GRID_BATCH, GRID_SEQ, lr=0.1)
+    groups = init_groups(RankGrid(dist.get_world_size(), 2, 2, 1))
+    ref_losses, ref = reference_run(GRID_CFG, GRID_STEPS, GRID_BATCH, GRID_SEQ, lr=0.1)
+    want = shard_dense_tensors(ref, GRID_CFG, groups.tp_group)
+    return {"coords": tuple(groups.coords), "losses": [float(v) for v in losses], "ref_losses": ref_losses,
+            "params": {k: v.detach().cpu() for k, v in params.items()}, "want": want}
+
+
+def _traffic():
+    """The library's 3D step, one step per configuration: what this rank sent, by axis (the meter)."""
+    from minitorch_dist.parallelism.three_d import train_3d
+
+    out = []
+    for dp, tp, pp, zero, m in TRAFFIC_RUNS:
+        res = train_3d(GRID_CFG, dp, tp, pp, 1, GRID_BATCH, GRID_SEQ, m, zero_stage=zero)
+        out.append({"coords": tuple(res.coords),
+                    "dp": sum(e.wire_bytes for e in res.events["dp"]),
+                    "pp": sum(e.nbytes for e in res.events["pipeline"] if e.op == "send"),
+                    "dp_ops": sorted({e.op for e in res.events["dp"] if e.dtype != "torch.uint8"})})
+    return out
+
+
+def _on_ranks(impl):
+    ex = load("ch12", impl)  # each rank imports the chapter by its path
+    return {"grid": _guarded(_grid_step, ex), "traffic": _guarded(_traffic)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """The per-rank results of _on_ranks on 4 ranks, launched once for the module."""
+    return launch(_on_ranks, 4, resolve_impl(), timeout_s=TIMEOUT_S)
+
+
+def _part(ranks, part):
+    out = []
+    for r, res in enumerate(ranks):
+        assert "error" not in res[part], f"rank {r} raised:\n{res[part]['error']}"
+        out.append(res[part]["ok"])
+    return out
+
+
+def test_train_on_2d_grid_equals_one_process(ranks):
+    grid = _part(ranks, "grid")
+    for r, g in enumerate(grid):
+        assert set(g["params"]) == set(g["want"]), f"rank {r}: parameter names differ from the dense GPT's"
+        for k, want in g["want"].items():
+            got = g["params"][k]
+            assert got.shape == want.shape, f"rank {r} {k}: shape {tuple(got.shape)}, this rank's slice is " \
+                                            f"{tuple(want.shape)}"
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {k}: {m}")
+    # the global loss of each step is the mean of the two replicas' (tp rank 0 of each)
+    by_dp = {g["coords"][0]: g["losses"] for g in grid if g["coords"][1] == 0}
+    assert sorted(by_dp) == [0, 1]
+    mean = [(a + b) / 2 for a, b in zip(by_dp[0], by_dp[1])]
+    assert len(mean) == GRID_STEPS
+    for got, want in zip(mean, grid[0]["ref_losses"]):
+        assert got == pytest.approx(want, abs=1e-5), "the replicas' mean loss is the single process's"
+
+
+def test_train_on_2d_grid_keeps_replicas_identical(ranks):
+    grid = {g["coords"]: g for g in _part(ranks, "grid")}
+    for tp_rank in (0, 1):  # the two DP replicas of one TP slice: bitwise the same after the steps
+        a, b = grid[(0, tp_rank, 0)]["params"], grid[(1, tp_rank, 0)]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a), f"tp rank {tp_rank}: the DP replicas drifted apart"
+    # replicated inside a TP group (LayerNorms, wpe): the same on both TP ranks
+    same = [k for k in grid[(0, 0, 0)]["params"] if ".ln_" in k or k.startswith(("wpe", "ln_f"))]
+    assert same and all(torch.equal(grid[(0, 0, 0)]["params"][k], grid[(0, 1, 0)]["params"][k]) for k in same)
+
+
+def test_train_on_2d_grid_rejects_bad_input(ex, ranks):
+    _part(ranks, "grid")  # a valid call first (on the ranks)
+    with pytest.raises(RuntimeError, match="runs on every rank"):
+        ex.train_on_2d_grid(GRID_CFG, 2, 2, 1, GRID_BATCH, GRID_SEQ)  # no process group here
+    with pytest.raises(ValueError, match="dp must be a positive int"):
+        ex.train_on_2d_grid(GRID_CFG, 0, 2, 1, GRID_BATCH, GRID_SEQ)
+
+
+def test_predict_rank_traffic_matches_the_meter(ex, ranks):
+    measured = _part(ranks, "traffic")
+    for i, (dp, tp, pp, zero, m) in enumerate(TRAFFIC_RUNS):
+        for r, runs in enumerate(measured):
+            got = runs[i]
+            stage = got["coords"][2]
+            pred = ex.predict_rank_traffic(GRID_CFG, dp, tp, pp, GRID_BATCH, GRID_SEQ, m, zero=zero,
+                                           stage=stage)
+            where = f"rank {r} ({dp}x{tp}x{pp}, ZeRO-{zero}, stage {stage})"
+            assert pred["pp"] == got["pp"], \
+                f"{where}: predicted {pred['pp']} pipeline bytes, the meter counted {got['pp']}"
+            assert pred["dp"] == pytest.approx(got["dp"], rel=0.01), \
+                f"{where}: predicted {pred['dp']:.0f} data-parallel bytes, the meter counted {got['dp']:.0f}"
+            assert got["dp_ops"] == (["all_gather", "reduce_scatter"] if zero else ["all_reduce"])
+
+
+def test_predict_rank_traffic_by_hand(ex):
+    """The same numbers worked by hand for the tiny GPT (h = 32, 4 layers, vocabulary 64, 16 positions)."""
+    h, V, T = 32, 64, 16
+    layer = 12 * h * h + 13 * h  # c_attn, c_proj, c_fc, c_proj with biases, two LayerNorms
+    first, last = 2 * layer + V * h + T * h, 2 * layer + 2 * h + V * h  # embeddings / ln_f + tied head
+    for zero in (0, 1, 2):  # two replicas: a ring moves (n-1)/n = 1/2 of the buffer per pass, two passes
+        got = [ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 2, zero=zero, stage=s)["dp"] for s in (0, 1)]
+        assert got == pytest.approx([4 * first, 4 * last]), zero
+    # ZeRO-2 reducing every microbatch would send (m + 1) / 2 times as much: not what the 3D step does
+    assert ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 4, zero=2)["dp"] == pytest.approx(4 * first)
+    msg = 2 * 16 * h * 4  # b = 8 / (2 * 2) sequences of 16 tokens, fp32
+    assert ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 2, stage=0)["pp"] == 2 * msg
+    assert ex.predict_rank_traffic(GRID_CFG, 1, 1, 4, 8, 16, 2, stage=1)["pp"] == 2 * 2 * (2 * msg)
+    assert ex.predict_rank_traffic(GRID_CFG, 1, 2, 1, 8, 16, 2)["dp"] == 0
+
+
+def test_predict_rank_traffic_rejects_bad_input(ex):
+    ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 2)  # a valid call first
+    with pytest.raises(ValueError, match="stage 2 is outside"):
+        ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 2, stage=2)
+    with pytest.raises(ValueError, match="no ZeRO-3"):
+        ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 2, zero=3)
+    with pytest.raises(ValueError, match="not divisible by dp \\* microbatches"):
+        ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 3)

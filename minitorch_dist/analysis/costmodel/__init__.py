@@ -16,7 +16,8 @@ active parameters and FLOPs, all-to-all bytes) · :mod:`.kernels` (bytes moved e
 LayerNorm, AdamW, cross-entropy; roofline, ridge point, device specs) · :mod:`.step_time` (a step's seconds
 from a machine profile: ops, collectives, the ranks replayed) · :mod:`.three_d` (per-stage parameters,
 ZeRO bytes with microbatches, pipeline messages and activations of 3D parallelism) · :mod:`.precision` (fp32 /
-fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates) · :mod:`.resilience`
+fp16 / bf16 / fp8 ranges from their bit layout, underflow, loss scale, lost updates) · :mod:`.compression`
+(bytes each gradient compressor sends, all-reduce vs all-gather time) · :mod:`.resilience`
 (checkpoint bytes and seconds, Young's and Daly's optimal checkpoint interval, expected run time).
 Units: bytes, seconds, FLOPs; ``GB`` = 1e9 bytes as the papers print, ``GiB`` = 2**30.
 """
@@ -47,6 +48,7 @@ from .collectives import (  # noqa: E402
     LINKS,
     all_gather_time,
     all_to_all_time,
+    allreduce_crossover_bytes,
     allreduce_time,
     broadcast_time,
     bus_bytes,
@@ -58,6 +60,13 @@ from .collectives import (  # noqa: E402
     reduce_scatter_time,
     ring_latency_bandwidth_crossover,
     tree_allreduce_time,
+)
+from .compression import (  # noqa: E402
+    COMPRESSION_METHODS,
+    SUMMABLE,
+    compressed_payload_bytes,
+    compressed_reduce_time,
+    powersgd_compresses,
 )
 from .compute import (  # noqa: E402
     megatron_flops_per_step,
@@ -98,12 +107,14 @@ from .llama import (  # noqa: E402
     ulysses_max_degree_gqa,
 )
 from .memory import (  # noqa: E402
+    MAIN_GRAD_BYTES,
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,
     RECOMPUTE,
     activation_memory_bytes,
     adafactor_state_bytes,
     adam_state_bytes,
+    gradient_bytes_per_param,
     model_state_bytes,
     optimizer_bytes_per_param,
     zero_memory_bytes,
@@ -197,6 +208,7 @@ from .sequence_parallel import (  # noqa: E402
     naive_attention_activation_bytes,
     ring_attention_activation_bytes,
     ring_attention_bytes_per_layer,
+    ring_attention_min_block_tokens,
     sequence_parallel_bytes_per_layer,
     sequence_parallel_collectives_per_layer,
     sequence_parallel_comparison,
@@ -219,6 +231,7 @@ from .three_d import (  # noqa: E402
     zero_dp_bytes_per_step,
     zero_dp_collectives,
     zero_dp_time_per_step,
+    zero_stage_under_pipeline,
 )
 from .zero import (  # noqa: E402
     OFFLOAD_TIERS,
@@ -233,7 +246,8 @@ from .zero import (  # noqa: E402
 
 __all__ = [
     "GB", "GiB", "comm_seconds", "op_seconds", "replay_step",
-    "BUS_FACTORS", "LINKS", "all_gather_time", "all_to_all_time", "allreduce_time", "broadcast_time",
+    "BUS_FACTORS", "LINKS", "all_gather_time", "all_to_all_time", "allreduce_crossover_bytes",
+    "allreduce_time", "broadcast_time",
     "bus_bytes", "collective_time", "fit_alpha_beta", "naive_allreduce_time", "p2p_time",
     "recursive_doubling_allreduce_time", "reduce_scatter_time", "ring_latency_bandwidth_crossover",
     "tree_allreduce_time",
@@ -248,8 +262,9 @@ __all__ = [
     "llama_kv_replica_allreduce_elements", "llama_layer_elementwise_bytes", "llama_layer_gemm_flops",
     "llama_microbatch_seconds", "llama_params", "llama_params_per_rank", "llama_stage_params",
     "ulysses_bytes_per_layer_gqa", "ulysses_max_degree_gqa",
-    "OPTIMIZER_STATE_BYTES", "PRECISIONS", "RECOMPUTE", "activation_memory_bytes", "adafactor_state_bytes",
-    "adam_state_bytes", "model_state_bytes", "optimizer_bytes_per_param", "zero_memory_bytes",
+    "MAIN_GRAD_BYTES", "OPTIMIZER_STATE_BYTES", "PRECISIONS", "RECOMPUTE", "activation_memory_bytes",
+    "adafactor_state_bytes", "adam_state_bytes", "gradient_bytes_per_param", "model_state_bytes",
+    "optimizer_bytes_per_param", "zero_memory_bytes",
     "OFFLOAD_TIERS", "TABLE1_DP", "TABLE1_MODELS", "TABLE1_PRINTED", "fsdp_unit_elements",
     "offload_bytes_per_step", "zero_comm_bytes", "zero_table1",
     "V_SCHEDULES", "dualpipe_idle_time", "dualpipev_idle_time", "pipeline_parameter_copies",
@@ -263,7 +278,7 @@ __all__ = [
     "naive_attention_activation_bytes", "ring_attention_activation_bytes", "ring_attention_bytes_per_layer",
     "sequence_parallel_bytes_per_layer", "sequence_parallel_collectives_per_layer",
     "sequence_parallel_comparison", "ulysses_all_to_alls_per_layer", "ulysses_bytes_per_layer",
-    "ulysses_max_degree",
+    "ulysses_max_degree", "ring_attention_min_block_tokens",
     "activation_offload_bytes", "checkpoint_saved_bytes", "log_checkpoint_forwards",
     "log_checkpoint_saved_bytes", "optimal_segments", "recompute_overhead", "segment_peak_bytes",
     "segment_sizes",
@@ -280,7 +295,9 @@ __all__ = [
     "DEVICES", "DeviceSpec", "adamw_bytes", "arithmetic_intensity", "cross_entropy_bytes", "device_spec",
     "layernorm_bytes", "layernorm_flops", "ridge_point", "roofline_time", "softmax_bytes", "softmax_flops",
     "pipeline_activation_bytes", "pipeline_p2p_message_bytes", "pipeline_stage_params",
-    "zero_dp_bytes_per_step", "zero_dp_collectives", "zero_dp_time_per_step",
+    "zero_dp_bytes_per_step", "zero_dp_collectives", "zero_dp_time_per_step", "zero_stage_under_pipeline",
+    "COMPRESSION_METHODS", "SUMMABLE", "compressed_payload_bytes", "compressed_reduce_time",
+    "powersgd_compresses",
     "LLAMA3_DAYS", "LLAMA3_INTERRUPTIONS", "LLAMA3_STORAGE_BYTES_PER_S", "STATE_BYTES", "checkpoint_bytes",
     "checkpoint_seconds", "daly_interval", "expected_lost_work", "expected_runtime", "first_order_waste",
     "mtbf_seconds", "save_stall_seconds", "young_interval",

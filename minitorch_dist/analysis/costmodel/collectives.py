@@ -118,11 +118,55 @@ def ring_latency_bandwidth_crossover(n, alpha, beta):
     """Message size at which the ring all-reduce's latency and bandwidth terms are equal:
     ``2(n-1)*alpha = 2(n-1)/n * S * beta``  =>  ``S = n * alpha / beta``.
 
-    Below it the 2(n-1) latencies dominate (log-step algorithms such as recursive doubling win);
-    above it the bytes dominate and the ring's minimal traffic wins (Thakur et al. 2005 §4.4).
+    Below it most of the ring's time is its 2(n-1) latencies, above it most is bytes. It is *not*
+    where another algorithm overtakes the ring: that size compares two algorithms' times, see
+    :func:`allreduce_crossover_bytes` (for recursive doubling on n = 8 it is 8.8*alpha/beta, not
+    8*alpha/beta; for a binomial tree 1.9*alpha/beta).
     """
     _check_n(n)
     return n * alpha / beta
+
+
+#: (latency steps, bytes sent per byte of S) of each all-reduce algorithm on n ranks, L = ceil(log2 n):
+#: the two coefficients of ``t = steps*alpha + factor*S*beta`` in the functions above.
+_ALLREDUCE_COEFFS = {
+    "ring": lambda n, L: (2 * (n - 1), 2 * (n - 1) / n),
+    "recursive_doubling": lambda n, L: (L, L),
+    "tree": lambda n, L: (2 * L, 2 * L),
+    "naive": lambda n, L: (2 * (n - 1), 2 * (n - 1)),
+}
+
+
+def allreduce_crossover_bytes(n, alpha, beta, algorithm="recursive_doubling"):
+    """Message size S* below which ``algorithm``'s all-reduce is faster than the ring's.
+
+    Both times are linear in S: the ring's ``a0*alpha + b0*S*beta`` with a0 = 2(n-1),
+    b0 = 2(n-1)/n (:func:`allreduce_time`), the other's ``a1*alpha + b1*S*beta`` (recursive
+    doubling a1 = b1 = L = ceil(log2 n), :func:`recursive_doubling_allreduce_time`; binomial tree
+    a1 = b1 = 2L, :func:`tree_allreduce_time`; naive a1 = b1 = 2(n-1)). Equal times give
+
+        S* = (a0 - a1) / (b1 - b0) * alpha / beta        (b1 > b0)
+
+    so recursive doubling wins below ``(2(n-1) - L) / (L - 2(n-1)/n) * alpha/beta`` — 8*alpha/beta
+    on 4 ranks, 8.8 on 8, about 2n/(log2(n) - 2) for large n — and the tree below
+    ``(n-1-L) / (L - (n-1)/n) * alpha/beta``. Returns ``inf`` when the algorithm sends no more bytes
+    than the ring and takes fewer steps (recursive doubling on 2 ranks: the same bytes, one step
+    instead of two), and 0.0 when it never wins (the naive algorithm; a tree on 2 or 3 ranks).
+    MPICH likewise runs recursive doubling for short messages and a bandwidth-optimal algorithm for
+    long ones (Thakur, Rabenseifner & Gropp 2005 §4.4).
+    """
+    if algorithm not in _ALLREDUCE_COEFFS or algorithm == "ring":
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of "
+                         f"{sorted(set(_ALLREDUCE_COEFFS) - {'ring'})}")
+    _check_n(n)
+    if n == 1:
+        return 0.0  # nothing moves: every algorithm takes no time
+    L = math.ceil(math.log2(n))
+    a0, b0 = _ALLREDUCE_COEFFS["ring"](n, L)
+    a1, b1 = _ALLREDUCE_COEFFS[algorithm](n, L)
+    if b1 <= b0:
+        return math.inf if a1 < a0 else 0.0
+    return max(0.0, (a0 - a1) / (b1 - b0)) * alpha / beta
 
 
 def naive_allreduce_time(nbytes, n, alpha, beta):

@@ -48,15 +48,19 @@ def training_flops(params, tokens) -> float:
 
 
 def megatron_flops_per_step(batch, seq, layers, hidden, vocab, recompute=False) -> float:
-    """FLOPs of one training step of a GPT (Narayanan et al. 2021, §5.1, eq. 3 and Appendix).
+    """FLOPs of one training step of a GPT (Narayanan et al. 2021, §5.1 and Appendix).
 
     Counting only matmuls (2 FLOPs per multiply-add), one layer's forward is
     ``24*B*s*h^2 + 4*B*s^2*h`` (QKV 6Bsh^2, scores 2Bs^2h, attn*V 2Bs^2h, proj 2Bsh^2, MLP 16Bsh^2)
     and the logit layer's is ``2*B*s*h*V``. Backward costs twice forward. Per step:
 
-    * ``recompute=True`` (full activation recomputation: 4 forward-equivalents per layer, as in
-      the paper): ``F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h))``  (eq. 3);
-    * ``recompute=False`` (3 forward-equivalents): ``F = 72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h))``.
+    * ``recompute=True``: Narayanan et al.'s eq. 3, which counts full activation recomputation --
+      4 forward-equivalents per layer (1 forward + 2 backward + 1 recomputed forward), hence the
+      96 = 4 x 24: ``F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h))``. These are the FLOPs their
+      Table 1 throughputs ("teraFLOP/s per GPU") count: hardware FLOPs, recomputation included;
+    * ``recompute=False`` (the default): the same count without the recomputed forward, 3
+      forward-equivalents per layer, ``F = 72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h))`` -- not eq. 3
+      itself, but eq. 3's derivation with 3 in place of 4.
 
     The logit layer is never recomputed (6BshV in both), hence 16 vs 12 in the vocab term.
     ``recompute=False`` is the *model* FLOPs used for MFU.
@@ -82,7 +86,8 @@ def model_flops_utilization(flops_per_step, step_time_s, peak_flops_per_device, 
 
 def model_flops_per_token(cfg, seq=None) -> float:
     """Model FLOPs per token of one training step (forward + backward, no recomputation):
-    ``6*N + 12*L*h*s`` (Chowdhery et al. 2022, PaLM, App. B; Narayanan et al. 2021 §5.1 divided by B*s).
+    ``6*N + 12*L*h*s`` (Chowdhery et al. 2022, PaLM, App. B; Narayanan et al. 2021 §5.1's count without
+    recomputation -- 72, not eq. 3's 96 -- divided by B*s).
 
     A matmul-only count of the course GPT (``cfg`` duck-typed like :func:`transformer_params`:
     h = ``n_embd``, L = ``n_layer``, V = ``vocab_size``, f = ``int(mlp_ratio*h)``, s = ``seq``,

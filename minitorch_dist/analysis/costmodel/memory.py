@@ -17,6 +17,13 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 4, "sgd_
 #: (weight bytes, gradient bytes, fp32 master-copy bytes) per parameter for each precision.
 PRECISIONS = {"fp32": (4, 4, 0), "mixed": (2, 2, 4)}
 
+#: Bytes per parameter of Megatron-LM's contiguous gradient buffer, ``main_grad``: with bf16 weights the
+#: gradients are accumulated (over the microbatches) and reduced over the data-parallel ranks in fp32
+#: (Megatron-LM's ``DistributedOptimizer``: "for bfloat16, we want to do gradient accumulation and
+#: all-reduces in float32"; its distributed-optimizer notes count 18 bytes per parameter for 16-bit
+#: parameters with fp32 gradients, 6 + 12/d with the optimizer sharded over d ranks).
+MAIN_GRAD_BYTES = 4
+
 
 def optimizer_bytes_per_param(precision="mixed", optimizer="adamw") -> int:
     """K of the ZeRO paper: bytes per parameter the optimizer owns (master copy + states).
@@ -28,14 +35,25 @@ def optimizer_bytes_per_param(precision="mixed", optimizer="adamw") -> int:
     return PRECISIONS[precision][2] + OPTIMIZER_STATE_BYTES[optimizer]
 
 
-def model_state_bytes(num_params, precision="mixed", optimizer="adamw") -> dict:
+def gradient_bytes_per_param(precision="mixed", main_grad=False) -> int:
+    """Bytes per parameter of the gradients a step keeps: the weights' own precision (16-bit under
+    ``"mixed"``, the ZeRO paper's count), or :data:`MAIN_GRAD_BYTES` with ``main_grad`` (Megatron-LM's
+    fp32 buffer, which the backward accumulates into directly: the 16-bit gradients are not kept)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(PRECISIONS)}")
+    return max(PRECISIONS[precision][1], MAIN_GRAD_BYTES) if main_grad else PRECISIONS[precision][1]
+
+
+def model_state_bytes(num_params, precision="mixed", optimizer="adamw", main_grad=False) -> dict:
     """Bytes of model states (no activations, no buffers) for training ``num_params`` parameters.
 
     Transformer Math 101 (Anthony, Biderman & Schoelkopf, EleutherAI 2023); ZeRO §3.1.
 
     * ``"fp32"``:  weights 4 + gradients 4 + optimizer states (AdamW m, v: 8) = 16 B/param;
     * ``"mixed"`` (fp16 or bf16 compute): weights 2 + gradients 2 + optimizer (fp32 master 4
-      + m 4 + v 4 = 12) = 16 B/param: mixed precision saves compute and activations, not states.
+      + m 4 + v 4 = 12) = 16 B/param: mixed precision saves compute and activations, not states;
+    * ``"mixed"`` with ``main_grad`` (Megatron-LM's recipe with bf16: the gradients live in an fp32
+      buffer, :data:`MAIN_GRAD_BYTES`): weights 2 + gradients 4 + optimizer 12 = 18 B/param.
 
     Returns a dict of bytes: ``weights``, ``gradients``, ``optimizer`` (everything the optimizer
     owns: the ZeRO paper's K*Psi, master copy included), ``master_weights`` (the part of
@@ -43,7 +61,8 @@ def model_state_bytes(num_params, precision="mixed", optimizer="adamw") -> dict:
     ``num_params`` may be a float (e.g. 7.5e9).
     """
     k = optimizer_bytes_per_param(precision, optimizer)
-    w, g, master = PRECISIONS[precision]
+    w, _, master = PRECISIONS[precision]
+    g = gradient_bytes_per_param(precision, main_grad)
     parts = {
         "weights": w * num_params,
         "gradients": g * num_params,

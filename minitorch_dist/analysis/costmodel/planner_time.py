@@ -2,8 +2,9 @@
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21): the GEMMs of a transformer layer under tensor parallelism (§3.2; together
-they are eq. 3's ``24bsh² + 4bs²h`` per layer), the fused elementwise kernels Megatron runs (§4.2:
-bias + GeLU, bias + dropout + add, scale + mask + softmax), the 1F1B pipeline and its bubble (§2.2).
+they are the ``24bsh² + 4bs²h`` forward FLOPs per layer from which §5.1 builds eq. 3), the fused
+elementwise kernels Megatron runs (§4.2: bias + GeLU, bias + dropout + add, scale + mask + softmax),
+the 1F1B pipeline and its bubble (§2.2).
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4.1: the
 tensors a layer's elementwise ops produce (LayerNorm outputs, softmax and dropout of the scores,
 GeLU, dropout masks), which are the bytes counted here. Williams et al. 2009 (roofline): a
@@ -77,7 +78,8 @@ def _check(**dims) -> None:
 
 def layer_gemm_flops(b, s, h, heads, t=1, mlp_ratio=4) -> dict:
     """Forward FLOPs of each GEMM of one transformer layer on one of ``t`` tensor-parallel ranks
-    (module docstring); their sum is ``(24bsh² + 4bs²h)/t`` with a 4h MLP (Narayanan eq. 3)."""
+    (module docstring); their sum is ``(24bsh² + 4bs²h)/t`` with a 4h MLP (Narayanan §5.1, the per-layer
+    forward count behind eq. 3)."""
     _check(b=b, s=s, h=h, heads=heads, t=t)
     f = int(mlp_ratio * h)
     rows = b * s
@@ -167,11 +169,15 @@ def layers_seconds(profile, gemm_flops: dict, elementwise_bytes: dict, attention
             "elementwise": (1 + BACKWARD_BYTES_FACTOR) * e_fwd + e_redo, "total": forward + backward}
 
 
-def zero_dp_seconds(num_params, dp, stage, link, microbatches=1, bytes_per_element=2) -> float:
+def zero_dp_seconds(num_params, dp, stage, link, microbatches=1, bytes_per_element=2,
+                    grad_bytes_per_element=None) -> float:
     """Seconds of the data-parallel collectives of one step under ZeRO ``stage``
-    (:func:`~.three_d.zero_dp_collectives`), each on the ring with the α, β that ``link(op)`` returns."""
-    full = num_params * bytes_per_element
-    return sum(k * collective_time(op, full, dp, *link(op))
+    (:func:`~.three_d.zero_dp_collectives`), each on the ring with the α, β that ``link(op)`` returns;
+    parameters all-gathered at ``bytes_per_element``, gradients reduced at ``grad_bytes_per_element``
+    (default the same; 4 for an fp32 ``main_grad``)."""
+    g = bytes_per_element if grad_bytes_per_element is None else grad_bytes_per_element
+    return sum(k * collective_time(op, num_params * (bytes_per_element if op == "all_gather" else g), dp,
+                                   *link(op))
                for op, k in zero_dp_collectives(stage, microbatches))
 
 

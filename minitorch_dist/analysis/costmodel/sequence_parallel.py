@@ -148,6 +148,29 @@ def ring_attention_bytes_per_layer(batch, seq, hidden, t, bytes_per_element=2, a
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
 
 
+def ring_attention_min_block_tokens(flops_per_s, link_bytes_per_s, bytes_per_element=2,
+                                    causal=False) -> float:
+    """The shortest shard, in tokens per rank (c = s/t), for which ring attention hides its sends behind
+    its compute (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+    Context", §3: the block must be long enough that computing on it outlasts passing it on).
+
+    At each ring step a rank attends its c queries to one block of c keys, ``4 b c² h`` FLOPs (Q Kᵀ
+    and P V, 2 b c² h each), while it sends that block's K and V on, ``2 b c h e`` bytes. With F the
+    FLOP/s the device sustains and W the link's bytes/s, the send is hidden when
+    ``4 b c² h / F >= 2 b c h e / W``, i.e.::
+
+        c >= F e / (2 W)           (b and h cancel: only the device, the link and e matter)
+
+    which is F/W for 16-bit K and V. Under a causal mask a rank computes half of the blocks' pairs on
+    average, so c must be twice as long. Pass the *achieved* FLOP/s (peak × utilisation) for F.
+    """
+    if flops_per_s <= 0 or link_bytes_per_s <= 0 or bytes_per_element <= 0:
+        raise ValueError(f"need positive flops_per_s, link_bytes_per_s and bytes_per_element; got "
+                         f"{flops_per_s}, {link_bytes_per_s}, {bytes_per_element}")
+    c = flops_per_s * bytes_per_element / (2 * link_bytes_per_s)
+    return 2 * c if causal else c
+
+
 def ring_attention_activation_bytes(batch, seq, n_head, head_dim, t, bytes_per_element=4) -> int:
     """Bytes one rank keeps for the backward of ring attention: its q, k, v and output shards and
     a float32 log-sum-exp per query, ``b·a·(s/t)·(4·d·e + 4)`` — linear in s/t. The (s/t)² score

@@ -6,7 +6,8 @@ the few it needs that only exist once the axes are combined live here:
 
 * the parameters of each pipeline stage's rank in Megatron's layout (Narayanan et al. 2021, §2.2
   and §3; Shoeybi et al. 2019, §3 for the tensor-parallel split);
-* ZeRO's bytes per step when a step is several microbatches (Rajbhandari et al. 2020, §5.2, §7.2);
+* ZeRO's bytes per step when a step is several microbatches (Rajbhandari et al. 2020, §5.2, §7.2),
+  and what a ZeRO stage costs under a pipeline (:func:`zero_stage_under_pipeline`);
 * the pipeline's point-to-point message with the scatter/gather optimisation (Narayanan §4.1);
 * the first pipeline stage's activation memory (Korthikanti et al. 2022, §4.2).
 """
@@ -72,9 +73,9 @@ def zero_dp_collectives(stage, microbatches=1) -> list:
     * stage 3: every microbatch all-gathers the parameters for its forward and again for its
       backward, and reduce-scatters its gradient (§7.2.2).
 
-    ZeRO-2/3 thus communicate per microbatch, which is why they combine badly with pipelining (many
-    microbatches): DeepSpeed refuses the pair (``runtime/pipe/engine.py``: "ZeRO-2 and ZeRO-3 are
-    incompatible with pipeline parallelism").
+    Stages 2 and 3 thus communicate per microbatch. Under a pipeline, where a step is many
+    microbatches, an implementation may instead keep a part whole for the step and communicate once:
+    :func:`zero_stage_under_pipeline` says which stage's collectives (and memory) that costs.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -86,7 +87,53 @@ def zero_dp_collectives(stage, microbatches=1) -> list:
             3: [("all_gather", 2 * m), ("reduce_scatter", m)]}[stage]
 
 
-def zero_dp_bytes_per_step(num_params, dp, stage, microbatches=1, bytes_per_element=2) -> float:
+def zero_stage_under_pipeline(stage, pp=1, keep_gathered=False) -> int:
+    """The ZeRO stage whose memory (``memory.zero_memory_bytes``) and collectives
+    (:func:`zero_dp_collectives`) a data-parallel ``stage`` costs on ranks that also run a pipeline of
+    ``pp`` stages: the planner scores that stage instead.
+
+    A pipeline step is m microbatches whose forwards and backwards interleave. Whatever ZeRO shards
+    must either be gathered (parameters) or reduced (gradients) once per microbatch, or be kept
+    whole for the step and communicated once, which gives the memory back::
+
+        stage   under a pipeline (pp > 1)                                     costs stage
+        0, 1    one reduction after the last microbatch anyway                  0, 1
+        2       gradients accumulated whole over the m microbatches and          1
+                reduce-scattered once after the last (the library's Model3D,
+                after the tied embedding's all-reduce): stage 1's bytes, and
+                the whole gradient is held until then, stage 1's peak
+        3       parameters re-gathered for every microbatch's forward and        3
+                backward, every microbatch's gradient reduce-scattered: 3m
+                collectives a step, sharded memory
+        3, keep_gathered: parameters gathered at the first forward and kept      1
+                until the last backward, gradients accumulated whole and
+                reduce-scattered once (torch.distributed.pipelining with FSDP2
+                does this): stage 1's bytes and peak
+
+    Llama 3 405B was trained with FSDP over the data-parallel axis together with tensor, context and
+    pipeline parallelism (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.2): its FSDP shards
+    the optimizer states and gradients but does not reshard the parameters after the forward, to
+    avoid an all-gather in the backward, and accumulates the microbatches' gradients in fp32 before
+    reduce-scattering them in fp32. Between steps the states stay sharded either way; what this
+    function gives is the cost at the step's peak.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be an int >= 1, got {pp!r}")
+    if pp == 1:
+        return stage
+    return 1 if stage == 2 or (stage == 3 and keep_gathered) else stage
+
+
+def _collective_bytes(op, num_params, param_e, grad_e) -> float:
+    """The buffer of ``op`` over ``num_params``: parameters are gathered at ``param_e`` bytes an element,
+    gradients reduced (all-reduce, reduce-scatter) at ``grad_e``."""
+    return num_params * (param_e if op == "all_gather" else grad_e)
+
+
+def zero_dp_bytes_per_step(num_params, dp, stage, microbatches=1, bytes_per_element=2,
+                           grad_bytes_per_element=None) -> float:
     """Bytes one rank sends per step for data parallelism, the collectives of
     :func:`zero_dp_collectives` on ``Psi = num_params`` elements of ``e`` bytes, ring model::
 
@@ -94,22 +141,28 @@ def zero_dp_bytes_per_step(num_params, dp, stage, microbatches=1, bytes_per_elem
         stage 2:      (m + 1) Psi (n-1)/n e
         stage 3:      3 m Psi (n-1)/n e
 
-    With ``m = 1`` this is :func:`~.zero.zero_comm_bytes` (ZeRO §7.2).
+    With ``m = 1`` this is :func:`~.zero.zero_comm_bytes` (ZeRO §7.2). ``grad_bytes_per_element``
+    (default ``e``): the bytes of a gradient element in the reductions when they differ from the
+    parameters' in the all-gathers, e.g. 4 for an fp32 gradient buffer (Megatron-LM's ``main_grad``
+    with bf16, ``memory.MAIN_GRAD_BYTES``; Llama 3's fp32 reduce-scatter) next to 2 for bf16 weights.
     """
     if dp < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
-    full = num_params * bytes_per_element
-    return sum(k * bus_bytes(op, full, dp) for op, k in zero_dp_collectives(stage, microbatches))
+    g = bytes_per_element if grad_bytes_per_element is None else grad_bytes_per_element
+    return sum(k * bus_bytes(op, _collective_bytes(op, num_params, bytes_per_element, g), dp)
+               for op, k in zero_dp_collectives(stage, microbatches))
 
 
-def zero_dp_time_per_step(num_params, dp, stage, alpha, beta, microbatches=1, bytes_per_element=2) -> float:
+def zero_dp_time_per_step(num_params, dp, stage, alpha, beta, microbatches=1, bytes_per_element=2,
+                          grad_bytes_per_element=None) -> float:
     """Seconds of the collectives of :func:`zero_dp_collectives`, each under the alpha-beta ring
-    model of :func:`~.collectives.collective_time` (none of it overlapped: see the planner)."""
+    model of :func:`~.collectives.collective_time` (none of it overlapped: see the planner);
+    ``grad_bytes_per_element`` as in :func:`zero_dp_bytes_per_step`."""
     if dp < 1:
         raise ValueError(f"data-parallel degree must be >= 1, got {dp}")
-    full = num_params * bytes_per_element
-    return sum(k * collective_time(op, full, dp, alpha, beta)
-               for op, k in zero_dp_collectives(stage, microbatches))
+    g = bytes_per_element if grad_bytes_per_element is None else grad_bytes_per_element
+    return sum(k * collective_time(op, _collective_bytes(op, num_params, bytes_per_element, g), dp, alpha,
+                                   beta) for op, k in zero_dp_collectives(stage, microbatches))
 
 
 def pipeline_p2p_message_bytes(batch, seq, hidden, tp=1, bytes_per_element=2, scatter_gather=True) -> float:

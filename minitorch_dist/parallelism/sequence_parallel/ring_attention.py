@@ -237,7 +237,7 @@ def sequence_positions(seq_len: int, t: int, rank: int, layout: str = "contiguou
     return shard_sequence(torch.arange(seq_len), t, rank, 0, layout)
 
 
-def _block_plan(r, j, t, s_local, causal, layout):
+def block_plan(r, j, t, s_local, causal, layout):
     """(query slice, key slice, diagonal?) pieces of rank r's queries against rank j's keys.
 
     Non-causal: the whole block. Causal: per (query chunk a, key chunk b) in global chunk order,
@@ -287,7 +287,7 @@ class RingAttention(torch.autograd.Function):
         t, r, nxt, prv = _ring_peers(group)
         acc = _acc_dtype(q.dtype)
         B, h, n, d = q.shape
-        plans = [_block_plan(r, (r - s) % t, t, n, causal, layout) for s in range(t)]
+        plans = [block_plan(r, (r - s) % t, t, n, causal, layout) for s in range(t)]
         out = torch.zeros(B, h, n, d, dtype=acc, device=q.device)
         lse = torch.full((B, h, n), float("-inf"), dtype=acc, device=q.device)
         qa, k_cur, v_cur = q.to(acc), k, v
