@@ -1,6 +1,6 @@
 """The command line: ``python -m minitorch_dist {tour,grade,estimate,plan,schedule}``.
 
-Two runs go through a real subprocess (the entry point as a user types it); the rest call
+One run goes through a real subprocess (the entry point as a user types it); the rest call
 `main(argv)` in-process, which parses the same arguments, to keep the file fast.
 """
 from __future__ import annotations
@@ -33,11 +33,10 @@ def test_help_lists_every_command():
     assert "chapter 12" in out.stdout and "chapter 03" in out.stdout
 
 
-def test_estimate_reproduces_zero_table_1():
+def test_estimate_reproduces_zero_table_1(capsys):
     """ZeRO (Rajbhandari et al. 2020) Table 1: 7.5B parameters, N_d = 64, K = 12."""
-    out = cli("estimate", "--params", "7.5e9", "--dp", "64")
-    assert out.returncode == 0, out.stderr
-    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line[:1].isdigit()}
+    assert main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()}
     assert set(rows) == {"0", "1", "2", "3"}
     for stage, figure in [("0", "120 GB"), ("1", "31.4 GB"), ("2", "16.6 GB"), ("3", "1.88 GB")]:
         assert figure in rows[stage], rows[stage]

@@ -1,8 +1,11 @@
 """Chapter 12: ``python -m minitorch_dist dryrun`` -- one rank's step of the 3D model on meta tensors under
 the fake process group -- measures what the formulas say.
 
-Every run goes through the command line in a subprocess (the fake process group is held by that
-process, never by pytest). The 2 x 2 x 2 grid is chapter 12's test model (tests/test_three_d.py): on
+Every run goes through the command line (``python -m minitorch_dist dryrun``'s ``main``) in a
+subprocess, so the fake process group is held by that process, never by pytest: the runs the tests
+share are played once, one after another, by one worker (``python tests/test_dryrun.py``, each run
+initialising and destroying its own group); the exit on bad input and the 175B run are the command
+itself, in its own process. The 2 x 2 x 2 grid is chapter 12's test model (tests/test_three_d.py): on
 rank 0 (first pipeline stage) and rank 7 (last stage) the parameter, gradient and ZeRO-1 bytes equal
 ``costmodel.pipeline_stage_params`` (and ``three_d.local_param_count``, padded as ZeRO pads), the
 sends and the DP reduce-scatter / all-gather equal their formulas exactly, and the all-reduces equal
@@ -12,10 +15,15 @@ tensor. Bad input is refused by the checks alone (no process group), with the fi
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +43,23 @@ SMALL = ("--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "6
          "--dtype", "fp32")
 
 
+WIDE = tuple(a if a != "16" else "128" for a in SMALL)  # seq 128: the attention scores dominate
+PIPE = ("--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "64", "--seq", "16",
+        "--pp", "2", "--micro-batch-size", "8", "--dtype", "fp32")
+RUNS = {  # every dry run the tests below read, played once by the worker
+    "rank0": (*SMALL, "--rank", "0"), "rank7": (*SMALL, "--rank", "7"),
+    "zero2": (*SMALL, "--zero", "2"),
+    "sp0": (*SMALL, "--rank", "0", "--sequence-parallel"),
+    "sp7": (*SMALL, "--rank", "7", "--sequence-parallel"),
+    "flash": WIDE, "math": (*WIDE, "--attention", "math"),
+    "selective": (*WIDE, "--attention", "math", "--recompute", "selective"),
+    "pipe-m2": (*PIPE, "--microbatches", "2"), "pipe-m4": (*PIPE, "--microbatches", "4"),
+    "a100": (*SMALL, "--gpu", "a100"),
+    "too-big": ("--n-layer", "8", "--n-embd", "4096", "--n-head", "32", "--vocab-size", "51200",
+                "--seq", "512", "--dp", "2", "--tp", "2", "--pp", "2", "--gpu", "cpu"),
+}
+
+
 def cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "minitorch_dist", "dryrun", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO_ROOT)
@@ -47,9 +72,38 @@ def run_json(tmp_path, *args, timeout=120) -> tuple[dict, str]:
     return json.loads(path.read_text()), out.stdout
 
 
+def play(runs: dict) -> dict:
+    """The worker: ``{name: [exit code, JSON result, stdout]}``, each run through the command line's main."""
+    import warnings
+
+    from minitorch_dist.__main__ import main
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in runs.items():
+            path, stdout = os.path.join(tmp, f"{name}.json"), io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                code = main(["dryrun", *args, "--json", path])
+            res = json.loads(Path(path).read_text()) if code == 0 else None
+            out[name] = [code, res, stdout.getvalue()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], input=json.dumps(RUNS),
+                          capture_output=True, text=True, timeout=170, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (code, _, _) in out.items():
+        assert code == 0, f"dryrun {' '.join(RUNS[name])} exited {code}"
+    return {name: (res, stdout) for name, (_, res, stdout) in out.items()}
+
+
 @pytest.mark.parametrize("rank", [0, 7])
-def test_small_grid_measures_the_formulas(tmp_path, rank):
-    res, stdout = run_json(tmp_path, *SMALL, "--rank", str(rank))
+def test_small_grid_measures_the_formulas(runs, rank):
+    res, stdout = runs[f"rank{rank}"]
     stage = res["coords"]["pp"]
     first, last = stage == 0, stage == P - 1
     mem, wire, pred = res["measured"]["memory_bytes"], res["measured"]["comm_bytes"], res["predicted"]
@@ -81,12 +135,12 @@ def test_small_grid_measures_the_formulas(tmp_path, rank):
     assert "measured" in stdout and "predicted" in stdout and res["fits"] is True
 
 
-def test_zero2_reduces_once_after_the_last_microbatch(tmp_path):
+def test_zero2_reduces_once_after_the_last_microbatch(runs):
     """--zero 2: the same reduce-scatter and all-gather bytes as ZeRO-1 (Model3D reduces the bucketed
     gradients once, after the pipeline), the same sharded optimizer state, and gradients freed bucket by
     bucket before the update, so the peak is no higher than ZeRO-1's."""
-    one, _ = run_json(tmp_path, *SMALL, "--zero", "1")
-    two, stdout = run_json(tmp_path, *SMALL, "--zero", "2")
+    one, _ = runs["rank0"]  # --zero 1, the default
+    two, stdout = runs["zero2"]
     assert two["config"]["zero"] == 2 and "ZeRO-2" in stdout
     padded = D * shard_size(costmodel.pipeline_stage_params(CFG, T, P)[0], D)
     wire, pred = two["measured"]["comm_bytes"], two["predicted"]["comm_bytes"]
@@ -99,14 +153,11 @@ def test_zero2_reduces_once_after_the_last_microbatch(tmp_path):
     assert mem2["parameters"] == mem1["parameters"] and mem2["peak"] <= mem1["peak"]
 
 
-def test_selective_recomputation_drops_the_attention_scores(tmp_path):
+def test_selective_recomputation_drops_the_attention_scores(runs):
     """--recompute selective (Korthikanti §5) under math accounting: backward keeps q, k, v, not the
     b·a/t·s·s scores, so the activations fall to near flash accounting's and to the costmodel's "selective"
     prediction; no communication changes (the core has no collective)."""
-    wide = [a if a != "16" else "128" for a in SMALL]
-    none, _ = run_json(tmp_path, *wide, "--attention", "math")
-    sel, _ = run_json(tmp_path, *wide, "--attention", "math", "--recompute", "selective")
-    flash, _ = run_json(tmp_path, *wide)
+    (none, _), (sel, _), (flash, _) = runs["math"], runs["selective"], runs["flash"]
     scores = B * (CFG.n_head // T) * 128 * 128 * 4
     act = {k: r["measured"]["memory_bytes"]["activations"] for k, r in (("none", none), ("sel", sel),
                                                                          ("flash", flash))}
@@ -118,14 +169,13 @@ def test_selective_recomputation_drops_the_attention_scores(tmp_path):
     assert sel["measured"]["comm_bytes"] == none["measured"]["comm_bytes"]
 
 
-def test_sequence_parallel_measures_the_formulas(tmp_path):
+def test_sequence_parallel_measures_the_formulas(runs):
     """--sequence-parallel: the layers' all-reduces become the costmodel's all-gathers and reduce-scatters
     (with the re-gather), plus the embedding's ḡ (first stage) or the output layer's g (last); the stage
     sends its s/t slice; the TP group sums the partial LayerNorm / bias / wpe gradients in one all-reduce;
     activations fall below TP's (Korthikanti Table 2: 34/t against 10 + 24/t per s·b·h)."""
     for rank in (0, 7):
-        tp, _ = run_json(tmp_path, *SMALL, "--rank", str(rank))
-        sp, stdout = run_json(tmp_path, *SMALL, "--rank", str(rank), "--sequence-parallel")
+        (tp, _), (sp, stdout) = runs[f"rank{rank}"], runs[f"sp{rank}"]
         first = rank == 0
         wire, calls = sp["measured"]["comm_bytes"], sp["measured"]["comm_calls"]
         pred = sp["predicted"]["comm_bytes"]
@@ -146,21 +196,16 @@ def test_sequence_parallel_measures_the_formulas(tmp_path):
         assert sp["config"]["sequence_parallel"] is True and "sequence parallel" in stdout
 
 
-def test_temporaries_do_not_grow_with_the_microbatches(tmp_path):
+def test_temporaries_do_not_grow_with_the_microbatches(runs):
     """The fake group's sends never report completion, so a pipeline that kept each sent tensor until its
     send completed would hold every microbatch's boundary activation to the end of the step, and the
     temporaries would grow with m; the executor keeps none under it."""
-    pipe = ("--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "64", "--seq", "16",
-            "--pp", "2", "--micro-batch-size", "8", "--dtype", "fp32")
-    tmp = {}
-    for m in (2, 8):
-        res, _ = run_json(tmp_path, *pipe, "--microbatches", str(m))
-        tmp[m] = res["measured"]["memory_bytes"]["temporaries"]
-    assert tmp[8] == tmp[2] > 0
+    tmp = {m: runs[f"pipe-m{m}"][0]["measured"]["memory_bytes"]["temporaries"] for m in (2, 4)}
+    assert tmp[4] == tmp[2] > 0
 
 
-def test_json_schema(tmp_path):
-    res, _ = run_json(tmp_path, *SMALL, "--gpu", "a100")
+def test_json_schema(runs):
+    res, _ = runs["a100"]
     assert {"config", "world_size", "rank", "measured", "predicted", "fits", "seconds"} <= set(res)
     assert res["world_size"] == 8 and res["rank"] == 0
     assert res["config"]["params"] == costmodel.transformer_params(CFG)
@@ -173,11 +218,10 @@ def test_json_schema(tmp_path):
     assert isinstance(res["fits"], bool) and res["seconds"] > 0
 
 
-def test_a_model_that_does_not_fit_is_a_result(tmp_path):
+def test_a_model_that_does_not_fit_is_a_result(runs):
     """A 1.7B-parameter model on 8 ranks of 4 GB ('--gpu cpu') does not fit: reported, with its largest
     category, not raised."""
-    res, stdout = run_json(tmp_path, "--n-layer", "8", "--n-embd", "4096", "--n-head", "32", "--vocab-size",
-                           "51200", "--seq", "512", "--dp", "2", "--tp", "2", "--pp", "2", "--gpu", "cpu")
+    res, stdout = runs["too-big"]
     assert res["fits"] is False and res["largest"] in res["measured"]["memory_bytes"]
     assert "does NOT fit" in stdout
 
@@ -222,14 +266,16 @@ def test_gpt3_175b_on_1024_ranks_under_a_minute(tmp_path):
     assert mem["optimizer_states"] == pytest.approx(pred["optimizer_states"], rel=1e-6)
 
 
-def test_flash_accounting_drops_the_attention_scores(tmp_path):
+def test_flash_accounting_drops_the_attention_scores(runs):
     """On meta, attention's math path holds the b·a/t·s·s scores (and their softmax) per layer; flash
     accounting holds none of them, and nothing else changes."""
-    wide = [a if a != "16" else "128" for a in SMALL]  # seq 128: the scores dominate
-    flash, _ = run_json(tmp_path, *wide)
-    math, _ = run_json(tmp_path, *wide, "--attention", "math")
+    (flash, _), (math, _) = runs["flash"], runs["math"]
     scores = B * (CFG.n_head // T) * 128 * 128 * 4  # one layer's scores of one microbatch, fp32
     held = {k: r["measured"]["memory_bytes"] for k, r in (("flash", flash), ("math", math))}
     assert held["math"]["activations"] - held["flash"]["activations"] >= 2 * scores
     assert held["math"]["parameters"] == held["flash"]["parameters"]
     assert math["measured"]["comm_bytes"] == flash["measured"]["comm_bytes"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(play(json.load(sys.stdin))))

@@ -303,8 +303,9 @@ def test_bf16_in_the_interpreter_is_refused_with_the_fix():
 
 def test_kernels_compile_for_an_h100_without_one(tmp_path):
     # The interpreter runs the kernels' Python; the GPU path goes through Triton's compiler, which checks
-    # what the interpreter lets pass (loop-carried types, tl.dot shapes, shared memory). Compile the
-    # default configurations to PTX for sm_90, in a process where TRITON_INTERPRET=0.
+    # what the interpreter lets pass (loop-carried types, tl.dot shapes, shared memory). Compile each
+    # kernel to PTX for sm_90, in a process where TRITON_INTERPRET=0, each in one of the default
+    # configurations, and each configuration once: fp16 / bf16 / fp32, tf32 and ieee dots, causal or not.
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -320,15 +321,14 @@ sigs = {
 }
 configs = [("fp16", 64, (64, 64), "tf32", False), ("bf16", 128, (64, 64), "tf32", True),
            ("fp32", 128, (32, 32), "ieee", True)]  # the defaults of _config for these dtypes and D
-for dt, D, blocks, prec, causal in configs:
-    for fn, sig in sigs.items():
-        consts = [causal, prec, *blocks, D]
-        args = fn.arg_names
-        types = sig(dt) + ["constexpr"] * len(consts)
-        assert len(types) == len(args), fn
-        src = ASTSource(fn, dict(zip(args, types)), {(len(args) - 5 + i,): c for i, c in enumerate(consts)})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        assert ".target sm_90" in ptx
+for (fn, sig), (dt, D, blocks, prec, causal) in zip(sigs.items(), configs, strict=True):
+    consts = [causal, prec, *blocks, D]
+    args = fn.arg_names
+    types = sig(dt) + ["constexpr"] * len(consts)
+    assert len(types) == len(args), fn
+    src = ASTSource(fn, dict(zip(args, types)), {(len(args) - 5 + i,): c for i, c in enumerate(consts)})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert ".target sm_90" in ptx
 src = ASTSource(fa._delta_kernel, dict(zip(fa._delta_kernel.arg_names, ["*fp16", "*fp16", "*fp32"] + i32(11)
                 + ["constexpr"] * 2)), {(14,): 64, (15,): 128})
 assert ".target sm_90" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

@@ -6,13 +6,20 @@ Expected values come from elsewhere: the published parameter counts (8.0B, 70.6B
 must be within 1%), the ``models.llama.Llama`` module itself built on ``meta`` (its parameters counted),
 torch's
 ``FlopCounterMode`` (its matmul FLOPs), the ``MemoryMeter`` (the bytes autograd saves), and the dry
-run's measured step.
+run's measured step: the command line's ``main`` for each run, played one after another by one worker
+process (``python tests/test_llama_presets.py``), so pytest never holds the fake process group.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -156,19 +163,46 @@ def test_llama_presets_are_in_the_table():
 # --- the dry run -------------------------------------------------------------------------------------------
 
 
-def _dryrun(tmp_path, *args):
-    path = tmp_path / "out.json"
-    out = subprocess.run([sys.executable, "-m", "minitorch_dist", "dryrun", *args, "--json", str(path)],
-                         capture_output=True, text=True, timeout=150, cwd=REPO_ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(path.read_text())
+LLAMA = ("--model", "llama3-8b", "--zero", "1")
+LLAMA_TP = {(8, True): (*LLAMA, "--tp", "8", "--dp", "2", "--sequence-parallel"),
+            (16, False): (*LLAMA, "--tp", "16", "--dp", "2")}
+PP_LAYERS = 16  # llama3-8b's widths, 4 layers per stage (the formulas checked are per stage)
+LLAMA_PP = {rank: (*LLAMA, "--n-layer", str(PP_LAYERS), "--dp", "1", "--tp", "8", "--pp", "4",
+                   "--rank", str(rank)) for rank in (0, 8, 31)}
+
+
+def play(runs: list) -> list:
+    """The worker: ``[exit code, JSON result]`` of each run, through the command line's main."""
+    import warnings
+
+    from minitorch_dist.__main__ import main
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, args in enumerate(runs):
+            path = os.path.join(tmp, f"{i}.json")
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = main(["dryrun", *args, "--json", path])
+            out.append([code, json.loads(Path(path).read_text()) if code == 0 else None])
+    return out
+
+
+@pytest.fixture(scope="module")
+def dryruns():
+    runs = [*LLAMA_TP.values(), *LLAMA_PP.values()]
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], input=json.dumps(runs),
+                          capture_output=True, text=True, timeout=170, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for args, (code, _) in zip(runs, out):
+        assert code == 0, f"dryrun {' '.join(args)} exited {code}"
+    return {args: res for args, (_, res) in zip(map(tuple, runs), out)}
 
 
 @pytest.mark.parametrize("tp, sp", [(8, True), (16, False)])  # kv heads split; replicated (2 copies each)
-def test_dryrun_plays_llama3_8b_and_measures_its_formulas(tmp_path, tp, sp):
-    args = ["--model", "llama3-8b", "--tp", str(tp), "--dp", "2", "--zero", "1"] + (["--sequence-parallel"]
-                                                                                   if sp else [])
-    res = _dryrun(tmp_path, *args)
+def test_dryrun_plays_llama3_8b_and_measures_its_formulas(dryruns, tp, sp):
+    res = dryruns[LLAMA_TP[tp, sp]]
     mem, wire, pred = res["measured"]["memory_bytes"], res["measured"]["comm_bytes"], res["predicted"]
     local = LC.llama_params_per_rank(get_model("llama3-8b").as_cfg(), tp)
     assert res["config"]["params"] == get_model("llama3-8b").params
@@ -181,14 +215,15 @@ def test_dryrun_plays_llama3_8b_and_measures_its_formulas(tmp_path, tp, sp):
 
 
 @pytest.mark.parametrize("rank", [0, 8, 31])  # the first, a middle and the last stage (tp 0, 0, 7)
-def test_dryrun_plays_a_llama_in_pipeline_stages(tmp_path, rank):
+def test_dryrun_plays_a_llama_in_pipeline_stages(dryruns, rank):
     """pp > 1: the rank's step is chapter 12's Model3D with the Llama cut into stages; its parameters,
     its sends and its data-parallel collectives are the stage's formulas exactly."""
-    res = _dryrun(tmp_path, "--model", "llama3-8b", "--dp", "1", "--tp", "8", "--pp", "4", "--zero", "1",
-                  "--rank", str(rank))
+    res = dryruns[LLAMA_PP[rank]]
     mem, wire, pred = res["measured"]["memory_bytes"], res["measured"]["comm_bytes"], res["predicted"]
     stage = res["coords"]["pp"]
-    local = LC.llama_stage_params(get_model("llama3-8b").as_cfg(), 8, 4)[stage]
+    cfg = SimpleNamespace(**vars(get_model("llama3-8b").as_cfg()) | {"n_layer": PP_LAYERS})
+    assert res["config"]["n_layer"] == PP_LAYERS and res["config"]["n_embd"] == cfg.n_embd
+    local = LC.llama_stage_params(cfg, 8, 4)[stage]
     assert mem["parameters"] == 2 * local == pred["memory_bytes"]["parameters"]
     assert wire["send"] == pred["comm_bytes"]["send"] > 0
     assert pred["comm_bytes"]["all_reduce"] <= wire["all_reduce"] <= 1.1 * pred["comm_bytes"]["all_reduce"]
@@ -202,3 +237,7 @@ def test_dryrun_refuses_what_it_cannot_play_for_a_llama():
         DryRun(model="llama3-8b", tp=3)
     with pytest.raises(ValueError, match="recomputes whole blocks"):
         DryRun(model="llama3-8b", recompute="selective")
+
+
+if __name__ == "__main__":
+    print(json.dumps(play(json.load(sys.stdin))))

@@ -4,6 +4,10 @@ measurement beside it, and bad input refused with the fix named.
 The ±25% standard is shown in the notebooks on a quiet machine; here, where other tests share the cores,
 a prediction is only checked to be of the right size (within 2x of the measurement), which a missing
 collective or a doubled compute would still break for the techniques timed here.
+
+Each command runs once as a user types it (a subprocess: the profile of ``calibrate --quick``, and
+``predict --measure`` of DDP); the other cases call `main(argv)` in-process, which parses the same
+arguments and runs the same code, without a new interpreter's imports.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from minitorch_dist.__main__ import main
 from minitorch_dist.analysis.profiles import REQUIRED, load_profile
 from minitorch_dist.course.registry import REPO_ROOT
 
@@ -25,6 +30,14 @@ pytestmark = [pytest.mark.ch12, pytest.mark.timeout(240)]
 def cli(*args, env=None, timeout=200):
     return subprocess.run([sys.executable, "-m", "minitorch_dist", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO_ROOT, env={**os.environ, **(env or {})})
+
+
+def run(capsys, *args):
+    """``python -m minitorch_dist *args`` in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def _marked(marker: str) -> list[int]:
@@ -45,7 +58,7 @@ def profile_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "here.json"
     marker = f"MTD_TEST_{uuid.uuid4().hex}"
     out = cli("calibrate", "--world", "2", "--out", str(path), "--techniques", "ddp,tp", "--sizes", "tiny",
-              env={marker: "1"})
+              "--quick", env={marker: "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert _marked(marker) == []  # calibrate left no rank behind
     assert "all_reduce" in out.stdout and str(path) in out.stdout
@@ -65,26 +78,41 @@ def test_calibrate_writes_a_complete_profile(profile_path):
     assert 0 <= p.overlap <= 1 and p.framework_overhead_s == 0 and 0 < p.python_line_s < 1e-5
 
 
-@pytest.mark.parametrize("technique", ["ddp", "tp"])
-def test_predict_then_measure(profile_path, tmp_path, technique):
+def test_gemm_peak_flops_is_a_calibrations_peak_without_the_ranks(profile_path):
+    """The smoke runs' shortcut measures the same sweep in this process: the same order of magnitude as
+    the calibration's peak (this process may use more threads than a rank's one)."""
+    from minitorch_dist.analysis.calibrate import gemm_peak_flops
+
+    ratio = gemm_peak_flops() / load_profile(profile_path).peak_flops["fp32"]
+    assert 0.3 < ratio < 10, ratio
+
+
+@pytest.mark.parametrize("technique, command_line", [("ddp", True), ("tp", False)], ids=["ddp", "tp"])
+def test_predict_then_measure(profile_path, tmp_path, technique, command_line, capsys):
     path = tmp_path / "out.json"
-    out = cli("predict", "--technique", technique, "--world", "2", "--profile", str(profile_path),
-              "--measure", "--reps", "5", "--json", str(path))
-    assert out.returncode == 0, out.stderr[-3000:]
+    args = ("predict", "--technique", technique, "--world", "2", "--profile", str(profile_path),
+            "--measure", "--reps", "5", "--json", str(path))
+    if command_line:
+        done = cli(*args)
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    else:
+        code, stdout, stderr = run(capsys, *args)
+    assert code == 0, stderr[-3000:]
     res = json.loads(path.read_text())
     keys = {"technique", "world_size", "config", "predicted_s", "measured_s", "ratio", "breakdown"}
     assert keys <= set(res)
     assert set(res["breakdown"]) == {"compute_s", "comm_s", "exposed_comm_s", "overhead_s"}
     assert res["ratio"] == pytest.approx(res["predicted_s"] / res["measured_s"])
-    assert 0.5 < res["ratio"] < 2.0, out.stdout
+    assert 0.5 < res["ratio"] < 2.0, stdout
     assert res["table_coverage"] > 0.95  # the calibration timed this technique's ops
-    assert "predicted / measured" in out.stdout
+    assert "predicted / measured" in stdout
 
 
-def test_predict_on_a_shipped_gpu_profile_without_measuring(tmp_path):
+def test_predict_on_a_shipped_gpu_profile_without_measuring(tmp_path, capsys):
     path = tmp_path / "h100.json"
-    out = cli("predict", "--technique", "ddp", "--world", "2", "--profile", "h100", "--json", str(path))
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, _, err = run(capsys, "predict", "--technique", "ddp", "--world", "2", "--profile", "h100",
+                       "--json", str(path))
+    assert code == 0, err[-3000:]
     res = json.loads(path.read_text())
     assert res["measured_s"] is None and res["ratio"] is None and res["table_coverage"] == 0.0
     assert 0 < res["predicted_s"] < 0.05  # the tiny GPT on an H100 pair: launch-bound, milliseconds
@@ -100,21 +128,34 @@ BAD = [
 
 
 @pytest.mark.parametrize("args, message", BAD, ids=[m for _, m in BAD])
-def test_bad_input_names_the_fix(args, message):
-    out = cli(*args)
-    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
+def test_bad_input_names_the_fix(args, message, capsys):
+    code, _, err = run(capsys, *args)  # an exception escaping main would fail the test with its traceback
+    assert code == 2 and message in err, err[-2000:]
+    assert "Traceback" not in err
 
 
-def test_a_profile_missing_a_key_is_refused(tmp_path, profile_path):
+def test_a_profile_missing_a_key_is_refused(tmp_path, profile_path, capsys):
     data = json.loads(profile_path.read_text())
     del data["collectives"]["send"]
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps(data))
-    out = cli("predict", "--technique", "ddp", "--world", "2", "--profile", str(broken))
-    assert out.returncode == 2 and "send" in out.stderr and "calibrate" in out.stderr
+    code, _, err = run(capsys, "predict", "--technique", "ddp", "--world", "2", "--profile", str(broken))
+    assert code == 2 and "send" in err and "calibrate" in err
 
 
-def test_show_prints_a_shipped_profile():
-    out = cli("calibrate", "--show", "h100")
-    assert out.returncode == 0 and "989" in out.stdout and "source" in out.stdout
+def test_show_prints_a_shipped_profile(capsys):
+    code, out, _ = run(capsys, "calibrate", "--show", "h100")
+    assert code == 0 and "989" in out and "source" in out
+
+
+def test_time_techniques_adds_a_techniques_ops_to_a_calibrated_profile(profile_path):
+    from minitorch_dist.analysis.calibrate import time_techniques
+
+    before = load_profile(profile_path)
+    after = time_techniques(before, ("zero1",), quick=True)
+    assert set(before.kernels) < set(after.kernels) and all(t > 0 for t in after.kernels.values())
+    assert all(after.kernels[k] == t for k, t in before.kernels.items())  # what it held keeps its time
+    assert after.collectives == before.collectives and after.python_line_s == before.python_line_s
+    assert after.notes[-1] == "recorded: zero1/tiny"
+    with pytest.raises(ValueError, match="calibrate"):
+        time_techniques(load_profile("h100"), ("zero1",))

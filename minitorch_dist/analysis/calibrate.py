@@ -21,9 +21,15 @@ them busy at once, as in a real step) and measures what :mod:`.costmodel.step_ti
 
 It writes a profile (:mod:`.profiles`; default in the user's cache directory, path printed) and prints
 a table. ``--show h100`` prints a shipped profile instead.
+
+``--quick`` (``calibrate(quick=True)``) measures the same things on fewer points: every other size of the
+collectives' sweep up to 4 MB, 20 timed calls per size instead of 60, and each op and the reference step
+timed fewer times -- for a smoke run, where seconds matter more than the last digit.
+:func:`time_techniques` adds the ops of more techniques to a calibrated profile's kernel table.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -38,9 +44,10 @@ from . import costmodel
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
 from .workload import Op, WorkloadRecorder, rebuild_args
 
-__all__ = ["calibrate", "median_seconds", "time_kernels", "main"]
+__all__ = ["calibrate", "time_techniques", "gemm_peak_flops", "median_seconds", "time_kernels", "main"]
 
 SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(13))  # 4 kB ... 16 MB
+QUICK_SWEEP_BYTES = SWEEP_BYTES[:11:2]  # 4 kB, 16 kB, ... 4 MB: 6 sizes
 GEMM_SHAPES = ((16, 16, 16), (64, 64, 64), (256, 64, 64), (1024, 64, 64), (1024, 64, 256), (1024, 256, 64),
                (256, 256, 256), (1024, 128, 512), (512, 512, 512), (2048, 512, 512))
 
@@ -119,12 +126,14 @@ def _mean_after_compute(fn, reps: int = 60) -> float:
     return sum(times) / len(times)
 
 
-def _alpha_beta() -> dict:
-    """Per collective: the measured sweep (full-buffer bytes, mean seconds) and its α-β fit."""
+def _alpha_beta(quick: bool = False) -> dict:
+    """Per collective: the measured sweep (full-buffer bytes, mean seconds) and its α-β fit; ``quick``:
+    every other size up to 4 MB, 20 calls each instead of 60."""
     n, out = dist.get_world_size(), {}
-    sizes = [max(n, s // 4 // n * n) * 4 for s in SWEEP_BYTES]
+    sweep, reps = (QUICK_SWEEP_BYTES, 20) if quick else (SWEEP_BYTES, 60)
+    sizes = [max(n, s // 4 // n * n) * 4 for s in sweep]
     for op in COLLECTIVES:
-        times = [_mean_after_compute(_collective_call(op, s)) for s in SWEEP_BYTES]
+        times = [_mean_after_compute(_collective_call(op, s), reps) for s in sweep]
         if op == "send":  # the receiver's clock: from the end of its compute to the message's arrival
             agreed = torch.tensor(times, dtype=torch.float64, device=rank_device()) * (dist.get_rank() == 1)
             dist.all_reduce(agreed)
@@ -214,6 +223,13 @@ def _gemm_table() -> list:
     return table
 
 
+def gemm_peak_flops() -> float:
+    """FLOP/s of the fastest GEMM in the calibration's sweep, timed in this process with the threads it
+    has: a calibration's ``peak_flops["fp32"]`` without starting ranks or timing the links (a second,
+    not half a minute), for a smoke run or a quick look."""
+    return max(flops / seconds for flops, seconds in _gemm_table())
+
+
 def _copy_bandwidth(nbytes: int = 32 * 2 ** 20) -> float:
     """Bytes moved per second by ``y.copy_(x)`` (read x, write y) on a buffer larger than the caches."""
     x = torch.randn(nbytes // 4, device=rank_device())
@@ -243,10 +259,11 @@ def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistic
     return table
 
 
-def _framework_overhead(table: dict) -> dict:
+def _framework_overhead(table: dict, quick: bool = False) -> dict:
     """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
     The difference, per Python line the step executed, is the framework's cost, which no op timed alone
-    contains. Both sides are medians, the statistic a measured step reports; the step is timed 15 times."""
+    contains. Both sides are medians, the statistic a measured step reports; the step is timed 15 times
+    (``quick``: 7, and each op 3 times)."""
     from ..models.data import MarkovCorpus
     from ..models.gpt import GPT, GPTConfig
 
@@ -260,19 +277,20 @@ def _framework_overhead(table: dict) -> dict:
         opt.zero_grad()
         model(x, y)[1].backward()
         opt.step()
-    measured = median_seconds(step, reps=15)
+    measured = median_seconds(step, reps=7 if quick else 15)
     with WorkloadRecorder() as rec:
         step()
     ops = [o for o in rec.items if isinstance(o, Op)]
-    time_kernels(ops, table)
+    time_kernels(ops, table, reps=3 if quick else 5)
     alone = sum(table.get(o.key) or 0.0 for o in ops)
     flops = sum(o.flops for o in ops)
     return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
             "python_lines": rec.lines, "per_line_s": max(0.0, (measured - alone) / max(rec.lines, 1))}
 
 
-def _technique_kernels(table: dict, sizes, techniques) -> list:
-    """Record one step of each technique at each size on this rank and time its ops alone."""
+def _technique_kernels(table: dict, sizes, techniques, quick: bool = False) -> list:
+    """Record one step of each technique at each size on this rank and time its ops alone (``quick``:
+    each 3 times instead of 5)."""
     from . import techniques as T
 
     done = []
@@ -286,22 +304,28 @@ def _technique_kernels(table: dict, sizes, techniques) -> list:
             spec.step()  # warm-up: optimizer state, buffers
             with WorkloadRecorder() as rec:
                 spec.step()
-            time_kernels(rec.items, table)
+            time_kernels(rec.items, table, reps=3 if quick else 5)
             done.append(f"{name}/{size}")
     return done
 
 
-def _rank(sizes, techniques) -> dict:
+def _rank(sizes, techniques, quick: bool = False) -> dict:
     """Everything one rank measures (all ranks at once)."""
-    out = {"collectives": _alpha_beta(), "collective_overhead_s": _collective_overhead(),
+    out = {"collectives": _alpha_beta(quick), "collective_overhead_s": _collective_overhead(),
            "overlap": _overlap(), "async_start_s": _async_start(), "matmul": _gemm_table(),
            "copy_bytes_per_s": _copy_bandwidth(),
            "op_overhead_s": _op_overhead()}
     table: dict = {}
-    out["reference"] = _framework_overhead(table)
-    out["recorded"] = _technique_kernels(table, sizes, techniques)
+    out["reference"] = _framework_overhead(table, quick)
+    out["recorded"] = _technique_kernels(table, sizes, techniques, quick)
     out["kernels"] = table
     return out
+
+
+def _kernels_rank(sizes, techniques, quick: bool) -> dict:
+    """The kernel table of ``techniques`` alone, on one rank (all ranks at once)."""
+    table: dict = {}
+    return {"recorded": _technique_kernels(table, sizes, techniques, quick), "kernels": table}
 
 
 def _merge_kernels(per_rank) -> dict:
@@ -315,10 +339,11 @@ def _merge_kernels(per_rank) -> dict:
 
 
 def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
-              timeout_s: float = 600) -> tuple[MachineProfile, dict]:
+              timeout_s: float = 600, quick: bool = False) -> tuple[MachineProfile, dict]:
     """Measure this machine on ``world`` ranks; write the profile to ``out`` (None: the user's cache;
     False: nowhere, a notebook's own); return ``(profile, details)`` (details: the sweeps, the reference
-    step). ``sizes`` and ``techniques`` choose whose ops go into the kernel table (default: all)."""
+    step). ``sizes`` and ``techniques`` choose whose ops go into the kernel table (default: all);
+    ``quick``: the same measurements on fewer points and repetitions (a smoke run's)."""
     from ..runtime.env import hardware_summary
     from ..runtime.launch import launch
     from . import techniques as T
@@ -330,7 +355,8 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
         T.check(name, world)
     for size in sizes:
         T.model_config(size)
-    res = launch(_rank, world, tuple(sizes), tuple(techniques or T.TECHNIQUES), timeout_s=timeout_s)
+    chosen = tuple(T.TECHNIQUES if techniques is None else techniques)  # (): no kernel table at all
+    res = launch(_rank, world, tuple(sizes), chosen, quick, timeout_s=timeout_s)
     r0 = res[0]
     ref = [r["reference"] for r in res]
     gemm_peak = max(f / t for f, t in r0["matmul"])
@@ -347,10 +373,29 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
         python_line_s=statistics.median(x["per_line_s"] for x in ref),
         kernels=_merge_kernels(res), hardware=hardware_summary(), created=date.today().isoformat(),
         sources={"peak_flops.fp32": "the fastest GEMM of the sweep on this machine (measured)"},
-        notes=[f"{world} ranks, one thread each, all busy while measuring",
+        notes=[f"{world} ranks, one thread each, all busy while measuring" + (", quick" if quick else ""),
                f"recorded: {', '.join(r0['recorded'])}"])
     path = None if out is False else profile.save(out or default_profile_path())
     return profile, {"path": str(path), "collectives": r0["collectives"], "reference": ref}
+
+
+def time_techniques(profile: MachineProfile, techniques, sizes=("tiny",), quick: bool = False,
+                    timeout_s: float = 600) -> MachineProfile:
+    """A copy of ``profile`` (calibrated on this machine) whose kernel table also holds the ops of one step
+    of each of ``techniques`` at ``sizes``, timed alone as :func:`calibrate` times them; the ops it
+    already holds keep their times, and nothing else is measured again."""
+    from ..runtime.launch import launch
+    from . import techniques as T
+
+    if profile.kind != "calibrated":
+        raise ValueError(f"profile {profile.name!r} is {profile.kind}: only a profile calibrated here can "
+                         f"time more ops; run calibrate")
+    for name in techniques:
+        T.check(name, profile.world_size)
+    res = launch(_kernels_rank, profile.world_size, tuple(sizes), tuple(techniques), quick,
+                 timeout_s=timeout_s)
+    return dataclasses.replace(profile, kernels={**_merge_kernels(res), **profile.kernels},
+                               notes=[*profile.notes, f"recorded: {', '.join(res[0]['recorded'])}"])
 
 
 def _memory_bytes() -> float:
@@ -399,6 +444,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--show", metavar="NAME|PATH", help="print a profile (h100, h200, a100, file)")
     parser.add_argument("--techniques", help="comma-separated techniques whose ops to time (default: all)")
     parser.add_argument("--sizes", default="tiny,10x", help="model sizes whose ops to time (default: both)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sweep points and repetitions: seconds instead of a minute (a smoke run)")
 
 
 def main(args) -> int:
@@ -409,7 +456,8 @@ def main(args) -> int:
             return 0
         t0 = time.perf_counter()
         techniques = args.techniques.split(",") if args.techniques else None
-        profile, details = calibrate(args.world, args.out, args.sizes.split(","), techniques)
+        sizes = args.sizes.split(",")
+        profile, details = calibrate(args.world, args.out, sizes, techniques, quick=args.quick)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

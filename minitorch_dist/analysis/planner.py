@@ -58,7 +58,7 @@ from .planner_presets import GPUS, GPUSpec, ModelSpec, get_gpu, get_model
 from .profiles import MachineProfile, load_profile
 
 __all__ = ["NO_EFFICIENCY", "LOCAL_TECHNIQUES", "Assumptions", "Cluster", "Config", "Plan", "candidates",
-           "check_config", "evaluate", "plan", "rank_of", "format_plans", "local_plans",
+           "check_config", "evaluate", "memory_per_gpu", "plan", "rank_of", "format_plans", "local_plans",
            "predict_local"]
 
 NO_EFFICIENCY = "no free efficiency: the profile's measured GEMM rates set compute time; pass --profile"
@@ -282,9 +282,45 @@ def _zero(c: Config) -> int:
     return costmodel.zero_stage_under_pipeline(c.zero, c.pp)
 
 
-def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> dict:
+class _Shared:
+    """What the configurations of one search (one model, cluster and assumptions) have in common,
+    computed once: the parameters of each stage by ``(t, p)``, one microbatch's seconds by
+    ``(b, layers, t, recompute, sp)`` (the same for every ZeRO stage), the FLOPs of a step."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, a: Assumptions):
+        self.model, self.cluster, self.a = model, cluster, a
+        self._memo: dict = {}
+
+    def _get(self, key, compute):
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def stage_params(self, tp: int, pp: int) -> list:
+        return self._get(("stages", tp, pp), lambda: self.model.stage_params(tp, pp))
+
+    def microbatch_seconds(self, b, layers, tp, recompute, sp) -> dict:
+        return self._get(("mb", b, layers, tp, recompute, sp), lambda: self.model.microbatch_seconds(
+            self.cluster.profile, b, layers, tp, self.a.precision, recompute, sp))
+
+    def flops_per_step(self, recompute: str) -> float:
+        return self._get(("flops", recompute), lambda: self.model.flops_per_step(recompute))
+
+    def flops_per_token(self) -> float:
+        return self._get(("flops_per_token",), self.model.flops_per_token)
+
+    @property
+    def params(self) -> int:
+        return self._get(("params",), lambda: self.model.params)
+
+    def kv_replica_elements(self, tp: int) -> int:
+        return self._get(("kv", tp), lambda: self.model.kv_replica_elements(tp))
+
+
+def _memory(c: Config, sh: _Shared) -> dict:
     """Bytes per GPU of the first pipeline stage (embedding + the most stashed microbatches)."""
-    psi = model.stage_params(c.tp, c.pp)[0]
+    model, cluster, a = sh.model, sh.cluster, sh.a
+    psi = sh.stage_params(c.tp, c.pp)[0]
     per = costmodel.model_state_bytes(1, a.precision, a.optimizer, a.main_grad)  # bytes per parameter
     w, g, k = per["weights"], per["gradients"], per["optimizer"]
     stage = _zero(c)
@@ -304,27 +340,28 @@ def _memory(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions) -> di
     return mem
 
 
-def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
+def _time(c: Config, sh: _Shared):
     """Seconds per step by part (the profile's rates: :mod:`.costmodel.planner_time`), bytes per GPU
     per step by axis, and the FLOPs executed."""
+    model, cluster, a = sh.model, sh.cluster, sh.a
     s, h = model.seq, model.hidden
     b, m, layers, prof = c.micro_batch, c.microbatches, model.layers // c.pp, cluster.profile
     e = 4 if a.precision == "fp32" else 2  # bytes of an activation or a weight on the wire
     g = costmodel.gradient_bytes_per_param(a.precision, a.main_grad)  # of a gradient in the DP reductions
     zero = _zero(c)
     # one microbatch on the slowest stage, the last: its layers, the logits and the loss
-    mb = model.microbatch_seconds(prof, b, layers, c.tp, a.precision, c.recompute, c.sequence_parallel)
+    mb = sh.microbatch_seconds(b, layers, c.tp, c.recompute, c.sequence_parallel)
     # tensor parallelism: 4 all-reduces per layer on the critical path; full recompute redoes the forward's 2
     redo = 1.5 if c.recompute == "full" else 1.0
     tp_link = cluster.link(1, c.tp)
     t_tp = layers * redo * costmodel.tensor_parallel_comm_time_per_layer(b, s, h, c.tp, *tp_link, e)
-    kv = model.kv_replica_elements(c.tp) * e  # replicated kv heads: weight gradients summed every backward
+    kv = sh.kv_replica_elements(c.tp) * e  # replicated kv heads: weight gradients summed every backward
     t_tp += layers * (costmodel.collective_time("all_reduce", kv, c.tp, *tp_link) if kv else 0.0)
     # pipeline: one activation out and one gradient back per microbatch (per chunk, interleaved)
     msg = costmodel.pipeline_p2p_message_bytes(b, s, h, c.tp, e, a.scatter_gather)
     t_p2p = 2 * a.v * costmodel.p2p_time(msg, *cluster.link(c.tp * c.dp, c.pp, "send")) if c.pp > 1 else 0.0
     # data parallelism: ZeRO's collectives on the DP link; then the optimizer's pass over its shard
-    stages = model.stage_params(c.tp, c.pp)
+    stages = sh.stage_params(c.tp, c.pp)
     psi = max(stages)  # the stage with the most parameters syncs and updates the longest
     t_dp = costmodel.zero_dp_seconds(psi, c.dp, zero, lambda op: cluster.link(c.tp, c.dp, op), m, e, g)
     shard = psi / c.dp if zero >= 1 else psi
@@ -335,20 +372,33 @@ def _time(c: Config, model: ModelSpec, cluster: Cluster, a: Assumptions):
                                 + costmodel.bus_bytes("all_reduce", kv, c.tp)),
             "pp": costmodel.pipeline_p2p_bytes(c.pp, m, msg, a.v) / c.pp,  # averaged over the stages
             "dp": costmodel.zero_dp_bytes_per_step(stages[0], c.dp, zero, m, e, g)}  # the first stage's
-    return time, comm, model.flops_per_step(c.recompute)  # FLOPs executed, recomputation included
+    return time, comm, sh.flops_per_step(c.recompute)  # FLOPs executed, recomputation included
+
+
+def memory_per_gpu(configs, model, cluster: Cluster, assumptions: Assumptions = Assumptions()) -> list:
+    """The bytes per GPU (by category, as :func:`evaluate` reports them) of each of ``configs``, checked
+    configurations of one search, without timing them."""
+    sh = _Shared(get_model(model), cluster, assumptions)
+    return [_memory(c, sh) for c in configs]
 
 
 def evaluate(c: Config, model, cluster: Cluster, assumptions: Assumptions = Assumptions()) -> Plan:
     """Memory, step time, bytes and MFU of one configuration (checked by :func:`check_config` first)."""
     model = get_model(model)
     check_config(c, model, cluster, assumptions)
-    mem = _memory(c, model, cluster, assumptions)
-    time, comm, flops = _time(c, model, cluster, assumptions)
+    return _evaluate(c, _Shared(model, cluster, assumptions))
+
+
+def _evaluate(c: Config, sh: _Shared, mem: dict | None = None) -> Plan:
+    """:func:`evaluate` of a checked ``c`` with the search's shared parts (and its memory, if known)."""
+    model, cluster, assumptions = sh.model, sh.cluster, sh.a
+    mem = _memory(c, sh) if mem is None else mem
+    time, comm, flops = _time(c, sh)
     n, t, tokens = cluster.n_gpus, time["total"], model.global_batch * model.seq
     peak = cluster.peak_flops(assumptions.precision)
-    per_token = model.flops_per_token()  # model FLOPs: no recomputation
+    per_token = sh.flops_per_token()  # model FLOPs: no recomputation
     mfu = costmodel.model_flops_utilization(per_token * tokens / t, 1.0, peak, n)
-    mfu_6nd = costmodel.model_flops_utilization(costmodel.training_flops(model.params, tokens), t, peak, n)
+    mfu_6nd = costmodel.model_flops_utilization(costmodel.training_flops(sh.params, tokens), t, peak, n)
     return Plan(c, mem, time, comm, mfu, mfu_6nd, tflops_per_gpu=flops / n / t / 1e12,
                 tokens_per_s=tokens / t, fits=mem["total"] <= mem["capacity"], profile=cluster.profile.name)
 
@@ -366,9 +416,13 @@ def plan(model, gpus: int | None = None, gpu="h100", *, cluster: Cluster | None 
         if gpus is None:
             raise ValueError("give the number of GPUs (gpus=1024) or a Cluster")
         cluster = Cluster(get_gpu(gpu), gpus, gpus_per_node, profile)
-    found = [evaluate(c, model, cluster, a)
-             for c in candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a)]
-    fit = sorted((p for p in found if p.fits), key=lambda p: (p.step_time, p.memory["total"]))
+    sh = _Shared(model, cluster, a)
+    fit = []
+    for c in candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a):
+        mem = _memory(c, sh)  # cheap: a configuration that cannot fit is never timed
+        if mem["total"] <= mem["capacity"]:
+            fit.append(_evaluate(c, sh, mem))
+    fit.sort(key=lambda p: (p.step_time, p.memory["total"]))
     return fit[:top_k] if top_k else fit
 
 

@@ -23,6 +23,7 @@ from .planner import (
     check_config,
     evaluate,
     format_plans,
+    memory_per_gpu,
     plan,
     rank_of,
 )
@@ -129,7 +130,8 @@ def why_nothing_fits(model, cluster: Cluster, zero=(0, 1, 2, 3), recompute=costm
     found = candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a)
     if not found:
         return _why_no_candidates(model, cluster, zero, recompute, sequence_parallel, micro_batches, a)
-    best = min((evaluate(c, model, cluster, a) for c in found), key=lambda p: p.memory["total"])
+    totals = [mem["total"] for mem in memory_per_gpu(found, model, cluster, a)]
+    best = evaluate(found[totals.index(min(totals))], model, cluster, a)  # time only the smallest
     if best.fits:
         return f"nothing is wrong: {best.config} and others fit"
     cap, gpu = best.memory["capacity"], cluster.gpu

@@ -90,12 +90,13 @@ def predict(technique: str, world: int, size: str = "tiny", profile=None, measur
             "per_rank_s": {r: v["step_s"] for r, v in res["per_rank"].items()}}
 
 
-def notebook_profile(techniques, sizes=("tiny",), world: int = 2):
+def notebook_profile(techniques, sizes=("tiny",), world: int = 2, quick: bool = False):
     """A profile calibrated now for a notebook or the tour (kernel table of ``techniques`` only, a few
-    seconds), kept in memory: the user's own profile is not overwritten."""
+    seconds; ``quick``: fewer points, for a smoke run), kept in memory: the user's own profile is not
+    overwritten."""
     from .calibrate import calibrate
 
-    profile, _ = calibrate(world, out=False, sizes=tuple(sizes), techniques=tuple(techniques))
+    profile, _ = calibrate(world, out=False, sizes=tuple(sizes), techniques=tuple(techniques), quick=quick)
     return profile
 
 
@@ -132,14 +133,21 @@ _TOUR_PROFILES: dict = {}
 def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, size: str = "tiny") -> dict:
     """The tour's "predicted vs measured step" row of a chapter: ``technique`` on ``world`` ranks (the tiny
     GPT in a smoke run, else ``size``), predicted from a profile calibrated once per process and size (every
-    technique's ops), then measured. ``ok``: within 25% -- or, in a smoke run (few steps, a machine busy
-    with other work), within 2x."""
+    technique's ops; in a smoke run a quick calibration, whose kernel table gains each technique's ops as
+    a row asks for them), then measured. ``ok``: within 25% -- or, in a smoke run (few steps, a machine
+    busy with other work), within 2x."""
+    from .calibrate import time_techniques
     from .techniques import TECHNIQUES
 
     size = "tiny" if smoke else size
-    if (world, size) not in _TOUR_PROFILES:
-        _TOUR_PROFILES[(world, size)] = notebook_profile(TECHNIQUES, (size,), world)
-    profile = _TOUR_PROFILES[(world, size)]
+    key = (world, size, smoke)
+    if key not in _TOUR_PROFILES:
+        first = (technique,) if smoke else TECHNIQUES
+        _TOUR_PROFILES[key] = notebook_profile(first, (size,), world, quick=smoke), set(first)
+    profile, timed = _TOUR_PROFILES[key]
+    if technique not in timed:
+        profile = time_techniques(profile, (technique,), (size,), quick=smoke)
+        _TOUR_PROFILES[key] = profile, timed | {technique}
     res = predict(technique, world, size, profile, measure=True, reps=5 if smoke else 15)
     band = 1.0 if smoke else 0.25
     ok = 1 / (1 + band) <= res["ratio"] <= 1 + band if smoke else abs(res["ratio"] - 1) <= band
