@@ -29,11 +29,13 @@ lint: $(STAMP)                       ## ruff over the repository (configured in 
 
 test: $(STAMP)                       ## lint, then the whole suite: library, exercises, notebooks (smoke sizes)
 	$(BIN)/ruff check .
-	MTD_SMOKE=1 $(BIN)/python -m pytest $(NBVAL) tests notebooks $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" $(NBVAL) tests notebooks $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(BIN)/python -m pytest -m serial tests $(NO_SOLUTIONS)
 
 test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests
 	$(BIN)/ruff check .
-	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow" tests $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not serial" tests $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow and serial" tests $(NO_SOLUTIONS)
 
 lab: $(STAMP)                        ## JupyterLab on the notebooks
 	$(BIN)/jupyter lab notebooks/

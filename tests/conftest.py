@@ -1,6 +1,7 @@
 """Suite-wide rules: `gpu` tests skip with a reason where there is no CUDA GPU; every test starts
 from the same random state (torch, Python's `random`, NumPy seeded with 0), so a test that draws
-unseeded numbers still sees the same ones whatever ran before it or alone; and the report's header
+unseeded numbers still sees the same ones whatever ran before it or alone; tests timed against a
+prediction or a limit are marked ``serial`` (run alone by ``make test``); and the report's header
 says which implementation the exercise tests load (your stubs or the worked solutions)."""
 import os
 import random
@@ -30,7 +31,20 @@ def pytest_report_header(config):
             f"(MTD_IMPL=exercises|solutions forces one)")
 
 
+#: Files whose tests hold wall-clock time to a prediction or a limit (a measured step against the cost
+#: model, a timeout that must fire in time): marked ``serial``, so ``make test`` runs them alone on the
+#: machine after the rest has run two at a time (``pytest -n 2``), where another test's ranks would
+#: steal their cores.
+SERIAL_FILES = {"test_predict.py", "test_headlines.py", "test_grade.py", "test_models.py", "test_dryrun.py",
+                "test_pipeline_measured.py", "test_parameter_server.py", "test_hogwild.py", "test_cli.py",
+                "test_meters.py", "test_meta_standin.py", "test_step_time.py", "test_course.py",
+                "test_launch_failures.py"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
