@@ -27,6 +27,13 @@ shared by its units: the order they ran in (each pass prefetches by the last pas
 unit computes, the all-gather of the next one is issued, in forward and in backward), the
 replicated parameters, and the statistics (units and bytes gathered at once, a trace).
 
+**Prefetch never serves old weights.** When the units a step runs change (a layer used on some steps,
+several forwards before one backward), a prefetched unit may not run before ``opt.step()``. So a
+gather remembers the version of the shard it came from and a unit gathered from an older shard is
+gathered again; a unit the root's forward prefetched but did not run is released when that forward
+ends; and at the end of backward every unit still gathered is released, as FSDP2 reshards all there.
+Nothing gathered lives from one step into the next.
+
 **Each unit runs as one autograd node** (:class:`.fsdp_unit.UnitFunction`). Its ``forward`` gathers, runs the
 module *with grad enabled* on detached inputs (building the unit's own small graph, whose leaves
 are the gathered weights), frees the weights by resizing their storage to 0 and returns detached
@@ -87,6 +94,7 @@ class ShardingState:
         self.gathered_now, self.gathered_bytes_now = set(), 0
         self.peak_gathered, self.peak_gathered_bytes = 0, 0
         root.register_forward_pre_hook(lambda *_: self.begin_pass())
+        root.register_forward_hook(lambda *_: self.end_pass())
         self.begin_pass()
 
     # --- order and prefetch ---------------------------------------------------------------------
@@ -95,6 +103,14 @@ class ShardingState:
         for k in ("forward", "backward"):
             if self.order[k]:
                 self.last[k], self.order[k] = self.order[k], []
+
+    def end_pass(self) -> None:
+        """The root's forward ended: a unit gathered by prefetch that did not run in it is released
+        (it ran in the last pass, not in this one: nothing of this step will read it)."""
+        ran = self.order["forward"]
+        for unit in self.units:
+            if unit.gathered and not any(unit is u for u in ran):
+                unit.release()
 
     def enter(self, unit: FlatUnit, kind: str) -> int:
         """Record that ``unit`` starts its forward or backward; issue the next unit's all-gather."""
@@ -118,16 +134,23 @@ class ShardingState:
                 comm.broadcast(p.data, 0 if g is None else dist.get_global_rank(g, 0), group=g)
 
     def queue_end_of_backward(self) -> None:
-        """Called from the outermost unit's backward: average the replicated gradients at the end."""
-        if self.replicated and not self.callback_queued:
+        """Called from the outermost unit's backward: at the end of backward, average the replicated
+        gradients and release every unit still gathered (FSDP2 reshards everything there too), so no
+        gathered weights outlive the step into the optimizer's update."""
+        if not self.callback_queued:
             self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_replicated)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        self._reduce_replicated()
+        for unit in self.units:
+            unit.release()
 
     @torch.no_grad()
     def _reduce_replicated(self) -> None:
         """One all-reduce of ``[every replicated gradient | has-grad flags]``; a parameter no rank
         computed a gradient for keeps ``grad = None``."""
-        self.callback_queued = False
         ps = [p for p in self.replicated if p.requires_grad]
         if not ps:
             return

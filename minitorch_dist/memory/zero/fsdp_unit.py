@@ -83,6 +83,7 @@ class FlatPart:
         self._adopt(self._take_shard(params), [p.requires_grad for p in params])
         self.flat.params = []  # drop the dense tensors: only the shard stays on this rank
         self.pending = None  # (work, version guard, send buffer) of an all-gather in flight
+        self.gathered_from = None  # the shard's version counter when ``full`` was gathered from it
 
     def _pieces(self):
         """Per tensor: (its offset a in the shard, b), and where in the tensor: [a - o, b - o)."""
@@ -132,6 +133,24 @@ class FlatPart:
         send = self.shard.detach().to(self.compute_dtype)  # the cast of mixed precision (a copy if any)
         work = comm.all_gather(self.full, send, group=self.unit.group, async_op=async_op)
         self.pending = (work, guard, send)
+        self.gathered_from = self.shard._version  # bumped by an optimizer step (the parameters view shard)
+
+    @property
+    def stale(self) -> bool:
+        """Gathered from a shard that has changed since (an optimizer step ran while it was gathered)."""
+        return self.gathered_from is not None and self.gathered_from != self.shard._version
+
+    def finish(self) -> None:
+        """Wait for this part's all-gather in flight, if any."""
+        if self.pending is None:
+            return
+        work, guard, _send = self.pending
+        self.pending = None
+        # The all-gather wrote into tensors autograd saved; their version counter would say
+        # "modified in place". The guard (whose docstring names this use) restores it.
+        with guard:
+            if work is not None:
+                work.wait()
 
     def leaves(self) -> list[nn.Parameter]:
         """A leaf per tensor, a shaped view of ``full`` (one ``split``: its backward is one ``cat``)."""
@@ -228,36 +247,45 @@ class FlatUnit:
     def gathered(self) -> bool:
         return any(p.full.untyped_storage().nbytes() > 0 or p.pending is not None for p in self.parts)
 
+    @property
+    def stale(self) -> bool:
+        return any(part.stale for part in self.parts)
+
     def issue_all_gather(self, async_op: bool) -> None:
-        """Re-allocate the full buffers and all-gather the shards into them (a no-op if there)."""
-        if self.gathered:
+        """Re-allocate the full buffers and all-gather the shards into them (a no-op if they hold the
+        shards' current values; gathered from shards an optimizer step has changed since: again)."""
+        if self.gathered and not self.stale:
             return
+        self.release()
         self.state.note_gathered(self, +1)
         for part in self.parts:
             part.all_gather(async_op)
         self.state.trace("all_gather", self.name)
 
     def wait(self) -> None:
-        """Make sure the full buffers hold this step's weights, gathering now if nobody prefetched."""
-        if not self.gathered:
+        """Make sure the full buffers hold the shards' current weights, gathering now if nobody
+        prefetched them (or if an optimizer step changed the shards since they were gathered)."""
+        if not self.gathered or self.stale:
             self.issue_all_gather(async_op=False)
         for part in self.parts:
-            if part.pending is None:
-                continue
-            work, guard, _send = part.pending
-            part.pending = None
-            # The all-gather wrote into tensors autograd saved; their version counter would say
-            # "modified in place". The guard (whose docstring names this use) restores it.
-            with guard:
-                if work is not None:
-                    work.wait()
+            part.finish()
 
     def free(self) -> None:
         """Reshard: drop the full buffers' storage, keep the shards."""
         for part in self.parts:
             part.full.untyped_storage().resize_(0)
+            part.gathered_from = None
         self.state.note_gathered(self, -1)
         self.state.trace("free", self.name)
+
+    def release(self) -> None:
+        """Free a gathered unit that is not to run on these values (a prefetch it did not use, or
+        weights an optimizer step has changed): its all-gather in flight finishes first."""
+        if not self.gathered:
+            return
+        for part in self.parts:
+            part.finish()
+        self.free()
 
     def bind(self) -> list[list[nn.Parameter]]:
         """Swap in a leaf per parameter, a shaped view of its part's ``full``; return them per part."""
