@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: setup tour lint test test-fast lab notebooks exercises check-exercises grade student-repo figures gpu-report clean
+.PHONY: setup tour lint test test-fast test-portability lab notebooks exercises check-exercises grade student-repo figures gpu-report clean
 # A student's copy of the course has no solutions/: there `make test` leaves tests/exercises to `make grade`.
 NO_SOLUTIONS := $(if $(wildcard solutions),,--ignore=tests/exercises)
 
@@ -31,6 +31,12 @@ test: $(STAMP)                       ## lint, then the whole suite: library, exe
 	$(BIN)/ruff check .
 	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" $(NBVAL) tests notebooks $(NO_SOLUTIONS)
 	MTD_SMOKE=1 $(BIN)/python -m pytest -m serial tests $(NO_SOLUTIONS)
+
+# Another MKL code path than the run's own: COMPATIBLE, or AVX2 where the whole run already uses COMPATIBLE.
+OTHER_MKL := $(if $(filter COMPATIBLE,$(MKL_CBWR)),AVX2,COMPATIBLE)
+
+test-portability: $(STAMP)           ## the numerics tests again, with MKL on another code path (other float rounding)
+	MKL_CBWR=$(OTHER_MKL) MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "numerics and not serial" tests $(NO_SOLUTIONS)
 
 test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests
 	$(BIN)/ruff check .

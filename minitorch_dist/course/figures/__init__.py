@@ -3,7 +3,9 @@
 Each chapter's figures are functions in ``course/figures/chNN_slug.py`` (see :mod:`.base`); this
 package imports them all, writes ``chapters/figures/<name>.svg`` (:func:`generate`) and lists the
 files that differ from what the code draws (:func:`stale`). The prose links the files; a test checks
-that every link resolves and that every committed file is what its code draws today.
+that every link resolves and that every committed file is what its code draws today, compared by
+what it shows (:func:`.base.same_drawing`: the same text, every number within 1/7200 inch), so a
+CPU that rounds a computed figure's 6th digit differently neither fails the test nor rewrites it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import importlib
 from pathlib import Path
 
 from ..registry import CHAPTERS, REPO_ROOT
-from .base import FIGURES, render_svg
+from .base import FIGURES, render_svg, same_drawing
 
 __all__ = ["FIGURES", "FIGURE_DIR", "load_all", "generate", "stale", "names_of"]
 
@@ -45,7 +47,7 @@ def generate(out_dir=None, chapter: str | None = None) -> list[Path]:
     for name in names_of(chapter):
         path = out / f"{name}.svg"
         text = render_svg(name)
-        if not path.exists() or path.read_text() != text:
+        if not path.exists() or same_drawing(path.read_text(), text) is not None:
             path.write_text(text)
             changed.append(path)
     return changed
@@ -54,4 +56,5 @@ def generate(out_dir=None, chapter: str | None = None) -> list[Path]:
 def stale(chapter: str | None = None) -> list[str]:
     """The figures whose committed file is missing or differs from what the code draws now."""
     paths = {n: FIGURE_DIR / f"{n}.svg" for n in names_of(chapter)}
-    return [n for n, p in paths.items() if not p.exists() or p.read_text() != render_svg(n)]
+    return [n for n, p in paths.items()
+            if not p.exists() or same_drawing(p.read_text(), render_svg(n)) is not None]

@@ -10,9 +10,15 @@ matplotlib ``Figure``, registered under its file name with :func:`figure`::
         return fig
 
 and the prose links it as ``![The ring all-reduce](figures/ch00_ring_allreduce.svg)``. The SVG is
-made byte for byte the same on every run (a fixed hash salt for element ids, text kept as text, no
-date), so a test regenerates every figure and compares it with the committed file: a figure in the
-prose is always the one its code draws.
+made the same on every run (a fixed hash salt for element ids, text kept as text, no date), so a
+test regenerates every figure and compares it with the committed file: a figure in the prose is
+always the one its code draws.
+
+**Compared by what it shows** (:func:`same_drawing`). A figure drawn from a computation (a training
+run, a power iteration) moves in the 6th digit on a CPU that rounds differently, which no reader can
+see. Two drawings are the same when their text and element structure are identical and every number
+in them (coordinates, sizes) is within :data:`RESOLUTION` of the other -- element ids, which
+matplotlib derives from the drawn paths, are compared by where they first appear, not by name.
 """
 from __future__ import annotations
 
@@ -25,7 +31,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["FIGURES", "figure", "render_svg", "STYLE"]
+__all__ = ["FIGURES", "figure", "render_svg", "same_drawing", "RESOLUTION", "STYLE"]
+
+#: how far apart two drawings of a figure may put a number and still be the same figure: 0.01 in SVG
+#: user units (points, 72 per inch), i.e. 1/7200 inch, a hundredth of a screen pixel
+RESOLUTION = 0.01
 
 #: name -> function returning a matplotlib Figure, in registration order
 FIGURES: dict[str, Callable] = {}
@@ -60,3 +70,29 @@ def render_svg(name: str) -> str:
                     metadata={"Date": None, "Creator": "minitorch_dist figures"})
         plt.close(fig)
     return buf.getvalue()
+
+
+_NAME_IN_QUOTES = re.compile(r'(?<=["#])([A-Za-z_][\w.-]*)(?=[")])')
+_NUMBER = re.compile(r"([-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)")
+
+
+def _canonical(svg: str) -> list[str]:
+    """The SVG as alternating text and number tokens, its element ids renamed id0, id1, ... in the
+    order they are defined (references ``#name`` follow)."""
+    ids = {name: f"id{i}" for i, name in enumerate(dict.fromkeys(re.findall(r'\bid="([^"]+)"', svg)))}
+    svg = _NAME_IN_QUOTES.sub(lambda m: ids.get(m.group(1), m.group(1)), svg)
+    return _NUMBER.split(svg)
+
+
+def same_drawing(a: str, b: str, resolution: float = RESOLUTION) -> str | None:
+    """None if SVGs ``a`` and ``b`` draw the same figure (see the module docstring); else the first
+    difference, in words."""
+    ta, tb = _canonical(a), _canonical(b)
+    if len(ta) != len(tb):
+        return f"different structure: {len(ta) // 2} numbers against {len(tb) // 2}"
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        if i % 2 == 0 and x != y:
+            return f"different text near token {i}: {x[-60:]!r} against {y[-60:]!r}"
+        if i % 2 == 1 and abs(float(x) - float(y)) > resolution:
+            return f"a number differs by more than {resolution}: {x} against {y} (after {ta[i - 1][-60:]!r})"
+    return None
