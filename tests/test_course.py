@@ -654,6 +654,11 @@ HEADLINES = textwrap.dedent('''\
 
     def incomplete(smoke):
         return {"chapter": "ch99", "ok": True}
+
+    def slow_machine(smoke):
+        return [{"chapter": "ch96", "experiment": "bytes", "theory": 8, "measured": 8, "ok": True},
+                {"chapter": "ch96", "experiment": "step (s)", "theory": 0.05, "measured": 0.12, "ok": False,
+                 "timing": True, "note": "ratio 0.42, outside; machine 2.4x slower than at calibration"}]
     ''')
 
 
@@ -668,7 +673,7 @@ def test_tour_all_ok(tmp_path, monkeypatch, capsys):
     assert tour.run(_tour_chapters(tmp_path, monkeypatch, "good", "many"), smoke=True, progress=False) == 0
     out = capsys.readouterr().out
     assert "CPU:" in out.splitlines()[0] and "1.5e+06" in out and "n=4" in out
-    assert "3/3 experiments agree with theory" in out
+    assert "3/3 exact experiments agree with theory" in out
 
 
 def test_tour_reports_failures_and_carries_on(tmp_path, monkeypatch, capsys):
@@ -677,7 +682,17 @@ def test_tour_reports_failures_and_carries_on(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "RuntimeError: boom" in out and "second line" not in out
     assert "without keys ['experiment', 'theory', 'measured']" in out
-    assert "0/3 experiments agree with theory; 3 did not" in out  # good() reports ok=smoke=False
+    assert "0/3 exact experiments agree with theory; 3 did not" in out  # good() reports ok=smoke=False
+
+
+def test_a_timing_row_outside_its_band_is_reported_and_never_fails_the_tour(tmp_path, monkeypatch, capsys):
+    """A busy machine moves a step time, never a byte: the exit status follows the exactness rows."""
+    assert tour.run(_tour_chapters(tmp_path, monkeypatch, "slow_machine"), progress=False) == 0
+    out = capsys.readouterr().out
+    assert "off" in out and "2.4x slower than at calibration" in out
+    assert "1/1 exact experiments agree" in out and "0/1 step times within their band" in out
+    assert tour.exit_status([{"ok": False, "timing": True}, {"ok": True}]) == 0
+    assert tour.exit_status([{"ok": True, "timing": True}, {"ok": False}]) == 1
 
 
 def test_tour_with_nothing_to_run(capsys):

@@ -44,7 +44,8 @@ from . import costmodel
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
 from .workload import Op, WorkloadRecorder, rebuild_args
 
-__all__ = ["calibrate", "time_techniques", "gemm_peak_flops", "median_seconds", "time_kernels", "main"]
+__all__ = ["calibrate", "time_techniques", "gemm_peak_flops", "median_seconds", "time_kernels",
+           "reference_step_seconds", "main"]
 
 SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(13))  # 4 kB ... 16 MB
 QUICK_SWEEP_BYTES = SWEEP_BYTES[:11:2]  # 4 kB, 16 kB, ... 4 MB: 6 sizes
@@ -259,11 +260,8 @@ def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistic
     return table
 
 
-def _framework_overhead(table: dict, quick: bool = False) -> dict:
-    """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
-    The difference, per Python line the step executed, is the framework's cost, which no op timed alone
-    contains. Both sides are medians, the statistic a measured step reports; the step is timed 15 times
-    (``quick``: 7, and each op 3 times)."""
+def _reference_step():
+    """The reference step: the tiny GPT on this rank (8 sequences, AdamW), as a function to time."""
     from ..models.data import MarkovCorpus
     from ..models.gpt import GPT, GPTConfig
 
@@ -277,6 +275,28 @@ def _framework_overhead(table: dict, quick: bool = False) -> dict:
         opt.zero_grad()
         model(x, y)[1].backward()
         opt.step()
+    return step
+
+
+def _reference_seconds(quick: bool = False) -> float:
+    return median_seconds(_reference_step(), reps=7 if quick else 15)
+
+
+def reference_step_seconds(world: int, quick: bool = False, timeout_s: float = 120) -> float:
+    """The reference step timed now on ``world`` ranks at once (the median over ranks), as
+    :func:`calibrate` timed it into ``profile.reference_step_s``: their ratio is how much slower the
+    machine is than when it was calibrated."""
+    from ..runtime.launch import launch
+
+    return statistics.median(launch(_reference_seconds, world, quick, timeout_s=timeout_s))
+
+
+def _framework_overhead(table: dict, quick: bool = False) -> dict:
+    """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
+    The difference, per Python line the step executed, is the framework's cost, which no op timed alone
+    contains. Both sides are medians, the statistic a measured step reports; the step is timed 15 times
+    (``quick``: 7, and each op 3 times)."""
+    step = _reference_step()
     measured = median_seconds(step, reps=7 if quick else 15)
     with WorkloadRecorder() as rec:
         step()
@@ -371,6 +391,7 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
         collective_sweeps={op: v["sweep"] for op, v in r0["collectives"].items()},
         overlap=med("overlap"), async_start_s=med("async_start_s"),
         python_line_s=statistics.median(x["per_line_s"] for x in ref),
+        reference_step_s=statistics.median(x["step_s"] for x in ref),
         kernels=_merge_kernels(res), hardware=hardware_summary(), created=date.today().isoformat(),
         sources={"peak_flops.fp32": "the fastest GEMM of the sweep on this machine (measured)"},
         notes=[f"{world} ranks, one thread each, all busy while measuring" + (", quick" if quick else ""),

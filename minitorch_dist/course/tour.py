@@ -10,7 +10,14 @@ in :mod:`minitorch_dist.course.headlines`), calls
      "theory": 1.5e6, "measured": 1.5e6, "ok": True}
 
 A chapter that raises gets a row with ``ok=False`` and the error's first line; the others still
-run. The table is printed under the hardware it ran on; the exit status is 0 when every row is ok.
+run. The table is printed under the hardware it ran on.
+
+**Exactness decides; timing informs.** Most rows check something exact -- equal to one process,
+bytes, counts, memory -- and the exit status is 0 when every one of them agrees. A *timing* row
+(``"timing": True``: a step time predicted, then measured) shows its ratio and, in its ``note``, how
+much slower the machine was when it measured than when it calibrated. Its band is reported, never
+enforced: on a laptop busy with other work a ratio outside it says so ("machine 2.4x slower than at
+calibration"), and the tour still passes when every exactness row agrees.
 """
 from __future__ import annotations
 
@@ -81,10 +88,23 @@ def hardware() -> str:
         return f"hardware summary unavailable ({_error_line(e)})"
 
 
+def _ok_cell(row: dict) -> str:
+    """"yes" / "NO" for an exactness row; a timing row's band: "yes" / "off" (reported, not enforced)."""
+    if row.get("timing"):
+        return "yes" if row["ok"] else "off"
+    return _cell(row["ok"])
+
+
 def results_table(rows: list[dict]) -> str:
     body = [[_cell(r["chapter"], 8), _cell(r["experiment"]), _cell(r["theory"], 24), _cell(r["measured"], 24),
-             _cell(r["ok"]), "" if r.get("seconds") is None else f"{r['seconds']:.1f}"] for r in rows]
-    return registry.format_table(body, ["chapter", "experiment", "theory", "measured", "ok", "s"])
+             _ok_cell(r), "" if r.get("seconds") is None else f"{r['seconds']:.1f}",
+             _cell(r.get("note", ""), 64)] for r in rows]
+    return registry.format_table(body, ["chapter", "experiment", "theory", "measured", "ok", "s", "note"])
+
+
+def exit_status(rows: list[dict]) -> int:
+    """0 when every exactness row agrees (timing rows are reported, not enforced), else 1."""
+    return 0 if all(r["ok"] for r in rows if not r.get("timing")) else 1
 
 
 def run(chapters: Sequence[Chapter] | None = None, smoke: bool = False, progress: bool = True) -> int:
@@ -111,13 +131,20 @@ def run(chapters: Sequence[Chapter] | None = None, smoke: bool = False, progress
     print(f"sizes: {'smoke (MTD_SMOKE=1)' if smoke else 'default'}\n")
     print(results_table(rows))
     print()
-    bad = sum(not r["ok"] for r in rows)
     for r in rows:
         if "error" in r:
             print(f"{r['chapter']}: {r['error']}")
-    print(f"{len(rows) - bad}/{len(rows)} experiments agree with theory"
+    exact = [r for r in rows if not r.get("timing")]
+    timing = [r for r in rows if r.get("timing")]
+    bad = sum(not r["ok"] for r in exact)
+    print(f"{len(exact) - bad}/{len(exact)} exact experiments agree with theory"
           + (f"; {bad} did not" if bad else ""))
-    return 0 if bad == 0 else 1
+    if timing:
+        off = sum(not r["ok"] for r in timing)
+        print(f"{len(timing) - off}/{len(timing)} step times within their band of the prediction"
+              + (f"; {off} outside (a timing row reports the machine it ran on; it never fails the tour)"
+                 if off else ""))
+    return exit_status(rows)
 
 
 def add_arguments(p) -> None:

@@ -17,6 +17,8 @@ A time prediction is only as good as the machine description it is fed. The cour
     async_start_s     (calibrated) how long an asynchronous message waits to start moving while its
                       rank keeps computing (a CPU's scheduler quantum; 0 where a copy engine moves it)
     python_line_s     (calibrated) the cost of one line of Python the step executes between its ops
+    reference_step_s  (calibrated) one whole step of the tiny GPT on a rank, timed at calibration: timed
+                      again later, it says how much slower (busier) the machine has become since
     kernels           (calibrated) every op the course's techniques run, by name and shapes, timed alone
     framework_overhead_s  (calibrated) the cost per op that the ops alone do not explain in a whole step
     peak_flops        the dense peak per device, for MFU (datasheet; a CPU's: the best measured GEMM)
@@ -67,6 +69,7 @@ class MachineProfile:
     framework_overhead_s: float = 0.0  # per op, beyond its kernel: Python, dispatch, autograd (calibrated)
     async_start_s: float = 0.0  # an asynchronous send waits this long to start while its rank computes
     python_line_s: float = 0.0  # one Python line of the framework around the ops (calibrated)
+    reference_step_s: float = 0.0  # the tiny GPT's step on one rank when calibrated (0: not measured)
     kernels: dict = field(default_factory=dict)  # workload.Op.key -> seconds, timed alone (calibrated)
     collective_sweeps: dict = field(default_factory=dict)  # op -> [[bytes, seconds], ...] at world_size
     inter_node: dict | None = None  # {"alpha_s", "beta_s_per_byte"} between nodes (shipped GPU profiles)
