@@ -4,9 +4,25 @@ repeated as Hugging Face's ``repeat_kv``, an explicit masked softmax), and its p
 papers say: RoPE makes q·k depend on the offset only; a kv head serves exactly its group of query
 heads; the parameter count is Touvron/Dubey's formula; it builds on ``meta``.
 
-Tolerances: the comparison runs in float64 (the model and the reference), where two orderings of the
-same sums agree to ~1e-15; we allow 1e-10. A wrong pair convention in RoPE, a kv head read by the
-wrong group or a missing 1/sqrt(d) moves the logits by O(1e-2) or more at these sizes.
+Tolerances (derived in tests/_support.py). The model and the reference run in float64 and compute the
+same sums in other orders: at most N = max(h, f, T) = 128 terms each, chained DEPTH = 11·L + 2 deep
+in the forward (per block: RMSNorm, q/k/v, the scores, the softmax's sum, p·v, o_proj, RMSNorm,
+gate/up, down, and RoPE on q and k counted as one step each: its angle, m·θ^(-i/d) here and complex
+polar form in the reference, is off by at most (ln θ + 3)·u·T ≈ 300u, about one reduction's
+2γ_N = 256u; then the final RMSNorm and lm_head): ``model_bound``, scaled by the logits' size (at
+least 1), ~7e-10. The loss (a log-sum-exp over V, a mean over B·T) moves by at most twice the largest
+logit error: two more steps at twice the scale. A wrong pair convention in RoPE, a kv head read by
+the wrong group or a missing 1/sqrt(d) moves the logits by O(1e-2) or more at these sizes.
+
+RoPE's own checks are of a few operations, bounded from Higham's model (u = 2^-53): θ_i =
+theta^(-i/d) is within (ln theta + 2)·u relatively (the exponent's rounding times ln theta, pow's 1
+ulp), the angle m·θ_i within (ln theta + 3)·u·|m|, cos and sin within 1 ulp (2u), so a rotated
+component (two products and a sum) is within (|x_2i| + |x_2i+1|)·e(m), e(m) = (ln theta + 3)·u·|m| +
+5u; a q·k of d terms adds γ_d (``_rope_score_bound``); a norm of d terms, γ_{d+1} relative. Position 0
+turns by nothing, exactly (cos 0 = 1, sin 0 = 0): ``torch.equal``. The initialisation's standard
+deviation is a statistic of n draws: its relative standard error is 1/sqrt(2(n - 1)), and we allow 6
+of them (a wrong std, 1/sqrt(3·fan_in) = 0.083 as nn.Linear's default, or the GPT's scaled
+projections, is off by far more).
 """
 import math
 
@@ -23,11 +39,27 @@ from minitorch_dist.models.llama import (
     llama_ffn_hidden,
 )
 
+from _support import close, gamma, model_bound, roundoff
+
 pytestmark = [pytest.mark.ch00, pytest.mark.timeout(120)]
 
 CFG = LlamaConfig.tiny(vocab_size=50, block_size=24, n_layer=2, n_head=6, n_kv_head=2, n_embd=48,
                        rope_theta=10000.0)  # groups of 3 query heads; θ small enough that every pair turns
 B, T = 3, 24
+N = max(CFG.n_embd, CFG.ffn_hidden, T)  # the longest reduction: SwiGLU's down projection sums f inputs
+DEPTH = 11 * CFG.n_layer + 2  # chained steps of the forward (module docstring)
+U = roundoff(torch.float64)
+
+
+def _logit_bound(want):
+    return model_bound(n=N, depth=DEPTH, scale=max(1.0, want.abs().max().item()))
+
+
+def _rope_score_bound(q, k, m, n, theta):
+    """|computed - exact| of apply_rope(q, m)·apply_rope(k, n), q and k (..., d): module docstring."""
+    pairs = (q.abs().unflatten(-1, (-1, 2)).sum(-1) * k.abs().unflatten(-1, (-1, 2)).sum(-1)).sum().item()
+    e = (math.log(theta) + 3) * U * (abs(m) + abs(n)) + 10 * U  # both rotations' component errors
+    return pairs * (e + 2 * gamma(q.size(-1), torch.float64))
 
 
 # --- the reference: Meta's formulas, written out --------------------------------------------------------
@@ -92,9 +124,11 @@ def test_forward_and_loss_equal_the_meta_style_reference(n_kv_head):
     model, idx = _model(cfg), _idx(cfg)
     logits, loss = model(idx, idx)
     want = _reference_logits({k: v.detach() for k, v in model.state_dict().items()}, cfg, idx)
-    torch.testing.assert_close(logits, want, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(loss, F.cross_entropy(want.flatten(0, 1), idx.flatten()), atol=1e-10, rtol=0)
-    assert (logits - want).abs().max() < 1e-10 < logits.std()  # a real comparison, not of zeros
+    bound = _logit_bound(want)
+    close(logits, want, bound, "logits")
+    close(loss, F.cross_entropy(want.flatten(0, 1), idx.flatten()),
+          model_bound(n=N, depth=DEPTH + 2, scale=2 * max(1.0, want.abs().max().item())), "loss")
+    assert bound < 1e-6 * logits.std()  # a real comparison, not of zeros
 
 
 def test_the_reference_sees_a_wrong_pair_convention():
@@ -122,7 +156,7 @@ def test_causal_a_token_sees_only_its_past():
     later = idx.clone()
     later[:, T // 2:] = (later[:, T // 2:] + 1) % CFG.vocab_size
     a, b = model(idx)[0], model(later)[0]
-    torch.testing.assert_close(a[:, :T // 2], b[:, :T // 2], atol=1e-12, rtol=0)
+    close(a[:, :T // 2], b[:, :T // 2], _logit_bound(a), "the past's logits")  # the same sums, reblocked
     assert (a[:, T // 2:] - b[:, T // 2:]).abs().max() > 1e-3
 
 
@@ -138,13 +172,17 @@ def test_rope_is_relative_q_dot_k_depends_on_the_offset_only():
         return (apply_rope(q, torch.tensor([m]), 10000.0) * apply_rope(k, torch.tensor([n]), 10000.0)).sum()
 
     for m, n in [(5, 2), (0, 0), (3, 11)]:
-        for shift in (1, 7, 1000):
-            torch.testing.assert_close(score(m + shift, n + shift), score(m, n), atol=1e-9, rtol=1e-9)
+        for shift in (1, 7, 1000):  # the exact scores are equal: each computed one within its bound
+            bound = (_rope_score_bound(q, k, m + shift, n + shift, 10000.0)
+                     + _rope_score_bound(q, k, m, n, 10000.0))
+            close(score(m + shift, n + shift), score(m, n), bound, f"m={m} n={n} shift={shift}")
     assert abs(score(5, 2) - score(5, 3)) > 1e-3  # another offset, another score
     x = torch.randn(2, 3, 8, 16, generator=g, dtype=torch.float64)
     y = apply_rope(x, torch.arange(8), 500000.0)
-    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
-    torch.testing.assert_close(y[:, :, 0], x[:, :, 0])  # position 0: no turn
+    e = (math.log(500000.0) + 3) * U * 7 + 5 * U  # a component's error at the last position, 7
+    norm = x.norm(dim=-1)  # a rotation keeps lengths: |δy| <= 2e|x|, each norm within γ_{d+1}
+    assert ((y.norm(dim=-1) - norm).abs() <= norm * (2 * e + 2 * gamma(17, torch.float64))).all()
+    assert torch.equal(y[:, :, 0], x[:, :, 0])  # position 0: no turn, exactly
 
 
 def test_a_kv_head_serves_exactly_its_group_of_query_heads():
@@ -191,7 +229,7 @@ def test_builds_and_runs_on_meta_and_materializes_like_its_init():
     materialize(model, "cpu", seed=0)
     assert torch.all(model.ln_f.weight == 1) and torch.all(model.blocks[0].ln_2.weight == 1)
     w = torch.cat([p.flatten() for n, p in model.named_parameters() if p.dim() == 2])
-    assert w.std().item() == pytest.approx(0.02, rel=0.05)
+    assert w.std().item() == pytest.approx(0.02, rel=6 / math.sqrt(2 * (w.numel() - 1)))  # 6 standard errors
     assert torch.isfinite(model(_idx(), _idx())[1])
 
 

@@ -13,9 +13,20 @@ values come from elsewhere: the dense Llama trained in this process (one thread,
 heads [r·a/t, (r+1)·a/t); kv heads [r·g/t, (r+1)·g/t) when t <= g, else the one kv head
 (r·a/t) // (a/g) its query heads read; gate/up rows and o/down columns in t blocks; vocabulary rows).
 
-Tolerances as chapters 04 / 05: partial sums added in another order are float32 ulps apart; atol 1e-6,
-rtol 1e-5 on gradients and weights after 3 SGD steps, 2e-6 on losses. A replicated kv head whose
-gradient is not summed over its copies holds 1/2 (t/g = 2) or 1/4 of it: far outside.
+Tolerances (derived in tests/_support.py). Every case runs in float64. The wrappers add partial sums
+(over ranks, heads, sequence slices, microbatch rows) where one process adds in one pass: the same sums
+in another order, at most N = max(B·T, f, h) = 96 terms each. The Llama's forward chains 11 steps per
+block (tests/test_llama.py: RMSNorm, q/k/v, RoPE on q and on k, the scores, the softmax's sum, p·v,
+o_proj, RMSNorm, gate/up, down) and 2 more (ln_f, lm_head); its loss and gradients run forward, through
+the loss (2) and back: LLAMA_DEPTH = 2·(11·L + 2) + 2 = 50. Losses and last-step gradients:
+``model_bound`` of that, scaled by the values' size (at least 1); weights after STEPS - 1 = 2 SGD
+steps (lr 0.1, momentum 0.9): ``sgd_bound`` of the gradients' bound, ~1e-9. One attention layer
+(q/k/v, RoPE on q and k, SDPA's 5 chained reductions, o_proj, and backward's input and weight
+gradients: ATTN_DEPTH = 11), and ring attention alone (SDPA's 5 and the merge: 6), likewise with their
+own sizes. A replicated kv head whose gradient is not summed over its copies holds 1/2 (t/g = 2) or 1/4
+of it, a lost 1/n or all-reduce moves a weight by ~lr·|g| ~ 1e-3: far outside. Bytes are counted for
+float64 (ELEM = 8 bytes an element); a wire total is a product of a few float64 numbers (rel 1e-12
+>> 10 u).
 """
 import collections
 import functools
@@ -44,6 +55,8 @@ from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 
+from _support import case, close, dense_run, float64, model_bound, refusal, run_cases, sgd_bound
+
 pytestmark = [pytest.mark.ch04, pytest.mark.ch05, pytest.mark.timeout(300)]
 
 B, T, H, V = 4, 16, 32, 64
@@ -53,7 +66,10 @@ CFGS = {  # rope_theta 10,000: at T = 16 the 500,000 of Llama 3 would barely tur
     "gqa8": LlamaConfig.tiny(vocab_size=V, block_size=T, n_head=8, n_kv_head=4, n_embd=H, rope_theta=1e4),
 }
 STEPS, LR, SEED = 3, 0.1, 7
-ATOL, RTOL, LOSS_ATOL = 1e-6, 1e-5, 2e-6
+N = max(B * T, *(c.ffn_hidden for c in CFGS.values()), H)  # the longest reduction (SwiGLU's down: f = 96)
+LLAMA_DEPTH = 2 * (11 * CFGS["gqa"].n_layer + 2) + 2  # forward, the loss, backward (module docstring)
+ATTN_DEPTH, RING_DEPTH = 11, 6  # one attention layer forward and backward; ring attention alone
+ELEM = 8  # bytes of a float64 element: every case runs in float64
 
 
 def _layout(cfg, t):  # this file's rule
@@ -177,26 +193,19 @@ def _ring_cases():
     return out
 
 
-def _error(call):
-    try:
-        call()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def _errors():
     t = dist.get_world_size()
     bad = LlamaConfig.tiny(n_head=6, n_kv_head=3, n_embd=48) if t == 2 else LlamaConfig.tiny(
         n_head=12, n_kv_head=6, n_embd=48)
-    return {"tp": _error(lambda: TPL.parallelize_llama(Llama(bad))),
-            "ulysses": _error(lambda: U.UlyssesGQAAttention(_dense_attention(CFGS["mqa" if t == 2
+    return {"tp": refusal(lambda: TPL.parallelize_llama(Llama(bad))),
+            "ulysses": refusal(lambda: U.UlyssesGQAAttention(_dense_attention(CFGS["mqa" if t == 2
                                                                                    else "gqa"])))}
 
 
 def _run_every_case():
-    return {"dp": _dp_cases(), "tp": _tp_cases(False), "sp": _tp_cases(True), "ulysses": _ulysses_cases(),
-            "ring": _ring_cases(), "errors": _errors()}
+    with float64():
+        return run_cases({"dp": _dp_cases, "tp": lambda: _tp_cases(False), "sp": lambda: _tp_cases(True),
+                          "ulysses": _ulysses_cases, "ring": _ring_cases, "errors": _errors})
 
 
 @functools.cache
@@ -204,22 +213,23 @@ def _results(t):
     return launch(_run_every_case, t, timeout_s=240)
 
 
+def _case(t, name):
+    """Each rank's value of case ``name`` on t ranks (a case that raised fails only its own tests)."""
+    return [case(res, name, r) for r, res in enumerate(_results(t))]
+
+
 # --- the dense references (one process, one thread) and this file's slicing rule --------------------------
 
 
 @functools.cache
 def _dense(name):
-    with single_thread():
-        torch.manual_seed(SEED)
-        model = Llama(CFGS[name])
-        run = train_steps(model, STEPS, B, T, lr=LR, momentum=0.9)
-        return {"losses": run.losses, "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
-                "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+    with float64():
+        return dense_run(lambda: Llama(CFGS[name]), STEPS, B, T, seed=SEED, lr=LR, momentum=0.9)
 
 
 @functools.cache
 def _dense_attention_run(name):
-    with single_thread():
+    with float64(), single_thread():
         attn = _dense_attention(CFGS[name])
         x_full, g_full = _attention_inputs()
         x = x_full.clone().requires_grad_(True)
@@ -244,8 +254,21 @@ def _shard(name, w, cfg, t, r):
     return w  # RMSNorm gains: whole on every rank
 
 
-def _close(got, want, where, atol=ATOL, rtol=RTOL):
-    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda s: f"{where}: {s}")
+def _close(got, want, where, depth=LLAMA_DEPTH):
+    """Equal up to the reductions in another order, ``depth`` deep (tests/_support.py)."""
+    close(got, want, model_bound(n=N, depth=depth, scale=max(1.0, want.abs().max().item())), where)
+
+
+def _close_params(got, want, grads, where):
+    """Weights after STEPS - 1 SGD steps, each on gradients within the Llama's ``model_bound``."""
+    grad_err = model_bound(n=N, depth=LLAMA_DEPTH, scale=max(1.0, max(g.abs().max().item() for g in grads)))
+    close(got, want, sgd_bound(steps=STEPS - 1, lr=LR, grad_err=grad_err, momentum=0.9), where)
+
+
+def _close_losses(got, want):
+    for a, b in zip(got, want, strict=True):
+        bound = model_bound(n=N, depth=LLAMA_DEPTH, scale=max(1.0, abs(b)))
+        assert abs(a - b) <= bound, f"loss {a} vs {b}: |diff| {abs(a - b):.3g} > bound {bound:.3g}"
 
 
 # --- data parallel: DDP and fully_shard, ours and torch's --------------------------------------------------
@@ -255,24 +278,24 @@ def _close(got, want, where, atol=ATOL, rtol=RTOL):
 @pytest.mark.parametrize("wrapper", ["ddp", "torch_ddp", "fsdp", "torch_fsdp"])
 def test_data_parallel_wrappers_equal_one_process(t, wrapper):
     ref = _dense("gqa")
-    res = _results(t)
-    global_losses = [sum(step) / t for step in zip(*(r["dp"][wrapper]["losses"] for r in res))]
-    assert global_losses == pytest.approx(ref["losses"], abs=LOSS_ATOL)
-    for r, rank in enumerate(res):
-        got = rank["dp"][wrapper]["params"]
+    res = _case(t, "dp")
+    global_losses = [sum(step) / t for step in zip(*(dp[wrapper]["losses"] for dp in res))]
+    _close_losses(global_losses, ref["losses"])
+    for r, dp in enumerate(res):
+        got = dp[wrapper]["params"]
         assert got.keys() == ref["params"].keys()
         for k in ref["params"]:
-            _close(got[k], ref["params"][k], f"{wrapper} t={t} r={r} {k}")
+            _close_params(got[k], ref["params"][k], ref["grads"].values(), f"{wrapper} t={t} r={r} {k}")
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_ours_equal_torch_ddp_and_fsdp2(t):
-    for rank in _results(t):
-        dp = rank["dp"]
+    grads = _dense("gqa")["grads"].values()  # the gradients' size, for the weights' bound
+    for dp in _case(t, "dp"):
         for ours, theirs in (("ddp", "torch_ddp"), ("fsdp", "torch_fsdp")):
-            assert dp[ours]["losses"] == pytest.approx(dp[theirs]["losses"], abs=LOSS_ATOL)
+            _close_losses(dp[ours]["losses"], dp[theirs]["losses"])
             for k, w in dp[theirs]["params"].items():
-                _close(dp[ours]["params"][k], w, f"{ours} vs {theirs} {k}")
+                _close_params(dp[ours]["params"][k], w, grads, f"{ours} vs {theirs} {k}")
 
 
 # --- Megatron TP and SP -------------------------------------------------------------------------------------
@@ -285,22 +308,23 @@ def test_tensor_and_sequence_parallel_llama_equal_one_process(t, sp, name):
     """Losses, last-step gradients and weights after STEPS - 1 updates, shard by shard; the kv heads
     split or replicated as this file's rule says (gqa: split at 2, replicated at 4; mqa: replicated)."""
     cfg, ref = CFGS[name], _dense(name)
-    for r, rank in enumerate(_results(t)):
-        got = rank["sp" if sp else "tp"][name]
+    for r, rank in enumerate(_case(t, "sp" if sp else "tp")):
+        got = rank[name]
         assert got["layout"] == _layout(cfg, t)
-        assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL)
+        _close_losses(got["losses"], ref["losses"])
         assert got["grads"].keys() == ref["grads"].keys()
         for k in ref["grads"]:
-            for what in ("grads", "params"):
-                want = _shard(k, ref[what][k], cfg, t, r)
-                _close(got[what][k], want, f"{what} {name} sp={sp} t={t} r={r} {k}")
+            where = f"{name} sp={sp} t={t} r={r} {k}"
+            _close(got["grads"][k], _shard(k, ref["grads"][k], cfg, t, r), f"grads {where}")
+            _close_params(got["params"][k], _shard(k, ref["params"][k], cfg, t, r), ref["grads"].values(),
+                          f"params {where}")
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_each_rank_holds_the_parameters_the_costmodel_counts(t):
     for name, cfg in CFGS.items():
-        for rank in _results(t):
-            held = sum(p.numel() for p in rank["tp"][name]["params"].values())
+        for tp in _case(t, "tp"):
+            held = sum(p.numel() for p in tp[name]["params"].values())
             assert held == llama_params_per_rank(cfg, t), name
 
 
@@ -309,28 +333,28 @@ def test_replicated_kv_heads_gradients_are_summed_over_their_copies(t):
     """Each copy of a kv head holds its whole gradient (the sum over the t/g ranks sharing it), not this
     rank's part: the part alone would be 1/(t/g) of it. Copies of one head stay bitwise equal."""
     for name in ("mqa",) + (("gqa",) if t == 4 else ()):
-        cfg, ref, res = CFGS[name], _dense(name), _results(t)
+        cfg, ref, res = CFGS[name], _dense(name), _case(t, "tp")
         k = "blocks.1.attn.k_proj.weight"
         want = [_shard(k, ref["grads"][k], cfg, t, r) for r in range(t)]
-        for r, rank in enumerate(res):
-            _close(rank["tp"][name]["grads"][k], want[r], f"{name} t={t} r={r}")
-            assert (rank["tp"][name]["grads"][k] - want[r] / (t // cfg.n_kv_head)).abs().max() > 1e-4
+        for r, tp in enumerate(res):
+            _close(tp[name]["grads"][k], want[r], f"{name} t={t} r={r}")
+            assert (tp[name]["grads"][k] - want[r] / (t // cfg.n_kv_head)).abs().max() > 1e-4
         copies = collections.defaultdict(list)
-        for r, rank in enumerate(res):
+        for r, tp in enumerate(res):
             head = (r * cfg.n_head // t) // (cfg.n_head // cfg.n_kv_head)
-            copies[head].append(rank["tp"][name]["params"][k])
+            copies[head].append(tp[name]["params"][k])
         assert all(len(c) == t // cfg.n_kv_head for c in copies.values())
         assert all(torch.equal(c[0], ci) for c in copies.values() for ci in c)
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_sequence_parallel_rmsnorm_gradients_are_partial_until_summed(t):
-    ref = _dense("gqa")
-    for r, rank in enumerate(_results(t)):
-        got = rank["sp"]["gqa"]
+    ref, res = _dense("gqa"), _case(t, "sp")
+    for r, sp in enumerate(res):
+        got = sp["gqa"]
         for k, partial in got["partial"].items():
             assert (partial - ref["grads"][k]).abs().max() > 1e-4, k  # this rank's s/t positions only
-        total = sum(res["sp"]["gqa"]["partial"]["ln_f.weight"] for res in _results(t))
+        total = sum(x["gqa"]["partial"]["ln_f.weight"] for x in res)
         _close(total, ref["grads"]["ln_f.weight"], f"sum of partials r={r}")
 
 
@@ -339,15 +363,15 @@ def test_a_layer_costs_two_plus_two_allreduces_and_the_kv_copies_one_more(t):
     """TP: f before q|k|v and before gate|up (one all-reduce each backward), g after o_proj and down_proj
     (one each forward), all of b·s·h; replicated kv heads add one all-reduce of 2·g·d·h weight gradients.
     SP: the same bytes as all-gathers and reduce-scatters (re-gathering for the weight gradients)."""
-    bsh = B * T * H * 4
-    for rank in _results(t):
+    bsh = B * T * H * ELEM
+    for tp_rank, sp_rank in zip(_case(t, "tp"), _case(t, "sp"), strict=True):
         for name, cfg in CFGS.items():
-            ev = rank["tp"][name]["block"]
+            ev = tp_rank[name]["block"]
             assert ev["fwd"] == [("all_reduce", bsh)] * 2
-            kv_sum = [("all_reduce", 2 * cfg.n_kv_head * cfg.head_dim * H * 4)]
+            kv_sum = [("all_reduce", 2 * cfg.n_kv_head * cfg.head_dim * H * ELEM)]
             extra = kv_sum if _layout(cfg, t) == "replicated" else []
             assert sorted(ev["bwd"]) == sorted([("all_reduce", bsh)] * 2 + extra), name
-            sp = rank["sp"][name]["block"]
+            sp = sp_rank[name]["block"]
             assert sorted(sp["fwd"]) == [("all_gather", bsh)] * 2 + [("reduce_scatter", bsh)] * 2
             want = [("all_gather", bsh)] * 4 + [("reduce_scatter", bsh)] * 2 + extra
             assert sorted(sp["bwd"]) == sorted(want)
@@ -360,45 +384,47 @@ def test_a_layer_costs_two_plus_two_allreduces_and_the_kv_copies_one_more(t):
 def test_ulysses_gqa_attention_equals_the_dense_layer(t):
     name = "gqa" if t == 2 else "gqa8"
     cfg, ref = CFGS[name], _dense_attention_run(name)
-    shard = B * (T // t) * cfg.head_dim * 4
-    for r, rank in enumerate(_results(t)):
-        got = rank["ulysses"][name]
-        _close(got["y"], ref["y"].chunk(t, 1)[r], f"y r={r}")
-        _close(got["dx"], ref["dx"].chunk(t, 1)[r], f"dx r={r}")
+    shard = B * (T // t) * cfg.head_dim * ELEM
+    for r, ulysses in enumerate(_case(t, "ulysses")):
+        got = ulysses[name]
+        _close(got["y"], ref["y"].chunk(t, 1)[r], f"y r={r}", ATTN_DEPTH)
+        _close(got["dx"], ref["dx"].chunk(t, 1)[r], f"dx r={r}", ATTN_DEPTH)
         for k in ref["grads"]:
-            _close(got["grads"][k], ref["grads"][k], f"{k} r={r}")
+            _close(got["grads"][k], ref["grads"][k], f"{k} r={r}", ATTN_DEPTH)
         # q and the output: n_head heads of this rank's tokens; k and v: n_kv_head heads, a/g times smaller
         assert sorted(got["fwd"]) == sorted([("all_to_all", cfg.n_head * shard)] * 2
                                             + [("all_to_all", cfg.n_kv_head * shard)] * 2)
         wire = 2 * sum(n * (t - 1) / t for _, n in got["fwd"])  # backward: the same transfers reversed
-        want = ulysses_bytes_per_layer_gqa(B, T, cfg.n_head, cfg.n_kv_head, cfg.head_dim, t, 4)
+        want = ulysses_bytes_per_layer_gqa(B, T, cfg.n_head, cfg.n_kv_head, cfg.head_dim, t, ELEM)
         assert wire == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_ring_attention_takes_fewer_kv_heads(t):
-    g = torch.Generator().manual_seed(SEED + 2)
-    q, dout = torch.randn(B, 4, T, 8, generator=g), torch.randn(B, 4, T, 8, generator=g)
-    for n_kv in (2, 1):
-        k, v = torch.randn(B, n_kv, T, 8, generator=g), torch.randn(B, n_kv, T, 8, generator=g)
-        for causal in (False, True):
-            qq, kk, vv = (u.clone().requires_grad_(True) for u in (q, k, v))
-            y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=True)
-            (y * dout).sum().backward()
-            want = {"y": y.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}
-            for layout in ("contiguous", "zigzag"):
-                for r, rank in enumerate(_results(t)):
-                    got = rank["ring"][n_kv, layout, causal]
-                    for key, w in want.items():
-                        want_r = shard_sequence(w, t, r, 2, layout)
-                        _close(got[key], want_r, f"{key} kv={n_kv} {layout} causal={causal}")
+    ring = _case(t, "ring")
+    with float64():
+        g = torch.Generator().manual_seed(SEED + 2)
+        q, dout = torch.randn(B, 4, T, 8, generator=g), torch.randn(B, 4, T, 8, generator=g)
+        for n_kv in (2, 1):
+            k, v = torch.randn(B, n_kv, T, 8, generator=g), torch.randn(B, n_kv, T, 8, generator=g)
+            for causal in (False, True):
+                qq, kk, vv = (u.clone().requires_grad_(True) for u in (q, k, v))
+                y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=True)
+                (y * dout).sum().backward()
+                want = {"y": y.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}
+                for layout in ("contiguous", "zigzag"):
+                    for r, rank in enumerate(ring):
+                        got = rank[n_kv, layout, causal]
+                        for key, w in want.items():
+                            want_r = shard_sequence(w, t, r, 2, layout)
+                            _close(got[key], want_r, f"{key} kv={n_kv} {layout} causal={causal}", RING_DEPTH)
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_a_llama_attention_layer_runs_on_ring_attention(t):
     want = _dense_attention_run("gqa")["y"]
-    for r, rank in enumerate(_results(t)):
-        _close(rank["ring"]["layer"], shard_sequence(want, t, r, 1, "zigzag"), f"r={r}")
+    for r, ring in enumerate(_case(t, "ring")):
+        _close(ring["layer"], shard_sequence(want, t, r, 1, "zigzag"), f"r={r}", ATTN_DEPTH)
 
 
 # --- what is refused, and how ----------------------------------------------------------------------------
@@ -406,7 +432,7 @@ def test_a_llama_attention_layer_runs_on_ring_attention(t):
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_degrees_that_split_no_whole_heads_are_clear_errors(t):
-    err = _results(t)[0]["errors"]
+    err = _case(t, "errors")[0]
     a, g = (6, 3) if t == 2 else (12, 6)
     assert err["tp"] is not None and f"n_head={a}, n_kv_head={g}, t={t}; use t in" in err["tp"]
     assert "t dividing n_kv_head (kv heads split) or n_kv_head dividing t (kv heads replicated)" in err["tp"]

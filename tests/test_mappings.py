@@ -3,7 +3,8 @@ t = 2 and 4 gloo ranks against its definition written out here on all ranks' ten
 collective each direction runs (the comm meter).
 
 Rank i's input X_i and upstream gradient G_i are drawn from seeds every rank knows, as small
-integers stored in float32, so every sum is exact and each check is ``torch.equal``.
+integers stored in float32, so every sum is exact and each check is ``torch.equal``. Each operator is
+its own case of the launch (``run_cases``): one that raises fails only its own tests.
 """
 import functools
 
@@ -14,6 +15,8 @@ import torch.distributed as dist
 from minitorch_dist.parallelism import mappings as M
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.launch import launch
+
+from _support import case, run_cases
 
 pytestmark = [pytest.mark.ch04, pytest.mark.timeout(120)]
 
@@ -43,19 +46,20 @@ def _cases():
     same = lambda shape: _ints(shape, 7)  # noqa: E731  a replicated tensor, equal on every rank
     splits_in = [(r + j) % 3 + 1 for j in range(t)]  # rows this rank sends to rank j
     splits_out = [(i + r) % 3 + 1 for i in range(t)]  # rows rank i sends here
-    return {
-        "copy_to_tp": _run(M.copy_to_tp, X((B, S, H)), G((B, S, H))),
-        "reduce_from_tp": _run(M.reduce_from_tp, X((B, S, H)), G((B, S, H))),
-        "gather_from_tp": _run(M.gather_from_tp, X((B, S, H)), G((B, S, H * t))),
-        "scatter_to_tp": _run(M.scatter_to_tp, same((B, S, H * t)), G((B, S, H))),
-        "gather_from_sequence": _run(M.gather_from_sequence, X((B, S // t, H)), G((B, S, H))),
-        "reduce_scatter_to_sequence": _run(M.reduce_scatter_to_sequence, X((B, S, H)), G((B, S // t, H))),
-        "scatter_to_sequence": _run(M.scatter_to_sequence, same((B, S, H)), G((B, S // t, H))),
-        "seq_to_heads": _run(M.seq_to_heads, X((B, H, S // t, D)), G((B, H // t, S, D))),
-        "heads_to_seq": _run(M.heads_to_seq, X((B, H // t, S, D)), G((B, H, S // t, D))),
-        "all_to_all": _run(lambda x: M.all_to_all(x, splits_out, splits_in), X((sum(splits_in), D)),
-                           G((sum(splits_out), D))),
-    }
+    return run_cases({
+        "copy_to_tp": lambda: _run(M.copy_to_tp, X((B, S, H)), G((B, S, H))),
+        "reduce_from_tp": lambda: _run(M.reduce_from_tp, X((B, S, H)), G((B, S, H))),
+        "gather_from_tp": lambda: _run(M.gather_from_tp, X((B, S, H)), G((B, S, H * t))),
+        "scatter_to_tp": lambda: _run(M.scatter_to_tp, same((B, S, H * t)), G((B, S, H))),
+        "gather_from_sequence": lambda: _run(M.gather_from_sequence, X((B, S // t, H)), G((B, S, H))),
+        "reduce_scatter_to_sequence": lambda: _run(M.reduce_scatter_to_sequence, X((B, S, H)),
+                                                   G((B, S // t, H))),
+        "scatter_to_sequence": lambda: _run(M.scatter_to_sequence, same((B, S, H)), G((B, S // t, H))),
+        "seq_to_heads": lambda: _run(M.seq_to_heads, X((B, H, S // t, D)), G((B, H // t, S, D))),
+        "heads_to_seq": lambda: _run(M.heads_to_seq, X((B, H // t, S, D)), G((B, H, S // t, D))),
+        "all_to_all": lambda: _run(lambda x: M.all_to_all(x, splits_out, splits_in), X((sum(splits_in), D)),
+                                   G((sum(splits_out), D))),
+    })
 
 
 @functools.cache
@@ -123,7 +127,7 @@ COLLECTIVES = {  # operator: (forward, backward)
 @pytest.mark.parametrize("name", list(COLLECTIVES))
 def test_operator_forward_backward_and_its_collectives(t, name):
     for r, res in enumerate(_results(t)):
-        got = res[name]
+        got = case(res, name, r)
         y, dx = _expected(name, r, t)
         assert torch.equal(got["y"], y), f"{name} forward, rank {r} of {t}"
         assert torch.equal(got["dx"], dx), f"{name} backward, rank {r} of {t}"

@@ -1,6 +1,16 @@
 """Pipeline schedules (chapter 03): golden orders from the papers' figures, structural validity
 over a sweep, clear errors, and the simulated bubble / stash of each schedule against the
-formulas in :mod:`minitorch_dist.analysis.costmodel`."""
+formulas in :mod:`minitorch_dist.analysis.costmodel`.
+
+Tolerances. The simulator's times are sums of durations along chains of events, the formulas a handful
+of float64 operations; they are compared at FORMULA = rel 1e-12 or abs 1e-10, whichever is larger. A
+simulated time is a chain of at most k = 2E additions (E <= 384 events here: interleaved, p = 4,
+m = 12, v = 4; each with its hop), so it is within γ_k·makespan of exact (makespan <= 100 here:
+3·γ_800·100 ≈ 3e-11 at most); an idle time (makespan - busy) within twice that, a fraction or ratio of
+times within 3γ_k + u (< 1e-12), a formula within ~10u relatively. Durations in halves make every sum
+exact; 1/3 and 1/4 of them (chunks of v = 3, 4) need not. One action more or less moves a time by its
+duration (>= 0.25) and a bubble fraction by ~1/(m + p): far outside.
+"""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +31,8 @@ from minitorch_dist.parallelism.pipeline.schedules import (
 from minitorch_dist.parallelism.pipeline.simulator import check_dependencies, simulate
 
 pytestmark = pytest.mark.ch03
+
+FORMULA = dict(rel=1e-12, abs=1e-10)  # the simulator against a formula (module docstring)
 
 
 def rows(schedule: Schedule) -> list[str]:
@@ -181,10 +193,10 @@ def test_zb_h1_idle_matches_costmodel(p, m, t_f, t_b, t_w):
     """Qi et al. 2024 §3.1: every stage idles (p-1)(t_F + t_B - t_W) (regime t_W <= t_F, t_B)."""
     sim = simulate(zb_h1(p, m), t_f, t_b, t_w)
     expected = costmodel.zb_h1_idle_time(p, t_f, t_b, t_w)
-    assert sim.idle == pytest.approx([expected] * p, abs=1e-9)
+    assert sim.idle == pytest.approx([expected] * p, **FORMULA)
     # 1F1B on the same stages idles (p-1)(t_F + t_B + t_W): ZB-H1 saves 2(p-1) t_W.
     base = simulate(one_f_one_b(p, m), t_f, t_b, t_w)
-    assert base.idle[0] - sim.idle[0] == pytest.approx(2 * (p - 1) * t_w)
+    assert base.idle[0] - sim.idle[0] == pytest.approx(2 * (p - 1) * t_w, **FORMULA)
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (3, 3), (4, 8), (4, 5)])
@@ -194,8 +206,8 @@ def test_zb_h1_memory_equals_1f1b_peak(p, m):
     microbatches")."""
     sim = simulate(zb_h1(p, m))
     first = costmodel.pipeline_stashed_microbatches("1f1b", p, m, stage=0)
-    assert sim.peak_stashed == pytest.approx([first] * p)
-    assert max(sim.peak_stashed) == pytest.approx(max(simulate(one_f_one_b(p, m)).peak_stashed))
+    assert sim.peak_stashed == pytest.approx([first] * p, **FORMULA)
+    assert max(sim.peak_stashed) == pytest.approx(max(simulate(one_f_one_b(p, m)).peak_stashed), **FORMULA)
 
 
 @pytest.mark.parametrize("p, m, v",
@@ -207,25 +219,26 @@ def test_interleaved_bubble_matches_costmodel(p, m, v, t_f, t_b):
     sim = simulate(interleaved_1f1b(p, m, v), t_f, t_b, t_w=0.0)
     ideal = m * (t_f + t_b)
     ratio = costmodel.pipeline_bubble_ratio("interleaved", p, m, v)
-    assert [i / ideal for i in sim.idle] == pytest.approx([ratio] * p)
+    assert [i / ideal for i in sim.idle] == pytest.approx([ratio] * p, **FORMULA)
     # ... and the same schedule's bubble fraction of the step
-    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction("interleaved", p, m, v))
+    want = costmodel.pipeline_bubble_fraction("interleaved", p, m, v)
+    assert sim.bubble_fraction == pytest.approx(want, **FORMULA)
 
 
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (3, 9, 3)])
 def test_interleaved_stash_matches_costmodel(p, m, v):
     sim = simulate(interleaved_1f1b(p, m, v))
     want = [costmodel.pipeline_stashed_microbatches("interleaved", p, m, stage=r, v=v) for r in range(p)]
-    assert sim.peak_stashed == pytest.approx(want)
+    assert sim.peak_stashed == pytest.approx(want, **FORMULA)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(2, 3), (4, 4), (4, 9)])
 def test_gpipe_1f1b_bubble_matches_costmodel(name, p, m):
     sim = simulate(make_schedule(name, p, m))
-    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction(name, p, m))
+    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction(name, p, m), **FORMULA)
     assert [costmodel.pipeline_stashed_microbatches(name, p, m, stage=r) for r in range(p)] == pytest.approx(
-        sim.peak_stashed)
+        sim.peak_stashed, **FORMULA)
 
 
 def test_interleaving_shrinks_the_bubble():

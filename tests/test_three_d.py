@@ -6,13 +6,18 @@ Reference: ``models.train.train_steps`` on the whole global batch in one process
 reassembled from every rank's shards (``merge_full_params``, which also measures how far replicated
 copies drift apart: they must not, at all).
 
-Tolerances (float32). TP splits sums over ranks, the pipeline sums microbatch gradients, DP averages
-shards: the same numbers added in other orders, measured ~1e-8 apart on weights after 3 SGD steps
-(~5e-7 of the largest weight of a tensor) and ~1e-6 on losses. We assert rtol 1e-5 with atol 1e-6 on
-weights; the steps move weights by >= 1e-3 somewhere in every run (asserted), so a missing tied-embedding
-all-reduce, a sum instead of an average, or a lost microbatch is off by orders of magnitude more.
-AdamW normalises each gradient element, amplifying these ulps for elements whose gradient is tiny
-(~1e-6 measured): atol 1e-5 there.
+Tolerances (derived in tests/_support.py). Every run, on the ranks and in the reference, is float64
+(``merge_full_params`` reassembles in the pieces' dtype). TP splits sums over ranks, the pipeline
+sums microbatch gradients, DP averages shards:
+the same numbers added in other orders, at most N = max(B·T, 4h) = 256 terms each, chained 6 deep per
+block + 2 through the GPT (26): each step's gradients are within ``model_bound`` of that, scaled by
+the gradients' size (at least 1), ~1.5e-9; the losses likewise, scaled by the loss. Weights after
+STEPS = 3 steps: SGD (lr 0.1): ``sgd_bound``, ~5e-10; AdamW (lr 1e-3, eps 1e-6: an update moves by at
+most lr/eps times a gradient's error): ``adam_bound``, ~5e-6. The steps move weights by >= 1e-3
+somewhere in every run (asserted), and a missing tied-embedding all-reduce, a sum instead of an
+average (SGD) or a lost microbatch moves them by ~lr·|g| ~ 1e-3 (AdamW: ~lr = 1e-3 per step on the
+elements it touches): 200 times the AdamW bound, 10^6 times the SGD one. Replicated copies must agree
+bitwise (spread 0).
 
 Meters (the last step of each run; every collective records the global ranks of its group):
 * every all-reduce inside the pipeline step ran on this rank's TP group: 4 of b·s·h per layer and
@@ -22,8 +27,8 @@ Meters (the last step of each run; every collective records the global ranks of 
 * every send / recv ran on the PP group; one pipeline's sends add up to ``costmodel.pipeline_p2p_bytes``;
 * the tied embedding's gradient: one all-reduce of (V/t)·h on the embedding group (first, last stage);
 * the DP step: one all-reduce (ZeRO-1: reduce-scatter + all-gather; ZeRO-2: the same bytes, the
-  reduce-scatter bucketed, once after the last microbatch) on the DP group of 4 bytes x this
-  rank's parameters (``three_d.local_param_count``, counted from the dense model; padded to a multiple
+  reduce-scatter bucketed, once after the last microbatch) on the DP group of ELEM = 8 bytes (float64)
+  x this rank's parameters (``three_d.local_param_count``, counted from the dense model; padded to a multiple
   of d), and over one pipeline those add up to ``costmodel.tensor_parallel_params_per_rank`` plus the
   tied copy.
 
@@ -44,46 +49,77 @@ from minitorch_dist.parallelism import three_d as D
 from minitorch_dist.parallelism.mesh import RankGrid, init_groups
 from minitorch_dist.runtime.launch import launch
 
+from _support import adam_bound, close, float64, model_bound, sgd_bound
+
 pytestmark = pytest.mark.ch12
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
 STEPS, B, T, M = 3, 16, 16, 2
-SGD_TOL = dict(rtol=1e-5, atol=1e-6)
-ADAM_TOL = dict(rtol=1e-5, atol=1e-5)
+LR, ADAM_LR, ADAM_EPS = 0.1, 1e-3, 1e-6  # train_3d's and reference_run's default SGD lr; AdamW's
+N = max(B * T, 4 * CFG.n_embd)  # the longest reduction: a weight gradient sums B·T rows
+DEPTH = 6 * CFG.n_layer + 2  # chained reductions: 6 per block, ln_f and lm_head
+ELEM = 8  # bytes of a float64 element: every run is float64
 
 
 def _adamw(ps):
-    return torch.optim.AdamW(ps, lr=1e-3)
+    return torch.optim.AdamW(ps, lr=ADAM_LR, eps=ADAM_EPS)
+
+
+def _train_3d(*args, **kw):
+    """``three_d.train_3d`` in float64 (this rank's process)."""
+    with float64():
+        return D.train_3d(*args, **kw)
 
 
 @functools.cache
 def _reference(adam: bool):
+    """``reference_run``'s losses and weights after STEPS steps, the initial weights, and the largest
+    gradient of any step (the same run again, reading each step's gradients: they scale its bound)."""
+    from minitorch_dist.models.gpt import GPT
+    from minitorch_dist.models.train import train_steps
+    from minitorch_dist.runtime.env import single_thread
+
     opt = _adamw if adam else None
-    losses, weights = D.reference_run(CFG, STEPS, B, T, optimizer=opt)
-    _, initial = D.reference_run(CFG, 0, B, T)
-    return losses, weights, initial
+    with float64():
+        losses, weights = D.reference_run(CFG, STEPS, B, T, optimizer=opt)
+        _, initial = D.reference_run(CFG, 0, B, T)
+        with single_thread():
+            torch.manual_seed(0)
+            model, sizes = GPT(CFG), []
+            train_steps(model, STEPS + 1, B, T, optimizer=opt, lr=LR,
+                        after_backward=lambda: sizes.append(max(q.grad.abs().max().item()
+                                                                for q in model.parameters())))
+    return losses, weights, initial, max(sizes)
 
 
 def _run(d, t, p, m=M, adam=False, **kw):
     if adam:
         kw["optimizer"] = _adamw
-    return launch(functools.partial(D.train_3d, **kw), d * t * p, CFG, d, t, p, STEPS, B, T, m, timeout_s=300)
+    return launch(functools.partial(_train_3d, **kw), d * t * p, CFG, d, t, p, STEPS, B, T, m, timeout_s=300)
+
+
+def _merge(results):
+    return D.merge_full_params(results, CFG)
 
 
 def _check_equal_to_one_process(results, adam=False):
-    ref_losses, ref, initial = _reference(adam)
-    full, spread = D.merge_full_params(results, CFG)
+    ref_losses, ref, initial, grad = _reference(adam)
+    full, spread = _merge(results)
     assert spread == 0.0  # replicas (DP, TP-replicated, tied copies) are bitwise identical
     assert set(full) == set(ref)
     assert max((ref[k] - initial[k]).abs().max().item() for k in ref) > 1e-3  # the steps did move the weights
+    grad_err = model_bound(n=N, depth=DEPTH, scale=max(1.0, grad))
+    bound = (adam_bound(steps=STEPS, lr=ADAM_LR, grad_err=grad_err, eps=ADAM_EPS) if adam
+             else sgd_bound(steps=STEPS, lr=LR, grad_err=grad_err))
     for k in ref:
-        torch.testing.assert_close(full[k], ref[k], **(ADAM_TOL if adam else SGD_TOL), msg=k)
-    torch.testing.assert_close(torch.tensor(D.global_losses(results)), torch.tensor(ref_losses),
-                               rtol=0, atol=1e-5)
+        close(full[k], ref[k], bound, k)
+    for got, want in zip(D.global_losses(results), ref_losses, strict=True):
+        loss_bound = model_bound(n=N, depth=DEPTH, scale=max(1.0, abs(want)))
+        assert abs(got - want) <= loss_bound, f"loss {got} vs {want}: bound {loss_bound:.3g}"
 
 
 def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1, zero2=False):
-    act = B // d // m * T * CFG.n_embd * 4  # one microbatch's b·s·h, fp32
+    act = B // d // m * T * CFG.n_embd * ELEM  # one microbatch's b·s·h, float64
     layers = CFG.n_layer // p
     for r in results:
         ev, ranks, pp = r.events, r.ranks, r.coords.pp
@@ -99,7 +135,7 @@ def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1, zer
             edges = m * (first + last) * costmodel.bus_bytes("all_reduce", act, t)
             wire = sum(e.wire_bytes for e in big) - edges
             assert wire == pytest.approx(m * layers * costmodel.tensor_parallel_bytes_per_layer(
-                B // d // m, T, CFG.n_embd, t, bytes_per_element=4))
+                B // d // m, T, CFG.n_embd, t, bytes_per_element=ELEM), rel=1e-12)  # a few float64 products
         small = [e for e in ar if e.nbytes != act]  # the vocabulary-parallel loss: 3 of b·s per microbatch
         assert [e.nbytes for e in small] == ([act // CFG.n_embd] * 3 * m if t > 1 and last else [])
         assert {e.op for e in pipe} <= {"all_reduce", "send", "recv"}
@@ -108,11 +144,11 @@ def _check_meters(results, d, t, p, m=M, zero1=False, checkpoint=False, v=1, zer
         emb = ev["embedding"]
         if p > 1 and (first or last):
             assert [(e.op, e.nbytes, e.ranks) for e in emb] == [
-                ("all_reduce", 4 * CFG.vocab_size * CFG.n_embd // t, tuple(ranks["embedding"]))]
+                ("all_reduce", ELEM * CFG.vocab_size * CFG.n_embd // t, tuple(ranks["embedding"]))]
         else:
             assert emb == []
         # DP: this rank's parameters, padded to a multiple of d, on the DP group
-        padded = 4 * d * shard_size(D.local_param_count(CFG, t, p, pp, v), d)
+        padded = ELEM * d * shard_size(D.local_param_count(CFG, t, p, pp, v), d)
         want = [("reduce_scatter", padded), ("all_gather", padded)] if zero1 else [("all_reduce", padded)]
         # ... after ch06's one byte per tensor: which tensors got a gradient on some DP rank
         assert [e.op for e in ev["dp"] if e.dtype == "torch.uint8"] == ["all_reduce"]
@@ -173,7 +209,8 @@ def test_selective_recomputation_keeps_no_attention_output():
     grads, saved = {}, {}
     for mode in ("none", "selective"):
         torch.manual_seed(0)
-        model = GPT(CFG)
+        with float64():
+            model = GPT(CFG)
         stage = D.Stage3D(model, 0, 1, range(CFG.n_layer), recompute=mode)
         count = [0]
         with torch.autograd.graph.saved_tensors_hooks(lambda t: count.__setitem__(0, count[0] + 1) or t,
@@ -183,8 +220,8 @@ def test_selective_recomputation_keeps_no_attention_output():
         saved[mode] = count[0]
         grads[mode] = [p.grad for p in model.parameters()]
     assert saved["selective"] < saved["none"]
-    for a, b in zip(grads["none"], grads["selective"]):
-        torch.testing.assert_close(a, b)
+    for a, b in zip(grads["none"], grads["selective"], strict=True):  # the same sums, recomputed
+        close(a, b, model_bound(n=N, depth=DEPTH, scale=max(1.0, b.abs().max().item())), "selective vs none")
     with pytest.raises(ValueError, match="choose one of none, selective, full"):
         D.recompute_of(False, "some")
 
@@ -228,7 +265,7 @@ def _check_sp_meters(results, d, t, p, m=M, recompute=False):
     output layer's g on the last), sends of the (b, s/t, h) slice, and one all-reduce over the TP group
     of the partial LayerNorm / bias / wpe gradients."""
     b = B // d // m
-    act = b * T * CFG.n_embd * 4  # the whole sequence's b·s·h, fp32
+    act = b * T * CFG.n_embd * ELEM  # the whole sequence's b·s·h, float64
     for r in results:
         ev, ranks, first, last = r.events, r.ranks, r.coords.pp == 0, r.coords.pp == p - 1
         pipe = ev["pipeline"]
@@ -237,14 +274,15 @@ def _check_sp_meters(results, d, t, p, m=M, recompute=False):
         assert [e.nbytes for e in pipe if e.op == "all_reduce"] == loss
         sp = [e for e in pipe if e.op in ("all_gather", "reduce_scatter")]
         assert all(e.ranks == tuple(ranks["tp"]) and e.nbytes == act for e in sp)
-        per_layer = costmodel.sequence_parallel_bytes_per_layer(b, T, CFG.n_embd, t, 4, regather=True,
+        per_layer = costmodel.sequence_parallel_bytes_per_layer(b, T, CFG.n_embd, t, ELEM, regather=True,
                                                                 recompute=recompute)
         edges = m * (2 * first + 3 * last) * costmodel.bus_bytes("all_gather", act, t)
-        assert sum(e.wire_bytes for e in sp) == pytest.approx(m * CFG.n_layer // p * per_layer + edges)
+        want = m * CFG.n_layer // p * per_layer + edges
+        assert sum(e.wire_bytes for e in sp) == pytest.approx(want, rel=1e-12)  # a few float64 products
         sends = [e.nbytes for e in pipe if e.op == "send"]
         assert sends == [act // t] * (m * ((not first) + (not last)))
         assert [(e.op, e.nbytes, e.ranks) for e in ev["sequence"]] == [
-            ("all_reduce", 4 * _sp_flagged(r.coords.pp, p), tuple(ranks["tp"]))]
+            ("all_reduce", ELEM * _sp_flagged(r.coords.pp, p), tuple(ranks["tp"]))]
 
 
 @pytest.mark.parametrize("shape, kw", [((2, 2, 2), {}), ((1, 2, 2), dict(zero_stage=2, adam=True)),
@@ -262,7 +300,7 @@ def test_sequence_parallel_without_the_tp_gradient_sum_is_wrong(monkeypatch):
     """The all-reduce of the partial gradients is what makes SP exact: without it the LayerNorms drift."""
     monkeypatch.setattr(D, "allreduce_sequence_parallel_grads", lambda module, group: None)
     results = _run(1, 2, 2, sequence_parallel=True)
-    _, spread = D.merge_full_params(results, CFG)
+    _, spread = _merge(results)
     assert spread > 1e-6  # each TP rank stepped its LayerNorms with its own slice's partial gradient
     with pytest.raises(AssertionError):
         _check_equal_to_one_process(results)
@@ -273,15 +311,16 @@ def test_sequence_parallel_without_the_tp_gradient_sum_is_wrong(monkeypatch):
 
 def _seeded_model(d, t, p):
     groups = init_groups(RankGrid(dist.get_world_size(), d, t, p, "tp-dp-pp"), False)
-    model = D.Model3D(CFG, groups, M, seed=dist.get_rank())
+    with float64():
+        model = D.Model3D(CFG, groups, M, seed=dist.get_rank())
     return D.Result3D(groups.rank, groups.coords, [], {}, model.full_param_pieces(), groups.ranks)
 
 
 def test_per_rank_seeds_give_rank_0s_dense_model():
     results = launch(_seeded_model, 4, 1, 2, 2, timeout_s=120)
-    full, spread = D.merge_full_params(results, CFG)
+    full, spread = _merge(results)
     assert spread == 0.0
-    _, _, initial = _reference(False)  # the dense GPT of seed 0, rank 0's
+    initial = _reference(False)[2]  # the dense GPT of seed 0, rank 0's
     assert set(full) == set(initial)
     for k in initial:
         assert torch.equal(full[k], initial[k]), k

@@ -8,13 +8,17 @@ expected values come from elsewhere: ``F.scaled_dot_product_attention`` and the 
 ``CausalSelfAttention`` on the whole sequence in one process (one thread, like a rank), sliced
 here by this file's own rule (rank r: tokens [r·S/t, (r+1)·S/t), heads [r·n/t, (r+1)·n/t)).
 
-Tolerances. The all-to-alls only move numbers, and each head's attention is the same SDPA call
-on the same full-sequence rows, so outputs and q/k/v gradients agree to float32 rounding
-(measured: bitwise equal here; a kernel may block a batch of fewer heads differently elsewhere);
-the replicated weights' gradients are t partial sums added by an all-reduce instead of one sum:
-ulps apart (measured <= 1.7e-6 absolute, inside rtol 1e-5). We allow atol 1e-6 / rtol 1e-5; a
-wrong permutation moves values by O(1), a missing all-reduce shrinks a weight gradient to ~1/t
-of itself, a gradient scaled by 1 + 1e-4 already fails.
+Tolerances (derived in tests/_support.py). Every case runs in float64. The all-to-alls only move
+numbers, and each head's attention is the same SDPA call on the same full-sequence rows; but a kernel
+may block a batch of fewer heads differently, so outputs and q/k/v gradients are bounded as SDPA's
+reductions in another order: at most N = max(B·S, S, D, H) = 32 terms each, chained 5 deep in SDPA's
+forward and backward (q·k, the softmax's sum, dO·v, rowsum(dO∘O), dS·k); the wrapped layer adds
+c_attn and c_proj, forward and backward (9 deep), and its replicated weights' gradients are t
+partial sums over the ranks' tokens added by an all-reduce instead of one sum over B·S rows:
+``model_bound``, scaled by each tensor's size (at least 1), below 1e-10. A wrong permutation moves values
+by O(1), a missing all-reduce shrinks a weight gradient to ~1/t of itself, a gradient scaled by
+1 + 1e-6 already fails. Bytes are counted for float64 (ELEM = 8 bytes an element); a wire total is a
+product of a few float64 numbers (rel 1e-12 >> 10 u).
 
 The replicated projections must start equal: built under a different seed on each rank, the layer
 still holds rank 0's weights (broadcast when it is built), bitwise, and computes rank 0's layer.
@@ -34,13 +38,17 @@ from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 
+from _support import case, close, float64, model_bound, refusal, run_cases
+
 pytestmark = pytest.mark.ch05
 
 B, NH, S, D = 2, 4, 16, 8  # n_head divisible by 2 and 4; S by 2 and 4
 H = NH * D
 CFG = GPTConfig.tiny(vocab_size=32, block_size=S, n_layer=1, n_head=NH, n_embd=H)
 SEED = 11
-ATOL, RTOL = 1e-6, 1e-5
+N = max(B * S, S, D, H)  # the longest reduction: a weight gradient sums B·S rows
+SDPA_DEPTH, LAYER_DEPTH = 5, 9  # chained reductions: SDPA forward and backward; with c_attn and c_proj
+ELEM = 8  # bytes of a float64 element: every case runs in float64
 
 
 def _shard(x, dim):
@@ -118,7 +126,7 @@ def _seeded():
 
 
 def _errors():
-    t, out = dist.get_world_size(), {}
+    t = dist.get_world_size()
     bad_heads, bad_seq = (3 if t == 2 else 6), 4 * t + 1
     cases = {
         "heads": lambda: U.ulysses_attention(*[torch.randn(1, bad_heads, 4, 2)] * 3),
@@ -132,18 +140,13 @@ def _errors():
             GPTConfig.tiny(n_head=bad_heads, n_embd=4 * bad_heads))),
         "dropout": lambda: U.UlyssesAttention.from_dense(CausalSelfAttention(GPTConfig.tiny(dropout=0.1))),
     }
-    for case, call in cases.items():
-        try:
-            call()
-            out[case] = None
-        except ValueError as e:
-            out[case] = str(e)
-    return out
+    return {name: refusal(call) for name, call in cases.items()}
 
 
 def _run_every_case():
-    return {"attention": _attention(), "layout": _layout(), "module": _module(), "errors": _errors(),
-            "seeded": _seeded()}
+    with float64():
+        return run_cases({"attention": _attention, "layout": _layout, "module": _module, "errors": _errors,
+                          "seeded": _seeded})
 
 
 @functools.cache
@@ -151,12 +154,17 @@ def _results(t):
     return launch(_run_every_case, t, timeout_s=120)
 
 
+def _case(t, name):
+    """Each rank's value of case ``name`` on t ranks (a case that raised fails only its own tests)."""
+    return [case(res, name, r) for r, res in enumerate(_results(t))]
+
+
 # --- the dense references (one process, one thread) -------------------------------------------------
 
 
 @functools.cache
 def _dense_attention(causal):
-    with single_thread():
+    with float64(), single_thread():
         q, k, v, G = _qkvg()
         q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -166,7 +174,7 @@ def _dense_attention(causal):
 
 @functools.cache
 def _dense_module():
-    with single_thread():
+    with float64(), single_thread():
         x_full, G_full = _module_inputs()
         attn = _dense_attn()
         x = x_full.clone().requires_grad_(True)
@@ -181,8 +189,9 @@ def _tokens(x, t, r, dim):  # this file's rule: rank r holds the r-th of t equal
     return x.chunk(t, dim)[r]
 
 
-def _close(got, want, where):
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda s: f"{where}: {s}")
+def _close(got, want, where, depth=LAYER_DEPTH):
+    """Equal up to the reductions in another order, ``depth`` deep (tests/_support.py)."""
+    close(got, want, model_bound(n=N, depth=depth, scale=max(1.0, want.abs().max().item())), where)
 
 
 # --- equals full attention ------------------------------------------------------------------------
@@ -192,18 +201,17 @@ def _close(got, want, where):
 @pytest.mark.parametrize("causal", [False, True])
 def test_ulysses_attention_equals_full_attention_forward_and_backward(t, causal):
     ref = _dense_attention(causal)
-    for r, res in enumerate(_results(t)):
-        got = res["attention"][causal]
+    for r, attention in enumerate(_case(t, "attention")):
+        got = attention[causal]
         for key in ("y", "dq", "dk", "dv"):
-            _close(got[key], _tokens(ref[key], t, r, 2), f"{key} causal={causal} r={r}")
+            _close(got[key], _tokens(ref[key], t, r, 2), f"{key} causal={causal} r={r}", SDPA_DEPTH)
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_wrapped_dense_attention_equals_it_on_the_full_sequence(t):
     """Outputs and input gradients on each rank's tokens; weight gradients after the all-reduce."""
     ref = _dense_module()
-    for r, res in enumerate(_results(t)):
-        got = res["module"]
+    for r, got in enumerate(_case(t, "module")):
         _close(got["y"], _tokens(ref["y"], t, r, 1), f"out r={r}")
         _close(got["dx"], _tokens(ref["dx"], t, r, 1), f"dX r={r}")
         assert got["grads"].keys() == ref["grads"].keys()
@@ -214,13 +222,12 @@ def test_wrapped_dense_attention_equals_it_on_the_full_sequence(t):
 @pytest.mark.parametrize("t", [2, 4])
 def test_per_rank_seeds_give_the_first_ranks_dense_layer(t):
     ref = _dense_module()
-    with single_thread():
+    with float64(), single_thread():
         want = {k: p.detach() for k, p in _dense_attn().named_parameters()
                 if k.startswith(("c_attn", "c_proj"))}
-    res = _results(t)
-    assert not torch.equal(res[1]["seeded"]["built"], want["c_attn.weight"])  # rank 1's own layer differed
-    for r, p in enumerate(res):
-        got = p["seeded"]
+    seeded = _case(t, "seeded")
+    assert not torch.equal(seeded[1]["built"], want["c_attn.weight"])  # rank 1's own layer differed
+    for r, got in enumerate(seeded):
         assert got["params"].keys() == want.keys()
         for k in want:
             assert torch.equal(got["params"][k], want[k]), f"{k} r={r}"
@@ -229,9 +236,9 @@ def test_per_rank_seeds_give_the_first_ranks_dense_layer(t):
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_layout_transform_gathers_the_sequence_of_this_ranks_heads_and_round_trips(t):
-    full, per = _qkvg()[0], NH // t
-    for r, res in enumerate(_results(t)):
-        lay = res["layout"]
+    with float64():
+        full, per = _qkvg()[0], NH // t
+    for r, lay in enumerate(_case(t, "layout")):
         assert lay["heads"].shape == (B, per, S, D)
         assert torch.equal(lay["heads"], full[:, r * per:(r + 1) * per])  # pure data movement: bitwise
         assert torch.equal(lay["round_trip"], lay["x"])
@@ -244,21 +251,21 @@ def test_layout_transform_gathers_the_sequence_of_this_ranks_heads_and_round_tri
 def test_four_all_to_alls_forward_and_four_backward_of_one_shard_each(t):
     """q, k, v to heads and the output back; backward the inverse of each. Bytes per call: a rank's
     whole (B, n_head, S/t, d) shard; wire (t-1)/t of it; total = costmodel.ulysses_bytes_per_layer."""
-    shard = B * NH * (S // t) * D * 4
+    shard = B * NH * (S // t) * D * ELEM
     call = ("all_to_all", shard, shard * (t - 1) / t, t)
-    for res in _results(t):
+    for attention, mod in zip(_case(t, "attention"), _case(t, "module"), strict=True):
         for causal in (False, True):
-            ev = res["attention"][causal]
+            ev = attention[causal]
             assert ev["fwd"] == [call] * 4
             assert ev["bwd"] == [call] * 4
-        mod = res["module"]
         assert mod["fwd"] == [call] * 4 and mod["bwd"] == [call] * 4  # the projections add nothing
         wire = sum(e[2] for e in mod["fwd"] + mod["bwd"])
-        assert wire == pytest.approx(costmodel.ulysses_bytes_per_layer(B, S, H, t, bytes_per_element=4),
+        assert wire == pytest.approx(costmodel.ulysses_bytes_per_layer(B, S, H, t, bytes_per_element=ELEM),
                                      rel=1e-12)
         n_par = sum(p.numel() for p in _dense_attn().parameters())
-        assert sorted(e[1] for e in mod["sync"]) == sorted(p.numel() * 4 for p in _dense_attn().parameters())
-        assert sum(e[1] for e in mod["sync"]) == n_par * 4
+        per_param = sorted(p.numel() * ELEM for p in _dense_attn().parameters())
+        assert sorted(e[1] for e in mod["sync"]) == per_param
+        assert sum(e[1] for e in mod["sync"]) == n_par * ELEM
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -267,15 +274,14 @@ def test_four_all_to_alls_forward_and_four_backward_of_one_shard_each(t):
 @pytest.mark.parametrize("t", [2, 4])
 def test_bad_shapes_are_clear_errors(t):
     bad_heads, bad_seq = (3 if t == 2 else 6), 4 * t + 1
-    for res in _results(t):
-        err = res["errors"]
+    for err in _case(t, "errors"):
         heads = (f"n_head {bad_heads} is not divisible by the sequence-parallel degree {t}: "
                  "Ulysses splits heads")
-        for case in ("heads", "seq_to_heads", "module"):
-            assert err[case] is not None and heads in err[case], case
+        for name in ("heads", "seq_to_heads", "module"):
+            assert err[name] is not None and heads in err[name], name
         seq = f"sequence length {bad_seq} is not divisible by the sequence-parallel degree {t}"
-        for case in ("shard", "heads_to_seq"):
-            assert err[case] is not None and seq in err[case], case
+        for name in ("shard", "heads_to_seq"):
+            assert err[name] is not None and seq in err[name], name
         assert "q, k, v must have the same shape" in err["shapes"]
         assert "must be (batch, n_head, seq_shard, head_dim)" in err["rank"]
         assert "dropout 0.1 is not supported" in err["dropout"]

@@ -370,7 +370,9 @@ def merge_full_params(results, cfg) -> tuple[dict, float]:
     and the largest difference between two copies of one element (replicas must agree: 0)."""
     with torch.device("meta"):
         shapes = {k: p.shape for k, p in dense_class(cfg)(cfg).named_parameters()}
-    full = {k: torch.full((torch.Size(s).numel(),), float("nan")) for k, s in shapes.items()}  # (numel,) each
+    pieces = [val for res in results for _, val in res.pieces.values()]
+    like = pieces[0] if pieces else torch.empty(0)  # the pieces' dtype and device, not the default ones
+    full = {k: like.new_full((torch.Size(s).numel(),), float("nan")) for k, s in shapes.items()}  # (numel,)
     spread = 0.0
     for res in results:
         for k, (idx, val) in res.pieces.items():
