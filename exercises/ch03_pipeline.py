@@ -1,5 +1,5 @@
 # generated from solutions/ch03_pipeline.py by `make exercises`: fill in each NotImplementedError
-# fingerprint c730de86837e99d1 of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint b6b3902060c28196 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 03 exercises: pipeline schedules, their bubble, the zero-bubble trick, and the executor
 that runs a schedule on ranks.
 
@@ -271,8 +271,9 @@ def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[f
       e.g. one stage's row of a 1F1B or a GPipe schedule.
     - ``inputs`` / ``targets``: the m microbatches' token ids and targets (every rank gets them; rank 0
       reads the inputs, the last rank the targets); m = ``len(inputs)``.
-    - ``boundary_shape``: the shape of the hidden states one stage passes to the next (fp32): the
-      shape of every message, for the receive buffers.
+    - ``boundary_shape``: the shape of the hidden states one stage passes to the next (in the model's
+      dtype, torch's default dtype: ``torch.empty(boundary_shape)``): the shape of every message, for
+      the receive buffers.
 
     **F i:** the stage's input is ``inputs[i]`` on rank 0, else the activation received from rank
     r − 1 (a leaf that requires grad, so its gradient can be sent back). Run the stage. On the last

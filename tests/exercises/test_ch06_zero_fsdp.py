@@ -11,13 +11,29 @@ many ranks, how many bytes), ZeRO's memory and traffic formulas written out in t
 exponential moving average of ``G * G``, and ``torch.optim.Adafactor``'s own state and steps.
 
 Flattening and Adafactor are pure functions, tested in this process. The ZeRO-2 hook, the ZeRO-3 unit
-and the metered ZeRO step run on ranks: one launch on 2 ranks and one on 4, each exercise guarded so
-that an unfinished one fails only its own tests. Checks of bad input first make a valid call, so a
-stub fails them too.
+and the metered ZeRO step run on ranks: one launch on 2 ranks and one on 4, each exercise a case of
+its own (``_support.run_cases``) so that an unfinished one fails only its own tests. Checks of bad
+input first make a valid call, so a stub fails them too.
+
+Tolerances (derived in tests/_support.py). Flattening, layouts, counts and bytes are exact. The ZeRO-2
+hook and the ZeRO-3 unit run in float64: their gradients are the single process's sums over the
+global batch's GLOBAL_B = 8 rows in another grouping (the widest layer has 7 inputs), at most
+DEPTH = 4 reductions chained (two layers forward, one back, the weight gradient's sum over rows,
+which the reduce-scatter finishes): ``model_bound(n=8, depth=4)`` scaled by the gradient's size; the
+weights after Z3_STEPS = 3 SGD steps (lr 0.1, momentum 0.9), ``sgd_bound`` of it. All are near
+1e-11 of the values; a gradient not averaged over ranks is n times too large, a shard of another
+rank's slice is another gradient altogether. Their collectives move float64 elements (``ELEM = 8``
+bytes). ``meter_zero_stage`` counts the bytes of the chapter's fp32 model and stays float32; its
+optimizer state (and so its model states) is "about" the formula's: AdamW's step counters and the
+shards' padding add fewer than 64 bytes, below 1 % of 8Ψ/n = 8642 bytes. Adafactor is a short chain
+of float64 operations: its averages are one sum of cols (or rows) + 3 terms, ``reorder_bound``; its
+update against the rank-1 second moment and against ``torch.optim.Adafactor`` a chain of the
+averages, their mean and the update over the steps, ``model_bound(n=rows·cols, depth=ADA_DEPTH)``,
+the torch update read back through ``(w_before - w) / alpha``, whose subtraction rounds by
+u(|w_before| + |w|) / alpha.
 """
 import math
 import sys
-import traceback
 
 import cloudpickle
 import pytest
@@ -25,8 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist import comm, launch
+from minitorch_dist import comm
 from minitorch_dist.course.exercises import load, resolve_impl
+
+from _support import close, float64, model_bound, reorder_bound, run_cases, sgd_bound
 
 pytestmark = pytest.mark.ch06
 
@@ -38,12 +56,6 @@ if __name__ in sys.modules:
 # A rank stuck in a collective its peers never call fails after this long, naming each rank's
 # last op, instead of launch's default 300 s.
 TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def ex():
-    """The chapter's stubs or its worked solutions (see the module docstring)."""
-    return load("ch06")
 
 
 # --- 1. flatten_and_partition / unflatten -----------------------------------------------------------
@@ -194,14 +206,6 @@ def _batch(step):
     return torch.randn(GLOBAL_B, D_IN, generator=g), torch.randn(GLOBAL_B, D_OUT, generator=g)
 
 
-def _guarded(fn, *args):
-    """Run one exercise; an exception becomes a result, so the next exercise still runs."""
-    try:
-        return {"ok": fn(*args)}
-    except Exception:  # noqa: BLE001  (reported by the test of that exercise)
-        return {"error": traceback.format_exc()}
-
-
 def _zero2(ex):
     r, n = dist.get_rank(), dist.get_world_size()
     model = _model()
@@ -226,41 +230,47 @@ def _zero2(ex):
             "after_remove": {"events": len(m.events), "grads_kept": all(p.grad is not None for p in params)}}
 
 
-def _all_on_ranks(impl):
-    # each rank imports the chapter by its path (a module object cannot be pickled)
-    ex = load("ch06", impl)
-    return {"zero2": _guarded(_zero2, ex), "zero3": _guarded(_zero3, ex), "fsdp2": _guarded(_zero3_fsdp2),
-            "measure": _guarded(_measure, ex)}
-
-
-@pytest.fixture(scope="module")
-def ranks(ex):
-    """`run(n)`: the per-rank results of _all_on_ranks on n ranks, launched once per n."""
-    cache = {}
-
-    def run(n):
-        if n not in cache:
-            cache[n] = launch(_all_on_ranks, n, resolve_impl(), timeout_s=TIMEOUT_S)
-        return cache[n]
+def _in_float64(fn):
+    def run(*args):
+        with float64():
+            return fn(*args)
     return run
 
 
+def _all_on_ranks(impl):
+    # each rank imports the chapter by its path (a module object cannot be pickled)
+    ex = load("ch06", impl)
+    return run_cases({"zero2": lambda: _in_float64(_zero2)(ex), "zero3": lambda: _in_float64(_zero3)(ex),
+                      "fsdp2": _in_float64(_zero3_fsdp2), "measure": lambda: _measure(ex)})
+
+
+@pytest.fixture(scope="module")
+def ranks(ex, launches):
+    """`ranks(n)`: the per-rank results of _all_on_ranks on n ranks, launched once per n."""
+    return launches(_all_on_ranks, resolve_impl(), timeout_s=TIMEOUT_S)
+
+
 def _results(ranks, n, part):
-    out = []
-    for r, res in enumerate(ranks(n)):
-        got = res[part]
-        assert "error" not in got, f"rank {r} of {n} raised:\n{got['error']}"
-        out.append(got["ok"])
-    return out
+    """Each rank's value of case ``part`` on n ranks (a case that raised fails only its own tests)."""
+    return ranks.case(n, part)
+
+
+ELEM = 8  # bytes of a float64 element: the ZeRO-2 and ZeRO-3 cases run in float64
+N_ROWS, DEPTH = GLOBAL_B, 4  # the longest reduction (the batch's rows), the reductions chained
+
+
+def _grad_bound(want):
+    return model_bound(n=N_ROWS, depth=DEPTH, scale=max(1.0, want.abs().max().item()))
 
 
 def _global_grad_shards(step, n):
     """The single-process gradient of the mean loss over the whole global batch, padded, in n chunks."""
-    model = _model()
-    x, y = _batch(step)
-    F.mse_loss(model(x), y).backward()
-    _, shards, _ = _reference_flat([p.grad for p in model.parameters()], n)
-    return shards
+    with float64():
+        model = _model()
+        x, y = _batch(step)
+        F.mse_loss(model(x), y).backward()
+        _, shards, _ = _reference_flat([p.grad for p in model.parameters()], n)
+        return shards
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -271,10 +281,8 @@ def test_zero2_reduce_scatter_hook_keeps_shard_of_average_gradient(ranks, n):
             shard = got["shard"]
             assert shard.shape == ref.shape, \
                 f"rank {r} of {n}: grad_shard has shape {tuple(shard.shape)}; expected ({ref.numel()},)"
-            torch.testing.assert_close(shard, ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {r} of {n}, backward {step + 1}: the shard is "
-                                                     "not this rank's slice of the gradient averaged over "
-                                                     f"ranks: {m}")
+            close(shard, ref, _grad_bound(ref), f"rank {r} of {n}, backward {step + 1}: the shard is not "
+                                                 "this rank's slice of the gradient averaged over ranks")
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -283,10 +291,10 @@ def test_zero2_reduce_scatter_hook_one_reduce_scatter_per_backward(ranks, n):
     padded = n * math.ceil(numel / n)
     for r, res in enumerate(_results(ranks, n, "zero2")):
         for step, got in enumerate(res["steps"]):
-            assert got["events"] == [("reduce_scatter", padded * 4, n)], \
+            assert got["events"] == [("reduce_scatter", padded * ELEM, n)], \
                 f"rank {r} of {n}, backward {step + 1}: ran {got['events']} (op, bytes, ranks); expected " \
-                f"one comm.reduce_scatter of the padded flat gradient, {padded} float32 = {padded * 4} B, " \
-                f"over {n} ranks"
+                f"one comm.reduce_scatter of the padded flat gradient, {padded} float64 = " \
+                f"{padded * ELEM} B, over {n} ranks"
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -380,8 +388,14 @@ def _zero3_fsdp2():
 
 
 def _z3_reference(n):
-    """One process on the global batch: per step, each unit's gradient as n padded shards and each rank's
-    input gradient; at the end, each unit's weights as one padded flat buffer."""
+    """One process on the global batch, in float64: per step, each unit's gradient as n padded shards and
+    each rank's input gradient; at the end, each unit's weights as one padded flat buffer, and the bound
+    on them (Z3_STEPS SGD steps on gradients within the gradients' bound)."""
+    with float64():
+        return _z3_reference_64(n)
+
+
+def _z3_reference_64(n):
     model = _z3_dense()
     opt = _sgd(model.parameters())
     steps = []
@@ -398,50 +412,50 @@ def _z3_reference(n):
         steps.append({"grads": grads, "x_grads": x_grads})
         opt.step()
     final = [_reference_flat([p.detach() for p in model[i].parameters()], n)[0] for i in (0, 1)]
-    return steps, final
+    grad_err = max(_grad_bound(g) for st in steps for unit in st["grads"] for g in unit)
+    return steps, final, sgd_bound(steps=Z3_STEPS, lr=Z3_LR, grad_err=grad_err, momentum=0.9)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_Zero3Unit_matches_one_process(ranks, n):
-    ref_steps, ref_final = _z3_reference(n)
+    ref_steps, ref_final, weights_bound = _z3_reference(n)
     results = _results(ranks, n, "zero3")
     for r, res in enumerate(results):
         for step, (got, ref) in enumerate(zip(res["steps"], ref_steps)):
             for u in (0, 1):
-                torch.testing.assert_close(
-                    got["grads"][u], ref["grads"][u][r], rtol=1e-5, atol=1e-6,
-                    msg=lambda m: f"rank {r} of {n}, step {step + 1}, unit {u}: the shard's gradient is not "
-                                  f"this rank's slice of the gradient averaged over the ranks: {m}")
-            torch.testing.assert_close(got["x_grad"], ref["x_grads"][r], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {r} of {n}, step {step + 1}: the gradient of the "
-                                                     f"input (unit 1 -> unit 0 -> x) is wrong: {m}")
+                want = ref["grads"][u][r]
+                close(got["grads"][u], want, _grad_bound(want),
+                      f"rank {r} of {n}, step {step + 1}, unit {u}: the shard's gradient is not this rank's "
+                      f"slice of the gradient averaged over the ranks")
+            want = ref["x_grads"][r]
+            close(got["x_grad"], want, _grad_bound(want),
+                  f"rank {r} of {n}, step {step + 1}: the input's gradient (unit 1 -> unit 0 -> x) is wrong")
     for u in (0, 1):
         weights = torch.cat([res["shards"][u] for res in results])
-        torch.testing.assert_close(
-            weights, ref_final[u], rtol=1e-5, atol=1e-6,
-            msg=lambda m: f"n={n}, unit {u}: the shards of ranks 0..n-1 after {Z3_STEPS} SGD steps are not "
-                          f"one process's weights on the global batch: {m}")
+        close(weights, ref_final[u], weights_bound,
+              f"n={n}, unit {u}: the shards of ranks 0..n-1 after {Z3_STEPS} SGD steps are not one process's "
+              f"weights on the global batch")
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_Zero3Unit_matches_torch_fsdp2(ranks, n):
     ours = _results(ranks, n, "zero3")
     theirs = _results(ranks, n, "fsdp2")[0]
+    _, _, weights_bound = _z3_reference(n)
     for u, prefix in ((0, "0.0."), (1, "1.")):
         weights = torch.cat([res["shards"][u] for res in ours])
         expected = torch.cat([theirs[prefix + k].reshape(-1) for k in ("weight", "bias")])
-        torch.testing.assert_close(
-            weights[:expected.numel()], expected, rtol=1e-5, atol=1e-6,
-            msg=lambda m: f"n={n}, unit {u}: weights after {Z3_STEPS} steps differ from torch's FSDP2 "
-                          f"fully_shard trained the same way: {m}")
+        close(weights[:expected.numel()], expected, weights_bound,
+              f"n={n}, unit {u}: weights after {Z3_STEPS} steps differ from torch's FSDP2 fully_shard "
+              f"trained the same way")
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_Zero3Unit_collectives(ranks, n):
     padded = [n * -(-k // n) for k in Z3_NUMELS]
-    gather = [("all_gather", 4 * p, n) for p in padded]
-    scatter = [("reduce_scatter", 4 * p, n) for p in padded]
-    wire = 3 * sum(padded) * 4 * (n - 1) / n  # ZeRO §7.2.2: 3Ψ per step, (n-1)/n of each buffer per rank
+    gather = [("all_gather", ELEM * p, n) for p in padded]
+    scatter = [("reduce_scatter", ELEM * p, n) for p in padded]
+    wire = 3 * sum(padded) * ELEM * (n - 1) / n  # ZeRO §7.2.2: 3Ψ per step, (n-1)/n of each buffer per rank
     for r, res in enumerate(_results(ranks, n, "zero3")):
         for step, got in enumerate(res["steps"]):
             what = f"rank {r} of {n}, step {step + 1}"
@@ -468,9 +482,9 @@ def test_Zero3Unit_frees_full_weights(ranks, n):
             assert got["after_fwd"] == [0, 0] and got["after_bwd"] == [0, 0], \
                 f"rank {r} of {n}, step {step + 1}: the full buffers hold {got['after_fwd']} bytes after " \
                 f"the forward and {got['after_bwd']} after the backward; free them (resize the storage to 0)"
-        assert res["seen"] == [[0, 4 * padded[1]]] * Z3_STEPS, \
+        assert res["seen"] == [[0, ELEM * padded[1]]] * Z3_STEPS, \
             f"rank {r} of {n}: while unit 1 computed, the units' full buffers held {res['seen']} bytes; " \
-            f"expected unit 0 freed and unit 1 gathered, [0, {4 * padded[1]}], at every step"
+            f"expected unit 0 freed and unit 1 gathered, [0, {ELEM * padded[1]}], at every step"
         assert res["calls"] == [Z3_STEPS, Z3_STEPS], \
             f"rank {r} of {n}: the modules ran {res['calls']} forwards in {Z3_STEPS} steps; the backward " \
             "must reuse the saved graph, not recompute the forward"
@@ -551,6 +565,13 @@ def test_meter_zero_stage_measured_memory(ranks, n):
 # --- 5. adafactor_update ------------------------------------------------------------------------------
 
 ROWS, COLS = 6, 4
+ADA_DEPTH = 12  # per step: the averages, their mean, the update (square root, ratio); 3-4 steps chained
+
+
+def _ada_close(got, want, where, scale=None):
+    """A chain of Adafactor's float64 operations, computed in another order (module docstring)."""
+    scale = max(1.0, want.abs().max().item()) if scale is None else scale
+    close(got, want, model_bound(n=ROWS * COLS, depth=ADA_DEPTH, scale=scale), where)
 
 
 def _grads(steps, seed, rows=ROWS, cols=COLS):
@@ -571,9 +592,7 @@ def test_adafactor_update_exact_for_rank_one_second_moment(ex):
         grad = (t + 1.5) * sign * torch.outer(a, b).sqrt()
         v = beta2 * v + (1 - beta2) * grad * grad
         update, row, col = ex.adafactor_update(grad, row, col, beta2, eps=0.0)
-        torch.testing.assert_close(update, grad / v.sqrt(),
-                                   msg=lambda m: f"step {t + 1} (beta2 {beta2}): not G / sqrt(V) "
-                                                 f"for rank-1 V: {m}")
+        _ada_close(update, grad / v.sqrt(), f"step {t + 1} (beta2 {beta2}): not G / sqrt(V) for rank-1 V")
 
 
 def test_adafactor_update_matches_torch_adafactor(ex):
@@ -592,16 +611,13 @@ def test_adafactor_update_matches_torch_adafactor(ex):
         w.grad = grad.clone()
         opt.step()
         state = opt.state[w]
-        torch.testing.assert_close(row, state["row_var"].reshape(-1),
-                                   msg=lambda m: f"step {t}: row averages differ from torch's row_var: {m}")
-        torch.testing.assert_close(col, state["col_var"].reshape(-1),
-                                   msg=lambda m: f"step {t}: column averages differ from torch's "
-                                                 f"col_var: {m}")
+        _ada_close(row, state["row_var"].reshape(-1), f"step {t}: row averages differ from torch's row_var")
+        _ada_close(col, state["col_var"].reshape(-1), f"step {t}: column averages differ from col_var")
         # torch: w -= alpha * U with alpha = max(eps2, RMS(w)) * min(lr, 1/sqrt(t)) (no clipping at d = 1e12)
         alpha = max(eps2, before.norm().item() / math.sqrt(before.numel())) * min(lr, 1 / math.sqrt(t))
-        torch.testing.assert_close(update, (before - w.detach()) / alpha,
-                                   msg=lambda m: f"step {t}: update differs from "
-                                                 f"torch.optim.Adafactor's: {m}")
+        theirs = (before - w.detach()) / alpha  # the subtraction rounds by u(|before| + |w|): read / alpha
+        scale = max(1.0, update.abs().max().item(), ((before.abs() + w.detach().abs()) / alpha).max().item())
+        _ada_close(update, theirs, f"step {t}: update differs from torch.optim.Adafactor's", scale)
 
 
 def test_adafactor_update_state_is_rows_plus_cols(ex):
@@ -620,8 +636,10 @@ def test_adafactor_update_state_is_rows_plus_cols(ex):
         "the inputs were modified in place; return new tensors"
     # the averages themselves, against their definition
     sq = grad * grad + 1e-30
-    torch.testing.assert_close(new_row, 0.9 * row0 + 0.1 * sq.mean(1), msg=lambda m: f"row averages: {m}")
-    torch.testing.assert_close(new_col, 0.9 * col0 + 0.1 * sq.mean(0), msg=lambda m: f"column averages: {m}")
+    for name, got, old, mean, n in (("row", new_row, row0, sq.mean(1), cols),
+                                    ("column", new_col, col0, sq.mean(0), rows)):
+        want = 0.9 * old + 0.1 * mean  # one sum of n squares (+ eps), its mean, the average: n + 3 terms
+        close(got, want, reorder_bound(n + 3, want, torch.float64), f"{name} averages")
 
 
 def test_adafactor_update_rejects_bad_shapes(ex):

@@ -14,6 +14,24 @@ test can fail is shown failing on a deliberately wrong variant (a checkpoint tha
 restore the RNG, attention that keeps its scores).
 
 Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
+
+Tolerances (derived in tests/_support.py). Segment counts, forward runs and saved bytes are exact, or
+held to a stated margin where a model meets a measurement: Chen's chain (n·b + L, and the exercise's
+own prediction) counts the blocks' inputs and activations only, not the few floats per token a
+LayerNorm also keeps (its mean and rstd), far below 1 % of the total. Gradients of a checkpointed
+computation against the plain one run in float64, held to ``model_bound`` (n the longest reduction,
+depth the reductions chained, scaled by the values compared): a block (Linear, GeLU, Linear) n = 4D =
+64, BLOCK_DEPTH = 4 (two forward, two back), three stacked blocks 3 x 4; attention n = s = 12 keys,
+ATTN_DEPTH = 6 (scores, softmax, P·V, and back); the GPT n = 4·n_embd = 256 (its weight gradients sum
+B·T = 128 rows), GPT_DEPTH = 6 per layer + 2. Each is at most ~1e-9 of the values; a dropout
+mask drawn anew moves a gradient by O(1) of it, which the tests show on a checkpoint that forgets the RNG.
+``gradcheck`` keeps torch's defaults (central differences, eps 1e-6: error O(eps²) + O(u/eps) ~
+1e-10, far below its atol 1e-5). The float32 attention test compares two float32 computations of
+attention and its gradients elementwise, each within the componentwise first-order bound of
+:func:`_attention_f32_bound` of the exact one: the scores by γ_{d+1}·|Q||K|ᵀ/√d, the softmax by
+that error twice plus u|S - max| + 2u per exp, γ_n for its sum and u for its division; then P·V, dP
+= dO·Vᵀ, D = rowsum(dO∘O) (or of P∘dP), dS = P∘(dP - D), dQ, dK, dV by their sums (γ of their length)
+and by the errors they inherit. Bytes are counted for the fp32 model (the exercise's own unit).
 """
 import math
 
@@ -24,17 +42,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minitorch_dist.analysis.meters import MemoryMeter
-from minitorch_dist.course.exercises import load
 from minitorch_dist.memory.checkpointing import apply_recompute
 from minitorch_dist.models import GPT, GPTConfig, MarkovCorpus
 
+from _support import close, float64, gamma, model_bound, roundoff
+
 pytestmark = pytest.mark.ch07
-
-
-@pytest.fixture(scope="module")
-def ex():
-    """The chapter's stubs or its worked solutions (see the module docstring)."""
-    return load("ch07")
 
 
 class SavedTensors:
@@ -165,7 +178,21 @@ class Block(nn.Module):
 
 def _x(seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(8, D, generator=g, dtype=torch.float32).requires_grad_()
+    return torch.randn(8, D, generator=g).requires_grad_()  # float64 under the f64 fixture
+
+
+@pytest.fixture
+def f64():
+    """The test's models and inputs in float64 (tests/_support.py)."""
+    with float64():
+        yield
+
+
+BLOCK_N, BLOCK_DEPTH = 4 * D, 4  # fc2's 4D inputs; fc1 and fc2 forward, then back through both
+
+
+def _bound(want, depth=BLOCK_DEPTH, n=BLOCK_N):
+    return model_bound(n=n, depth=depth, scale=max(1.0, want.abs().max().item()))
 
 
 def _run(block, call, x, seed=123, between=False):
@@ -205,34 +232,34 @@ class NoRestore(torch.autograd.Function):
         return None, x.grad
 
 
-def _assert_same_grads(got, ref, what):
+def _assert_same_grads(got, ref, what, depth=BLOCK_DEPTH):
     y, gx, gp = got
     y0, gx0, gp0 = ref
-    torch.testing.assert_close(y, y0, msg=lambda m: f"{what}: forward output differs: {m}")
-    torch.testing.assert_close(gx, gx0, msg=lambda m: f"{what}: x.grad differs: {m}")
+    close(y, y0, _bound(y0, depth), f"{what}: forward output differs")
+    close(gx, gx0, _bound(gx0, depth), f"{what}: x.grad differs")
     for name in gp0:
-        torch.testing.assert_close(gp[name], gp0[name], msg=lambda m: f"{what}: {name}.grad differs: {m}")
+        close(gp[name], gp0[name], _bound(gp0[name], depth), f"{what}: {name}.grad differs")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_RNGCheckpoint_gradients_equal_uncheckpointed_with_dropout(ex, seed):
+def test_RNGCheckpoint_gradients_equal_uncheckpointed_with_dropout(ex, f64, seed):
     block, x = Block(seed=seed), _x(seed)
     ref = _run(block, _plain, x, seed=100 + seed)
     got = _run(block, lambda b, t: ex.rng_checkpoint(b, t), x, seed=100 + seed)
     _assert_same_grads(got, ref, f"dropout p=0.5, seed {seed}")
 
 
-def test_RNGCheckpoint_restoring_the_rng_is_what_makes_it_right(ex):
+def test_RNGCheckpoint_restoring_the_rng_is_what_makes_it_right(ex, f64):
     block, x = Block(), _x()
     ref = _run(block, _plain, x)
     wrong = _run(block, lambda b, t: NoRestore.apply(b, t), x)
-    # the test can fail: without the restore, the recomputed dropout mask differs
-    assert not torch.allclose(wrong[1], ref[1]), \
+    # the test can fail: without the restore, the recomputed dropout mask differs, far beyond the bound
+    assert (wrong[1] - ref[1]).abs().max() > _bound(ref[1]), \
         "a checkpoint without the RNG restore should give other gradients"
     _assert_same_grads(_run(block, lambda b, t: ex.rng_checkpoint(b, t), x), ref, "with the RNG restored")
 
 
-def test_RNGCheckpoint_runs_fn_exactly_twice(ex):
+def test_RNGCheckpoint_runs_fn_exactly_twice(ex, f64):
     block, x = Block(), _x()
     torch.manual_seed(0)
     y = ex.rng_checkpoint(block, x)
@@ -244,7 +271,7 @@ def test_RNGCheckpoint_runs_fn_exactly_twice(ex):
     assert block.calls == 1, "without the checkpoint fn runs once"
 
 
-def test_RNGCheckpoint_leaves_the_outer_rng_stream_alone(ex):
+def test_RNGCheckpoint_leaves_the_outer_rng_stream_alone(ex, f64):
     block, x = Block(), _x()
     _run(block, _plain, x, seed=7, between=True)
     after_plain = torch.rand(16)
@@ -256,7 +283,7 @@ def test_RNGCheckpoint_leaves_the_outer_rng_stream_alone(ex):
     _assert_same_grads(got, _run(block, _plain, x, seed=7, between=True), "random draws between fwd and bwd")
 
 
-def test_RNGCheckpoint_saves_only_its_input(ex):
+def test_RNGCheckpoint_saves_only_its_input(ex, f64):
     block, x = Block(), _x()
     with SavedTensors() as plain:
         block(x)
@@ -268,7 +295,7 @@ def test_RNGCheckpoint_saves_only_its_input(ex):
     y.sum().backward()  # and backward still works
 
 
-def test_RNGCheckpoint_parameters_inside_fn_get_gradients(ex):
+def test_RNGCheckpoint_parameters_inside_fn_get_gradients(ex, f64):
     block = Block(p=0.0)  # no dropout: compare against the plain gradients straight away
     x = _x()
     ref = _run(block, _plain, x)
@@ -278,7 +305,7 @@ def test_RNGCheckpoint_parameters_inside_fn_get_gradients(ex):
     _assert_same_grads(got, ref, "no dropout")
 
 
-def test_RNGCheckpoint_stacked_blocks(ex):
+def test_RNGCheckpoint_stacked_blocks(ex, f64):
     blocks = nn.ModuleList(Block(seed=s) for s in range(3))
 
     def plain(_, x):
@@ -294,10 +321,10 @@ def test_RNGCheckpoint_stacked_blocks(ex):
     x = _x()
     ref = _run(blocks, plain, x, seed=11, between=True)
     got = _run(blocks, ckpt, x, seed=11, between=True)
-    _assert_same_grads(got, ref, "three checkpointed blocks in a row")
+    _assert_same_grads(got, ref, "three checkpointed blocks in a row", depth=3 * BLOCK_DEPTH)
 
 
-def test_RNGCheckpoint_rejects_bad_input(ex):
+def test_RNGCheckpoint_rejects_bad_input(ex, f64):
     block, x = Block(), _x()
     ex.rng_checkpoint(block, x).sum().backward()  # a valid call first
     with pytest.raises(TypeError, match="callable"):
@@ -328,15 +355,22 @@ def _grads(fn, q, k, v, seed=9):
     return out.detach(), grads
 
 
+ATTN_N, ATTN_DEPTH = SHAPE[-2], 6  # s keys; scores, the softmax's sum, P·V, then back through them
+
+
+def _attn_bound(want, depth=ATTN_DEPTH):
+    return _bound(want, depth, ATTN_N)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dv", [None, 6])
 def test_SelectiveAttention_matches_sdpa(ex, causal, dv):
     q, k, v = _qkv(seed=1, dv=dv)
     out, grads = _grads(lambda *t: ex.selective_attention(*t, causal=causal), q, k, v)
     out0, grads0 = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal), q, k, v)
-    torch.testing.assert_close(out, out0, msg=lambda m: f"causal={causal}: output differs from SDPA: {m}")
+    close(out, out0, _attn_bound(out0), f"causal={causal}: output differs from SDPA")
     for name, g, g0 in zip("qkv", grads, grads0):
-        torch.testing.assert_close(g, g0, msg=lambda m: f"causal={causal}: d{name} differs from SDPA's: {m}")
+        close(g, g0, _attn_bound(g0), f"causal={causal}: d{name} differs from SDPA's")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -345,13 +379,58 @@ def test_SelectiveAttention_gradcheck(ex, causal):
     assert torch.autograd.gradcheck(lambda *t: ex.selective_attention(*t, causal=causal), (q, k, v))
 
 
+def _attention_f32_bound(q, k, v, grad_out, causal=True):
+    """Elementwise bounds on |out|, |dq|, |dk|, |dv| of two float32 computations of attention apart:
+    twice the first-order componentwise bound of one (the module docstring's account), in float64."""
+    u, g = roundoff(torch.float32), (lambda m: gamma(m, torch.float32))  # noqa: E731
+    q, k, v, do = (t.detach().double() for t in (q, k, v, grad_out))
+    n, d, dv = k.shape[-2], q.shape[-1], v.shape[-1]
+    c = d ** -0.5
+    T = lambda t: t.transpose(-2, -1)  # noqa: E731
+    s = c * q @ T(k)
+    allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
+    allowed = allowed.tril() if causal else allowed
+    masked = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(masked, -1)
+    e_s = g(d + 1) * c * q.abs() @ T(k.abs())  # the scores
+    spread = (s - masked.amax(-1, keepdim=True)).abs()
+    a = (e_s + u * spread + 2 * u).masked_fill(~allowed, 0)  # each exp's relative error
+    dp_err = p * (a + (p * a).sum(-1, keepdim=True) + g(n) + u)  # |δP|
+    out = p @ v
+    d_out = dp_err @ v.abs() + g(n) * p @ v.abs()
+    d_dv = T(dp_err) @ do.abs() + g(n) * T(p) @ do.abs()
+    dp = do @ T(v)
+    d_dp = g(dv) * do.abs() @ T(v.abs())
+    rowsum = (do * out).sum(-1, keepdim=True)  # D, as rowsum(dO∘O) or as rowsum(P∘dP)
+    d_rowsum = torch.maximum(
+        (do.abs() * d_out).sum(-1, keepdim=True) + g(dv) * (do * out).abs().sum(-1, keepdim=True),
+        (dp_err * dp.abs() + p * d_dp).sum(-1, keepdim=True) + g(n) * (p * dp).abs().sum(-1, keepdim=True))
+    ds = p * (dp - rowsum)
+    d_ds = dp_err * (dp - rowsum).abs() + p * (d_dp + d_rowsum) + 2 * u * ds.abs()
+    d_dq = c * (d_ds @ k.abs() + g(n + 1) * ds.abs() @ k.abs())
+    d_dk = c * (T(d_ds) @ q.abs() + g(n + 1) * T(ds.abs()) @ q.abs())
+    return [2 * b for b in (d_out, d_dq, d_dk, d_dv)]
+
+
+def _within(got, want, bound, where):
+    """|got - want| <= bound, elementwise."""
+    err = (got.double() - want.double()).abs()
+    worst = int((err - bound).flatten().argmax())
+    assert (err <= bound).all(), \
+        f"{where}: off by {err.flatten()[worst].item():.3g}, {bound.flatten()[worst].item():.3g} allowed"
+
+
 def test_SelectiveAttention_float32_and_unbatched(ex):
     q, k, v = _qkv(seed=3, dtype=torch.float32, shape=(10, 8))
     out, grads = _grads(ex.selective_attention, q, k, v)
     out0, grads0 = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v)
-    torch.testing.assert_close(out, out0)
-    for g, g0 in zip(grads, grads0):
-        torch.testing.assert_close(g, g0)
+    assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    # the output gradient _grads drew (its seed 9)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+    b_out, *b_grads = _attention_f32_bound(q, k, v, grad_out)
+    _within(out, out0, b_out, "float32 output vs SDPA's")
+    for name, g, g0, b in zip("qkv", grads, grads0, b_grads):
+        _within(g, g0, b, f"float32 d{name} vs SDPA's")
 
 
 def test_SelectiveAttention_keeps_no_s_by_s_tensor(ex):
@@ -386,15 +465,15 @@ def test_SelectiveAttention_causal_masking(ex):
     k2[..., t:, :] += 3.0
     v2[..., t:, :] -= 2.0
     out2 = ex.selective_attention(q, k2, v2, causal=True)
-    torch.testing.assert_close(out2[..., :t, :], out[..., :t, :],
-                               msg=lambda m: f"outputs before position {t} depend on later keys/values: {m}")
-    assert not torch.allclose(out2[..., t:, :], out[..., t:, :]), "later positions should see the change"
+    bound = _attn_bound(out, depth=3)  # the forward alone
+    close(out2[..., :t, :], out[..., :t, :], bound, f"outputs before position {t} depend on later keys")
+    assert (out2[..., t:, :] - out[..., t:, :]).abs().max() > bound, "later positions should see the change"
     # and no gradient flows from early outputs to future keys and values
     dq, dk, dv = torch.autograd.grad(out[..., :t, :].sum(), (q, k, v))
     assert torch.count_nonzero(dk[..., t:, :]) == 0 and torch.count_nonzero(dv[..., t:, :]) == 0, \
         "the first positions' outputs have a gradient with respect to future keys or values"
     # the first position attends only to itself: its output is v[0]
-    torch.testing.assert_close(out[..., 0, :], v[..., 0, :].detach())
+    close(out[..., 0, :], v[..., 0, :].detach(), bound, "the first position's output")
     assert s > t
 
 
@@ -471,13 +550,19 @@ CONFIGS = [(4, None, False), (3, None, False), (3, 1, False), (4, 4, True)]  # (
 
 @pytest.fixture(scope="module")
 def wrapped(ex):
-    """One seeded step of each configuration (n, segments, checkpoint_last) and of the plain GPTs, once."""
-    out = {("plain", n): _step(_gpt(n)) for n in sorted({n for n, _, _ in CONFIGS})}
+    """One seeded step of each configuration (n, segments, checkpoint_last) and of the plain GPTs, once:
+    in float32 (the bytes the chapter counts) and in float64 (the gradients compared), key + ("float64",)."""
+    ns = sorted({n for n, _, _ in CONFIGS})
+    out = {("plain", n): _step(_gpt(n)) for n in ns}
+    with float64():
+        out.update({("plain", n, "float64"): _step(_gpt(n)) for n in ns})
     for n, k, last in CONFIGS:
         try:
             out[n, k, last] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
+            with float64():
+                out[n, k, last, "float64"] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
         except Exception as e:  # noqa: BLE001  (raised again by each test that needs it)
-            out[n, k, last] = e
+            out[n, k, last] = out[n, k, last, "float64"] = e
     return out
 
 
@@ -488,14 +573,20 @@ def _got(wrapped, key):
     return got
 
 
+GPT_N = 4 * GPTConfig.tiny().n_embd  # the longest reduction: c_proj's 4h inputs (weight gradients: 128 rows)
+
+
+def _gpt_bound(want, n_layer):
+    return model_bound(n=GPT_N, depth=6 * n_layer + 2, scale=max(1.0, want.abs().max().item()))
+
+
 @pytest.mark.parametrize("n, k, last", CONFIGS)
 def test_SegmentedRecompute_gradients_equal_plain_with_dropout(wrapped, n, k, last):
-    ref, got = wrapped["plain", n], _got(wrapped, (n, k, last))
+    ref, got = wrapped["plain", n, "float64"], _got(wrapped, (n, k, last, "float64"))
     what = f"n={n}, segments={k}, checkpoint_last={last}, dropout 0.1"
-    torch.testing.assert_close(got["loss"], ref["loss"], msg=lambda m: f"{what}: the loss differs: {m}")
+    close(got["loss"], ref["loss"], _gpt_bound(ref["loss"], n), f"{what}: the loss differs")
     for name, g in ref["grads"].items():
-        torch.testing.assert_close(got["grads"]["model." + name], g,
-                                   msg=lambda m: f"{what}: {name}.grad differs from plain training: {m}")
+        close(got["grads"]["model." + name], g, _gpt_bound(g, n), f"{what}: {name}.grad differs from plain")
 
 
 @pytest.mark.parametrize("n, k, last", CONFIGS)
@@ -529,7 +620,7 @@ def test_SegmentedRecompute_saved_bytes(wrapped, chain):
     assert every < sqrt < plain
 
 
-def test_SegmentedRecompute_under_no_grad_just_runs(ex):
+def test_SegmentedRecompute_under_no_grad_just_runs(ex, f64):
     x, _ = _batch()
     model = ex.SegmentedRecompute(_gpt(4)).eval()
     meter = MemoryMeter(model)
@@ -538,7 +629,7 @@ def test_SegmentedRecompute_under_no_grad_just_runs(ex):
     with torch.no_grad():
         ref, _ = _gpt(4).eval()(x)
     assert loss is None and meter.peak["activations"] == 0
-    torch.testing.assert_close(logits, ref, msg=lambda m: f"eval logits differ from the plain model's: {m}")
+    close(logits, ref, _gpt_bound(ref, 4), "eval logits differ from the plain model's")
 
 
 def test_SegmentedRecompute_rejects_bad_segments(ex):

@@ -11,8 +11,35 @@ PowerSGD on ranks, torch's own ``powerSGD_hook`` on a DDP model fed the same bat
 all-reduce's training run; for the bytes of a step, the payload formulas written out in the test; for
 1-bit Adam, Adam without bias correction written out in the test, and a quadratic whose optimum is known.
 
-Exercises 4 and 5 run on 2 and 4 ranks, launched once per world size for the whole module. Checks of
-bad input first make a valid call, so a stub fails them too.
+Exercises 4 and 5 run on 2 and 4 ranks, launched once per world size for the whole module, each case
+run on its own (``_support.run_cases``) so that an unfinished exercise fails only its own tests. Checks
+of bad input first make a valid call, so a stub fails them too.
+
+Tolerances (derived in tests/_support.py). Top-k sets, levels, bytes, and what error feedback keeps of
+exactly representable inputs are exact. Error feedback's books over many float32 steps balance up to
+the float32 rounding of each step's sum (u of it, tallied step by step) plus the float64 rounding of
+the test's own running sums, γ_{steps+2} of their terms. A 2-norm in float32 is one sum of n squares
+and a square root: ``reorder_bound(n, ‖v‖)``; a dequantised level ``norm·q/s`` two roundings:
+``reorder_bound(2, value)``. PowerSGD's step is a short chain of float64 reductions (M·Q over m
+terms, orthonormalisation over n, Mᵀ·P, P·Qᵀ, the Frobenius norm), ``model_bound(n=max(n, m),
+depth=PSGD_DEPTH)`` of the values' size; Mᵀ·P of the student's own P is one matmul,
+``reorder_bound(n, |M|ᵀ|P|)``; after 25 power iterations the subspace's error is (σ_3/σ_2)^50 ~ 1e-24
+of it, so the error is the truncated SVD's up to the chain's rounding, relative to it. Against torch's
+``powerSGD_hook`` the reducer runs in float64 on DDP's regression MLP: gradients of a sum over 32 rows
+per rank (N = 64 with the widest layer's 48), 4 reductions chained through the model and 5 through the
+compression (P, its orthonormalisation, Q, P·Qᵀ, the residual), over PSGD_STEPS steps whose weights
+feed the next: ``model_bound(n=N, depth=PSGD_STEPS·9)``, below 1e-9 on gradients ~0.1, where an
+estimate that forgets its residual or its warm start is off by 1e-2. Training with it is judged against the
+exact all-reduce's run by what that run learns: PowerSGD must close all but 1/20 of the held-out
+error the exact run closes. The mechanism and the metered step count float32 bytes and stay float32:
+``sent + residual`` rebuilds what was given up to two roundings, u(|residual| + |kept|), and the mean
+of two ranks' 1-D tensors is one sum and an exact halving, ``reorder_bound(2, (|a| + |b|)/2)``.
+1-bit Adam's warm-up is Adam written out in float64, ~10 operations a step on both sides:
+γ_{10·steps} of the values' size (``_chain_bound``); its compressed phase checks one float32 formula
+at a time, γ_k of its terms, the scale a mean of n = 50 magnitudes, ``reorder_bound(n + 1, scale)``.
+Statistical checks state their margins: QSGD's mean within 4.5 standard errors (false alarm ~4e-4 over
+64 coordinates), deterministic rounding beyond; the paper's variance bound; 1-bit Adam's quadratic
+within 1e-6 of its optimum (|x*| in [1, 2]).
 """
 import math
 
@@ -22,17 +49,11 @@ import torch.distributed as dist
 
 from minitorch_dist.communication import FP16, QSGD, ErrorFeedback, PowerSGD, RandomK, Sign, TopK
 from minitorch_dist.communication.compression import regression_task
-from minitorch_dist.course.exercises import load
 from minitorch_dist.runtime import comm
-from minitorch_dist.runtime.launch import launch
+
+from _support import case, close, float64, gamma, model_bound, reorder_bound, run_cases
 
 pytestmark = pytest.mark.ch09
-
-
-@pytest.fixture(scope="module")
-def ex():
-    """The chapter's stubs or its worked solutions (see the module docstring)."""
-    return load("ch09")
 
 
 def _dense(values, indices, shape):
@@ -63,6 +84,7 @@ def test_topk_with_error_feedback_residual_carries_exactly_what_was_not_sent(ex)
     sent_total = torch.zeros(shape, dtype=torch.float64)
     grad_total = torch.zeros(shape, dtype=torch.float64)
     slack = torch.zeros(shape, dtype=torch.float64)  # the float32 rounding of grad + residual, step by step
+    terms = torch.zeros(shape, dtype=torch.float64)  # Σ|terms| of this test's float64 running sums
     for step in range(40):
         grad = torch.randn(shape, generator=g)
         slack += torch.finfo(torch.float32).eps * (grad + residual).abs().double()  # >= 2x half an ulp
@@ -73,11 +95,13 @@ def test_topk_with_error_feedback_residual_carries_exactly_what_was_not_sent(ex)
         assert int((new_residual.flatten()[indices] != 0).sum()) == 0, "sent entries must leave the residual"
         sent_total += sent.double()
         grad_total += grad.double()
+        terms += sent.double().abs() + grad.double().abs()
         residual = new_residual
     # over many steps nothing is lost: what was sent plus what is still held is every gradient, up to
-    # the float32 rounding of each step's grad + residual (the sums here are float64: exact enough)
+    # the float32 rounding of each step's grad + residual, and the float64 rounding of the sums here
     gap = (sent_total + residual.double() - grad_total).abs()
-    assert (gap <= slack + 1e-12).all(), \
+    slack += gamma(40 + 2, torch.float64) * (terms + residual.double().abs())
+    assert (gap <= slack).all(), \
         f"lost {gap.max().item():.2e} (rounding allows {slack.max().item():.2e})"
 
 
@@ -100,14 +124,16 @@ def test_qsgd_quantize_values_lie_on_the_grid(ex):
         norm, q = ex.qsgd_quantize(v, s, torch.Generator().manual_seed(s))
         assert not q.is_floating_point() and q.shape == v.shape
         assert q.abs().max().item() <= s
-        torch.testing.assert_close(norm, torch.linalg.vector_norm(v))
+        ref_norm = torch.linalg.vector_norm(v)
+        close(norm, ref_norm, reorder_bound(v.numel(), ref_norm), "the 2-norm")
         # each |q_i| is one of the two levels around |v_i| / ||v|| * s, with v's sign (or 0)
         a = (v.abs() / v.norm() * s).double()
         lvl = q.abs().double()
         assert bool(((lvl == a.floor()) | (lvl == a.floor() + 1)).all()), f"s={s}: a level is not a neighbour"
         assert bool(((q == 0) | (torch.sign(q.double()) == torch.sign(v.double()))).all())
         deq = ex.qsgd_dequantize(norm, q, s)
-        torch.testing.assert_close(deq, norm * q.float() / s)
+        want = norm * q.float() / s
+        close(deq, want, reorder_bound(2, want), "norm * q / s")
 
 
 def test_qsgd_dequantize_scales_levels_by_norm_over_s(ex):
@@ -176,9 +202,16 @@ def test_powersgd_step_reproduces_a_rank_r_matrix_in_one_step(ex):
     Q = torch.randn(m, r, generator=g, dtype=torch.float64)  # a generic start is a good one
     P, Q_new, M_hat = ex.powersgd_step(M, Q)
     assert P.shape == (n, r) and Q_new.shape == (m, r) and M_hat.shape == (n, m)
-    torch.testing.assert_close(P.T @ P, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-10)
-    torch.testing.assert_close(Q_new, M.T @ P, rtol=0, atol=1e-10)
-    torch.testing.assert_close(M_hat, M, rtol=0, atol=1e-10)
+    close(P.T @ P, torch.eye(r, dtype=torch.float64), _psgd_bound(n, m, 1.0), "PᵀP")
+    close(Q_new, M.T @ P, reorder_bound(n, M.abs().T @ P.abs(), torch.float64), "Q_new = MᵀP")
+    close(M_hat, M, _psgd_bound(n, m, M.abs().max()), "the rank-3 matrix from one step")
+
+
+PSGD_DEPTH = 5  # M·Q, its orthonormalisation, Mᵀ·P, P·Qᵀ, the norm of M - P·Qᵀ
+
+
+def _psgd_bound(n, m, scale):
+    return model_bound(n=max(n, m), depth=PSGD_DEPTH, scale=scale)
 
 
 def test_powersgd_step_error_decreases_toward_the_best_rank_r_error(ex):
@@ -187,15 +220,18 @@ def test_powersgd_step_error_decreases_toward_the_best_rank_r_error(ex):
     sigma = [10.0, 6.0, 2.0, 1.5, 1.0, 0.5, 0.25]
     M = _with_spectrum(n, m, sigma, g)
     best = math.sqrt(sum(s * s for s in sigma[r:]))  # Eckart-Young: the tail of the spectrum
+    # the chain's rounding, relative to the best error (‖M‖_F of magnitude against it)
+    rel = _psgd_bound(n, m, math.sqrt(sum(s * s for s in sigma)) / best)
     Q = torch.randn(m, r, generator=g, dtype=torch.float64)
     errors = []
     for _ in range(25):
         P, Q, M_hat = ex.powersgd_step(M, Q)  # warm start: feed Q_new back
         errors.append(torch.linalg.matrix_norm(M - M_hat).item())
-    assert all(e >= best * (1 - 1e-9) for e in errors), "no rank-r matrix beats the truncated SVD"
+    assert all(e >= best * (1 - rel) for e in errors), "no rank-r matrix beats the truncated SVD"
     assert errors[0] > best * 1.01, \
         f"sanity: one step from a random start is not optimal ({errors[0]} vs {best})"
-    assert errors[-1] <= best * (1 + 1e-6), f"after 25 power iterations: {errors[-1]}, best {best}"
+    # (σ_3/σ_2)^(2·25) ~ 1e-24: converged, up to rounding
+    assert errors[-1] <= best * (1 + rel), f"after 25 power iterations: {errors[-1]}, best {best}"
     assert errors[4] < errors[0] and errors[-1] < errors[4]
     # single precision works too, with M's dtype kept
     P, Q32, M_hat = ex.powersgd_step(M.float(), torch.randn(m, r, generator=g))
@@ -221,21 +257,18 @@ TRAIN_STEPS = 60
 METER_SHAPES = [(16, 12), (12,), (8, 20), (3,)]
 
 
-def _catch(fn, *args):
-    """Run one exercise on this rank; an exception comes back as its text, so that one unfinished
-    exercise does not take the others' results down with it."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - reported by the test of that exercise
-        return f"raised {type(e).__name__}: {e}"
-
-
 def _grads_of(model):
     return [p.grad for p in model.parameters()]
 
 
 def _vs_torch_hook(ex, rank):
-    """Per step: max |our gradient - DDP+powerSGD_hook's gradient|, same model, same batches."""
+    """Per step: max |our gradient - DDP+powerSGD_hook's gradient| and max |gradient|, same model, same
+    batches, in float64."""
+    with float64():
+        return _vs_torch_hook_64(ex, rank)
+
+
+def _vs_torch_hook_64(ex, rank):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
     from torch.nn.parallel import DistributedDataParallel as DDP
     r, n = dist.get_rank(), dist.get_world_size()
@@ -254,8 +287,9 @@ def _vs_torch_hook(ex, rank):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
         reducer.reduce(_grads_of(ours)[::-1])  # DDP's bucket holds the gradients in reverse order
-        diffs.append(max((a.grad - b.grad).abs().max().item()
-                         for a, b in zip(ours.parameters(), ddp.module.parameters())))
+        diffs.append((max((a.grad - b.grad).abs().max().item()
+                          for a, b in zip(ours.parameters(), ddp.module.parameters())),
+                      max(b.grad.abs().max().item() for b in ddp.module.parameters())))
         for opt in opts:
             opt.step()
     return diffs
@@ -285,6 +319,9 @@ def _train(ex, reduce_with):
     model, data = regression_task(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reducer = ex.PowerSGDReducer(rank=2) if reduce_with == "powersgd" else None
+    x, y = data(10**6, 1024)
+    with torch.no_grad():
+        initial = torch.nn.functional.mse_loss(model(x), y).item()
     for step in range(TRAIN_STEPS):
         opt.zero_grad()
         x, y = data(step, 64, r, n)
@@ -297,10 +334,9 @@ def _train(ex, reduce_with):
         else:
             reducer.reduce(_grads_of(model))
         opt.step()
-    x, y = data(10**6, 1024)
     with torch.no_grad():
         final = torch.nn.functional.mse_loss(model(x), y).item()
-    return final, [p.detach().clone() for p in model.parameters()]
+    return final, [p.detach().clone() for p in model.parameters()], initial
 
 
 def _meter_cases():
@@ -318,56 +354,48 @@ def _meter(ex):
             g = torch.Generator().manual_seed(10 * r + call)
             grads = [torch.randn(s, generator=g) for s in METER_SHAPES]
             key = f"{name}_warmup" if name == "powersgd" and call == 0 else name
-            got = _catch(ex.meter_compressed_step, grads, c)
-            out[key] = (got, [t.clone() for t in grads])
-    return out
+            out[key] = (lambda grads=grads, c=c: ex.meter_compressed_step(grads, c), grads)
+    results = run_cases({key: fn for key, (fn, _) in out.items()})
+    return {key: (results[key], [t.clone() for t in grads]) for key, (_, grads) in out.items()}
 
 
 def _on_ranks(ex):
-    out = {"meter": _meter(ex)}
+    cases = {"meter": lambda: _meter(ex)}
     if dist.get_world_size() == 2:
-        out["vs_torch"] = {rank: _catch(_vs_torch_hook, ex, rank) for rank in (1, 3)}
-        out["mechanism"] = _catch(_mechanism, ex)
-        out["train"] = {"exact": _train(ex, "exact"), "powersgd": _catch(_train, ex, "powersgd")}
-    return out
+        cases.update({("vs_torch", rank): (lambda rank=rank: _vs_torch_hook(ex, rank)) for rank in (1, 3)})
+        cases.update({"mechanism": lambda: _mechanism(ex), "train_exact": lambda: _train(ex, "exact"),
+                      "train_powersgd": lambda: _train(ex, "powersgd")})
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
-def ranks(ex):
-    """{n: [the results of ranks 0..n-1]} for n = 2 and 4, or the error the launch raised."""
-    out = {}
-    for n in (2, 4):
-        try:
-            out[n] = launch(_on_ranks, n, ex, timeout_s=TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - reported by each test below
-            out[n] = e
-    return out
+def ranks(ex, launches):
+    """`ranks(n)`: the results of ranks 0..n-1, launched once per n (2 and 4)."""
+    return launches(_on_ranks, ex, timeout_s=TIMEOUT_S)
 
 
 def _results(ranks, n, key):
-    res = ranks[n]
-    if isinstance(res, Exception):
-        pytest.fail(f"the {n} ranks failed: {type(res).__name__}: {res}")
-    per_rank = [r[key] for r in res]
-    for r, got in enumerate(per_rank):
-        if isinstance(got, str):
-            pytest.fail(f"rank {r}: {got}")
-    return per_rank
+    """Each rank's value of case ``key`` on n ranks (a case that raised fails only its own tests)."""
+    return ranks.case(n, key)
 
 
 # --- 4. PowerSGDReducer ----------------------------------------------------------------------------
 
 
+PSGD_N = 64  # the longest reduction: 32 rows per rank on 2 ranks (the widest layer has 48)
+MODEL_DEPTH = 4  # two layers forward, one back, a weight gradient's sum over rows
+
+
 @pytest.mark.parametrize("rank", [1, 3])  # Gram-Schmidt (r <= 2) and QR (r > 2)
 def test_PowerSGDReducer_equals_torch_powerSGD_hook(ranks, rank):
-    for r, per_rank in enumerate(_results(ranks, 2, "vs_torch")):
-        diffs = per_rank[rank]
-        if isinstance(diffs, str):
-            pytest.fail(f"rank {r}: {diffs}")
+    for r, diffs in enumerate(_results(ranks, 2, ("vs_torch", rank))):
         # two exact warm-up steps, then compressed ones; torch keeps error memory for the 1-D tensors
-        # too, which changes the mean only by rounding: 1e-6 on gradients of about 0.1
-        assert max(diffs) < 1e-6, (f"rank {r}, PowerSGD rank {rank}: per step, the largest difference "
-                                   f"from torch's powerSGD_hook is {diffs}")
+        # too, which changes the mean only by rounding. Each step's weights feed the next one's gradient.
+        depth = PSGD_STEPS * (MODEL_DEPTH + PSGD_DEPTH)
+        for step, (diff, size) in enumerate(diffs):
+            bound = model_bound(n=PSGD_N, depth=depth, scale=max(1.0, size))
+            assert diff <= bound, (f"rank {r}, PowerSGD rank {rank}, step {step}: our gradients are "
+                                   f"{diff:.3g} from torch's powerSGD_hook's (bound {bound:.3g})")
 
 
 def test_PowerSGDReducer_sends_P_and_Q_and_keeps_the_residual(ex, ranks):
@@ -391,14 +419,18 @@ def test_PowerSGDReducer_sends_P_and_Q_and_keeps_the_residual(ex, ranks):
                     continue
                 given = st["local"][i] + st["error_before"].get(i, torch.zeros(s))
                 kept = st["grads"][i] + st["error_after"][i]
-                torch.testing.assert_close(kept, given, rtol=0, atol=1e-5)
+                # residual = given - sent, then sent + residual: one rounding each
+                bound = gamma(2, torch.float32) * (st["error_after"][i].abs() + kept.abs()).max().item()
+                close(kept, given, bound, f"rank {r}: sent + residual of tensor {i}")
     # the ranks agree on the estimate, and the 1-D tensors are the exact mean
     (a, b) = per_rank
     for st_a, st_b in zip(a, b):
         for i, s in enumerate(METER_SHAPES):
             torch.testing.assert_close(st_a["grads"][i], st_b["grads"][i], rtol=0, atol=0)
             if len(s) == 1:
-                torch.testing.assert_close(st_a["grads"][i], (st_a["local"][i] + st_b["local"][i]) / 2)
+                a_, b_ = st_a["local"][i], st_b["local"][i]
+                close(st_a["grads"][i], (a_ + b_) / 2, reorder_bound(2, (a_.abs() + b_.abs()) / 2),
+                      f"the mean of the ranks' tensor {i}")
     # and bad settings are refused, by name (after the valid runs above)
     with pytest.raises(ValueError, match="rank"):
         ex.PowerSGDReducer(rank=0)
@@ -409,12 +441,14 @@ def test_PowerSGDReducer_sends_P_and_Q_and_keeps_the_residual(ex, ranks):
 
 
 def test_PowerSGDReducer_trains_like_the_exact_all_reduce(ranks):
-    per_rank = _results(ranks, 2, "train")
-    exact, (ours, params) = per_rank[0]["exact"][0], per_rank[0]["powersgd"]
-    # measured after 60 steps: exact 0.117, PowerSGD rank 2 0.124 (held-out MSE; 1.06 at the start)
-    assert exact < 0.2, f"sanity: exact training learns, held-out MSE {exact:.4f}"
-    assert ours < 1.25 * exact, f"held-out MSE {ours:.4f} with PowerSGD, {exact:.4f} with the exact mean"
-    for a, b in zip(params, per_rank[1]["powersgd"][1]):
+    exact, _, initial = _results(ranks, 2, "train_exact")[0]
+    runs = _results(ranks, 2, "train_powersgd")
+    ours, params, _ = runs[0]
+    learned = initial - exact  # the held-out error exact training closes
+    assert exact < initial / 4, f"sanity: exact training learns, held-out MSE {initial:.4f} -> {exact:.4f}"
+    assert ours - exact <= learned / 20, \
+        f"held-out MSE {ours:.4f} with PowerSGD, {exact:.4f} with the exact mean (from {initial:.4f})"
+    for a, b in zip(params, runs[1][1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the ranks stay in sync
 
 
@@ -442,9 +476,7 @@ def test_meter_compressed_step_predicts_and_counts_the_bytes(ranks, n):
     names = list(per_rank[0])
     for r, res in enumerate(per_rank):
         for name in names:
-            got, _ = res[name]
-            if isinstance(got, str):
-                pytest.fail(f"rank {r}, {name}: {got}")
+            got = case({name: res[name][0]}, name, r)
             want = _expected_bytes(name, n)
             assert got["predicted"] == want, \
                 f"rank {r}, {name}: predicted {got['predicted']}, expected {want}"
@@ -471,19 +503,29 @@ def _adam_no_bias_correction(param, grad, m, v, lr, betas, eps):
             torch.tensor(v, dtype=torch.float64))
 
 
+def _chain_bound(ops, scale):
+    """Two float64 evaluations of the same formulas, ``ops`` roundings each, of values up to ``scale``."""
+    return 2 * gamma(ops, torch.float64) * scale
+
+
 def test_onebit_adam_step_warmup_is_adam_without_bias_correction(ex):
     g = torch.Generator().manual_seed(7)
     n, lr, betas, eps = 12, 0.05, (0.8, 0.95), 1e-6
     p = torch.randn(n, generator=g, dtype=torch.float64)
     m, v, e = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
     p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
+    moved = p.abs().max().item()  # |p| plus every step's |lr·m/(√v + eps)| so far
     for step in range(5):  # all 5 steps are warm-up
         grad = torch.randn(n, generator=g, dtype=torch.float64)
         p, m, v, e, sent = ex.onebit_adam_step(p, grad, m, v, e, step, 5, lr, betas, eps)
         p_ref, m_ref, v_ref = _adam_no_bias_correction(p_ref, grad, m_ref, v_ref, lr, betas, eps)
-        torch.testing.assert_close(m, m_ref, rtol=0, atol=1e-12)
-        torch.testing.assert_close(v, v_ref, rtol=0, atol=1e-12)
-        torch.testing.assert_close(p, p_ref, rtol=0, atol=1e-12)
+        ops = 10 * (step + 1)  # ~10 roundings a step (the moments' averages, √v, the ratio, the update)
+        moved += lr * (m_ref.abs() / (v_ref.sqrt() + eps)).max().item()
+        m_scale = m_ref.abs().max().item() + grad.abs().max().item()
+        v_scale = v_ref.abs().max().item() + grad.square().max().item()
+        close(m, m_ref, _chain_bound(ops, m_scale), f"step {step}: m")
+        close(v, v_ref, _chain_bound(ops, v_scale), f"step {step}: v")
+        close(p, p_ref, _chain_bound(ops, moved), f"step {step}: the parameters")
         assert torch.equal(sent, m), f"step {step}: during warm-up the full-precision momentum is sent"
         assert torch.equal(e, torch.zeros(n, dtype=torch.float64)), "no compression, no error during warm-up"
 
@@ -498,18 +540,20 @@ def test_onebit_adam_step_freezes_v_and_sends_plus_or_minus_scale(ex):
         inputs = [t.clone() for t in (p, grad, m, v, e)]
         p2, m2, v2, e2, sent = ex.onebit_adam_step(p, grad, m, v, e, step, warmup, lr)
         assert all(torch.equal(a, b) for a, b in zip(inputs, (p, grad, m, v, e))), "inputs must not change"
-        torch.testing.assert_close(m2, 0.9 * m + 0.1 * grad)  # momentum is updated in both phases
+        want = 0.9 * m + 0.1 * grad  # momentum is updated in both phases: 3 roundings a side
+        close(m2, want, reorder_bound(3, 0.9 * m.abs() + 0.1 * grad.abs()), f"step {step}: momentum")
         if step == warmup - 1:
             v_frozen = v2.clone()
         if step >= warmup:
             assert torch.equal(v2, v_frozen), f"step {step}: v must stay frozen after warm-up"
             c = m2 + e
-            scale = c.abs().mean()
-            assert set(sent.tolist()) <= {scale.item(), -scale.item()}, \
-                "sent must take only the values ±scale"
-            torch.testing.assert_close(sent, torch.where(c >= 0, scale, -scale))
-            # the update uses the compressed momentum and the frozen variance
-            torch.testing.assert_close(p2, p - lr * sent / (v_frozen.sqrt() + 1e-8))
+            scale = c.abs().mean()  # a mean of n magnitudes: n terms and a division, in any order
+            assert len(set(sent.abs().tolist())) == 1, "sent must take only the values ±scale"
+            close(sent, torch.where(c >= 0, scale, -scale), reorder_bound(n + 1, scale), f"step {step}: sent")
+            # the update uses the compressed momentum and the frozen variance: 4 roundings a side
+            step_size = lr * sent.abs() / (v_frozen.sqrt() + 1e-8)
+            close(p2, p - lr * sent / (v_frozen.sqrt() + 1e-8), reorder_bound(4, p.abs() + step_size),
+                  f"step {step}: the parameters")
         p, m, v, e = p2, m2, v2, e2
     assert v_frozen.abs().sum() > 0, "sanity: warm-up filled v"
 
@@ -529,6 +573,7 @@ def test_onebit_adam_step_error_feedback_carries_exactly_the_residual(ex):
     p, m, v, e = torch.randn(n, generator=g), torch.zeros(n), torch.rand(n, generator=g) + 0.5, torch.zeros(n)
     sent_total, m_total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     slack = torch.zeros(n, dtype=torch.float64)  # float32 rounding of c = m + e and of e_new = c - sent
+    terms = torch.zeros(n, dtype=torch.float64)  # Σ|terms| of this test's float64 running sums
     for step in range(30):
         e_old = e
         p, m, v, e, sent = ex.onebit_adam_step(p, torch.randn(n, generator=g), m, v, e, step, 0, 0.01)
@@ -536,8 +581,10 @@ def test_onebit_adam_step_error_feedback_carries_exactly_the_residual(ex):
         slack += torch.finfo(torch.float32).eps * ((m + e_old).abs() + e.abs()).double()
         sent_total += sent.double()
         m_total += m.double()
+        terms += sent.double().abs() + m.double().abs()
     gap = (sent_total + e.double() - m_total).abs()
-    assert (gap <= slack + 1e-12).all(), \
+    slack += gamma(30 + 2, torch.float64) * (terms + e.double().abs())  # the float64 sums' own rounding
+    assert (gap <= slack).all(), \
         f"lost {gap.max().item():.2e} (rounding allows {slack.max().item():.2e})"
     assert e.abs().sum() > 0, "sanity: the sign dropped something"
 
