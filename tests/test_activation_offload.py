@@ -3,6 +3,7 @@
 Checked against independent computations: gradients bitwise equal to a run without hooks and to
 ``torch.autograd.graph.save_on_cpu``; bytes moved equal to a plain counting pass over the same
 saved tensors (parameters recognised by storage address, not by type) and to the cost model.
+Every comparison is exact: offloading copies (exactly) and changes no arithmetic; bytes are counts.
 """
 import pytest
 import torch
@@ -138,7 +139,8 @@ def test_the_host_copy_is_a_snapshot_not_an_alias():
     g_off, off = grad(True)
     expected = torch.linspace(0.1, 1.0, 1000).cos()
     torch.testing.assert_close(g_off, expected, rtol=0, atol=0)
-    assert not torch.allclose(g_plain, expected)
+    # without offload backward reads the changed x: the gradient at x + 1, bit for bit (the same ops)
+    torch.testing.assert_close(g_plain, (torch.linspace(0.1, 1.0, 1000) + 1.0).cos(), rtol=0, atol=0)
     assert off.bytes_to_host == off.bytes_to_device == 1000 * 4
 
 

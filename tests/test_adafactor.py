@@ -1,7 +1,17 @@
 """Adafactor (Shazeer & Stern 2018): the same trajectory as ``torch.optim.Adafactor`` on a small GPT
 (2-D weights, 1-D biases and norms) plus a 3-D parameter; the paper's properties of the factored
 second moment; its state, measured by the memory meter, equal to ``costmodel.adafactor_state_bytes``
-and (r + c) per r x c matrix against Adam's 2*r*c."""
+and (r + c) per r x c matrix against Adam's 2*r*c.
+
+Tolerances (tests/_support.py). The trajectories against torch's Adafactor run in float64 and must be
+*bitwise* equal: ``memory/adafactor.py`` does torch's operations in torch's order (``mean_square`` is
+torch's norm-squared-over-n; the clipping scalar (‖U‖/√n)/d equals torch's ‖U‖/(√n·d) exactly for
+d a power of two, d = 1 and 2 here), on gradients the two identical models compute identically. The
+single-step checks run in float64 with the rounding of their few operations as the bound: a root mean
+square over n entries is within γ_n (Higham, a sum of n positive terms), a difference of two rounded
+numbers within u·(|a| + |b|). The factored estimate's row and column sums: at most four reductions of
+<= 7 positive terms chained, ``4·reorder_bound(7, sum)``. The memory tests count float32 bytes (the
+chapter's formulas) and compare no values."""
 import copy
 
 import pytest
@@ -13,6 +23,8 @@ from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.memory.adafactor import Adafactor, factored_second_moment
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
+
+from _support import close, float64, gamma, reorder_bound, roundoff
 
 pytestmark = pytest.mark.ch06
 
@@ -32,7 +44,7 @@ class WithTensor3(nn.Module):
     def forward(self, x, y):
         _, loss = self.gpt(x, y)
         # a second, batch-dependent term so the 3-D parameter gets a gradient that changes per step
-        extra = ((self.mix @ self.probe) - x.float().mean() / 32).square().mean()
+        extra = ((self.mix @ self.probe) - x.to(self.mix.dtype).mean() / 32).square().mean()
         return loss + extra
 
 
@@ -62,16 +74,18 @@ HYPER = [
 
 @pytest.mark.parametrize("hyper", HYPER, ids=["paper", "lr-wd", "eps-d-decay"])
 def test_same_trajectory_as_torch_adafactor(hyper):
-    ours_model = WithTensor3()
-    torch_model = copy.deepcopy(ours_model)
-    dims = {p.dim() for p in ours_model.parameters()}
-    assert {1, 2, 3} <= dims  # vectors (unfactored), matrices and a 3-D tensor (factored)
-    ours = _train(ours_model, Adafactor(ours_model.parameters(), **hyper))
-    ref = _train(torch_model, torch.optim.Adafactor(torch_model.parameters(), **hyper))
-    start = [p.detach() for p in WithTensor3().parameters()]
+    with float64():
+        ours_model = WithTensor3()
+        torch_model = copy.deepcopy(ours_model)
+        dims = {p.dim() for p in ours_model.parameters()}
+        assert {1, 2, 3} <= dims  # vectors (unfactored), matrices and a 3-D tensor (factored)
+        assert {p.dtype for p in ours_model.parameters()} == {torch.float64}
+        ours = _train(ours_model, Adafactor(ours_model.parameters(), **hyper))
+        ref = _train(torch_model, torch.optim.Adafactor(torch_model.parameters(), **hyper))
+        start = [p.detach() for p in WithTensor3().parameters()]
     for step, (a, b) in enumerate(zip(ours, ref)):
-        for pa, pb in zip(a, b):
-            torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-6, msg=lambda m: f"step {step + 1}: {m}")
+        for pa, pb in zip(a, b):  # bitwise: the same operations in the same order (module docstring)
+            torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=lambda m: f"step {step + 1}: {m}")
     moved = max((p - p0).abs().max().item() for p, p0 in zip(ours[-1], start))
     assert moved > 1e-3  # the comparison is not between two models that did not train
 
@@ -79,15 +93,16 @@ def test_same_trajectory_as_torch_adafactor(hyper):
 def test_state_is_torch_adafactor_state():
     """Same state names and shapes as torch's: torch trains 5 steps, its state dict is loaded into ours,
     and both continue on the same trajectory."""
-    model = WithTensor3()
-    torch_opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.01)
-    _train(model, torch_opt, steps=5)
-    twin = copy.deepcopy(model)
-    opt = Adafactor(twin.parameters(), lr=1e-2, weight_decay=0.01)
-    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # loading keeps the tensors: do not share them
-    a, b = _train(twin, opt, steps=4), _train(model, torch_opt, steps=4)
+    with float64():
+        model = WithTensor3()
+        torch_opt = torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.01)
+        _train(model, torch_opt, steps=5)
+        twin = copy.deepcopy(model)
+        opt = Adafactor(twin.parameters(), lr=1e-2, weight_decay=0.01)
+        opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))  # loading keeps the tensors: do not share
+        a, b = _train(twin, opt, steps=4), _train(model, torch_opt, steps=4)
     for pa, pb in zip(a[-1], b[-1]):
-        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)  # bitwise, as the trajectory above
     for p_ours, p_torch in zip(twin.parameters(), model.parameters()):
         ours, theirs = opt.state[p_ours], torch_opt.state[p_torch]
         assert sorted(ours) == sorted(theirs)
@@ -97,39 +112,47 @@ def test_state_is_torch_adafactor_state():
 def test_first_step_is_sign_descent_scaled_by_parameter_rms():
     """t = 1: beta2-hat_1 = 0, so V-hat = G² exactly for a vector, U = sign(G), RMS(U) = 1 (no clipping),
     and the step is alpha_1 = max(eps2, RMS(theta_0)) * min(lr, 1) (Shazeer & Stern §5, §7)."""
-    theta0 = torch.tensor([0.5, -2.0, 1.0, 3.0])
+    f64 = torch.float64
+    theta0 = torch.tensor([0.5, -2.0, 1.0, 3.0], dtype=f64)
     p = nn.Parameter(theta0.clone())
-    p.grad = torch.tensor([1e-3, -4.0, 0.25, -7.0])
+    p.grad = torch.tensor([1e-3, -4.0, 0.25, -7.0], dtype=f64)
     Adafactor([p], lr=1e-2).step()
     alpha = max(1e-3, (theta0.square().mean() ** 0.5).item()) * 1e-2
-    torch.testing.assert_close(p.detach(), theta0 - alpha * torch.sign(p.grad), rtol=0, atol=1e-7)
+    want = theta0 - alpha * torch.sign(p.grad)
+    # alpha: two RMS of 4 entries (each within γ_4, and a sqrt, a division, a product: 3u); then each
+    # side rounds its difference (u·|θ| + u·alpha)
+    u = roundoff(f64)
+    bound = alpha * (2 * gamma(4, f64) + 3 * u) + 2 * u * (theta0.abs().max().item() + alpha)
+    close(p.detach(), want, bound, "the first step")
 
 
 def test_factored_estimate_keeps_row_and_column_means():
     """§3: V-hat = R C^T / (1^T R) has exactly the row sums and column sums of V, and is V itself when V
     is rank 1."""
     torch.manual_seed(1)
-    V = torch.rand(3, 5, 7, dtype=torch.float64) + 0.1
+    f64 = torch.float64
+    V = torch.rand(3, 5, 7, dtype=f64) + 0.1
     R, C = V.mean(dim=-1, keepdim=True), V.mean(dim=-2, keepdim=True)
     v_hat = factored_second_moment(R, C, eps1=1e-30)
-    torch.testing.assert_close(v_hat.sum(dim=-1), V.sum(dim=-1))
-    torch.testing.assert_close(v_hat.sum(dim=-2), V.sum(dim=-2))
-    a, b = torch.rand(5, 1, dtype=torch.float64), torch.rand(1, 7, dtype=torch.float64)
+    for dim in (-1, -2):  # <= 4 chained reductions (R, C, mean(R), the sum) of <= 7 positive terms
+        want = V.sum(dim=dim)
+        close(v_hat.sum(dim=dim), want, 4 * reorder_bound(7, want, f64), f"sums along {dim}")
+    a, b = torch.rand(5, 1, dtype=f64), torch.rand(1, 7, dtype=f64)
     rank1 = a @ b
-    torch.testing.assert_close(factored_second_moment(rank1.mean(-1, keepdim=True),
-                                                      rank1.mean(-2, keepdim=True),
-                                                       1e-30), rank1)
+    got = factored_second_moment(rank1.mean(-1, keepdim=True), rank1.mean(-2, keepdim=True), 1e-30)
+    close(got, rank1, 4 * reorder_bound(7, rank1, f64), "rank 1")
 
 
 def test_update_clipping_caps_the_update_rms():
     """§4: with one huge gradient entry and a second moment that lags (built from tiny gradients), the
     unclipped update G/sqrt(V-hat) has RMS >> d; clipping makes the step's RMS alpha_t * d exactly."""
-    p = nn.Parameter(torch.ones(64))
+    f64 = torch.float64
+    p = nn.Parameter(torch.ones(64, dtype=f64))
     opt = Adafactor([p], lr=0.1, beta2_decay=-8.0, d=1.0)  # slow decay: V-hat lags a sudden G²
-    p.grad = torch.full((64,), 1e-3)
+    p.grad = torch.full((64,), 1e-3, dtype=f64)
     opt.step()  # t = 1: V = G² = 1e-6, theta = 1 - 0.1 = 0.9
     before = p.detach().clone()
-    p.grad = torch.full((64,), 1e-3)
+    p.grad = torch.full((64,), 1e-3, dtype=f64)
     p.grad[0] = 10.0
     opt.step()  # t = 2: 1 - beta2-hat = 2^-8, V-hat lags G² on entry 0
     rms_before = (before.square().mean() ** 0.5).item()
@@ -138,7 +161,11 @@ def test_update_clipping_caps_the_update_rms():
     w = 2 ** -8.0  # 1 - beta2-hat_2
     unclipped = p.grad / ((1 - w) * 1e-6 + w * p.grad.square()).sqrt()
     assert (unclipped.square().mean() ** 0.5).item() > 2  # the clip binds
-    assert (step.square().mean() ** 0.5).item() == pytest.approx(alpha * 1.0, rel=1e-5)
+    # three RMS of 64 entries (of θ, of U, of the step), each within γ_64; the step read back as a
+    # difference of the two weights, each rounded: u·(|before| + |after|) against its smallest entry
+    u = roundoff(f64)
+    rel = 3 * gamma(64, f64) + 2 * u * (before.abs().max() / step.abs().min()).item()
+    assert (step.square().mean() ** 0.5).item() == pytest.approx(alpha * 1.0, rel=rel)
 
 
 # --- memory: (r + c) per matrix against Adam's 2*r*c ---------------------------------------------

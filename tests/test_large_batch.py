@@ -1,7 +1,21 @@
 """Large-batch optimisers (ch01): LARS and LAMB against independent references and against
 torch's own SGD / Adam / AdamW where they coincide, the trust-ratio conventions, the
 scale invariance that is the point of layer-wise adaptation, the linear scaling rule, the
-warmup schedule, argument checking, and a short LAMB training run of the tiny GPT."""
+warmup schedule, argument checking, and a short LAMB training run of the tiny GPT.
+
+Tolerances (tests/_support.py: formula against formula). Everything is float64 and compares one
+algorithm written twice -- the optimizer against the paper's algorithm written out here, or against
+the torch optimizer it reduces to -- on fixed gradients (no model in the loop): the same arithmetic up
+to the order of a few operations. Per step and element at most ~20 operations and two norms of at most
+48 terms (γ_48 ≈ 5.3e-15, relative), with no amplification (trust ratios and Adam's m/√v are of order
+1, v >> eps here): over 6 steps at most ~6·(20u + 2γ_48) ≈ 8e-14 relative, so rtol 1e-12 (atol 1e-12
+for entries near 0) holds with room. Where a step is read back as a difference of weights (LAMB against
+AdamW's q - p; ‖Δw‖ against lr·‖w‖) cancellation costs a factor |w|/|Δw| <= 1/(lr·ratio) <= 1e3:
+rtol 1e-10 and 1e-9. Scaling a layer's gradients by 1e±4 rounds each (u) and the norms cancel the
+scale up to a few u per step: rtol 1e-9. Learning-rate rules and schedules are closed forms of a few
+operations (k·u ~ 1e-15), checked with pytest.approx's rel 1e-6 or abs 1e-12. The LAMB smoke run must
+close a fifth of the gap from its first loss to the corpus's entropy rate (the floor), computed.
+"""
 import io
 import math
 
@@ -378,7 +392,8 @@ def test_lamb_trains_the_tiny_gpt():
         opt.step()
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
-    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses  # ~4.16 -> ~3.1 (floor 1.71)
+    # it must close a fifth of the way from the first loss to the floor, the corpus's entropy rate
+    assert sum(losses[-5:]) / 5 < losses[0] - (losses[0] - corpus.entropy_rate) / 5, losses
     ratios = trust_ratios(opt, model)
     assert all(math.isfinite(r) and r > 0 for r in ratios.values())
     assert all(r != 1.0 for r in ratios.values())  # every tensor was adapted

@@ -20,10 +20,21 @@ missing rank file, a save killed half-way (the previous checkpoint intact), valu
 cannot hold. **Failure drill.** A rank SIGKILLed mid-step on 4 ranks, the job resumed on 3 from the
 last checkpoint, its loss curve the uninterrupted one.
 
-Tolerances: the parallel layouts sum the same products in another order (chapter 06): losses 2e-6,
-weights and moments atol 1e-6 / rtol 1e-5 after 5 AdamW steps. A checkpoint missing one step of
-Adam's moments, or read from the wrong elements, is off by 1e-3 or more.
+Tolerances (derived in tests/_support.py). Every training run is in float64 (``float64()`` around
+the ranks' work and the one-process runs; the checkpoints then hold float64, checked): the parallel
+layouts sum the same products in another order (chapter 06). The GPT: reductions of at most
+N = B·T = 128 terms (a weight gradient sums B·T rows; c_proj sums 4·16), GPT_DEPTH = 6·2 + 2 = 14
+chained: gradients within ``model_bound(n=128, depth=14, scale=max(1, |g|))`` ≈ 4.1e-10 (|g| the
+largest gradient the one-process run saw); after k AdamW steps (lr 3e-3, eps 1e-6) the weights within
+``adam_bound`` = k·lr·grad_err/eps ≈ 6.1e-6 at k = 5; the moments within grad_err (exp_avg, an average of
+gradients) and 2·|g|·grad_err (exp_avg_sq, of their squares), the step counts exactly; step s's loss
+within its own reductions' ``model_bound`` plus ``‖g‖₁ ·`` the weights' bound after s steps (first order).
+The MLP (6-12-12-3 on 8 rows: a 24-term mean, 4 reductions chained each way + 2): the same with
+``model_bound(n=24, depth=10)``. A checkpoint missing one step of Adam's moments (exp_avg off by
+(1-β1)·|g|, ~1e-3 of it), read from the wrong elements (weights off by |w| ~ 0.02), or a loader that
+lost a step (weights off by ~lr = 3e-3) is far outside.
 """
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -52,11 +63,15 @@ from minitorch_dist.resilience.placement import runs
 from minitorch_dist.resilience.trainers import Trainer, adamw, parse_layout
 from minitorch_dist.runtime.launch import RankError, launch
 
+from _support import adam_bound, case, close, float64, model_bound, run_cases
+
 pytestmark = [pytest.mark.ch13, pytest.mark.timeout(240)]
 
 CFG = GPTConfig.tiny(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 B, T, K0, K1 = 8, 16, 3, 2
-LOSS_ATOL, ATOL, RTOL = 2e-6, 1e-6, 1e-5
+N, GPT_DEPTH = B * T, 6 * CFG.n_layer + 2  # the longest reduction (B·T rows), the chained reductions
+MLP_N, MLP_DEPTH = 8 * 3, 2 * 4 + 2  # the MLP's mse mean over 8 rows x 3, its chained reductions
+LR, EPS = 3e-3, 1e-6  # trainers.adamw
 SAVED_AT_2 = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp")
 SAVED_AT_4 = ("zero3", "ddp", "dp2-tp2", "dp1-tp2-pp2")
 # (loading layout, world size, the checkpoint it reads): every loader reads another layout's checkpoint
@@ -68,50 +83,89 @@ LOADS_AT_4 = (("dp2-tp2", "zero3@4"), ("zero3", "pp@2"), ("dp1-tp2-pp2", "zero2@
 # --- the reference: one process, read from torch's own objects ---------------------------------------
 
 
+def _grad_sizes(model):
+    """After a backward: the largest gradient and the gradients' 1-norm."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return max(g.abs().max().item() for g in grads), sum(g.abs().sum().item() for g in grads)
+
+
+class _Bounds:
+    """The bounds on AdamW runs against one process whose gradients had these sizes (``grads``: per
+    step, the largest and the 1-norm): see the module docstring."""
+
+    def __init__(self, grads, n=N, depth=GPT_DEPTH):
+        self.n, self.depth = n, depth
+        self.gmax, self.g1 = max(g for g, _ in grads), [g1 for _, g1 in grads]
+        self.grad_err = model_bound(n=n, depth=depth, scale=max(1.0, self.gmax))
+
+    def weights(self, steps):
+        return adam_bound(steps=steps, lr=LR, grad_err=self.grad_err, eps=EPS)
+
+    def loss(self, s, loss):
+        """Step s's loss: its reductions reordered, and the weights' error after s steps via the gradient."""
+        own = model_bound(n=self.n, depth=self.depth, scale=max(1.0, abs(loss)))
+        return own + self.g1[s] * self.weights(s)
+
+    def of(self, key, steps):
+        """The bound on a checkpoint's tensor ``key`` after ``steps`` steps (None: exactly)."""
+        if key.endswith(".step"):
+            return None
+        if key.endswith(".exp_avg"):
+            return self.grad_err
+        if key.endswith(".exp_avg_sq"):
+            return 2 * max(1.0, self.gmax) * self.grad_err
+        return self.weights(steps)
+
+
 def _reference(steps):
-    trainer = Trainer("single", CFG, B, T)
-    losses = [trainer.step(s) for s in range(steps)]
-    dense = {f"model.{k}": p.detach().clone() for k, p in trainer.model.named_parameters()}
-    for k, p in trainer.model.named_parameters():
-        for key, v in trainer.opt.state[p].items():
-            dense[f"optim.state.{k}.{key}"] = v.detach().clone()
-    return losses, dense
+    with float64():
+        trainer, grads = Trainer("single", CFG, B, T), []
+        record = lambda: grads.append(_grad_sizes(trainer.model))  # noqa: E731 - after backward, before the step
+        losses = [trainer.step(s, between=record) for s in range(steps)]
+        dense = {f"model.{k}": p.detach().clone() for k, p in trainer.model.named_parameters()}
+        for k, p in trainer.model.named_parameters():
+            for key, v in trainer.opt.state[p].items():
+                dense[f"optim.state.{k}.{key}"] = v.detach().clone()
+        return losses, dense, _Bounds(grads)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    (losses, after_all), after_k0 = _reference(K0 + K1), _reference(K0)[1]
-    return {"losses": losses, "after_k0": after_k0, "after_all": after_all}
+    (losses, after_all, bounds), after_k0 = _reference(K0 + K1), _reference(K0)[1]
+    return {"losses": losses, "after_k0": after_k0, "after_all": after_all, "bounds": bounds}
 
 
 # --- what the ranks run --------------------------------------------------------------------------------
 
 
-def _save_layouts(root, layouts):
-    """Train each layout K0 steps from scratch and save it under ``root/<layout>@<n>``."""
+def _save_one(root, layout):
+    """Train ``layout`` K0 steps from scratch and save it under ``root/<layout>@<n>``."""
     n = dist.get_world_size() if dist.is_initialized() else 1
-    out = {}
-    for layout in layouts:
-        trainer = Trainer(layout, CFG, B, T)
-        losses = [trainer.step(s) for s in range(K0)]
-        handle = save(trainer.state(step=K0), Path(root) / f"{layout}@{n}")
-        out[layout] = {"losses": losses, "bytes": handle.bytes_written}
-    return out
+    trainer = Trainer(layout, CFG, B, T)
+    losses = [trainer.step(s) for s in range(K0)]
+    handle = save(trainer.state(step=K0), Path(root) / f"{layout}@{n}")
+    return {"losses": losses, "bytes": handle.bytes_written}
+
+
+def _save_layouts(root, layouts):
+    """Each layout saved (``_save_one``), a case of its own: one that fails fails only its tests."""
+    return run_cases({layout: functools.partial(_save_one, root, layout) for layout in layouts})
+
+
+def _resume_one(root, layout, src):
+    """Load the source checkpoint into ``layout``, train K1 steps, save as ``<layout>-from-<src>``."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    trainer = Trainer(layout, CFG, B, T)
+    state = trainer.state(step=0)
+    report = load(state, Path(root) / src)
+    losses = [trainer.step(s) for s in range(state["step"], K0 + K1)]
+    save(trainer.state(step=K0 + K1), Path(root) / f"{layout}@{n}-from-{src}")
+    return {"losses": losses, "copied": report.copied, "resharded": report.resharded, "start": state["step"]}
 
 
 def _resume(root, loads):
-    """Each (layout, source): load the source checkpoint, train K1 steps, save as ``<layout>-from-<src>``."""
-    n = dist.get_world_size() if dist.is_initialized() else 1
-    out = {}
-    for layout, src in loads:
-        trainer = Trainer(layout, CFG, B, T)
-        state = trainer.state(step=0)
-        report = load(state, Path(root) / src)
-        losses = [trainer.step(s) for s in range(state["step"], K0 + K1)]
-        save(trainer.state(step=K0 + K1), Path(root) / f"{layout}@{n}-from-{src}")
-        out[layout] = {"losses": losses, "copied": report.copied, "resharded": report.resharded,
-                       "start": state["step"]}
-    return out
+    """Each (layout, source) resumed (``_resume_one``), a case of its own."""
+    return run_cases({layout: functools.partial(_resume_one, root, layout, src) for layout, src in loads})
 
 
 def _torch_fsdp2(root):
@@ -178,43 +232,61 @@ def _mlp_run(path, start, stop, sharded, load_from=None):
 
 
 def _two_ranks(root):
-    out = {"saved": _save_layouts(root, SAVED_AT_2[1:])}
-    _mlp_run(f"{root}/mlp@2", 0, K0, sharded=True)
-    out["fsdp2"] = _torch_fsdp2(root)
-    return out
+    with float64():
+        out = {"saved": _save_layouts(root, SAVED_AT_2[1:])}
+        out.update(run_cases({"mlp": functools.partial(_mlp_run, f"{root}/mlp@2", 0, K0, sharded=True),
+                              "fsdp2": functools.partial(_torch_fsdp2, root)}))
+        return out
 
 
 def _two_ranks_again(root):
-    return _resume(root, LOADS_AT_2)
+    with float64():
+        return _resume(root, LOADS_AT_2)
 
 
 def _four_ranks(root):
-    return _save_layouts(root, SAVED_AT_4)
+    with float64():
+        return _save_layouts(root, SAVED_AT_4)
 
 
 def _four_ranks_again(root):
-    return _resume(root, LOADS_AT_4)
+    with float64():
+        return _resume(root, LOADS_AT_4)
 
 
 @pytest.fixture(scope="module")
 def runs_(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    out = {"single": _save_layouts(root, ["single"])}
-    out["two"] = launch(_two_ranks, 2, str(root))
-    out["four"] = launch(_four_ranks, 4, str(root))
-    out["two_again"] = launch(_two_ranks_again, 2, str(root))
-    out["four_again"] = launch(_four_ranks_again, 4, str(root))
-    out["single_again"] = _resume(root, [("single", "zero3@4")])
-    _mlp_run(f"{root}/mlp-from-2", K0, K0 + K1, sharded=False, load_from=f"{root}/mlp@2")
+    with float64():  # the one-process runs (the ranks set it themselves)
+        out = {"single": _save_layouts(root, ["single"])}
+        out["two"] = launch(_two_ranks, 2, str(root))
+        out["four"] = launch(_four_ranks, 4, str(root))
+        out["two_again"] = launch(_two_ranks_again, 2, str(root))
+        out["four_again"] = launch(_four_ranks_again, 4, str(root))
+        out["single_again"] = _resume(root, [("single", "zero3@4")])
+        _mlp_run(f"{root}/mlp-from-2", K0, K0 + K1, sharded=False, load_from=f"{root}/mlp@2")
     out["root"] = root
     yield out
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _assert_dense(got: dict, want: dict):
+def _assert_dense(got: dict, want: dict, bounds: _Bounds, steps: int):
+    """A checkpoint's tensors (float64, as trained) against one process's after ``steps`` steps."""
     assert sorted(got) == sorted(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=RTOL, msg=k)
+        assert got[k].dtype == want[k].dtype == torch.float64, (k, got[k].dtype, want[k].dtype)
+        bound = bounds.of(k, steps)
+        if bound is None:
+            assert torch.equal(got[k], want[k]), k
+        else:
+            close(got[k], want[k], bound, k)
+
+
+def _assert_losses(got, want, bounds, first=0):
+    """Step first + i's loss, for each i."""
+    assert len(got) == len(want)
+    for s, (a, b) in enumerate(zip(got, want, strict=True), start=first):
+        assert abs(a - b) <= bounds.loss(s, b), f"step {s}: loss {a} vs {b} (bound {bounds.loss(s, b):.3g})"
 
 
 # --- resharding: what was saved, and what a loader computes after it ------------------------------------
@@ -223,25 +295,27 @@ def _assert_dense(got: dict, want: dict):
 @pytest.mark.parametrize("name", [f"{x}@2" for x in SAVED_AT_2[1:]] + [f"{x}@4" for x in SAVED_AT_4]
                          + ["single@1"])
 def test_saved_state_equals_one_process(runs_, reference, name):
-    _assert_dense(read_dense(runs_["root"] / name), reference["after_k0"])
+    _assert_dense(read_dense(runs_["root"] / name), reference["after_k0"], reference["bounds"], K0)
 
 
-@pytest.mark.parametrize("case", [("two_again", x, "2") for x in LOADS_AT_2]
+@pytest.mark.parametrize("load_case", [("two_again", x, "2") for x in LOADS_AT_2]
                          + [("four_again", x, "4") for x in LOADS_AT_4]
                          + [("single_again", ("single", "zero3@4"), "1")],
                          ids=lambda c: f"{c[1][0]}@{c[2]}<-{c[1][1]}")
-def test_resumed_run_continues_the_uninterrupted_one(runs_, reference, case):
-    which, (layout, src), n = case
-    got = runs_[which][0][layout] if which != "single_again" else runs_[which][layout]
+def test_resumed_run_continues_the_uninterrupted_one(runs_, reference, load_case):
+    which, (layout, src), n = load_case
+    got = case(runs_[which][0] if which != "single_again" else runs_[which], layout)
     assert got["start"] == K0
-    torch.testing.assert_close(got["losses"], reference["losses"][K0:], atol=LOSS_ATOL, rtol=0)
-    _assert_dense(read_dense(runs_["root"] / f"{layout}@{n}-from-{src}"), reference["after_all"])
+    _assert_losses(got["losses"], reference["losses"][K0:], reference["bounds"], first=K0)
+    _assert_dense(read_dense(runs_["root"] / f"{layout}@{n}-from-{src}"), reference["after_all"],
+                  reference["bounds"], K0 + K1)
 
 
 def test_training_before_the_save_equals_one_process(runs_, reference):
-    for layout, got in runs_["two"][0]["saved"].items():
-        want = reference["losses"][:K0]
-        torch.testing.assert_close(got["losses"], want, atol=LOSS_ATOL, rtol=0, msg=layout)
+    saved = runs_["two"][0]["saved"]
+    assert sorted(saved) == sorted(SAVED_AT_2[1:])
+    for layout in saved:
+        _assert_losses(case(saved, layout)["losses"], reference["losses"][:K0], reference["bounds"])
 
 
 def test_pytorch_dcp_and_ours_hold_identical_tensors(runs_, reference):
@@ -249,23 +323,28 @@ def test_pytorch_dcp_and_ours_hold_identical_tensors(runs_, reference):
     assert ours.keys() == theirs.keys() == reference["after_k0"].keys()
     for k in ours:
         assert torch.equal(ours[k], theirs[k]), k
-    _assert_dense(ours, reference["after_k0"])
-    got = runs_["two"][0]["fsdp2"]["zero3"]  # our ZeRO-3 resumed from torch's DCP checkpoint
-    torch.testing.assert_close(got["losses"], reference["losses"][K0:], atol=LOSS_ATOL, rtol=0)
+    _assert_dense(ours, reference["after_k0"], reference["bounds"], K0)
+    got = case(case(runs_["two"][0], "fsdp2"), "zero3")  # our ZeRO-3 resumed from torch's DCP checkpoint
+    _assert_losses(got["losses"], reference["losses"][K0:], reference["bounds"], first=K0)
 
 
 def test_mlp_with_a_frozen_layer_reshards(runs_):
+    case(runs_["two"][0], "mlp")  # the save on 2 ranks ran
     saved, loaded = read_dense(runs_["root"] / "mlp@2"), read_dense(runs_["root"] / "mlp-from-2")
     assert "optim.state.net.0.weight.exp_avg" not in saved  # frozen: no optimizer state
-    torch.manual_seed(7)
-    model = _MLP()
-    opt = adamw([p for p in model.parameters() if p.requires_grad])
-    for s in range(K0 + K1):
-        opt.zero_grad()
-        model(*_mlp_batch(s)).backward()
-        opt.step()
+    with float64():
+        torch.manual_seed(7)
+        model, grads = _MLP(), []
+        opt = adamw([p for p in model.parameters() if p.requires_grad])
+        for s in range(K0 + K1):
+            opt.zero_grad()
+            model(*_mlp_batch(s)).backward()
+            grads.append(_grad_sizes(model))
+            opt.step()
+    bound = _Bounds(grads, MLP_N, MLP_DEPTH).weights(K0 + K1)
     for k, p in model.named_parameters():
-        torch.testing.assert_close(loaded[f"model.{k}"], p.detach(), atol=ATOL, rtol=RTOL, msg=k)
+        assert loaded[f"model.{k}"].dtype == torch.float64, k
+        close(loaded[f"model.{k}"], p.detach(), bound, k)
 
 
 # --- mechanism ------------------------------------------------------------------------------------------
@@ -460,15 +539,21 @@ def test_placement_positions_cuts_and_flat_runs():
 
 
 def test_a_rank_killed_mid_step_is_survived_on_fewer_ranks(tmp_path, reference):
-    cfg_steps, every = 8, 3
-    run = run_elastic(lambda n: "zero3", [4, 3], CFG, 12, T, cfg_steps, every, tmp_path, fail=Failure(2, 5))
+    cfg_steps, every, batch = 8, 3, 12
+    with float64():  # the ranks are forked: they inherit it (the checkpoint's dtype below shows it)
+        run = run_elastic(lambda n: "zero3", [4, 3], CFG, batch, T, cfg_steps, every, tmp_path,
+                          fail=Failure(2, 5))
     first, second = run.attempts
     assert (first.world_size, first.failed_rank, second.world_size, second.failed_rank) == (4, 2, 3, None)
     assert first.error == "rank 2 died without reporting a result: killed by signal SIGKILL (9)."
     lost = run.lost_work()[0]
     assert lost["resumed_from"] == 3 and lost["steps_redone"] == 3  # steps 3, 4 done again, 5 in progress
     assert lost["compute_lost_s"] > 0 and lost["restart_s"] > 0
-    trainer = Trainer("single", CFG, 12, T)
-    want = [trainer.step(s) for s in range(cfg_steps)]
+    assert all(t.dtype == torch.float64 for t in read_dense(latest_checkpoint(tmp_path)[1]).values()
+               if t.is_floating_point())
+    with float64():
+        trainer, grads = Trainer("single", CFG, batch, T), []
+        record = lambda: grads.append(_grad_sizes(trainer.model))  # noqa: E731 - after backward
+        want = [trainer.step(s, between=record) for s in range(cfg_steps)]
     got = run.losses()
-    torch.testing.assert_close([got[s] for s in range(cfg_steps)], want, atol=LOSS_ATOL, rtol=0)
+    _assert_losses([got[s] for s in range(cfg_steps)], want, _Bounds(grads, n=batch * T))
