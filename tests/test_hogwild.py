@@ -33,7 +33,7 @@ from minitorch_dist.parallelism.hogwild import (
     sparse_problem,
 )
 
-from _support import close, float64, gamma, roundoff
+from _support import close, gamma, roundoff
 
 pytestmark = pytest.mark.ch02
 
@@ -84,7 +84,7 @@ def test_optimum_matches_lstsq(sparse, dense):
 
 def test_serial_run_is_plain_sgd_and_reproducible(sparse, serial):
     # independent reference: textbook SGD with dense rows, same visiting order, γ·β^epoch; in float64,
-    # on a float64 copy of the problem (run_hogwild's x takes the default dtype, the rows their own)
+    # on a float64 copy of the problem (run_hogwild's x takes the problem's dtype)
     small = sparse_problem(n_features=200, density=0.05, seed=3)
     small = dataclasses.replace(small, val=small.val.double(), b=small.b.double())
     A, b = _dense_rows(small), small.b
@@ -94,8 +94,7 @@ def test_serial_run_is_plain_sgd_and_reproducible(sparse, serial):
             r = A[i] @ x - b[i]
             x -= LR * 0.8 ** epoch * r * A[i]
             x_max, r_max, updates = max(x_max, x.abs().max().item()), max(r_max, abs(r.item())), updates + 1
-    with float64():
-        one = run_hogwild(small, 1, epochs=3, lr=LR, seed=7)
+    one = run_hogwild(small, 1, epochs=3, lr=LR, seed=7)
     assert one["x"].dtype == torch.float64
     k = small.idx.shape[1]
     close(one["x"], x, _sgd_rounding(k, updates, LR, x_max, r_max, b.abs().max().item()), "textbook SGD")

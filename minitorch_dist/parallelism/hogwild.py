@@ -237,10 +237,10 @@ def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.
     ctx = mp.get_context(start_method)
     d = problem.n_features
     shared = dict(  # host tensors in shared memory: every process reads and writes the same pages
-        x=torch.zeros(d).share_memory_(),  # (d,) the model
+        x=problem.val.new_zeros(d).share_memory_(),  # (d,) the model, in the problem's dtype
         version=torch.zeros(d, dtype=torch.int64).share_memory_(),  # (d,) per-coordinate write stamps
         stats=torch.zeros(n_procs, 6 + epochs, dtype=torch.float64).share_memory_(),  # (P, 6 + epochs)
-        snaps=torch.zeros(epochs + 1, d).share_memory_(),  # (epochs + 1, d) process 0's x after each epoch
+        snaps=problem.val.new_zeros(epochs + 1, d).share_memory_(),  # (epochs + 1, d) process 0's x per epoch
     )
     cfg = dict(epochs=epochs, lr=lr, decay=decay, seed=seed, track_conflicts=track_conflicts,
                fail_rank=fail_rank)

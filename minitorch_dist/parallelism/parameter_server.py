@@ -203,7 +203,8 @@ class _Shard:
             if c - server_clock <= self.cfg.bound:
                 self.events.append(("reply", w, c))
                 comm.record("send", 8 * _HDR, 2, torch.int64, (_HDR,))             # header, then values
-                comm.record("send", 4 * self.x.numel(), 2, torch.float32, tuple(self.x.shape))
+                x = self.x
+                comm.record("send", x.element_size() * x.numel(), 2, x.dtype, tuple(x.shape))
                 self.in_flight += [dist.isend(_header(self.version, server_clock), src, tag=TAG_REPLY),
                                    dist.isend(self.x.clone(), src, tag=TAG_VALUES)]
             else:
@@ -260,7 +261,7 @@ def _pull(cfg, ranges, w, c):
         h.wait()
     for h, v in zip(hdrs, vals):          # metered once they have arrived, as a blocking recv is
         comm.record("recv", 8 * _HDR, 2, h.dtype, tuple(h.shape))
-        comm.record("recv", 4 * v.numel(), 2, v.dtype, tuple(v.shape))
+        comm.record("recv", v.element_size() * v.numel(), 2, v.dtype, tuple(v.shape))
     return torch.cat(vals), [(int(h[0]), int(h[1])) for h in hdrs]  # n_servers x (hi - lo,) -> (n_params,)
 
 

@@ -106,6 +106,8 @@ class OffloadedOptimizer:
         # Pinned (page-locked) host memory lets the DMA engine copy without a staging buffer.
         pin = shard.is_cuda
         n = shard.numel()
+        # fp32 master weights for 16-bit shards (mixed precision), the shard's own dtype if wider
+        dtype = torch.promote_types(shard.dtype, torch.float32)
         if where == "disk":
             parent = os.fspath(directory) if directory is not None else None
             if parent is not None and not os.path.isdir(parent):
@@ -113,13 +115,13 @@ class OffloadedOptimizer:
             # A private sub-folder: close() may delete it whole without touching the caller's files.
             self.directory = tempfile.mkdtemp(prefix="mtd-offload-", dir=parent)
             self._finalizer = weakref.finalize(self, _remove_dir, self.directory)
-            master = self._mapped("master", n, torch.float32)
+            master = self._mapped("master", n, dtype)
         else:
             self._finalizer = None
-            master = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+            master = torch.empty(n, dtype=dtype, pin_memory=pin)
         master.copy_(shard.detach())
         self.master = torch.nn.Parameter(master)  # shares master's storage (the file, for disk)
-        self._grad = torch.empty(n, dtype=torch.float32, pin_memory=pin)  # host landing buffer
+        self._grad = torch.empty(n, dtype=dtype, pin_memory=pin)  # host landing buffer
         self.optimizer = optimizer_factory([self.master])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, "
