@@ -1,6 +1,9 @@
 """costmodel.compression: the payload formulas against what the compressors really put on the wire
 (``Payload.nbytes`` of a real ``compress``), PowerSGD's compress test against its implementation, and
-the reduction time against the ring model's all-reduce and all-gather."""
+the reduction time against the ring model's all-reduce and all-gather.
+
+Tolerances: payload bytes are integers, compared exactly; a time is a few float64 operations against
+the same written out here (pytest.approx's default rel 1e-6 >> k·u)."""
 import math
 
 import pytest

@@ -2,7 +2,13 @@
 a message-by-message traffic table (Li et al. 2014 §3), ring all-reduce from a simulated ring,
 BytePS's optimal split (Jiang et al. 2020 §4.1, Theorem 1) against a search over every split, and
 HOGWILD!'s Ω, Δ, ρ (Recht et al. 2011 §2) and conflict probability by brute force over small
-supports. The measured side is in test_parameter_server.py and test_hogwild.py."""
+supports. The measured side is in test_parameter_server.py and test_hogwild.py.
+
+Tolerances: traffic tables are integers and the search uses exact fractions; float results are a few
+float64 operations (rel 1e-12, or 1e-6 where a share is turned into a fraction with denominators up
+to 1e6); the BytePS optimum must come within the search grid's resolution (1e-3). HOGWILD!'s conflict
+probability against its sparse approximation (p - 1)ω²/d: the next term is O((pω²/d)²), 1e-3 relative
+for ω = 3, d = 1e5, p = 4."""
 import itertools
 import math
 from fractions import Fraction

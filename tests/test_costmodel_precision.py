@@ -1,7 +1,10 @@
 """Chapter 08's number formats, checked against torch: the ranges derived from the bit layout
 against torch.finfo and against every bit pattern of the 16- and 8-bit formats; rounding,
 underflow fractions and lost updates against torch's own casts and fp16 / bf16 arithmetic; the
-loss scale of Micikevicius et al. 2018 §3.2 against what casting the scaled gradients does."""
+loss scale of Micikevicius et al. 2018 §3.2 against what casting the scaled gradients does.
+
+Tolerances: format constants and casts are compared exactly (they are exact binary numbers); fractions
+of counted elements are ratios of integers, equal up to the division's rounding (abs 1e-12)."""
 import math
 
 import pytest

@@ -6,6 +6,12 @@ his expected run time is least near it. The simulation of :mod:`minitorch_dist.r
 (Poisson failures that also strike saves and restarts) agrees with that expected run time within a few
 standard errors, and its best interval lies where the formulas say. Llama 3's figures: 419
 interruptions in 54 days, one every 3.09 hours.
+
+Tolerances. Daly's figures are read off his plots to the digits printed (117 and 57 min to 0.5, 9.1
+to 0.05). A grid's minimiser is the formula's to the grid's step (Young: 0.5 s) or to Daly's own
+accuracy as an estimate of the optimum (1%); at C/M = 1e-6 Daly and Young differ by
+√(C/2M)/3 + C/τ < 1e-3 (rel 0.01). The simulation is held to 4 standard errors, computed from its
+jobs; formulas against formulas by pytest.approx's default rel 1e-6 >> k·u.
 """
 import math
 

@@ -1,7 +1,10 @@
 """Chapter 06's formulas, each derived again here from what it counts: ZeRO per-device memory with any
 precision (Rajbhandari et al. 2020 §5), ZeRO's Table 1 against the numbers the paper prints, bytes on
 the wire per stage (§7), offload traffic (ZeRO-Offload §3, ZeRO-Infinity §4), and Adam vs Adafactor
-state (Shazeer & Stern 2018 §3). The measured side is in test_zero*.py, test_fsdp.py, test_adafactor.py."""
+state (Shazeer & Stern 2018 §3). The measured side is in test_zero*.py, test_fsdp.py, test_adafactor.py.
+
+Tolerances: formulas against the same counts summed here, a handful of float64 operations: rel 1e-12
+>> k·u; the paper's Table 1 to the digits it prints."""
 import math
 
 import pytest

@@ -12,6 +12,11 @@ sends and the DP reduce-scatter / all-gather equal their formulas exactly, and t
 the TP layers' formula plus what the costmodel leaves out: the embedding's or output layer's f/g,
 the vocabulary-parallel loss's three all-reduces of b·s on the last stage, and ZeRO's one byte per
 tensor. Bad input is refused by the checks alone (no process group), with the fix named.
+
+Tolerances. Bytes and call counts are integers, compared exactly; pytest.approx's default rel 1e-6
+compares sums of a few float64 byte formulas (k·u ~ 1e-14). The 175B run's parameter and optimizer
+bytes differ from the formula by the flat buffers' padding to a multiple of the data-parallel degree,
+at most d elements per buffer: below 1e-6 of ~1e9 bytes per rank.
 """
 from __future__ import annotations
 

@@ -7,6 +7,29 @@ tiles of 16 force several tiles, lengths such as 37 and 50 leave ragged ones, an
 causal top-left alignment. The interpreter's default tiles are 32 (the autograd path uses them).
 One test compiles every kernel for an H100 without one; the `gpu` test runs long sequences in
 fp16 / bf16 and skips with a reason on CPU machines.
+
+Tolerances (tests/_support.py's model: each fp32 operation exact times (1 + δ), |δ| <= u = 2^-24, a
+sum or dot product of n terms within γ_n of Σ|terms|). The kernels take fp32 or fp16 (no float64)
+and accumulate in fp32; the reference is float64 (its own error, ~2^-53 of the same sums, is far below
+these bounds), so each bound is one fp32 evaluation's, computed element by element in float64 from
+the inputs (``_attention_bounds``, first order):
+
+* a score s = c q·k: γ_{D+3} of c |q|·|k| (the dot, the scale rounded and applied, base 2); E is a
+  row's largest such error, which moves every exp(s - m) and the normaliser alike;
+* the online softmax over Sk keys in nt tiles of block_n: the row sum, a rescaling (exp, multiply)
+  and an add per tile, the rounding of s - m (u of the row's range R of scores per rescaling chain):
+  γ_{Sk + 7 nt + 10} + 3u·R relative, and 2E for P / ℓ; fp16 inputs round P to fp16 for P V (u_16);
+* O = Σ P v / ℓ: (P|v|)·(that + γ_{Sk + 2 nt + 4}); lse = m + log ℓ: E + the sum's relative error +
+  8u (|lse| + |log ℓ|) (the log, the base changes);
+* backward: P recomputed from q, k and lse (their errors, the exp, the fp16 cast), dP = dO·v (γ_D),
+  D = rowsum(dO ∘ O) (the kernel's O error, γ_D), dS = P (dP - D); dV = P^T dO, dQ = c dS K and
+  dK = c dS^T Q sum Sq or Sk terms (γ_{n+2}), with every error above carried in; grouped-query heads
+  add their group's sums.
+
+An fp16 output adds its rounding, u_16 (|value| + its error) and u_16 times the smallest normal below.
+Where the same kernel reads the same values in the same order (a transposed view against its
+contiguous copy) the result is bitwise equal. A kernel that drops a rescaling, masks the wrong keys,
+or forgets D or the scale is off by far more than these bounds, at most ~1e-5 of the values.
 """
 import importlib.util
 import os
@@ -28,10 +51,12 @@ from minitorch_dist.kernels.flash_attention import (  # noqa: E402
     flash_attention_forward,
 )
 
+from _support import gamma, roundoff  # noqa: E402
+
 pytestmark = [pytest.mark.ch11, pytest.mark.timeout(120)]
 DEV = _runtime.default_device()
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
-GRAD_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+U = roundoff(torch.float32)
+DEFAULT_TILE = 32  # the interpreter's default block_m, block_n (the autograd path uses them)
 
 
 def qkv(seed, B, H, Sq, Sk, D, H_kv=None, dtype=torch.float32):
@@ -56,8 +81,89 @@ def reference(q, k, v, causal=False, scale=None, do=None):
     return o.detach(), lse.detach(), grads
 
 
-def close(a, b, atol, rtol):
-    torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol)
+def g32(k):
+    return gamma(k, torch.float32)
+
+
+def within(got, want, bound, where=""):
+    """|got - want| <= bound, element by element; equal infinities agree."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    bound = torch.as_tensor(bound, dtype=torch.float64).cpu()
+    diff = torch.where(got == want, 0.0, (got - want).abs())
+    bad = ~(diff <= bound)
+    if bad.any():
+        raise AssertionError(f"{where}: {int(bad.sum())} of {got.numel()} elements beyond the bound; worst "
+                             f"by {(diff - bound)[bad].max().item():.3g} (derived in the module docstring)")
+
+
+def _rounded(value, err, dtype):
+    """What storing a result in ``dtype`` adds (nothing for fp32 and float64 results)."""
+    if dtype in (torch.float32, torch.float64):
+        return 0.0
+    return roundoff(dtype) * (value.abs() + err + torch.finfo(dtype).smallest_normal)
+
+
+def _attention_bounds(q, k, v, causal, scale=None, do=None, *, acc=torch.float32, cast=True,
+                      block_n=DEFAULT_TILE, merged=False, evaluations=1):
+    """Error bounds, element by element, of a tiled attention's o, lse and (with ``do``) dq, dk, dv
+    computed in ``acc`` from q, k, v (see the module docstring), against the exact values; times
+    ``evaluations`` when the reference is itself computed in ``acc``. ``cast``: P and dS are rounded
+    to the inputs' dtype before their products (this kernel's fp16 path). ``merged``: o and lse
+    merged from key blocks (ring attention), each block's lse error moving the merge's weights."""
+    dtype, u = q.dtype, roundoff(acc)
+    g = lambda n: gamma(n, acc)  # noqa: E731
+    uh = roundoff(dtype) if cast and dtype not in (torch.float32, torch.float64) else 0.0
+    q, k, v = (x.detach().double().cpu() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    D, Sq, Sk = q.shape[-1], q.shape[-2], k.shape[-2]
+    c = D ** -0.5 if scale is None else scale
+    visible = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal:
+        visible = visible.tril()
+    s = (c * q @ k.transpose(-1, -2)).masked_fill(~visible, -torch.inf)
+    e_s = torch.where(visible, g(D + 3) * c * (q.abs() @ k.abs().transpose(-1, -2)), 0.0)
+    seen = visible.any(-1, keepdim=True)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    lse0 = torch.where(seen, lse, 0.0)
+    p = torch.where(seen, torch.exp(s - lse0), 0.0)
+    big = e_s.amax(-1, keepdim=True)
+    hi = torch.where(visible, s, -torch.inf).amax(-1, keepdim=True)
+    lo = torch.where(visible, s, torch.inf).amin(-1, keepdim=True)
+    spread = torch.where(seen, hi - lo, 0.0)
+    nt = -(-Sk // block_n) if Sk else 0
+    rel_l = g(Sk + 7 * nt + 10) + 3 * u * spread
+    e_lse = big + rel_l + 8 * u * (lse0.abs() + (lse0 - torch.where(seen, hi, 0.0)).abs())
+    rel_p = 2 * big + rel_l + uh
+    if merged:  # each block's weight exp(lse_i - lse): both lse's errors, the exp, the logaddexp
+        e_lse = e_lse + 8 * u * lse0.abs()
+        rel_p = rel_p + 2 * e_lse + 8 * u * spread
+    o = p @ v
+    e_o = (p @ v.abs()) * (rel_p + g(Sk + 2 * nt + 4))
+    e_o = e_o + _rounded(o, e_o, dtype)  # what the output (and the backward's D) holds
+    n = evaluations
+    out = dict(o=n * e_o, lse=n * torch.where(seen, e_lse, 0.0)[..., 0])
+    if do is None:
+        return out
+    do = do.detach().double().cpu()
+    e_delta = (do.abs() * e_o).sum(-1, keepdim=True) + g(D) * (do.abs() * o.abs()).sum(-1, keepdim=True)
+    rel_pb = e_s + e_lse + 6 * u * ((torch.where(visible, s, 0.0) - lse0).abs() + lse0.abs()) + 4 * u + uh
+    rel_pb = torch.where(visible, rel_pb, 0.0)
+    mag = do.abs() @ v.abs().transpose(-1, -2) + (do.abs() * o.abs()).sum(-1, keepdim=True)  # |dP - D|
+    e_dp = g(D) * (do.abs() @ v.abs().transpose(-1, -2))
+    e_ds = p * (rel_pb * mag + e_dp + e_delta + (g(2) + uh) * mag)
+    pa = p * mag  # |dS|
+    e_dv = (p * rel_pb).transpose(-1, -2) @ do.abs() + g(Sq * group + 1) * (p.transpose(-1, -2) @ do.abs())
+    e_dq = c * (e_ds @ k.abs() + g(Sk + 2) * (pa @ k.abs()))
+    e_dk = c * (e_ds.transpose(-1, -2) @ q.abs() + g(Sq * group + 2) * (pa.transpose(-1, -2) @ q.abs()))
+    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    dq, dk, dv = c * ds @ k, c * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
+    if group > 1:  # each kv head: the sum over its group's query heads
+        fold = lambda t: t.unflatten(1, (-1, group)).sum(2)  # noqa: E731
+        e_dk, e_dv, dk, dv = fold(e_dk), fold(e_dv), fold(dk), fold(dv)
+    out.update(dq=n * (e_dq + _rounded(dq, e_dq, dtype)), dk=n * (e_dk + _rounded(dk, e_dk, dtype)),
+               dv=n * (e_dv + _rounded(dv, e_dv, dtype)), delta=n * e_delta[..., 0])
+    return out
 
 
 def max_err(a, b):
@@ -87,8 +193,9 @@ def test_forward_fp32_equals_sdpa_and_logsumexp(shape, causal):
     ref_o, ref_lse, _ = reference(q, k, v, causal)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == (B, H, Sq) and lse.dtype == torch.float32
-    close(o, ref_o, **TOL[torch.float32])
-    close(lse, ref_lse, **TOL[torch.float32])
+    bound = _attention_bounds(q, k, v, causal, block_n=bn or DEFAULT_TILE)
+    within(o, ref_o, bound["o"], "o")
+    within(lse, ref_lse, bound["lse"], "lse")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -99,16 +206,18 @@ def test_forward_fp16_equals_sdpa_of_the_fp16_inputs(shape, causal):
     o, lse = flash_attention_forward(q, k, v, causal=causal, block_m=bm, block_n=bn)
     ref_o, ref_lse, _ = reference(q, k, v, causal)
     assert o.dtype == torch.float16 and lse.dtype == torch.float32
-    close(o, ref_o, **TOL[torch.float16])
-    close(lse, ref_lse, **TOL[torch.float16])
+    bound = _attention_bounds(q, k, v, causal, block_n=bn or DEFAULT_TILE)
+    within(o, ref_o, bound["o"], "o")
+    within(lse, ref_lse, bound["lse"], "lse")
 
 
 def test_scale_argument_replaces_the_default():
     q, k, v = qkv(3, 1, 2, 20, 30, 32)
     o, lse = flash_attention_forward(q, k, v, causal=True, scale=0.3)
     ref_o, ref_lse, _ = reference(q, k, v, causal=True, scale=0.3)
-    close(o, ref_o, atol=1e-5, rtol=1e-5)
-    close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    bound = _attention_bounds(q, k, v, True, scale=0.3)
+    within(o, ref_o, bound["o"], "o")
+    within(lse, ref_lse, bound["lse"], "lse")
 
 
 def test_rows_that_see_no_key_get_zero_output_and_minus_infinity_lse():
@@ -139,10 +248,11 @@ def test_gradients_through_autograd_equal_sdpa(shape, dtype, causal):
     q, k, v = qkv(5, *shape, dtype=dtype)
     o, do, grads = _grads(q, k, v, causal)
     ref_o, _, ref_grads = reference(q, k, v, causal, do=do)
-    close(o, ref_o, **TOL[dtype])
+    bound = _attention_bounds(q, k, v, causal, do=do)
+    within(o, ref_o, bound["o"], "o")
     for name, got, want in zip("qkv", grads, ref_grads):
         assert got.dtype == dtype, name
-        close(got, want, **GRAD_TOL[dtype])
+        within(got, want, bound["d" + name], "d" + name)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -154,11 +264,13 @@ def test_backward_with_forced_tiles(block_m, block_n, causal):
     o, lse = flash_attention_forward(q, k, v, causal, block_m=block_m, block_n=block_n)
     do = torch.randn_like(o)
     delta = flash_attention_delta(o, do)
-    close(delta, (do.double() * o.double()).sum(-1), atol=1e-5, rtol=1e-5)
+    terms = do.double() * o.double()
+    within(delta, terms.sum(-1), g32(o.shape[-1]) * terms.abs().sum(-1), "delta")  # the same o: its sum only
     grads = flash_attention_backward(q, k, v, do, lse, delta, causal, block_m=block_m, block_n=block_n)
     _, _, ref_grads = reference(q, k, v, causal, do=do)
-    for got, want in zip(grads, ref_grads):
-        close(got, want, atol=1e-5, rtol=1e-5)
+    bound = _attention_bounds(q, k, v, causal, do=do, block_n=block_n)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        within(got, want, bound["d" + name], "d" + name)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -168,11 +280,12 @@ def test_grouped_query_attention_equals_repeated_kv(H_kv, causal):
     o, do, grads = _grads(q, k, v, causal)
     _, lse = flash_attention_forward(q, k, v, causal)
     ref_o, ref_lse, ref_grads = reference(q, k, v, causal, do=do)
-    close(o, ref_o, atol=1e-5, rtol=1e-5)
-    close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    bound = _attention_bounds(q, k, v, causal, do=do)
+    within(o, ref_o, bound["o"], "o")
+    within(lse, ref_lse, bound["lse"], "lse")
     assert grads[1].shape == k.shape and grads[2].shape == v.shape  # summed over each group's query heads
-    for got, want in zip(grads, ref_grads):
-        close(got, want, atol=1e-5, rtol=1e-5)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        within(got, want, bound["d" + name], "d" + name)
 
 
 def test_transposed_and_strided_inputs_are_read_in_place():
@@ -183,14 +296,14 @@ def test_transposed_and_strided_inputs_are_read_in_place():
     assert not q.is_contiguous()
     o_t, do, grads_t = _grads(q, k, v, causal=True)
     o_c, _, grads_c = _grads(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
-    torch.testing.assert_close(o_t, o_c, atol=1e-6, rtol=1e-6)
+    assert torch.equal(o_t, o_c)  # the same values, read in the same order: bitwise
     for a, b in zip(grads_t, grads_c):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert torch.equal(a, b)
     # A head dimension with stride 2 (every other column of a wider tensor) works too.
     wide = torch.randn(1, 2, 21, 64, generator=g).to(DEV)
     o, _ = flash_attention_forward(wide[..., ::2], wide[..., ::2], wide[..., 1::2])
     ref, _, _ = reference(wide[..., ::2], wide[..., ::2], wide[..., 1::2])
-    close(o, ref, atol=1e-5, rtol=1e-5)
+    within(o, ref, _attention_bounds(wide[..., ::2], wide[..., ::2], wide[..., 1::2], False)["o"], "o")
 
 
 # --- backward with an external lse and delta: how ring attention uses it ---------------------------
@@ -220,9 +333,10 @@ def test_backward_with_merged_lse_and_delta_gives_each_blocks_share(causal):
     merged = [_merge([fwd[i, j] for j in range(2) if (i, j) in fwd]) for i in range(2)]
     o = torch.cat([m[0] for m in merged], dim=2)
     ref_o, ref_lse, _ = reference(q, k, v, causal)
-    close(o, ref_o, atol=1e-5, rtol=1e-5)
-    close(torch.cat([m[1] for m in merged], dim=2), ref_lse, atol=1e-5, rtol=1e-5)
     do = torch.randn_like(o)
+    bound = _attention_bounds(q, k, v, causal, do=do, block_n=16, merged=True)
+    within(o, ref_o, bound["o"], "merged o")
+    within(torch.cat([m[1] for m in merged], dim=2), ref_lse, bound["lse"], "merged lse")
     _, _, ref_grads = reference(q, k, v, causal, do=do)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for i, j, c in blocks:
@@ -232,8 +346,8 @@ def test_backward_with_merged_lse_and_delta_gives_each_blocks_share(causal):
         dq[:, :, chunks[i]] += gq
         dk[:, :, chunks[j]] += gk
         dv[:, :, chunks[j]] += gv
-    for got, want in zip((dq, dk, dv), ref_grads):
-        close(got, want, atol=1e-5, rtol=1e-5)
+    for name, got, want in zip("qkv", (dq, dk, dv), ref_grads):  # (+ one add per block: in γ_{n+2})
+        within(got, want, bound["d" + name], "d" + name)
 
 
 # --- bad input is refused with the fix -------------------------------------------------------------
@@ -345,7 +459,8 @@ assert ".target sm_90" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).
 def test_long_sequences_on_the_gpu_are_as_accurate_as_sdpa(dtype, D, causal):
     # At S = 1024 in fp16 / bf16 the rounding of the inputs' precision dominates: as in the
     # FlashAttention repository's tests, the kernels' error against float64 must stay within twice
-    # that of PyTorch's own SDPA in the same dtype (plus a little).
+    # that of PyTorch's own SDPA in the same dtype, plus one rounding of the result to the dtype
+    # (u·max|exact|: where SDPA's own error happens to be smaller than the output's rounding).
     q, k, v = qkv(11, 2, 4, 1024, 1024, D, dtype=dtype)
     o, do, grads = _grads(q, k, v, causal)
     ref_o, _, ref_grads = reference(q, k, v, causal, do=do)
@@ -354,4 +469,5 @@ def test_long_sequences_on_the_gpu_are_as_accurate_as_sdpa(dtype, D, causal):
     sdpa_grads = torch.autograd.grad(sdpa_o, (ql, kl, vl), do)
     for name, ours, theirs, exact in zip(["o", "dq", "dk", "dv"], (o, *grads), (sdpa_o, *sdpa_grads),
                                          (ref_o, *ref_grads)):
-        assert max_err(ours, exact) <= 2 * max_err(theirs, exact) + 1e-3, name
+        floor = roundoff(dtype) * exact.abs().max().item()
+        assert max_err(ours, exact) <= 2 * max_err(theirs, exact) + floor, name

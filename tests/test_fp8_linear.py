@@ -5,9 +5,16 @@ Expected values: float64 GEMMs of operands quantised here by each recipe's rules
 themselves are checked against hand computations in ``tests/test_fp8.py``); bf16 autocast's losses on
 the same weights, batches and optimizer.
 
-Tolerances. GEMMs emulated in fp32 against float64 on the same fp8 values: rtol 1e-5. fp8 training
-against bf16 over 15 steps of the tiny GPT: within 1% of bf16's loss at every step and 0.5% over the
-last five (measured: at most 0.15% and 0.06%; DeepSeek-V3 reports < 0.25% at scale).
+Tolerances (derived in tests/_support.py). Each GEMM is emulated in fp32 on the fp8 operands
+(K-block products, the division by the scales, the promotions, the bias: at most K + 5 operations
+counting the reference's dequantising divisions) against float64 on the same dequantised values:
+``reorder_bound(K + 5, |A| @ |B|^T + |b|)``, K = 40 (y), 24 (dX), 15 (dW, db: the rows). fp8 against
+the exact fp32 Linear: at least far above float32's rounding (1e-4 >> γ_40 ~ 2.4e-6), at most what
+the operands' own quantisation errors allow, ``(‖Δx‖·‖W_q‖ + ‖x‖·‖ΔW‖) / ‖y‖`` (Frobenius norms,
+computed here). fp8 training against bf16 over 15 steps of the tiny GPT (the chapter's claim, after
+DeepSeek-V3): the curves differ by less than what one optimizer step makes, at every step by less
+than bf16's mean progress per step, and over the last five by less than half of it; a recipe that
+stops learning or falls behind by a step fails.
 """
 import pytest
 import torch
@@ -24,13 +31,26 @@ from minitorch_dist.memory import (
 )
 from minitorch_dist.models import GPT, GPTConfig
 
+from _support import close, reorder_bound
+
 pytestmark = [pytest.mark.ch08, pytest.mark.timeout(120)]
 
 
 # --- the fp8 Linear -------------------------------------------------------------------------------
 
+def _forward_operands(x, w, recipe):
+    """x (as rows) and W quantised by the recipe's forward rules, dequantised (fp32)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(recipe, DelayedScaling):
+        return quantize_per_tensor(x2, "e4m3").dequantize(), quantize_per_tensor(w, "e4m3").dequantize()
+    k = recipe.block
+    return (quantize_blockwise(x2, (1, k), "e4m3").dequantize(),
+            quantize_blockwise(w, (k, k), "e4m3").dequantize())
+
+
 def _reference_linear(x, w, b, gy, recipe):
-    """y, dx, dW, db computed in float64 from fp8 operands quantised here, by the recipe's rules."""
+    """y, dx, dW, db computed in float64 from fp8 operands quantised here, by the recipe's rules; each
+    with the size of its terms, ``|A| @ |B|^T`` (+ |b|), that bounds its rounding."""
     x2, g2 = x.reshape(-1, x.shape[-1]), gy.reshape(-1, gy.shape[-1])
     fwd, bwd = ("e4m3", "e5m2") if recipe.fp8_format == "hybrid" else ("e4m3", "e4m3")
     if isinstance(recipe, DelayedScaling):  # first call of each scaler: calibrated on the tensor
@@ -46,7 +66,10 @@ def _reference_linear(x, w, b, gy, recipe):
         gw_x = quantize_blockwise(dx.t(), (1, k), fwd).dequantize().t()
     d = torch.float64
     y = dx.to(d) @ dwx.to(d).t() + b.to(d)
-    return y, gx_g.to(d) @ dwx.to(d), gw_g.to(d).t() @ gw_x.to(d), g2.to(d).sum(0)
+    return ((y, dx.to(d).abs() @ dwx.to(d).abs().t() + b.to(d).abs()),
+            (gx_g.to(d) @ dwx.to(d), gx_g.to(d).abs() @ dwx.to(d).abs()),
+            (gw_g.to(d).t() @ gw_x.to(d), gw_g.to(d).abs().t() @ gw_x.to(d).abs()),
+            (g2.to(d).sum(0), g2.to(d).abs().sum(0)))
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), DelayedScaling(fp8_format="e4m3"),
@@ -60,14 +83,20 @@ def test_fp8_linear_runs_its_three_gemms_on_fp8_operands(recipe):
     gy = torch.randn(3, 5, 24) * 1e-3
     y = fp8(x)
     y.backward(gy)
-    ry, rgx, rgw, rgb = _reference_linear(x.detach(), lin.weight.detach(), lin.bias.detach(), gy, recipe)
-    torch.testing.assert_close(y.double().reshape(-1, 24), ry, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad.double().reshape(-1, 40), rgx, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(lin.weight.grad.double(), rgw, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(lin.bias.grad.double(), rgb, rtol=1e-5, atol=1e-8)
+    (ry, sy), (rgx, sgx), (rgw, sgw), (rgb, sgb) = _reference_linear(
+        x.detach(), lin.weight.detach(), lin.bias.detach(), gy, recipe)
+    for name, got, want, size, k in (("y", y.reshape(-1, 24), ry, sy, 40),
+                                     ("dX", x.grad.reshape(-1, 40), rgx, sgx, 24),
+                                     ("dW", lin.weight.grad, rgw, sgw, 15),
+                                     ("db", lin.bias.grad, rgb, sgb, 15)):
+        close(got.double(), want, reorder_bound(k + 5, size, torch.float32), name)
     exact = nn.functional.linear(x.detach(), lin.weight.detach(), lin.bias.detach())
     rel = ((y.detach() - exact).norm() / exact.norm()).item()
-    assert 1e-4 < rel < 0.08  # fp8 is not fp32, and not far from it
+    # fp8 is not fp32 (far above float32's rounding), and not farther from it than its operands allow
+    xq, wq = _forward_operands(x.detach(), lin.weight.detach(), recipe)
+    x2 = x.detach().reshape(-1, 40)
+    most = ((xq - x2).norm() * wq.norm() + x2.norm() * (wq - lin.weight.detach()).norm()) / exact.norm()
+    assert 1e-4 < rel <= most.item(), (rel, most.item())
 
 
 def test_hybrid_gradients_are_e5m2_and_differ_from_e4m3():
@@ -81,6 +110,7 @@ def test_hybrid_gradients_are_e5m2_and_differ_from_e4m3():
         lin(x).backward(gy)
         grads[f] = x.grad.clone()
         assert lin.quantizer.scalers["grad_output"].fmt == ("e5m2" if f == "hybrid" else "e4m3")
+    # E5M2 rounds the output gradient to 2 mantissa bits, E4M3 to 3: apart by ~2^-4 of it, >> 1e-3
     assert not torch.allclose(grads["hybrid"], grads["e4m3"], rtol=1e-3, atol=0)
 
 
@@ -119,10 +149,11 @@ def test_fp8_training_follows_bf16_with_both_recipes():
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
     run = dict(steps=15, batch=16, seq=32, seed=0)
     bf16 = train_in_precision(cfg, "bf16", **run)
+    progress = (bf16[0] - bf16[-1]) / (len(bf16) - 1)  # bf16's mean loss drop per step
     for recipe in (DelayedScaling(), BlockwiseScaling(block=32)):
         fp8 = train_in_precision(cfg, "fp8", recipe=recipe, **run)
         assert fp8 != bf16  # the fp8 path ran
-        step_gap = max(abs(a - b) / b for a, b in zip(fp8, bf16))
-        end_gap = abs(sum(fp8[-5:]) - sum(bf16[-5:])) / sum(bf16[-5:])
-        assert step_gap < 0.01 and end_gap < 0.005, (recipe, step_gap, end_gap)
-        assert fp8[0] - fp8[-1] > 0.5  # and it learns: ~0.98 nats in 15 steps, as bf16
+        step_gap = max(abs(a - b) for a, b in zip(fp8, bf16))
+        end_gap = abs(sum(fp8[-5:]) - sum(bf16[-5:])) / 5
+        assert step_gap < progress and end_gap < progress / 2, (recipe, step_gap, end_gap, progress)
+        assert fp8[0] - fp8[-1] > 0.5  # and it learns, as bf16

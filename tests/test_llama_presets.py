@@ -8,6 +8,11 @@ torch's
 ``FlopCounterMode`` (its matmul FLOPs), the ``MemoryMeter`` (the bytes autograd saves), and the dry
 run's measured step: the command line's ``main`` for each run, played one after another by one worker
 process (``python tests/test_llama_presets.py``), so pytest never holds the fake process group.
+
+Tolerances. The published parameter counts are printed to one decimal of a billion (8.0B, 70.6B,
+405.9B) and count what the formula counts only up to the papers' rounding: within 1%. Formulas against
+formulas are a few float64 operations: rel 1e-12 and pytest.approx's default 1e-6 >> k·u; counts of
+parameters, FLOPs and bytes are integers, compared exactly.
 """
 from __future__ import annotations
 

@@ -6,6 +6,13 @@ and the fused attention kernels it has formulas for, all with the full s x s sco
 (torch 2.13) the fused ``_scaled_dot_product_flash_attention_for_cpu`` has no formula and would
 count 0, so the model runs with the math SDPA backend: it computes QK^T and AV as bmm's of the
 full s x s matrix (the causal mask is applied after), which is the convention of the formula.
+
+Tolerances. FLOP counts are integers: exact (the rel 1e-2 beside it states the formula's headline
+claim). Formula against formula in float64: rel 1e-12 >> k·u. Papers' percentages to their printed
+precision: 52% to half a unit (abs 5e-3), 46.2% by rounding to three digits. The model-FLOPs MFU
+against 3/4 of the hardware rate: 6N + 12Lhs is 3/4 of eq. 3's count but for their different logits
+and attention terms, 1.3e-4 apart on the 1T row; the printed 163 TF/s carries ±0.5 of it, ±1.2e-3 of
+the MFU: abs 2e-3.
 """
 from __future__ import annotations
 

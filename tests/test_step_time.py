@@ -5,6 +5,10 @@ roofline; a blocking collective waits for the last rank of its group; an asynchr
 step waits for it; a receive for its send; a record that does not match up is an error, not a hang).
 Real records check the recorder: a DDP step on 2 ranks holds the GPT's ops, one all-reduce per bucket
 launched asynchronously during backward, and the wait for each of them.
+
+Tolerances. The replay prices synthetic records with a fixed profile: a step's seconds are sums and
+maxima of a few dozen float64 terms, so pytest.approx's default rel 1e-6 is far above k·u ~ 1e-14 and
+far below a wrong rule (a missed wait moves a step by milliseconds); counts and shapes are exact.
 """
 from __future__ import annotations
 

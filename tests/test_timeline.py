@@ -1,5 +1,8 @@
 """Timeline records nested spans in order, merges ranks, plots one bar per span, and measures
-the idle fraction of a schedule whose bubble is known by hand."""
+the idle fraction of a schedule whose bubble is known by hand.
+
+Tolerances: times come from a fake clock (whole seconds), so the fractions are ratios of small sums of
+float64 integers: pytest.approx's default rel 1e-6 only absorbs the final division's rounding."""
 import os
 import pickle
 import tempfile

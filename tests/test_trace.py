@@ -1,5 +1,8 @@
 """Chapter 01 — profiler traces of a DDP step: one Chrome-trace JSON per rank, with the all-reduces
-in it; a step without communication shows none."""
+in it; a step without communication shows none.
+
+Tolerances: the summary's milliseconds are sums of the spans' durations, written here as exact
+decimals; pytest.approx's default rel 1e-6 covers their float64 sums (k·u ~ 1e-15)."""
 from __future__ import annotations
 
 import json
