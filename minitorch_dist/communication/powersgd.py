@@ -194,12 +194,14 @@ class PowerSGD(Compressor):
 
     # single-process view: one power-iteration step on one tensor
     def compress(self, tensor, key=0):
-        mat = tensor.detach().reshape(tensor.shape[0], -1).float()
+        # at least float32 (a 16-bit gradient is compressed in fp32); a float64 one stays float64
+        dtype = torch.promote_types(tensor.dtype, torch.float32)
+        mat = tensor.detach().reshape(tensor.shape[0], -1).to(dtype)  # (rows, the rest flattened)
         r = self._r(mat.shape)
         if key not in self._local_q or not self.warm_start:
-            # not hash(): it is salted per process
+            # not hash(): it is salted per process; drawn in float32 so every dtype starts from the same Q
             gen = torch.Generator().manual_seed(self.seed * 7919 + len(self._local_q))
-            self._local_q[key] = torch.randn(mat.shape[1], r, generator=gen).to(mat.device)
+            self._local_q[key] = torch.randn(mat.shape[1], r, generator=gen, dtype=torch.float32).to(mat)
         q = orthogonalise(self._local_q[key].clone().unsqueeze(0), self.epsilon)[0]
         p = orthogonalise((mat @ q).unsqueeze(0), self.epsilon)[0]
         q = mat.t() @ p
