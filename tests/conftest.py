@@ -48,11 +48,13 @@ SERIAL_FILES = {"test_predict.py", "test_headlines.py", "test_grade.py", "test_m
 #: them once more under another MKL code path (``make test-portability``), so a bound tuned to one CPU's
 #: rounding turns CI red on the machine that wrote it.
 NUMERICS_FILES = {
-    "test_data_parallel.py", "test_fsdp.py", "test_fsdp_prefetch.py", "test_zero.py", "test_sharded_optimizer.py",
+    "test_data_parallel.py", "test_fsdp.py", "test_fsdp_prefetch.py", "test_zero.py",
+    "test_sharded_optimizer.py",
     "test_tensor_parallel.py", "test_tensor_parallel_vocab.py", "test_megatron_sp.py", "test_ulysses.py",
     "test_ring_attention.py", "test_llama.py", "test_llama_parallel.py", "test_three_d.py",
     "test_three_d_llama.py", "test_pipeline.py", "test_pipeline_v.py", "test_pipeline_llama.py",
-    "test_expert_parallel.py", "test_moe.py", "test_moe_gpt.py", "test_moe_modern.py", "test_mixed_precision.py",
+    "test_expert_parallel.py", "test_moe.py", "test_moe_gpt.py", "test_moe_modern.py",
+    "test_mixed_precision.py",
     "test_fp8.py", "test_fp8_linear.py", "test_compression.py", "test_activation_compression.py",
     "test_checkpointing.py", "test_activation_offload.py", "test_zero_offload.py", "test_materialize.py",
     "test_resilience.py", "test_kernels.py", "test_attention_tiled.py", "test_flash_attention.py",
