@@ -46,20 +46,17 @@ SERIAL_FILES = {"test_predict.py", "test_headlines.py", "test_grade.py", "test_m
 #: Files whose tests compare floating-point results that another CPU rounds differently: equal to one
 #: process or to torch, resilience, compression, kernels, figures. Marked ``numerics``; ``.ci/run`` runs
 #: them once more under another MKL code path (``make test-portability``), so a bound tuned to one CPU's
-#: rounding turns CI red on the machine that wrote it.
+#: rounding turns CI red on the machine that wrote it. Files whose comparisons are bitwise by design, and
+#: the exercise tests (the same library code), are left to the main run: the pass stays near 2 minutes.
 NUMERICS_FILES = {
     "test_data_parallel.py", "test_fsdp.py", "test_fsdp_prefetch.py", "test_zero.py",
-    "test_sharded_optimizer.py",
-    "test_tensor_parallel.py", "test_tensor_parallel_vocab.py", "test_megatron_sp.py", "test_ulysses.py",
-    "test_ring_attention.py", "test_llama.py", "test_llama_parallel.py", "test_three_d.py",
-    "test_three_d_llama.py", "test_pipeline.py", "test_pipeline_v.py", "test_pipeline_llama.py",
-    "test_expert_parallel.py", "test_moe.py", "test_moe_gpt.py", "test_moe_modern.py",
-    "test_mixed_precision.py",
-    "test_fp8.py", "test_fp8_linear.py", "test_compression.py", "test_activation_compression.py",
-    "test_checkpointing.py", "test_activation_offload.py", "test_zero_offload.py", "test_materialize.py",
-    "test_resilience.py", "test_kernels.py", "test_attention_tiled.py", "test_flash_attention.py",
-    "test_large_batch.py",
-    "test_adafactor.py", "test_mappings.py", "test_collectives.py", "test_figures.py",
+    "test_sharded_optimizer.py", "test_tensor_parallel.py", "test_tensor_parallel_vocab.py",
+    "test_megatron_sp.py", "test_ulysses.py", "test_ring_attention.py", "test_llama.py",
+    "test_llama_parallel.py", "test_three_d.py", "test_three_d_llama.py", "test_pipeline.py",
+    "test_pipeline_v.py", "test_pipeline_llama.py", "test_expert_parallel.py", "test_moe.py",
+    "test_moe_gpt.py", "test_moe_modern.py", "test_mixed_precision.py", "test_fp8.py", "test_fp8_linear.py",
+    "test_compression.py", "test_activation_compression.py", "test_resilience.py", "test_kernels.py",
+    "test_attention_tiled.py", "test_figures.py",
 }
 
 
@@ -67,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.serial)
-        if item.path.name in NUMERICS_FILES or item.path.parent.name == "exercises":
+        if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)
     if torch.cuda.is_available():
         return
