@@ -130,8 +130,9 @@ def plot_predicted_vs_measured(rows, ax=None, title: str = "predicted vs measure
 def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, size: str = "tiny") -> dict:
     """The tour's "predicted vs measured step" row of a chapter: ``technique`` on ``world`` ranks (the tiny
     GPT in a smoke run, else ``size``). Calibration and measurement run back to back: the machine is
-    calibrated for this row (its technique's ops; a quick calibration in a smoke run), the step is
-    recorded and predicted, the calibration's reference step is timed again, and the step is measured.
+    calibrated for this row (a quick calibration, with its technique's ops: seconds, so every row can
+    have its own), the step is recorded and predicted, the calibration's reference step is timed again,
+    and the step is measured.
 
     A *timing* row (``timing: True``): its ``ok`` says whether predicted / measured is within its band
     (25%; a smoke run's few steps: 2x), and ``note`` shows how much slower the machine was when it
@@ -141,7 +142,7 @@ def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, 
     from .techniques import measure
 
     size = "tiny" if smoke else size
-    profile = notebook_profile((technique,), (size,), world, quick=smoke)
+    profile = notebook_profile((technique,), (size,), world, quick=True)  # seconds: one per row
     traces, _ = record_traces(technique, size, world)
     predicted = predict_step(traces, profile)["step_s"]
     slowdown = reference_step_seconds(world, quick=smoke) / profile.reference_step_s
