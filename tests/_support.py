@@ -45,7 +45,8 @@ import traceback
 import torch
 
 __all__ = ["AMPLIFICATION", "roundoff", "gamma", "reorder_bound", "model_bound", "sgd_bound", "adam_bound",
-           "float64", "close", "dense_run", "refusal", "run_cases", "case", "CaseFailure"]
+           "float64", "close", "within", "rounded", "attention_bounds", "dense_run", "refusal", "run_cases",
+           "case", "CaseFailure"]
 
 #: what the first-order account of a model's rounding cannot know (its condition, curvature feeding a
 #: perturbation back over the steps), allowed for in float64 comparisons only: see the module docstring
@@ -118,6 +119,89 @@ def close(got, want, bound: float, where: str = "") -> None:
     """``|got - want| <= bound`` everywhere (``bound`` from the functions above), naming ``where``."""
     note = f"(bound {bound:.3g}, derived in tests/_support.py)"
     torch.testing.assert_close(got, want, atol=bound, rtol=0, msg=lambda s: f"{where}: {s}\n{note}")
+
+
+def within(got, want, bound, where=""):
+    """|got - want| <= bound, element by element; equal infinities agree."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    bound = torch.as_tensor(bound, dtype=torch.float64).cpu()
+    diff = torch.where(got == want, 0.0, (got - want).abs())
+    bad = ~(diff <= bound)
+    if bad.any():
+        raise AssertionError(f"{where}: {int(bad.sum())} of {got.numel()} elements beyond the bound; worst "
+                             f"by {(diff - bound)[bad].max().item():.3g} (derived in tests/_support.py)")
+
+
+def rounded(value, err, dtype):
+    """What storing a result in ``dtype`` adds (nothing for fp32 and float64 results)."""
+    if dtype in (torch.float32, torch.float64):
+        return 0.0
+    return roundoff(dtype) * (value.abs() + err + torch.finfo(dtype).smallest_normal)
+
+
+def attention_bounds(q, k, v, causal, scale=None, do=None, *, acc=torch.float32, cast=False, block_n=32,
+                      merged=False, evaluations=1):
+    """Error bounds, element by element, of a tiled attention's o, lse and (with ``do``) dq, dk, dv
+    computed in ``acc`` from q, k, v, against the exact values (first order: each score's dot product
+    γ_{D+3}, the online softmax's running sums, the P·V product, the log-sum-exp, and in backward every
+    term with the errors it carries; exp and log within 1 ulp); times
+    ``evaluations`` when the reference is itself computed in ``acc``. ``cast``: P and dS are rounded
+    to the inputs' dtype before their products (the Triton kernel's fp16 path). ``merged``: o and lse
+    merged from key blocks (ring attention), each block's lse error moving the merge's weights."""
+    dtype, u = q.dtype, roundoff(acc)
+    g = lambda n: gamma(n, acc)  # noqa: E731
+    uh = roundoff(dtype) if cast and dtype not in (torch.float32, torch.float64) else 0.0
+    q, k, v = (x.detach().double().cpu() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    D, Sq, Sk = q.shape[-1], q.shape[-2], k.shape[-2]
+    c = D ** -0.5 if scale is None else scale
+    visible = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal:
+        visible = visible.tril()
+    s = (c * q @ k.transpose(-1, -2)).masked_fill(~visible, -torch.inf)
+    e_s = torch.where(visible, g(D + 3) * c * (q.abs() @ k.abs().transpose(-1, -2)), 0.0)
+    seen = visible.any(-1, keepdim=True)
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    lse0 = torch.where(seen, lse, 0.0)
+    p = torch.where(seen, torch.exp(s - lse0), 0.0)
+    big = e_s.amax(-1, keepdim=True)
+    hi = torch.where(visible, s, -torch.inf).amax(-1, keepdim=True)
+    lo = torch.where(visible, s, torch.inf).amin(-1, keepdim=True)
+    spread = torch.where(seen, hi - lo, 0.0)
+    nt = -(-Sk // block_n) if Sk else 0
+    rel_l = g(Sk + 7 * nt + 10) + 3 * u * spread
+    e_lse = big + rel_l + 8 * u * (lse0.abs() + (lse0 - torch.where(seen, hi, 0.0)).abs())
+    rel_p = 2 * big + rel_l + uh
+    if merged:  # each block's weight exp(lse_i - lse): both lse's errors, the exp, the logaddexp
+        e_lse = e_lse + 8 * u * lse0.abs()
+        rel_p = rel_p + 2 * e_lse + 8 * u * spread
+    o = p @ v
+    e_o = (p @ v.abs()) * (rel_p + g(Sk + 2 * nt + 4))
+    e_o = e_o + rounded(o, e_o, dtype)  # what the output (and the backward's D) holds
+    n = evaluations
+    out = dict(o=n * e_o, lse=n * torch.where(seen, e_lse, 0.0)[..., 0])
+    if do is None:
+        return out
+    do = do.detach().double().cpu()
+    e_delta = (do.abs() * e_o).sum(-1, keepdim=True) + g(D) * (do.abs() * o.abs()).sum(-1, keepdim=True)
+    rel_pb = e_s + e_lse + 6 * u * ((torch.where(visible, s, 0.0) - lse0).abs() + lse0.abs()) + 4 * u + uh
+    rel_pb = torch.where(visible, rel_pb, 0.0)
+    mag = do.abs() @ v.abs().transpose(-1, -2) + (do.abs() * o.abs()).sum(-1, keepdim=True)  # |dP - D|
+    e_dp = g(D) * (do.abs() @ v.abs().transpose(-1, -2))
+    e_ds = p * (rel_pb * mag + e_dp + e_delta + (g(2) + uh) * mag)
+    pa = p * mag  # |dS|
+    e_dv = (p * rel_pb).transpose(-1, -2) @ do.abs() + g(Sq * group + 1) * (p.transpose(-1, -2) @ do.abs())
+    e_dq = c * (e_ds @ k.abs() + g(Sk + 2) * (pa @ k.abs()))
+    e_dk = c * (e_ds.transpose(-1, -2) @ q.abs() + g(Sq * group + 2) * (pa.transpose(-1, -2) @ q.abs()))
+    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    dq, dk, dv = c * ds @ k, c * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
+    if group > 1:  # each kv head: the sum over its group's query heads
+        fold = lambda t: t.unflatten(1, (-1, group)).sum(2)  # noqa: E731
+        e_dk, e_dv, dk, dv = fold(e_dk), fold(e_dv), fold(dk), fold(dv)
+    out.update(dq=n * (e_dq + rounded(dq, e_dq, dtype)), dk=n * (e_dk + rounded(dk, e_dk, dtype)),
+               dv=n * (e_dv + rounded(dv, e_dv, dtype)), delta=n * e_delta[..., 0])
+    return out
 
 
 def dense_run(model_fn, steps: int, batch: int, seq: int, *, seed: int, **train_kw) -> dict:
