@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from . import costmodel
@@ -159,8 +160,6 @@ def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, 
 def _slowdown_note(ratio: float, slowdown: float, ok: bool) -> str:
     """What a timing row says beside its ratio: the machine's slowdown since its calibration (and, when
     the ratio is outside its band, the load: other work on the cores the ranks run on)."""
-    import os
-
     machine = (f"machine {slowdown:.1f}x slower than at calibration" if slowdown >= 1.2
                else f"machine {slowdown:.2f}x its calibrated time")
     if ok:
