@@ -45,8 +45,8 @@ import traceback
 import torch
 
 __all__ = ["AMPLIFICATION", "roundoff", "gamma", "reorder_bound", "model_bound", "sgd_bound", "adam_bound",
-           "float64", "close", "within", "rounded", "attention_bounds", "dense_run", "refusal", "run_cases",
-           "case", "CaseFailure"]
+           "float64", "close", "close_model", "close_after_sgd", "within", "rounded", "attention_bounds",
+           "dense_run", "refusal", "run_cases", "case", "CaseFailure"]
 
 #: what the first-order account of a model's rounding cannot know (its condition, curvature feeding a
 #: perturbation back over the steps), allowed for in float64 comparisons only: see the module docstring
@@ -119,6 +119,25 @@ def close(got, want, bound: float, where: str = "") -> None:
     """``|got - want| <= bound`` everywhere (``bound`` from the functions above), naming ``where``."""
     note = f"(bound {bound:.3g}, derived in tests/_support.py)"
     torch.testing.assert_close(got, want, atol=bound, rtol=0, msg=lambda s: f"{where}: {s}\n{note}")
+
+
+def close_model(got, want, *, n: int, depth: int, where: str = "") -> None:
+    """``close`` within ``model_bound(n, depth)`` scaled by ``want``'s size (at least 1): a model's output,
+    gradient or loss computed with its reductions in another order, in float64."""
+    scale = max(1.0, float(want.abs().max()) if torch.is_tensor(want) else abs(float(want)))
+    bound = model_bound(n=n, depth=depth, scale=scale)
+    if torch.is_tensor(want):
+        close(got, want, bound, where)
+    else:
+        assert abs(got - want) <= bound, f"{where}: {got} vs {want}, bound {bound:.3g} (tests/_support.py)"
+
+
+def close_after_sgd(got, want, grads, *, n: int, depth: int, steps: int, lr: float, momentum: float = 0.0,
+                    where: str = "") -> None:
+    """``close`` within ``sgd_bound`` of ``steps`` SGD steps whose gradients (as large as ``grads``) are
+    each within ``model_bound(n, depth)``: weights trained in another order of reductions, in float64."""
+    grad_err = model_bound(n=n, depth=depth, scale=max(1.0, max(float(g.abs().max()) for g in grads)))
+    close(got, want, sgd_bound(steps=steps, lr=lr, grad_err=grad_err, momentum=momentum), where)
 
 
 def within(got, want, bound, where=""):

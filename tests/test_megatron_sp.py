@@ -52,7 +52,16 @@ from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 
-from _support import case, close, dense_run, float64, model_bound, refusal, run_cases, sgd_bound
+from _support import (
+    case,
+    close_after_sgd,
+    close_model,
+    dense_run,
+    float64,
+    model_bound,
+    refusal,
+    run_cases,
+)
 
 pytestmark = pytest.mark.ch05
 
@@ -233,14 +242,12 @@ def _dense_gpt():
 
 
 def _close(got, want, where, depth=BLOCK_DEPTH):
-    """Equal up to the model's reductions in another order, ``depth`` deep (tests/_support.py)."""
-    close(got, want, model_bound(n=N, depth=depth, scale=max(1.0, want.abs().max().item())), where)
+    close_model(got, want, n=N, depth=depth, where=where)
 
 
 def _close_params(got, want, grads, where):
-    """Weights after STEPS - 1 SGD steps, each on gradients within the GPT's ``model_bound``."""
-    grad_err = model_bound(n=N, depth=GPT_DEPTH, scale=max(1.0, max(g.abs().max().item() for g in grads)))
-    close(got, want, sgd_bound(steps=STEPS - 1, lr=LR, grad_err=grad_err, momentum=0.9), where)
+    """Weights after STEPS - 1 SGD steps (tests/_support.py)."""
+    close_after_sgd(got, want, grads, n=N, depth=GPT_DEPTH, steps=STEPS - 1, lr=LR, momentum=0.9, where=where)
 
 
 def _loss_bound(loss):
