@@ -160,6 +160,37 @@ def test_the_recorder_writes_down_ops_flops_and_shapes():
     assert summarize(rec.items)["flops"] >= 3 * 2 * 32 * 16 * 8 - 2 * 32 * 16 * 8  # forward + dA
 
 
+def test_the_recorder_counts_each_storage_of_the_step_once():
+    x = torch.ones(1000)
+    with WorkloadRecorder() as rec:
+        y = x * 2  # reads x, writes y
+        y.add_(x)  # the same two storages again
+        z = y[:10].sum()  # a view of y: its storage, not a new one
+    assert rec.footprint == x.untyped_storage().nbytes() + y.untyped_storage().nbytes() \
+        + z.untyped_storage().nbytes()
+
+
+def test_an_op_is_timed_on_enough_argument_sets_to_span_its_steps_footprint():
+    from minitorch_dist.analysis.op_timing import COPIES, argument_sets, time_kernels
+
+    a = torch.randn(64, 32)
+    with WorkloadRecorder() as rec:
+        a.t() @ a  # a transposed argument: the copies keep its strides
+    mm = next(o for o in rec.items if isinstance(o, Op) and o.kind == "matmul")
+    assert len(argument_sets(mm, 0)) == 1  # hot: one set, always in cache
+    sets = argument_sets(mm, 10 * int(mm.nbytes))
+    assert len(sets) == 10
+    first = [s[0][0] for s in sets]
+    reach = lambda t: (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()  # noqa: E731
+    spans = sorted((t.data_ptr(), t.data_ptr() + reach(t)) for t in first)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # each set its own memory
+    assert all(t.stride() == first[0].stride() and t.shape == first[0].shape for t in first)
+    assert all(t.min() >= 0.5 and t.max() < 1.5 for t in first)  # filled as the first set is
+    assert len(argument_sets(mm, 10 ** 12)) == COPIES
+    table = time_kernels(rec.items, footprint=10 * int(mm.nbytes))
+    assert table[mm.key] > 0
+
+
 def _ddp_record():
     from minitorch_dist.analysis import techniques as T
     from minitorch_dist.analysis.workload import portable

@@ -14,10 +14,15 @@ them busy at once, as in a real step) and measures what :mod:`.costmodel.step_ti
   communication the computation hides (on a CPU, gloo's thread needs a core too); and how long a
   message posted with ``isend`` waits to start while its sender keeps computing;
 * **the kernel table**: one step of every technique of :mod:`.techniques` at both sizes is recorded
-  (:mod:`.workload`), and every distinct op (name and shapes) is run again alone and timed;
+  (:mod:`.workload`), and every distinct op (name and shapes) is run again alone and timed -- on as
+  many argument sets, taken in turn, as the step's footprint holds (:func:`time_kernels`): in a step
+  an op finds its inputs where the rest of the step left them, in cache for a step that fits in it,
+  in memory for one that does not. Timed on one set over and over, every call would find its
+  inputs in cache, and a step too large for the cache would be under-predicted by a fifth or more;
 * **a whole step** of the course GPT (forward, backward, AdamW) per rank: the part of it that its
-  ops, each timed alone, do not explain is the framework's, charged per Python line the step executes
-  (module calls, hooks, a wrapper's bookkeeping: the recorder counts them).
+  ops, each timed as above, do not explain is the framework's, charged per Python line the step
+  executes (module calls, hooks, a wrapper's bookkeeping: the recorder counts them). On a CPU it is
+  small beside the ops' own variation and may come out 0.
 
 It writes a profile (:mod:`.profiles`; default in the user's cache directory, path printed) and prints
 a table. ``--show h100`` prints a shipped profile instead.
@@ -41,51 +46,17 @@ import torch.distributed as dist
 from ..runtime import comm
 from ..runtime.launch import device as rank_device
 from . import costmodel
+from .op_timing import last_level_cache_bytes, median_seconds, repeat, sync, time_kernels
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
-from .workload import Op, WorkloadRecorder, rebuild_args
+from .workload import Op, WorkloadRecorder
 
 __all__ = ["calibrate", "time_techniques", "gemm_peak_flops", "median_seconds", "time_kernels",
-           "reference_step_seconds", "main"]
+           "reference_step_seconds", "cache_effect", "last_level_cache_bytes", "main"]
 
 SWEEP_BYTES = tuple(4096 * 2 ** i for i in range(13))  # 4 kB ... 16 MB
 QUICK_SWEEP_BYTES = SWEEP_BYTES[:11:2]  # 4 kB, 16 kB, ... 4 MB: 6 sizes
 GEMM_SHAPES = ((16, 16, 16), (64, 64, 64), (256, 64, 64), (1024, 64, 64), (1024, 64, 256), (1024, 256, 64),
                (256, 256, 256), (1024, 128, 512), (512, 512, 512), (2048, 512, 512))
-
-
-def _sync() -> None:
-    """Wait for the rank's device (a GPU runs asynchronously: the clock must see the work done)."""
-    if rank_device().type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True, stat=statistics.median) -> float:
-    """Median (or ``stat``) seconds of ``fn()`` over ``reps`` runs after ``warmup``; each run starts after a
-    barrier (every rank begins together) when ``barrier`` and a process group exists."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if barrier and dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return stat(times)
-
-
-def _repeat(fn, floor_s: float = 2e-4):
-    """``fn`` looped enough times to take ~``floor_s``, and the loop count: short ops timed reliably."""
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    inner = max(1, int(floor_s / max(time.perf_counter() - t0, 1e-7)))
-
-    def loop():
-        for _ in range(inner):
-            fn()
-    return loop, inner
 
 
 # --- collectives ---------------------------------------------------------------------------------
@@ -122,7 +93,7 @@ def _mean_after_compute(fn, reps: int = 60) -> float:
             a @ a
         t0 = time.perf_counter()
         fn()
-        _sync()
+        sync()
         times.append(time.perf_counter() - t0)
     return sum(times) / len(times)
 
@@ -162,7 +133,7 @@ def _overlap(nbytes: int = 4 * 2 ** 20, trials: int = 5) -> float:
     the median of ``trials`` experiments, each comparing the two together with each alone."""
     buf, a = torch.ones(nbytes // 4, device=rank_device()), torch.randn(256, 256, device=rank_device())
     t_comm = median_seconds(lambda: comm.all_reduce(buf, async_op=True).wait(), reps=7)
-    loop, _ = _repeat(lambda: a @ a, t_comm)
+    loop, _ = repeat(lambda: a @ a, t_comm)
 
     def both():
         work = comm.all_reduce(buf, async_op=True)
@@ -216,7 +187,7 @@ def _gemm_table() -> list:
     table = []
     for m, k, n in GEMM_SHAPES:
         a, b = torch.randn(m, k, device=rank_device()), torch.randn(k, n, device=rank_device())
-        loop, inner = _repeat(lambda: torch.mm(a, b))
+        loop, inner = repeat(lambda: torch.mm(a, b))
         table.append([2.0 * m * k * n, median_seconds(loop, reps=5) / inner])
     table.sort()
     for i in range(1, len(table)):  # more FLOPs never take less time
@@ -240,32 +211,18 @@ def _copy_bandwidth(nbytes: int = 32 * 2 ** 20) -> float:
 
 def _op_overhead() -> float:
     x = torch.zeros(1, device=rank_device())
-    loop, inner = _repeat(lambda: x.add_(1.0), 1e-3)
+    loop, inner = repeat(lambda: x.add_(1.0), 1e-3)
     return median_seconds(loop) / inner
 
 
-def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistics.median) -> dict:
-    """``{op key: seconds}`` for every distinct op of a recorded workload, each run again alone on
-    fresh tensors of its shapes (no barrier: every rank replays its own ops, all of them busy)."""
-    table = {} if table is None else table
-    for op in items:
-        if not isinstance(op, Op) or op.key in table:
-            continue
-        args, kwargs = rebuild_args(op)
-        try:
-            loop, inner = _repeat(lambda: op.func(*args, **kwargs))
-            table[op.key] = median_seconds(loop, reps=reps, warmup=1, barrier=False, stat=stat) / inner
-        except (RuntimeError, ValueError, IndexError, TypeError):
-            table[op.key] = None  # not replayable alone (the roofline stands in for it)
-    return table
-
-
-def _reference_step():
-    """The reference step: the tiny GPT on this rank (8 sequences, AdamW), as a function to time."""
+def _reference_step(size: str = "tiny"):
+    """The reference step: the tiny GPT on this rank (8 sequences, AdamW), as a function to time
+    (``size``: another of :data:`.techniques.SIZES`)."""
     from ..models.data import MarkovCorpus
-    from ..models.gpt import GPT, GPTConfig
+    from ..models.gpt import GPT
+    from .techniques import model_config
 
-    cfg = GPTConfig.tiny()
+    cfg = model_config(size)
     torch.manual_seed(0)
     model = GPT(cfg).to(rank_device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -295,17 +252,50 @@ def _framework_overhead(table: dict, quick: bool = False) -> dict:
     """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
     The difference, per Python line the step executed, is the framework's cost, which no op timed alone
     contains. Both sides are medians, the statistic a measured step reports; the step is timed 15 times
-    (``quick``: 7, and each op 3 times)."""
+    (``quick``: 7, and each op 3 times) before its ops and again after them, and the faster of the two
+    counts: a difference of two timings, the per-line cost is what a moment of other work on the
+    machine would move most."""
     step = _reference_step()
-    measured = median_seconds(step, reps=7 if quick else 15)
+    reps = 7 if quick else 15
+    before = median_seconds(step, reps=reps)
     with WorkloadRecorder() as rec:
         step()
     ops = [o for o in rec.items if isinstance(o, Op)]
-    time_kernels(ops, table, reps=3 if quick else 5)
+    time_kernels(ops, table, reps=3 if quick else 5, footprint=rec.footprint)
+    measured = min(before, median_seconds(step, reps=reps))  # a burst of other work hits one, not both
     alone = sum(table.get(o.key) or 0.0 for o in ops)
     flops = sum(o.flops for o in ops)
     return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
             "python_lines": rec.lines, "per_line_s": max(0.0, (measured - alone) / max(rec.lines, 1))}
+
+
+def _cache_effect_rank(sizes, quick: bool) -> list:
+    out = []
+    for size in sizes:
+        step = _reference_step(size)
+        step()
+        with WorkloadRecorder() as rec:
+            step()
+        ops = [o for o in rec.items if isinstance(o, Op)]
+        total = lambda table: sum(table.get(o.key) or 0.0 for o in ops)  # noqa: E731
+        runs = {"step_s": [], "hot_s": [], "footprint_s": []}
+        for _ in range(1 if quick else 3):  # interleaved: a slow moment of the machine hits all three
+            runs["step_s"].append(median_seconds(step, reps=5 if quick else 11))
+            runs["hot_s"].append(total(time_kernels(ops, reps=3)))
+            runs["footprint_s"].append(total(time_kernels(ops, reps=3, footprint=rec.footprint)))
+        out.append({"size": size, "footprint_bytes": rec.footprint, "n_ops": len(ops),
+                    **{k: statistics.median(v) for k, v in runs.items()}})
+    return out
+
+
+def cache_effect(sizes=("tiny", "10x"), world: int = 2, quick: bool = False, timeout_s: float = 300) -> list:
+    """The reference step at each of ``sizes`` on ``world`` ranks (all busy), against the sum of its ops
+    timed alone two ways: hot (one argument set, always in cache) and over the step's footprint (as the
+    kernel table times them); the three timed in turn three times (``quick``: once), their medians.
+    Rank 0's rows: ``size, step_s, hot_s, footprint_s, footprint_bytes, n_ops``."""
+    from ..runtime.launch import launch
+
+    return launch(_cache_effect_rank, world, tuple(sizes), quick, timeout_s=timeout_s)[0]
 
 
 def _technique_kernels(table: dict, sizes, techniques, quick: bool = False) -> list:
@@ -324,7 +314,7 @@ def _technique_kernels(table: dict, sizes, techniques, quick: bool = False) -> l
             spec.step()  # warm-up: optimizer state, buffers
             with WorkloadRecorder() as rec:
                 spec.step()
-            time_kernels(rec.items, table, reps=3 if quick else 5)
+            time_kernels(rec.items, table, reps=3 if quick else 5, footprint=rec.footprint)
             done.append(f"{name}/{size}")
     return done
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import sys
 
 from . import costmodel
@@ -82,13 +83,24 @@ def predict(technique: str, world: int, size: str = "tiny", profile=None, measur
     prof = load_profile(profile)
     traces, config = record_traces(technique, size, world, seed)
     res = predict_step(traces, prof)
+    slowdown = _slowdown(prof, world) if measure else None
     measured = T.measure(technique, size, world, reps=reps)["median_s"] if measure else None
     return {"technique": technique, "world_size": world, "size": size, "config": config,
             "profile": prof.name, "device": prof.device, "predicted_s": res["step_s"], "measured_s": measured,
-            "ratio": res["step_s"] / measured if measured else None,
+            "ratio": res["step_s"] / measured if measured else None, "machine_vs_calibration": slowdown,
             "breakdown": {k: res[k] for k in ("compute_s", "comm_s", "exposed_comm_s", "overhead_s")},
             "table_coverage": res["table_coverage"],
             "per_rank_s": {r: v["step_s"] for r, v in res["per_rank"].items()}}
+
+
+def _slowdown(profile, world: int):
+    """How much slower this machine is now than when ``profile`` was calibrated (its reference step timed
+    again, right before the measurement); None for a profile not calibrated here."""
+    from .calibrate import reference_step_seconds
+
+    if profile.kind != "calibrated" or not profile.reference_step_s or profile.world_size != world:
+        return None
+    return reference_step_seconds(world) / profile.reference_step_s
 
 
 def notebook_profile(techniques, sizes=("tiny",), world: int = 2, quick: bool = False):
@@ -179,6 +191,9 @@ def format_prediction(res: dict) -> str:
     if res["measured_s"] is not None:
         lines.append(f"  measured step  {res['measured_s'] * 1e3:9.2f} ms (median; each step the slowest "
                      f"rank's)  predicted / measured = {res['ratio']:.3f}")
+    if res.get("machine_vs_calibration"):
+        lines.append(f"  the reference step now takes {res['machine_vs_calibration']:.2f}x its time at "
+                     f"calibration (above 1: the machine is busier or slower than when it was calibrated)")
     return "\n".join(lines)
 
 
@@ -215,11 +230,18 @@ def _runs(args) -> list[tuple[str, str]]:
 
 def summary_table(results: list) -> str:
     """One line per result: predicted, measured, their ratio."""
-    lines = [f"{'technique':<10}{'size':<6}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}"]
+    lines = [f"{'technique':<10}{'size':<6}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}"
+             f"{'machine vs calibration':>24}"]
     for r in results:
         meas = f"{r['measured_s'] * 1e3:13.2f}" if r["measured_s"] else f"{'-':>13}"
         ratio = f"{r['ratio']:8.3f}" if r["ratio"] else f"{'-':>8}"
-        lines.append(f"{r['technique']:<10}{r['size']:<6}{r['predicted_s'] * 1e3:14.2f}{meas}{ratio}")
+        slow = r.get("machine_vs_calibration")
+        slow = f"{slow:23.2f}x" if slow else f"{'-':>24}"
+        lines.append(f"{r['technique']:<10}{r['size']:<6}{r['predicted_s'] * 1e3:14.2f}{meas}{ratio}{slow}")
+    ratios = sorted(r["ratio"] for r in results if r["ratio"])
+    if len(ratios) > 1:
+        lines.append(f"ratios {ratios[0]:.2f} to {ratios[-1]:.2f}, median {statistics.median(ratios):.2f}; "
+                     f"within 25%: {sum(abs(x - 1) <= 0.25 for x in ratios)} of {len(ratios)}")
     return "\n".join(lines)
 
 

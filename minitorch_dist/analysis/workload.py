@@ -12,7 +12,9 @@ autograd's backward, in the optimizer -- is recorded with
 
 and every collective the library's metered wrappers (:mod:`..runtime.comm`) launch is recorded in its
 place among them, with its bytes and whether it was asynchronous -- and, for an asynchronous one, the
-place where the step waits for it (:class:`Wait`). :mod:`.costmodel.step_time` turns
+place where the step waits for it (:class:`Wait`). ``footprint`` is the bytes of memory the step
+touched (each storage once, by address: the allocator's reused blocks count once, as they do in a
+cache), what decides whether an op finds its inputs in cache. :mod:`.costmodel.step_time` turns
 such a list into seconds with a machine profile. Recording is the only thing this module does: it
 never times anything, so a prediction made from it is a prediction.
 
@@ -162,6 +164,12 @@ class WorkloadRecorder(TorchDispatchMode):
         self._seen = 0
         self.lines = self._lines_at_last_op = 0
         self._inside = False  # in the recorder's own code: its lines are not the step's
+        self._storages: dict = {}  # storage address -> its bytes (the largest seen there)
+
+    @property
+    def footprint(self) -> int:
+        """Bytes of memory the recorded ops touched, each address once."""
+        return sum(self._storages.values())
 
     def __enter__(self):
         self._index: dict = {}  # id(CommEvent) -> index of its Comm item
@@ -228,6 +236,7 @@ class WorkloadRecorder(TorchDispatchMode):
             nbytes = 0.0
         else:  # read every input; write every output (an in-place op writes back where it read)
             nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
+        self._touch(ins + outs)
         leaves, spec = _spec((args, kwargs))
         floats = [t.dtype for t in ins if t.dtype.is_floating_point]
         lines, self._lines_at_last_op = self.lines - self._lines_at_last_op, self.lines
@@ -235,6 +244,16 @@ class WorkloadRecorder(TorchDispatchMode):
                              _DTYPES.get(floats[0], "fp32") if floats else "fp32", lines, func,
                              (leaves, spec)))
         return out
+
+    def _touch(self, tensors) -> None:
+        for t in tensors:
+            if t.device.type == "meta":
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+                continue
+            self._storages[st.data_ptr()] = max(self._storages.get(st.data_ptr(), 0), st.nbytes())
 
     @contextlib.contextmanager
     def span(self, name: str, category: str = "", **_):
@@ -264,9 +283,10 @@ def summarize(items) -> dict:
             "collectives": Counter(c.op for c in comms), "comm_bytes": sum(c.nbytes for c in comms)}
 
 
-def _fresh(leaf, generator):
-    """A tensor like the one recorded: floats in [0.5, 1.5) (a NaN or a denormal is slow on a CPU and
-    would misprice the op), zeros for integers (valid indices), True for bools."""
+def fresh_tensor(leaf, generator):
+    """A tensor like the one recorded (``leaf``: ``("T", shape, stride, dtype, device)``, as an op's
+    spec holds it; anything else is returned as it is): floats in [0.5, 1.5) (a NaN or a denormal is
+    slow on a CPU and would misprice the op), zeros for integers (valid indices), True for bools."""
     if not (isinstance(leaf, tuple) and leaf and leaf[0] == "T"):
         return leaf
     _, shape, stride, dtype, where = leaf
@@ -285,7 +305,7 @@ def rebuild_args(op: Op, seed: int = 0) -> tuple:
     """``(args, kwargs)``: fresh tensors shaped as ``op``'s were, for ``op.func(*args, **kwargs)``."""
     leaves, spec = op.spec
     g = torch.Generator().manual_seed(seed)
-    return tree_unflatten([_fresh(x, g) for x in leaves], spec)
+    return tree_unflatten([fresh_tensor(x, g) for x in leaves], spec)
 
 
 def portable(items) -> list:

@@ -4,7 +4,8 @@ A training step's time is predicted in three layers, each a formula fed only by 
 (:mod:`..profiles`: calibrated here or shipped with citations), never by a free efficiency:
 
 1. **An op.** If the profile's kernel table holds the op with these shapes (``calibrate`` timed it
-   alone, every rank busy), that time. Otherwise the roofline of its kind (Williams et al. 2009):
+   alone, every rank busy, its inputs as far from the core as its step's footprint puts them), that
+   time. Otherwise the roofline of its kind (Williams et al. 2009):
    a GEMM or attention kernel takes the profile's GEMM time for its FLOPs, an elementwise op
    ``op_overhead + bytes / copy bandwidth``, a view ``op_overhead``. Before it the framework runs:
    the Python lines the recorder counted since the previous op (module calls, hooks, a wrapper's
