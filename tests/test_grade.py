@@ -1,5 +1,7 @@
 """The grader's limits: an exercise that never returns is killed at ``--timeout`` with every process
-it started, and nothing of a finished run is left behind. (Bad ``--timeout`` values: test_cli.py.)
+it started, and nothing of a finished run is left behind; nor of a run whose grader is stopped by
+SIGTERM, SIGHUP, Ctrl-C or even SIGKILL. A test that never returns, or that ends pytest itself, is
+named in the report. (Bad ``--timeout`` values: test_cli.py.)
 
 The looping exercise lives in a small course tree built in a temporary folder and graded through
 ``grade --root``, the way a user runs it: ``python -m minitorch_dist grade`` in a subprocess. Its
@@ -10,7 +12,9 @@ its own, so whatever the grader misses, the test finds, reports, and kills.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from minitorch_dist.__main__ import main
-from minitorch_dist.course import grade
+from minitorch_dist.course import grade, registry
 from minitorch_dist.course.registry import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(),
@@ -163,3 +167,196 @@ def test_a_finished_run_leaves_no_stray_process(course, monkeypatch):
 def test_grade_root_must_hold_exercise_tests(tmp_path, capsys):
     assert main(["grade", "--root", str(tmp_path), "--chapter", "ch00"]) == 2
     assert f"--root {tmp_path} has no tests/exercises/ folder" in capsys.readouterr().err
+
+
+# --- a grader stopped by a signal leaves nothing behind ----------------------------------------------
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, signal.SIGINT],
+                         ids=lambda s: s.name)
+def test_a_signalled_grader_leaves_no_process_and_no_run_folder(course, sig):
+    """The grader is signalled while the stub loops in two launched ranks (and rank 0's orphaned
+    helper runs): pytest, the ranks, the helper and the run folder must all be gone within seconds."""
+    tag = f"GRADE_TEST_TAG={uuid.uuid4().hex}"
+    tmp = course / "tmp"  # the grader's TMPDIR: its mtd-grade-* run folder lives here
+    tmp.mkdir()
+    env = dict(os.environ, GRADE_TEST_FLAGS=str(course / "flags"), TMPDIR=str(tmp), **dict([tag.split("=")]))
+    cmd = [sys.executable, "-m", "minitorch_dist", "grade", "--root", str(course), "--chapter", "ch00",
+           "--timeout", "100"]
+    log = course / "grade.out"
+    with open(log, "wb") as out:  # the signals' default actions, even if this process ignores some
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_default_signals)
+    try:
+        looping = _until(lambda: proc.poll() is not None or {p.name for p in (course / "flags").iterdir()}
+                         >= {"orphan", "rank0", "rank1"}, 60)
+        assert looping and proc.poll() is None, f"the ranks never started looping:\n{log.read_text()}"
+        assert list(tmp.glob("mtd-grade-*")), "no run folder while the run goes on: the test proves nothing"
+        sent = time.monotonic()
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=30)
+        clean = _until(lambda: not tagged(tag) and not list(tmp.iterdir()), 10)
+        elapsed = time.monotonic() - sent
+        left = tagged(tag)
+    finally:
+        grade.kill_run(tag, proc.pid if proc.poll() is None else None)
+        proc.wait(timeout=10)
+    text = log.read_text()
+    print(f"{sig.name}: everything gone {elapsed:.2f} s after the signal")
+    assert not left, f"processes of the graded run outlived the grader: {sorted(left)}\n{text}"
+    assert not list(tmp.iterdir()), f"the run folder outlived the grader: {list(tmp.rglob('*'))}"
+    assert clean and elapsed < 10, f"cleaning up took {elapsed:.1f} s"
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 128 + sig, text
+        assert f"stopped by {sig.name}" in text, text
+
+
+# --- a test that never returns, or that ends pytest itself, is named ---------------------------------
+
+THREE_SOLUTIONS = textwrap.dedent('''\
+    """A course tree with three exercises, for the grader's own tests."""
+
+
+    def fast(x):
+        """Kind: build.
+
+        Return x."""
+        # BEGIN SOLUTION
+        return x
+        # END SOLUTION
+
+
+    def stuck(x):
+        """Kind: derive.
+
+        Return x."""
+        # BEGIN SOLUTION
+        return x
+        # END SOLUTION
+
+
+    def later(x):
+        """Kind: measure.
+
+        Return x."""
+        # BEGIN SOLUTION
+        return x
+        # END SOLUTION
+    ''')
+
+# `stuck` loops, or ends the process, as STUCK_HOW says; the other two are right.
+THREE_STUBS = textwrap.dedent('''\
+    import os
+    import time
+
+
+    def fast(x):
+        return x
+
+
+    def stuck(x):
+        if os.environ.get("STUCK_HOW") == "exit":
+            os._exit(7)
+        while True:
+            time.sleep(0.05)
+
+
+    def later(x):
+        return x
+    ''')
+
+THREE_TESTS = textwrap.dedent('''\
+    import importlib.util
+    import os
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / os.environ.get("MTD_IMPL", "solutions") / "ch00_foundations.py"
+    spec = importlib.util.spec_from_file_location("three_impl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+
+    def test_fast():
+        assert mod.fast(1) == 1
+
+
+    def test_stuck():
+        assert mod.stuck(2) == 2
+
+
+    def test_later():
+        assert mod.later(3) == 3
+    ''')
+
+
+@pytest.fixture
+def three(tmp_path):
+    """ch00 of a course tree with three exercises: fast and later are right, stuck is not."""
+    for rel, text in [("solutions/ch00_foundations.py", THREE_SOLUTIONS),
+                      ("exercises/ch00_foundations.py", THREE_STUBS),
+                      ("tests/exercises/test_ch00_foundations.py", THREE_TESTS)]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return dataclasses.replace(registry.chapter("ch00"), root=tmp_path)
+
+
+@pytest.mark.timeout(90)
+def test_a_timeout_names_the_test_that_was_running(three):
+    rows = {r.exercise: r for r in grade.grade_chapter(three, "exercises", timeout=8)}
+    assert {ex: (r.status, r.kind) for ex, r in rows.items()} == {
+        "fast": ("timeout", "build"), "stuck": ("timeout", "derive"), "later": ("timeout", "measure")}
+    assert rows["stuck"].detail == "test_stuck ran past 8 s and was killed"
+    assert rows["fast"].detail == rows["later"].detail == "the run was killed at 8 s in test_stuck"
+    assert rows["fast"].tests == "1 passed" and rows["later"].tests == ""
+
+
+@pytest.mark.timeout(90)
+def test_a_test_ending_pytest_is_named_with_its_exit_code(three, monkeypatch):
+    monkeypatch.setenv("STUCK_HOW", "exit")
+    rows = {r.exercise: r for r in grade.grade_chapter(three, "exercises", timeout=60)}
+    assert {ex: (r.status, r.kind) for ex, r in rows.items()} == {
+        "fast": ("passed", "build"), "stuck": ("failed", "derive"), "later": ("failed", "measure")}
+    assert rows["stuck"].detail == "test_stuck ended pytest itself (exit code 7)"
+    assert rows["later"].detail == "not run: test_stuck ended pytest (exit code 7)"
+    assert "score: 1/3 exercises passed" in grade.report(list(rows.values()), "exercises")
+
+
+# --- --chapter: an empty list is an error, a repeated chapter is graded once -------------------------
+
+
+@pytest.mark.parametrize("spec", [",,", " , ", ""])
+def test_grade_chapter_list_naming_no_chapter_exits_2(spec, capsys):
+    assert main(["grade", "--chapter", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"--chapter {spec!r} names no chapter" in err and "ch00" in err and "ch13" in err, err
+
+
+def test_grade_grades_a_repeated_chapter_once(monkeypatch, capsys):
+    graded = []
+
+    def fake_grade(ch, impl, timeout, verbose):
+        graded.append(ch.tag)
+        return [grade.Row(ch.tag, "spin", "passed")]
+
+    monkeypatch.setattr(grade, "grade_chapter", fake_grade)
+    assert main(["grade", "--chapter", "ch00,0,00_foundations,ch00"]) == 0
+    assert graded == ["ch00"]
+    assert "score: 1/1 exercises passed" in capsys.readouterr().out

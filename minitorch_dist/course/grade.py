@@ -13,53 +13,47 @@ none is reported under its own name. Each exercise gets one status:
     blocked  its tests were skipped because they need a GPU this machine lacks
     skipped  its tests were skipped for another reason
     timeout  the chapter's tests ran past --timeout and were killed, with every process they started
+             (the detail names the test that was running)
     missing  the chapter has no exercise tests file; "no tests": no test maps to the exercise
+
+A test that ends pytest itself (``os._exit``, a crash) is "failed", naming the exit code; the
+tests it kept from running are "failed" as not run.
 
 The command exits 0 whenever grading ran, whatever the results (the report *is* the result);
 ``--strict`` exits 1 if any exercise is not passed, except ``blocked`` ones, which this machine
 cannot run.
 
-**Nothing outlives a chapter's run.** Each pytest run starts in a session of its own, with its
-output going to a file (never a pipe that a stray rank could hold open), and with
-``MTD_GRADE_RUN=<a fresh id>`` in its environment, which every process it starts inherits. When
-the run ends, or passes ``--timeout``, `kill_run` stops and then SIGKILLs the whole tree: pytest,
-its descendants (found through ``/proc``, whichever process group they moved to: ``launch``'s
-ranks call ``setpgrp``), its process group, and every process whose environment carries the id,
-even one whose parent died. Where there is no ``/proc`` (not Linux), only the process group is
-killed.
+**Nothing outlives a chapter's run**, whatever ends it or the grader (a timeout, Ctrl-C, SIGTERM,
+SIGHUP, even SIGKILL): see `minitorch_dist.course.grade_run`. Stopped by a signal, the grader kills
+the run in progress and exits with status 128 + the signal's number (130 for Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
-import os
-import re
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import uuid
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry
 from .exercises import MarkerError, chapter_exercises
+from .grade_run import (
+    RUN_MARKER,
+    GraderStopped,
+    TestResult,
+    kill_run,
+    parse_junit,
+    run_processes,
+    run_pytest,
+    stop_on_signals,
+)
+
+__all__ = ["RUN_MARKER", "GraderStopped", "Row", "TestResult", "exercise_for", "grade_chapter", "kill_run",
+           "main", "parse_junit", "report", "run_processes", "run_pytest", "summarize"]
 
 _ORDER = ("timeout", "missing", "failed", "todo", "passed", "blocked", "skipped", "no tests")
-_TODO = re.compile(r"NotImplementedError\W+exercise:")
-
-#: The environment variable that tags every process of one chapter's run (see the module docstring).
-RUN_MARKER = "MTD_GRADE_RUN"
-
-
-@dataclass(frozen=True)
-class TestResult:
-    name: str  # the test function's name, parameters included: "test_ring[4]"
-    status: str  # passed / failed / todo / blocked / skipped
-    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,24 +64,6 @@ class Row:
     tests: str = ""  # "3 passed, 1 blocked"
     detail: str = ""
     kind: str = ""  # build / derive / measure, from the exercise's docstring
-
-
-def parse_junit(path: Path) -> list[TestResult]:
-    """One `TestResult` per ``<testcase>`` of a pytest JUnit XML report."""
-    out = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        name, status, msg = case.get("name", "?"), "passed", ""
-        for child in case:
-            text = f"{child.get('message', '')}\n{child.text or ''}"
-            if child.tag in ("failure", "error"):
-                status = "todo" if _TODO.search(text) else "failed"
-                msg = child.get("message") or (child.text or "").strip()
-                break
-            if child.tag == "skipped":
-                status = "blocked" if "GPU" in text else "skipped"
-                msg = child.get("message", "")
-        out.append(TestResult(name, status, msg))
-    return out
 
 
 def exercise_for(test_name: str, exercises: list[str]) -> str | None:
@@ -138,123 +114,6 @@ def _summarize(tag, exercises, results, gpu_only) -> list[Row]:
     return rows
 
 
-def _proc_table() -> dict[int, tuple[int, int, int]]:
-    """pid -> (parent pid, process group, session) of every process, from ``/proc``; {} without it."""
-    table = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (d / "stat").read_text().rpartition(")")[2].split()  # after "pid (comm)"
-            table[int(d.name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not a process
-    return table
-
-
-def _carries(pid: int, marker: bytes) -> bool:
-    try:
-        return marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:  # gone, or another user's
-        return False
-
-
-def run_processes(marker: str, root: int | None = None) -> set[int]:
-    """The live processes of one run: those whose environment holds ``marker`` (``KEY=value``) and,
-    given the still-unreaped pid ``root`` of a session leader: root, its process group, its session
-    and all its descendants."""
-    table, tag = _proc_table(), marker.encode()
-    found = {pid for pid in table if _carries(pid, tag)}
-    if root is not None:
-        found |= {pid for pid, (_, group, session) in table.items() if root in (group, session)}
-        children: dict[int, list[int]] = {}
-        for pid, (parent, _, _) in table.items():
-            children.setdefault(parent, []).append(pid)
-        tree, todo = set(), [root]
-        while todo:
-            pid = todo.pop()
-            if pid not in tree:
-                tree.add(pid)
-                todo += children.get(pid, [])
-        found |= tree
-    found.discard(os.getpid())
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def _signal(pids, sig) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-
-
-def kill_run(marker: str, root: int | None = None, rounds: int = 100) -> set[int]:
-    """SIGKILL every process of a run (see `run_processes`); return their pids.
-
-    They are first stopped (SIGSTOP), round after round until a scan finds no new one, so none can
-    start another, nor be re-parented out of the tree, before all of them die together."""
-    stopped: set[int] = set()
-    for _ in range(rounds):
-        new = run_processes(marker, root) - stopped
-        if not new:
-            break
-        _signal(new, signal.SIGSTOP)
-        stopped |= new
-        time.sleep(0.005)
-    _signal(stopped, signal.SIGKILL)
-    if root is not None:
-        try:
-            os.killpg(root, signal.SIGKILL)  # without /proc, the only kill there is
-        except OSError:
-            pass
-    deadline = time.monotonic() + 2  # SIGKILL is not instant: return once they are gone (or zombies)
-    while any(_running(pid) for pid in stopped) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return stopped
-
-
-def run_pytest(test_file: Path, impl: str, timeout: float, cwd: Path) -> tuple[str, list[TestResult], str]:
-    """Run one test file in its own session; return (outcome, results, output).
-
-    outcome is "ok" (pytest ran: its tests may still have failed), "timeout", or "error". However
-    it ends (a timeout, Ctrl-C), no process of the run is left behind (`kill_run`).
-    """
-    run_id = uuid.uuid4().hex
-    marker = f"{RUN_MARKER}={run_id}"
-    with tempfile.TemporaryDirectory(prefix="mtd-grade-") as tmp:
-        report, log = Path(tmp) / "report.xml", Path(tmp) / "output.txt"
-        scratch = Path(tmp) / "tmp"  # the run's temporary files (launch's run folders): gone with it,
-        scratch.mkdir()  # even when a timeout kills the ranks and their reaper together
-        env = dict(os.environ, MTD_IMPL=impl, TMPDIR=str(scratch), **{RUN_MARKER: run_id})
-        # no cache, and no notebook plugin (exercise tests are plain tests): ~3 s less to start
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbval",
-               f"--junitxml={report}", "-o", "junit_family=xunit2", str(test_file)]
-        with open(log, "wb") as out:  # a file: a rank holding it open blocks nobody
-            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        outcome = "timeout"
-        try:
-            proc.wait(timeout=timeout)
-            outcome = "ok" if report.exists() else "error"
-        except subprocess.TimeoutExpired:
-            pass
-        finally:  # pytest's pid is safe to walk from only while it is unreaped
-            kill_run(marker, proc.pid if proc.returncode is None else None)
-            proc.wait()
-        output = log.read_text(errors="replace")
-        try:
-            results = parse_junit(report) if outcome == "ok" else []
-        except ET.ParseError as e:
-            return "error", [], f"{output}\nunreadable JUnit report: {e}"
-        return outcome, results, output
-
-
 def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float = 120,
                   verbose: bool = False) -> list[Row]:
     """Grade one chapter: run its exercise tests against `impl` and fold them into rows."""
@@ -270,11 +129,32 @@ def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float 
     if verbose or outcome == "error":
         print(output, file=sys.stderr)
     if outcome == "timeout":
-        return [Row(ch.tag, ex, "timeout", detail=f"tests ran past {timeout:g} s and were killed")
-                for ex in exercises or ["(all)"]]
-    if outcome == "error":
-        return [Row(ch.tag, "(all)", "failed", detail="pytest wrote no report: " + _first_line(output))]
-    return summarize(ch.tag, exercises, results, ch.gpu_only_exercises, kinds)
+        rows = _timeout_rows(ch.tag, exercises, results, timeout)
+    elif outcome == "error":
+        rows = [Row(ch.tag, "(all)", "failed", detail=_first_line(output))]
+    else:  # "ok", or "crashed": the test that ended pytest and those it kept from running failed
+        rows = _summarize(ch.tag, exercises, results, ch.gpu_only_exercises)
+    return [dataclasses.replace(r, kind=kinds.get(r.exercise) or "") for r in rows]
+
+
+def _timeout_rows(tag: str, exercises: list[str], results: list[TestResult], timeout: float) -> list[Row]:
+    """Every exercise of a run killed at the timeout is "timeout"; the detail names the test that
+    was running (its exercise's row says it ran past the timeout) and the tests column counts how
+    the tests that ended did."""
+    running = next((r.name for r in results if r.status == "timeout"), None)
+    culprit = exercise_for(running, exercises) if running else None
+    rows = []
+    for ex in exercises or ["(all)"]:
+        mine = [r for r in results if exercise_for(r.name, exercises) == ex]
+        counts = {s: sum(r.status == s for r in mine) for s in _ORDER if any(r.status == s for r in mine)}
+        if running is None:
+            detail = f"tests ran past {timeout:g} s and were killed"
+        elif ex == culprit:
+            detail = f"{running} ran past {timeout:g} s and was killed"
+        else:
+            detail = f"the run was killed at {timeout:g} s in {running}"
+        rows.append(Row(tag, ex, "timeout", ", ".join(f"{n} {s}" for s, n in counts.items()), detail))
+    return rows
 
 
 def report(rows: list[Row], impl: str) -> str:
@@ -315,10 +195,23 @@ def add_arguments(p) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show pytest's output")
 
 
+def _chapters(spec: str | None) -> list[registry.Chapter]:
+    """The chapters ``--chapter`` names, each once, in the order given; all written ones without it.
+    Raises KeyError (its message names the valid chapters) for an unknown or an empty list."""
+    if spec is None:
+        return registry.written_chapters()
+    chapters = [registry.chapter(k) for k in spec.split(",") if k.strip()]
+    if not chapters:
+        valid = ", ".join(ch.tag for ch in registry.CHAPTERS)
+        raise registry.UnknownChapter(f"--chapter {spec!r} names no chapter; give one or more, comma-"
+                                      f"separated, e.g. --chapter ch00,ch01 (valid: {valid}; or a "
+                                      f"number or a slug)")
+    return list({ch.tag: ch for ch in chapters}.values())  # "ch00,0" grades ch00 once
+
+
 def main(args) -> int:
     try:
-        chapters = ([registry.chapter(k) for k in args.chapter.split(",") if k.strip()]
-                    if args.chapter else registry.written_chapters())
+        chapters = _chapters(args.chapter)
     except KeyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -334,9 +227,16 @@ def main(args) -> int:
         print(registry.planned_table())
         return 0
     rows = []
-    for ch in chapters:
-        print(f"grading {ch.tag} {ch.slug} against {args.impl}/ ...", file=sys.stderr, flush=True)
-        rows += grade_chapter(ch, args.impl, args.timeout, args.verbose)
+    try:
+        with stop_on_signals():
+            for ch in chapters:
+                print(f"grading {ch.tag} {ch.slug} against {args.impl}/ ...", file=sys.stderr, flush=True)
+                rows += grade_chapter(ch, args.impl, args.timeout, args.verbose)
+    except GraderStopped as stop:
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"grade: stopped by {stop}; the tests in progress and every process they started were "
+                  f"killed", file=sys.stderr, flush=True)
+        return stop.exit_status
     print(report(rows, args.impl))
     bad = [r for r in rows if r.status not in ("passed", "blocked")]
     return 1 if args.strict and bad else 0

@@ -15,6 +15,12 @@ kills the parent:
   run folder, in case the parent died before it could). If the parent dies before saying "done",
   the reaper kills each rank's process group, which also reaches the processes the ranks started
   (the kernel's parent-death signal only kills the rank itself), and removes the run folder.
+  Given a marker (``KEY=value`` in the environment of every process of a run), it also kills
+  every process that carries it: the grader tags each chapter's run this way.
+
+A process started with an ``exec`` of another program (the grader's pytest) cannot call
+:func:`die_with_parent` itself; :func:`with_parent_death` wraps its command line so that the
+kernel's parent-death signal is set before the ``exec`` (it survives one).
 """
 from __future__ import annotations
 
@@ -44,6 +50,27 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+_EXEC_WITH_DEATH_SIGNAL = """
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):  # the parent died before the line above took effect
+    os._exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def with_parent_death(argv: list[str]) -> list[str]:
+    """``argv`` (a full path first) wrapped so that, on Linux, the program it runs is SIGKILLed by the
+    kernel the moment this process dies; ``argv`` unchanged elsewhere. Start it from the main
+    thread: the kernel ties the signal to the thread that started the child."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_DEATH_SIGNAL, str(os.getpid()), *argv]
 
 
 def _end_orphan(rundir: str | None) -> None:
@@ -90,13 +117,15 @@ class Reaper:
         ...
         reaper.close()              # the parent cleaned up itself: the reaper leaves quietly
 
-    If the reaper cannot start, the launch goes on with the guards inside the ranks only.
+    If the reaper cannot start, the launch goes on with the guards inside the ranks only. With a
+    ``marker`` (``KEY=value``) it also kills every process whose environment holds it (Linux).
     """
 
-    def __init__(self, rundir: str):
+    def __init__(self, rundir: str, marker: str | None = None):
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _REAPER_SCRIPT, rundir, str(os.getpid())],
+                [sys.executable, "-I", "-S", _REAPER_SCRIPT, rundir, str(os.getpid()),
+                 *([marker] if marker else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, close_fds=True)
         except OSError as e:
