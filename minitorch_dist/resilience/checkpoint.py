@@ -7,8 +7,9 @@ every tensor as the *single-process model* names it, and let each rank describe 
 that dense tensor it holds (:mod:`.placement`). Then a checkpoint is layout-free::
 
     save(state, path)       plan    every rank lists its pieces (name, placement, bytes); all ranks
-                                    swap the lists (one all_gather_object) and each piece held by
-                                    several ranks (replicas: DDP, TP's norms) is written by one
+                                    swap the lists (one all_gather_object; rank 0, holding the
+                                    save's lock, also names the staging folder) and each piece held
+                                    by several ranks (replicas: DDP, TP's norms) is written by one
                                     holder, the least loaded (DCP's ``dedup_save_plans``)
                             stage   each rank copies the pieces it writes into host memory
                             write   each rank writes one file; rank 0 the metadata, last (:mod:`.storage`)
@@ -27,10 +28,13 @@ own pieces; resharding builds each dense tensor once per rank that needs part of
 """
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +43,7 @@ import torch.distributed as dist
 
 from .layouts import Shard, world
 from .placement import Placement
-from .storage import FORMAT, CheckpointError, commit, partial_dir, wait_for_manifests, write_rank
+from .storage import FORMAT, CheckpointError, SaveLock, begin_save, commit, wait_for_manifests, write_rank
 
 __all__ = ["save", "async_save", "SaveHandle", "flatten", "set_plain", "CheckpointError"]
 
@@ -141,6 +145,7 @@ class SaveHandle:
     seconds: dict = field(default_factory=dict)
     _thread: threading.Thread | None = None
     _error: list = field(default_factory=list)
+    _group_hook: weakref.finalize | None = None  # waits for this save if the process group ends first
 
     @property
     def stage_s(self) -> float:
@@ -160,25 +165,65 @@ class SaveHandle:
         return self
 
 
-_in_flight: list[SaveHandle] = []  # this process's unfinished async save (at most one)
+# This process's unfinished asynchronous save (at most one: the next save waits for it). The chapter's
+# only process-global state, and only for the exit hook: a save must be on disk before its process ends.
+_in_flight: list[SaveHandle] = []
 
 
-def _plan(tensors: dict) -> tuple[dict, int, int]:
-    """Swap every rank's list of pieces; return ``(this rank's pieces to write, rank, world size)``."""
+def _finish_in_flight() -> None:
+    """Wait for this process's asynchronous save, reporting a failure on stderr. Run at interpreter exit
+    (a writer thread still running then would abort the interpreter) and when the default process group
+    is destroyed: ``launch`` ends a rank with ``os._exit`` right after, which runs no exit hook."""
+    while _in_flight:
+        handle = _in_flight.pop()
+        if handle._thread is threading.current_thread():
+            continue  # the writer itself let go of the group: it is finishing anyway
+        try:
+            _retire(handle)
+        except CheckpointError as e:
+            print(f"minitorch_dist: {e}", file=sys.stderr, flush=True)
+
+
+atexit.register(_finish_in_flight)
+
+
+def _retire(handle: SaveHandle) -> None:
+    """Wait for ``handle``; its process-group hook is no longer needed."""
+    if handle._group_hook is not None:
+        handle._group_hook.detach()
+    handle.wait()
+
+
+def _finish_before_the_group_ends(handle: SaveHandle) -> None:
+    """Run :func:`_finish_in_flight` when this process's default process group goes away (it is
+    destroyed at the end of every rank ``launch`` runs, before the rank reports its result)."""
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if group is not None:
+        handle._group_hook = weakref.finalize(group, _finish_in_flight)
+        handle._group_hook.atexit = False  # at exit, the atexit hook above waits
+
+
+def _plan(tensors: dict, lead: dict) -> tuple[dict, dict, int, int]:
+    """Swap every rank's list of pieces; rank 0's entry also carries ``lead``: the save's staging folder,
+    or why the save cannot start. Returns ``(this rank's pieces to write, rank 0's lead, rank, world
+    size)``; every rank raises rank 0's error together."""
     r, n = world()
     mine = [(k, s.placement.key(), s.local.numel() * s.local.element_size())
             for k, s in sorted(tensors.items())]
-    plans = [mine]
+    plans = [(mine, lead)]
     if n > 1:
         plans = [None] * n
-        dist.all_gather_object(plans, mine)  # also a barrier: rank 0 has made the .partial folder
-    writers = _writers(plans)
-    return {k: s for k, s in tensors.items() if writers[(k, s.placement.key())] == r}, r, n
+        dist.all_gather_object(plans, (mine, lead))  # also a barrier: rank 0 has made the staging folder
+    lead = plans[0][1]
+    if lead.get("error"):
+        raise CheckpointError(lead["error"])
+    writers = _writers([plan for plan, _ in plans])
+    return {k: s for k, s in tensors.items() if writers[(k, s.placement.key())] == r}, lead, r, n
 
 
-def _metadata(manifests: list[dict], plain: dict, objects: dict, n: int) -> dict:
-    meta = {"format": FORMAT, "version": 1, "world_size": n, "saved_at": time.time(), "tensors": {},
-            "plain": plain, "objects": objects, "files": {}}
+def _metadata(manifests: list[dict], plain: dict, objects: dict, n: int, save_id: str) -> dict:
+    meta = {"format": FORMAT, "version": 1, "world_size": n, "saved_at": time.time(), "save_id": save_id,
+            "tensors": {}, "plain": plain, "objects": objects, "files": {}}
     for m in manifests:
         meta["files"][m["file"]] = {"sha256": m["sha256"], "bytes": m["bytes"]}
         for key, piece in m["pieces"].items():
@@ -188,69 +233,108 @@ def _metadata(manifests: list[dict], plain: dict, objects: dict, n: int) -> dict
     return meta
 
 
-def _prepare(state: dict, folder: Path, handle: SaveHandle) -> dict:
+def _begin(path: Path, timeout_s: float) -> tuple[SaveLock | None, dict]:
+    """Rank 0: take the lock of ``path`` (waiting for another save of it) and make this save's staging
+    folder. Returns the lock and the lead for the other ranks: the folder's name, or the error."""
+    if world()[0] != 0:
+        return None, {}
+    try:
+        lock = SaveLock(path, timeout_s)
+    except CheckpointError as e:
+        return None, {"error": str(e)}
+    except OSError as e:
+        return None, {"error": f"cannot save to {path}: {e}"}
+    try:
+        return lock, {"staging": begin_save(path).name}
+    except (CheckpointError, OSError) as e:
+        lock.release()
+        return None, {"error": str(e) if isinstance(e, CheckpointError) else f"cannot save to {path}: {e}"}
+
+
+def _stage_all(mine: dict, handle: SaveHandle, t0: float, t1: float) -> dict:
+    staged = {k: _stage(s.local) for k, s in mine.items()}
+    if any(t.is_pinned() for t in staged.values()):
+        torch.cuda.synchronize()
+    handle.seconds.update(plan=t1 - t0, stage=time.perf_counter() - t1)
+    handle.bytes_written = sum(t.numel() * t.element_size() for t in staged.values())
+    return staged
+
+
+def _prepare(state: dict, path: Path, handle: SaveHandle, timeout_s: float) -> dict:
     """Plan and stage (in the caller): what the writing thread needs, copied out of the live state."""
     t0 = time.perf_counter()
     tensors, plain, objects = flatten(state)
     for shard in [s for s in tensors.values() if s.fresh]:
         shard.if_missing()  # optimizer state made only to be loaded into: not saved, and gone again
     tensors = {k: s for k, s in tensors.items() if not s.fresh}
-    if world()[0] == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # a save that died here before
-        folder.mkdir(parents=True)
-    mine, r, n = _plan(tensors)
-    t1 = time.perf_counter()
-    staged = {k: _stage(s.local) for k, s in mine.items()}
-    if any(t.is_pinned() for t in staged.values()):
-        torch.cuda.synchronize()
-    handle.seconds.update(plan=t1 - t0, stage=time.perf_counter() - t1)
-    handle.bytes_written = sum(t.numel() * t.element_size() for t in staged.values())
-    pieces = {k: {"placement": s.placement.to_json(), "dtype": str(s.local.dtype).removeprefix("torch."),
-                  "shape": list(s.local.shape)} for k, s in mine.items()}
-    return {"r": r, "n": n, "staged": staged, "pieces": pieces,
-            "per_rank": {k: o.to_saved() for k, o in objects.items() if o.per_rank},
-            "shared": json.loads(json.dumps({k: {"per_rank": False, "value": o.to_saved()} if not o.per_rank
-                                             else {"per_rank": True} for k, o in objects.items()})),
+    lock, lead = _begin(path, timeout_s)
+    try:
+        mine, lead, r, n = _plan(tensors, lead)
+        staged = _stage_all(mine, handle, t0, time.perf_counter())
+        pieces = {k: {"placement": s.placement.to_json(), "dtype": str(s.local.dtype).removeprefix("torch."),
+                      "shape": list(s.local.shape)} for k, s in mine.items()}
+        per_rank = {k: o.to_saved() for k, o in objects.items() if o.per_rank}
+        shared = json.loads(json.dumps({k: {"per_rank": False, "value": o.to_saved()} if not o.per_rank
+                                        else {"per_rank": True} for k, o in objects.items()}))
+    except BaseException:
+        if lock is not None:  # rank 0: the save ends here, before any writing
+            shutil.rmtree(path.parent / lead["staging"], ignore_errors=True)
+            lock.release()
+        raise
+    return {"r": r, "n": n, "folder": path.parent / lead["staging"], "lock": lock, "staged": staged,
+            "pieces": pieces, "per_rank": per_rank, "shared": shared,
             "plain": json.loads(json.dumps(plain))}  # the values now, not after the loop moves on
 
 
-def _write(job: dict, folder: Path, path: Path, handle: SaveHandle, timeout_s: float) -> None:
-    """Write this rank's file and manifest; rank 0 then commits the checkpoint (in the thread)."""
+def _write(job: dict, path: Path, handle: SaveHandle, timeout_s: float) -> None:
+    """Write this rank's file and manifest; rank 0 then commits the checkpoint and releases the lock (in
+    the thread). A failure on rank 0 removes the staging folder: the previous checkpoint stays."""
+    folder = job["folder"]
     try:
         handle.seconds.update(write_rank(folder, job["r"], job["staged"], job["per_rank"], job["pieces"]))
         if job["r"] == 0:
             t0 = time.perf_counter()
             manifests = wait_for_manifests(folder, job["n"], timeout_s)
-            commit(folder, path, _metadata(manifests, job["plain"], job["shared"], job["n"]), manifests)
+            meta = _metadata(manifests, job["plain"], job["shared"], job["n"], folder.name.rsplit("-", 1)[-1])
+            commit(folder, path, meta, manifests)
             handle.seconds["commit"] = time.perf_counter() - t0
     except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+        if job["r"] == 0:
+            shutil.rmtree(folder, ignore_errors=True)
         why = f"saving {path} failed on rank {job['r']}: {type(e).__name__}: {e}"
         handle._error.append(e if isinstance(e, CheckpointError) else CheckpointError(why))
+    finally:
+        if job["lock"] is not None:
+            job["lock"].release()
 
 
 def async_save(state: dict, path, timeout_s: float = 300) -> SaveHandle:
     """Start saving ``state`` to the folder ``path`` (every rank calls it): plan and copy to host memory
     now, write in a background thread. The training loop goes on; call ``wait()`` before relying on the
-    checkpoint (the next save waits for this one). See :func:`save` for the format."""
+    checkpoint (the next save waits for this one, and so does the end of the process, or of the process
+    group). ``timeout_s``: how long to wait for another save of ``path`` to finish, and for every rank's
+    part. See :func:`save` for the format."""
     while _in_flight:
-        _in_flight.pop().wait()
+        _retire(_in_flight.pop())
     path = Path(path)
-    folder, handle = partial_dir(path), SaveHandle(path)
-    job = _prepare(state, folder, handle)
-    handle._thread = threading.Thread(target=_write, args=(job, folder, path, handle, timeout_s),
+    handle = SaveHandle(path)
+    job = _prepare(state, path, handle, timeout_s)
+    handle._thread = threading.Thread(target=_write, args=(job, path, handle, timeout_s),
                                       name=f"mtd-save-{path.name}", daemon=True)
     handle._thread.start()
     _in_flight.append(handle)
+    _finish_before_the_group_ends(handle)
     return handle
 
 
 def save(state: dict, path, timeout_s: float = 300) -> SaveHandle:
     """Save ``state`` (see the module docstring) to the folder ``path``; every rank calls it, and it
     returns once the whole checkpoint is on disk on every rank. An existing checkpoint at ``path`` is
-    replaced only when the new one is complete."""
+    replaced only when the new one is complete; another save of the same ``path`` (another process)
+    is waited for, up to ``timeout_s`` (:mod:`.storage`)."""
     handle = async_save(state, path, timeout_s)
     _in_flight.remove(handle)
-    handle.wait()
+    _retire(handle)
     if world()[1] > 1:
         dist.barrier()  # rank 0 has committed the folder: every rank may now use it
     return handle

@@ -65,6 +65,7 @@ class DCPCheckpoint:
     """A DCP checkpoint folder, read whole into memory once (dense tensors), served by name."""
 
     world_size = None  # DCP does not record it here: per-rank values are not restored from it
+    save_id = None
 
     def __init__(self, path):
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -96,3 +97,6 @@ class DCPCheckpoint:
 
     def per_rank(self, key: str, rank: int):
         raise KeyError(key)
+
+    def close(self) -> None:
+        """Nothing stays open: the tensors were read whole when the checkpoint was opened."""

@@ -12,7 +12,9 @@ The checks come first, so that a wrong checkpoint is an error that names the pro
 model that silently trains from wrong weights: every name asked for exists (else: a checkpoint of
 another model, or an optimizer saved before its first step, whose state is then left fresh), no
 rank is left without a name the checkpoint holds (``strict``), shapes agree, every file is there and
-matches its SHA-256 (:class:`.storage.RankFiles`), and every element of a rebuilt tensor was saved.
+matches its SHA-256 (:class:`.reading.RankFiles`), and every element of a rebuilt tensor was saved.
+The metadata and the files read all belong to one save, even while a newer save of the same path
+commits (:mod:`.reading`).
 
 Values saved once per rank (random number generators) come back only at the world size that saved
 them; elsewhere they are listed in the report as not restored. A DCP checkpoint (a folder with
@@ -31,7 +33,8 @@ import torch.distributed as dist
 from .checkpoint import flatten, set_plain
 from .layouts import world
 from .placement import Placement
-from .storage import CheckpointError, RankFiles, read_metadata
+from .reading import RankFiles
+from .storage import CheckpointError
 
 __all__ = ["load", "LoadReport", "SavedCheckpoint", "open_checkpoint", "read_dense"]
 
@@ -54,8 +57,9 @@ class SavedCheckpoint:
 
     def __init__(self, path):
         self.path = Path(path)
-        self.meta = read_metadata(self.path)
-        self.files = RankFiles(self.path, self.meta)
+        self.files = RankFiles.open(self.path)  # the metadata and the files of one save, opened together
+        self.meta = self.files.meta
+        self.save_id = self.meta.get("save_id")  # which save: every rank must read the same one
         self.world_size = self.meta["world_size"]
         self.plain = self.meta["plain"]
         self.objects = self.meta["objects"]
@@ -90,6 +94,10 @@ class SavedCheckpoint:
     def per_rank(self, key: str, rank: int):
         return self.files.get(f"rank{rank:05d}.pt")["per_rank"][key]
 
+    def close(self) -> None:
+        """Close the files not read (each file read is closed once loaded)."""
+        self.files.close()
+
 
 def open_checkpoint(path):
     """A reader for ``path``: ours (``metadata.json``), or PyTorch DCP's (``.metadata``)."""
@@ -101,14 +109,18 @@ def open_checkpoint(path):
     return SavedCheckpoint(path)
 
 
-def _asked_by_anyone(names: set) -> set:
-    """The union of every rank's requested names (a collective when there are several ranks)."""
+def _asked_by_anyone(names: set, source) -> set:
+    """The union of every rank's requested names (a collective when there are several ranks). The same
+    collective checks that every rank opened the same save of the checkpoint."""
     r, n = world()
     if n == 1:
         return set(names)
     everyone = [None] * n
-    dist.all_gather_object(everyone, sorted(names))
-    return set().union(*map(set, everyone))
+    dist.all_gather_object(everyone, (sorted(names), getattr(source, "save_id", None)))
+    if len({save for _, save in everyone}) > 1:
+        raise CheckpointError(f"the ranks opened different saves of {source.path}: another save of it "
+                              f"committed during this load; load again once that save is done")
+    return set().union(*(set(asked) for asked, _ in everyone))
 
 
 def _check_names(tensors: dict, source, strict: bool) -> None:
@@ -122,7 +134,7 @@ def _check_names(tensors: dict, source, strict: bool) -> None:
             raise CheckpointError(f"tensor {k} is {source.shape(k)} in the checkpoint and "
                                   f"{s.placement.shape} here: it was saved from a different model")
     if strict:
-        extra = sorted(have - _asked_by_anyone(set(tensors)))
+        extra = sorted(have - _asked_by_anyone(set(tensors), source))
         if extra:
             raise CheckpointError(f"the checkpoint holds {len(extra)} tensor(s) no rank asks for, e.g. "
                                   f"{extra[:3]}: it was saved from a different model "
@@ -154,6 +166,15 @@ def load(state: dict, path, strict: bool = True) -> LoadReport:
     :class:`LoadReport`."""
     t0 = time.perf_counter()
     source = open_checkpoint(path)
+    try:
+        report = _load_from(source, state, strict)
+    finally:
+        source.close()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _load_from(source, state: dict, strict: bool) -> LoadReport:
     tensors, plain, objects = flatten(state)
     _check_names(tensors, source, strict)
     report = LoadReport(source.world_size, world()[1])
@@ -173,7 +194,6 @@ def load(state: dict, path, strict: bool = True) -> LoadReport:
         elif strict:
             raise CheckpointError(f"the checkpoint has no value {key!r} (strict=False keeps this state's)")
     _restore_objects(objects, source, report, strict)
-    report.seconds = time.perf_counter() - t0
     return report
 
 
@@ -183,7 +203,10 @@ def read_dense(path) -> dict[str, torch.Tensor]:
     two checkpoints of the same state are compared."""
     source = open_checkpoint(path)
     out = {}
-    for key in sorted(source.names()):
-        values, _ = source.fill(key, Placement(source.shape(key)))
-        out[key] = values.reshape(source.shape(key)).clone()  # (numel,) -> the dense shape
+    try:
+        for key in sorted(source.names()):
+            values, _ = source.fill(key, Placement(source.shape(key)))
+            out[key] = values.reshape(source.shape(key)).clone()  # (numel,) -> the dense shape
+    finally:
+        source.close()
     return out
