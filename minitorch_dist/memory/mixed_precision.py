@@ -37,6 +37,23 @@ exponent bits (range ~1e-38 .. 3e38) with only 8 bits of precision, so gradients
 and no loss scaling is needed: ``dtype=torch.bfloat16`` runs with the scaler disabled. Its ulp
 is 8x coarser than fp16's, so master weights matter even more.
 
+**With sharded gradients** (chapter 06). The scaler unscales and checks the gradients the optimizer
+will *apply*, found by :func:`grads_to_step`, and decides for all ranks at once:
+
+* ``ShardedOptimizer`` (ZeRO-1/2; with ``ZeroDataParallel`` pass ``zero.sharded``): at stage 2 every
+  ``p.grad`` is freed during backward and the reduced gradient lives only in this rank's flat shard;
+  the optimizer's ``grads_to_step()`` names it (stage 1: the local gradients in the flat buffer,
+  reduced inside ``step``: mean_r(g_r / S) = mean_r(g_r) / S).
+* ``fully_shard`` (ZeRO-3 / FSDP): a plain optimizer over the sharded parameters, whose ``.grad`` are
+  this rank's pieces of each unit's reduced gradient; ``fsdp.shard_groups`` names their group.
+
+Each rank sees only its own 1/n of the gradient. Left alone, an inf in rank 1's shard makes rank 1
+skip while rank 0 steps its half of the weights: the replicas part, and so do their scales. So the
+flags are agreed first: f = max_r f_r (f_r = 1 if rank r saw an inf or NaN), one all-reduce of one
+byte per step (torch's ``ShardedGradScaler`` all-reduces its flag too, a SUM over the default group);
+every rank then skips or steps together and moves S alike. Plain data parallelism needs none: DDP
+all-reduced the gradients in backward, so an inf on one rank is an inf (or NaN) on every rank.
+
 Memory (``costmodel.model_state_bytes(P, "mixed", "adamw")``): half weights 2 + half gradients 2
 + fp32 master 4 + Adam m 4 + v 4 = 16 B per parameter -- the same as pure fp32 training.
 Mixed precision buys faster math and half-size activations, not smaller model states. The
@@ -47,8 +64,12 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ..runtime import comm
+from .zero.fsdp import shard_groups
 
 
 class DynamicLossScaler:
@@ -101,9 +122,11 @@ class DynamicLossScaler:
     def unscale_(self, optimizer_or_grads) -> bool:
         """Multiply the gradients by 1/S in place and return whether any was inf or NaN.
 
-        Takes an optimizer (its parameters' ``.grad``) or a list of gradient tensors. Call it
-        before anything that reads true gradient values (clipping, norms); ``step`` calls it
-        otherwise. Once per optimizer per iteration, as ``GradScaler.unscale_``.
+        Takes an optimizer (the gradients it will apply: :func:`grads_to_step`) or a list of
+        gradient tensors. Call it before anything that reads true gradient values (clipping, norms);
+        ``step`` calls it otherwise. Once per optimizer per iteration, as ``GradScaler.unscale_``.
+        With sharded gradients (ZeRO, FSDP) the found-inf flag is agreed over the group, MAX of one
+        flag per rank, so every rank gets the same answer (a collective: every rank calls it).
 
         fp16 gradients are refused, as ``GradScaler`` refuses them (a ``ValueError``, nothing
         unscaled): 1/S would be rounded to fp16 (11 significant bits, fewer once S > 2^14, and 0
@@ -121,20 +144,21 @@ class DynamicLossScaler:
                                    "update(); call it at most once per iteration")
             if stage == self._STEPPED:
                 raise RuntimeError("unscale_() is being called after step(); call update() first")
-            grads = [p.grad for g in optimizer_or_grads.param_groups for p in g["params"]
-                     if p.grad is not None]
+            grads, groups = grads_to_step(optimizer_or_grads)
             _refuse_fp16(grads)
             self._stage[key] = self._UNSCALED
         else:
-            key, grads = "grads", [g for g in optimizer_or_grads if g is not None]
+            key, grads, groups = "grads", [g for g in optimizer_or_grads if g is not None], []
             _refuse_fp16(grads)
         # 1/S in fp64, rounded once to fp32 (as torch), then one multiply per gradient.
         inv_scale = self._scale.double().reciprocal().float()
-        found = torch.zeros((), dtype=torch.bool, device=self._scale.device)
+        found = torch.zeros(1, dtype=torch.uint8, device=self._scale.device)  # 1: an inf/NaN seen
         with torch.no_grad():
             for g in grads:
-                found = found | ~torch.isfinite(g).all().to(found.device)
+                found |= (~torch.isfinite(g).all()).to(found.device, found.dtype)
                 g.mul_(inv_scale.to(g.device, g.dtype))
+            for group in groups:  # any rank's inf skips the step on every rank: MAX of the flags
+                comm.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         self._found_inf[key] = bool(found) or self._found_inf.get(key, False)
         return self._found_inf[key]
 
@@ -210,6 +234,24 @@ class DynamicLossScaler:
         self.growth_interval, self._growth_tracker = (int(state["growth_interval"]),
                                                       int(state["_growth_tracker"]))
         self.steps, self.skipped_steps = int(state.get("steps", 0)), int(state.get("skipped_steps", 0))
+
+
+def grads_to_step(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list]:
+    """The gradients ``optimizer.step()`` will apply, where they live, and the process groups over
+    which the skip-or-step verdict must be agreed (each is one MAX all-reduce of one flag):
+
+    * an optimizer with a ``grads_to_step() -> (tensors, group)`` method says so itself
+      (``ShardedOptimizer``: at stage 2 this rank's reduced gradient shard; ``p.grad`` is None);
+    * otherwise its parameters' ``.grad``; where some are shards made by ``fully_shard``, the groups
+      they are sharded over (``fsdp.shard_groups``);
+    * otherwise no group: one process, or data parallelism whose gradients were all-reduced in
+      backward (DDP), where every rank holds the same gradient and reaches the same verdict alone.
+    """
+    if callable(getattr(optimizer, "grads_to_step", None)):
+        grads, group = optimizer.grads_to_step()
+        return [g for g in grads if g is not None], [group]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [p.grad for p in params if p.grad is not None], shard_groups(params)
 
 
 def _refuse_fp16(grads) -> None:

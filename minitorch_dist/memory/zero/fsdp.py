@@ -63,11 +63,12 @@ from torch.utils._pytree import tree_map
 
 from ...parallelism.mesh import RankGrid
 from ...runtime import comm, require_process_group
+from ...runtime.replica_shapes import check_same_shapes
 from .fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_format
 from .fsdp_unit import FlatUnit, MixedPrecisionPolicy, UnitCall, UnitFunction
 
 __all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardingState", "sharding_state",
-           "sharded_units", "full_state_dict", "hybrid_groups"]
+           "sharded_units", "shard_groups", "full_state_dict", "hybrid_groups"]
 
 
 class ShardingState:
@@ -224,17 +225,22 @@ _UNCLAIMED: weakref.WeakSet = weakref.WeakSet()  # sharded modules whose root is
 
 
 class _TensorSet:
-    """A set of tensors by identity that does not keep them alive (tensors compare by value)."""
+    """A set of tensors by identity that does not keep them alive (tensors compare by value), each
+    with a value it was added with (a shard: the group it is sharded over)."""
 
     def __init__(self):
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, tuple[weakref.ref, object]] = {}
 
-    def add(self, t) -> None:
-        self._refs[id(t)] = weakref.ref(t)
+    def add(self, t, value=None) -> None:
+        self._refs[id(t)] = (weakref.ref(t), value)
 
     def __contains__(self, t) -> bool:
         r = self._refs.get(id(t))
-        return r is not None and r() is t
+        return r is not None and r[0]() is t
+
+    def value(self, t):
+        """What ``t`` was added with (None if it is not in the set)."""
+        return self._refs[id(t)][1] if t in self else None
 
 
 _TAKEN = _TensorSet()  # original parameters some unit has taken
@@ -247,6 +253,9 @@ def _find_root(module, _inputs) -> None:
     global _root_hook
     mine = [m for m in module.modules() if m in _UNCLAIMED]
     units = [m.fsdp_unit for m in mine if m.fsdp_unit is not None]
+    for u in units:  # the shards as they are now: deferred initialisation replaces fully_shard's
+        for p in u.sharded:
+            _SHARDS.add(p, u.group)
     if units:
         ShardingState(module, units)
     for m in mine:
@@ -315,6 +324,10 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
     _check(module, group, replicate_group, mp_policy, reshard_after_forward)
     fp8 = fp8_all_gather_format(fp8_all_gather)
     slots = _slots(module)
+    names = {id(m): n for n, m in module.named_modules()}  # every rank holding these weights: same shapes
+    for g in (group, replicate_group) if replicate_group is not None else (group,):
+        check_same_shapes([(f"{names.get(id(m), '?')}.{a}".lstrip("."), p) for m, a, p in slots], g,
+                          who="fully_shard")
     unit = None  # a root whose submodules took every parameter is a unit with nothing to gather
     if slots:
         unit = FlatUnit(slots, group, replicate_group, mp_policy, reshard_after_forward)
@@ -324,7 +337,7 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
         for _, _, p in slots:
             _TAKEN.add(p)
         for p in unit.sharded:
-            _SHARDS.add(p)
+            _SHARDS.add(p, group)
     cls = type(module)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
@@ -339,6 +352,15 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
 def sharded_units(module: nn.Module) -> list[FlatUnit]:
     """The units under ``module`` (itself included), in module order."""
     return [m.fsdp_unit for m in module.modules() if isinstance(m, FSDPModule) and m.fsdp_unit is not None]
+
+
+def shard_groups(params) -> list:
+    """The groups (None: the default one) any of ``params`` is sharded over, each once; [] for none.
+    Their ranks hold different pieces of one gradient, so "an inf or NaN: skip the step" must be agreed
+    over them (:class:`..mixed_precision.DynamicLossScaler`); under hybrid sharding the shard group
+    suffices, the replicas of a shard holding the same all-reduced gradient."""
+    groups = {id(_SHARDS.value(p)): _SHARDS.value(p) for p in params if p in _SHARDS}
+    return list(groups.values())
 
 
 def sharding_state(module: nn.Module) -> ShardingState:

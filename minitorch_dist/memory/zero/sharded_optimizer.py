@@ -37,6 +37,11 @@ not one that uses a whole tensor's norm, such as LAMB or Adafactor).
 would hold in one process -- per-tensor state at full size, torch's format -- so it loads into a
 plain optimizer, and ``load_state_dict`` takes one from any world size or a plain optimizer.
 
+**With a loss scaler** (chapter 08, :class:`..mixed_precision.DynamicLossScaler`). At stage 2 no
+``p.grad`` exists at step time, and at every stage a rank sees only its own gradients: an inf in one
+rank's shard is invisible to the others. ``grads_to_step()`` names the tensors to unscale and check,
+and the group over which the skip-or-step verdict is agreed (one MAX all-reduce of one flag).
+
 One dtype: mixed dtypes raise (the fix: cast the model to one dtype, or one ShardedOptimizer per
 dtype). ``offload="cpu"|"disk"`` steps the shard with :class:`.offload.OffloadedOptimizer`.
 """
@@ -298,6 +303,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._in_backward = False
 
     # --- the step ------------------------------------------------------------------------------------
+    def grads_to_step(self) -> tuple[list[torch.Tensor], object]:
+        """``(gradients, group)``: the gradient tensors :meth:`step` will apply, where they are now,
+        and the group whose ranks step together (a loss scaler unscales and checks these, see above).
+
+        Stage 2: this rank's reduced gradient shard, ``partition.shard.grad`` ([] before a backward).
+        Stages 0 and 1: each tensor's local gradient (a view of ``flat_grad``; not ``flat_grad`` itself,
+        where a tensor without a gradient this step holds old values until ``step`` zeroes them),
+        reduced inside ``step``: mean_r(g_r/S) = mean_r(g_r)/S, exactly for a power-of-two S.
+        """
+        if self.stage == 2:
+            g = self.partition.shard.grad
+            return ([] if g is None else [g]), self.group
+        return [p.grad for p in self.partition.flat.params if p.grad is not None], self.group
+
     def _agreed_mask(self) -> list[bool]:
         """Which tensors have a gradient on at least one rank: a MAX all-reduce of one byte each."""
         flat = self.partition.flat

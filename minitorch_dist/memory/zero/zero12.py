@@ -72,7 +72,9 @@ class ZeroDataParallel(nn.Module):
     that got no gradient on any rank in a step is left untouched (no decay, no state update).
     ``offload="cpu"|"disk"`` steps the shard with :class:`.offload.OffloadedOptimizer` instead.
     ``bucket_cap_mb`` (MiB of gradient per reduce-scatter) is used by stage 2 only; stages 0 and 1
-    reduce once, in ``step()``, so their one bucket is the whole buffer.
+    reduce once, in ``step()``, so their one bucket is the whole buffer. With a loss scaler (chapter
+    08) step the optimizer through it, ``scaler.step(zero.sharded)``: it unscales the gradients where
+    they live (``sharded.grads_to_step()``) and skips on every rank when any rank saw an inf.
 
     Attributes: ``sharded`` (the :class:`ShardedOptimizer` doing the work), ``optimizer`` (the same,
     or None under offload, where ``offloaded`` is the OffloadedOptimizer; ``close()`` removes its
