@@ -54,11 +54,23 @@ class LaunchTimeout(RuntimeError):
     def __init__(self, timeout_s: float, last_ops: dict, finished: set):
         self.last_ops, self.finished = last_ops, finished
         lines = [f"launch timed out after {timeout_s:g} s; every rank was killed. Last op of each rank:"]
-        for r, op in sorted(last_ops.items()):
-            lines.append(f"  rank {r}: {'finished' if r in finished else op}")
+        shown = [(r, "finished" if r in finished else op) for r, op in sorted(last_ops.items())]
+        for first, last, op in _runs(shown):  # "ranks 2-999: ..." for ranks doing the same thing
+            lines.append(f"  rank {first}: {op}" if first == last else f"  ranks {first}-{last}: {op}")
         lines.append("A collective that only some ranks call, or called in a different order, "
                      "hangs like this.")
         super().__init__("\n".join(lines))
+
+
+def _runs(items: list) -> list:
+    """``[(rank, text), ...]`` as ``(first, last, text)`` runs of consecutive ranks with one text."""
+    runs = []
+    for r, text in items:
+        if runs and runs[-1][2] == text and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r, text])
+    return [tuple(run) for run in runs]
 
 
 def is_peer_gone(text: str) -> bool:

@@ -22,7 +22,11 @@ edges filed off):
   ``MTD_BACKEND`` overrides. On CPU each rank uses one intra-op thread (``MTD_THREADS``), so
   4 ranks on 2 cores do not fight over a thread pool.
 - Start method: ``fork`` on Linux CPU runs (~0.1 s for 4 ranks) when CUDA is not initialised in
-  this process; otherwise ``spawn`` (~2-3 s, CUDA-safe). ``MTD_START_METHOD`` overrides.
+  this process; otherwise ``spawn`` (~2-3 s, CUDA-safe). ``MTD_START_METHOD`` overrides (:mod:`.env`
+  checks it and ``MTD_THREADS``).
+- At most :data:`~.env.RANKS_PER_CORE` ranks per CPU core (16 on 2 cores): ``launch(fn, 1000)``
+  is refused at once instead of filling the machine's memory, unless ``oversubscribe=True`` (or
+  ``MTD_OVERSUBSCRIBE=1``). ``timeout_s`` counts from the call, start-up included.
 - Failure is loud and fast. A rank that raises: the others are killed and :class:`RankError`
   carries that rank's traceback. A rank that dies without a word (``os._exit``, a signal, a gloo
   abort): the error gives its exit code or signal and the tail of its stderr. Peers that failed
@@ -31,7 +35,8 @@ edges filed off):
   ``timeout_s`` every rank is killed and :class:`LaunchTimeout` lists what each rank was last
   doing, read from the comm meter's status line.
 - No orphans: the ranks die with the calling process, however it dies (SIGKILL included), and
-  the run folder goes with them (:mod:`.supervise`).
+  the run folder goes with them (:mod:`.supervise`). What a rank started dies with the rank, even a
+  process in a session of its own (:mod:`.descendants`).
 - Teardown: ``barrier()`` before ``destroy_process_group()`` (without it gloo ranks were seen to
   die with SIGABRT at exit), then the rank leaves with ``os._exit`` so no interpreter-exit
   destructor can abort it after its result is safely sent.
@@ -64,7 +69,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import comm, supervise
+from . import comm, descendants, supervise
+from .env import check_world_size, default_backend, requested_start_method, threads_per_rank
 from .failures import LaunchTimeout, RankError, blame, death_report, is_peer_gone
 from .torchrun import run_under_torchrun
 
@@ -91,20 +97,6 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def default_backend(world_size: int) -> str:
-    """``MTD_BACKEND`` if set; NCCL when there is one GPU per rank; else gloo."""
-    forced = os.environ.get("MTD_BACKEND")
-    if forced:
-        return forced
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
-def _threads_per_rank() -> int:
-    return int(os.environ.get("MTD_THREADS", "1"))
-
-
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MTD_LAUNCHED_RANK" not in os.environ
 
@@ -116,6 +108,7 @@ def _rank_main(r, job, conn, status):
     """One rank: join the group, run fn, send ``(kind, data, type name)`` back through ``conn``.
     ``job`` is the dict :func:`launch` builds (the same for every rank)."""
     os.setpgrp()  # its own process group: a kill of the group reaches whatever this rank starts
+    descendants.become_subreaper()  # ...and what leaves the group stays in this rank's tree
     supervise.die_with_parent(job["parent_pid"], job["rundir"])
     supervise.write_pid_file(job["rundir"], f"rank{r}")
     if job["reaper_fd"] is not None:  # started by fork: the reaper must see the parent's end only
@@ -128,7 +121,7 @@ def _rank_main(r, job, conn, status):
     faulthandler.disable()  # a forked rank inherits it, aimed at the caller's terminal
     n = job["world_size"]
     os.environ.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                      MTD_LAUNCHED_RANK=str(r))
+                      MTD_LAUNCHED_RANK=str(r), **{descendants.MARK_VAR: job["mark"]})
     comm.set_status_sink(status)
     comm.set_status("starting (before init_process_group)")
     msg = _run_fn(r, job)
@@ -141,6 +134,7 @@ def _rank_main(r, job, conn, status):
         # peers fail with "connection reset" and bury the real error under theirs. The watchdog
         # started by die_with_parent ends this wait if the caller is gone.
         time.sleep(job["timeout_s"] + 60)
+    descendants.kill_descendants([os.getpid()])  # what fn started and left running ends with it
     os._exit(0)
 
 
@@ -164,8 +158,8 @@ def _run_fn(r: int, job: dict) -> tuple:
         return "error", traceback.format_exc(), ""
 
 
-def _pick_start_method(backend: str) -> str:
-    forced = os.environ.get("MTD_START_METHOD")
+def _pick_start_method(backend: str, start_method: str | None) -> str:
+    forced = requested_start_method(start_method)
     if forced:
         return forced
     if sys.platform.startswith("linux") and backend == "gloo" and not torch.cuda.is_initialized():
@@ -190,7 +184,10 @@ def _main_not_reimported():
         main.__dict__.update(saved)
 
 
-def _kill(procs) -> None:
+def _kill(procs, mark: str) -> None:
+    """Kill every rank and what it started: its tree first (while the rank, a subreaper, holds it
+    together), then its process group, then what a rank that died on its own left behind."""
+    descendants.kill_descendants([p.pid for p in procs if p.pid is not None and p.exitcode is None])
     for p in procs:
         if p.pid is not None and p.exitcode is None:
             try:
@@ -199,6 +196,7 @@ def _kill(procs) -> None:
                 p.kill()
     for p in procs:
         p.join(timeout=5)
+    descendants.kill_marked(mark)
 
 
 def _echo_outputs(outdir: str, n: int) -> None:
@@ -217,35 +215,43 @@ def _echo_outputs(outdir: str, n: int) -> None:
 # --- launch ------------------------------------------------------------------------------------
 
 
+def _is_number(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
 def _check_arguments(world_size, timeout_s) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout_s is None:
         raise ValueError("timeout_s=None: launch always has a time limit, so that a hang becomes an "
                          "error; for a long run pass a large one, e.g. timeout_s=24 * 3600")
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-            or not math.isfinite(timeout_s) or timeout_s <= 0):
+    if not _is_number(timeout_s):
         raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 300,
-           start_method: str | None = None, threads: int | None = None):
+           start_method: str | None = None, threads: int | None = None, oversubscribe: bool | None = None):
     """Run ``fn(*args)`` on ``world_size`` ranks with torch.distributed initialised; return the
     list of per-rank results (rank 0 first).
 
     Raises :class:`RankError` if a rank raises or dies (naming the rank to blame, not a peer that
     failed because it went away), :class:`LaunchTimeout` if the ranks have not all returned within
-    ``timeout_s`` seconds (a positive number; there is always a limit). If the calling process
-    dies, its ranks die with it.
+    ``timeout_s`` seconds of this call, start-up included (a positive number; there is always a
+    limit). If the calling process dies, its ranks die with it. More than
+    :data:`~.env.RANKS_PER_CORE` ranks per CPU core is refused unless ``oversubscribe=True`` (or
+    ``MTD_OVERSUBSCRIBE=1``).
     """
+    called_at = time.monotonic()  # timeout_s counts from here: starting the ranks takes time too
     _check_arguments(world_size, timeout_s)
     if _under_torchrun():
         return run_under_torchrun(fn, world_size, args, backend, timeout_s)
+    check_world_size(world_size, oversubscribe)
+    threads = threads_per_rank(threads)
     backend = backend or default_backend(world_size)
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend nccl needs one GPU per rank: world_size={world_size} but "
                          f"{torch.cuda.device_count()} GPU(s) visible; use backend='gloo' or fewer ranks")
-    ctx = mp.get_context(start_method or _pick_start_method(backend))
+    ctx = mp.get_context(_pick_start_method(backend, start_method))
     fork = ctx.get_start_method() == "fork"
     if fork:
         # The first optimizer a process builds imports torch._dynamo (~1.5 s; 4 ranks on 2 cores
@@ -255,16 +261,17 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
     reaper = None
     procs, conns, statuses = [], [], []  # filled as ranks start, so a failed start still cleans up
     try:
-        reaper = supervise.Reaper(rundir)
+        # the reaper also kills what a rank started in a session of its own, found by the launch's mark
+        reaper = supervise.Reaper(rundir, marker=f"{descendants.MARK_VAR}={os.path.basename(rundir)}")
         job = dict(world_size=world_size, parent_pid=os.getpid(), reaper_fd=reaper.fd if fork else None,
                    backend=backend, init_method="file://" + os.path.join(rundir, "rendezvous"),
-                   payload=cloudpickle.dumps((fn, args)), rundir=rundir,
-                   threads=threads or _threads_per_rank(), timeout_s=timeout_s)
+                   payload=cloudpickle.dumps((fn, args)), rundir=rundir, mark=os.path.basename(rundir),
+                   threads=threads, timeout_s=timeout_s, deadline=called_at + timeout_s)
         _start_ranks(ctx, job, procs, conns, statuses, reaper)
-        results = _collect(procs, conns, statuses, timeout_s, rundir)
+        results = _collect(procs, conns, statuses, job, rundir)
         return [results[r] for r in range(world_size)]
     finally:
-        _kill(procs)
+        _kill(procs, os.path.basename(rundir))
         for c in conns:
             c.close()
         _echo_outputs(rundir, world_size)
@@ -273,12 +280,22 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
             reaper.close()
 
 
+def _last_ops(statuses: list, world_size: int) -> dict:
+    """What each rank was last doing (its comm status line); ranks not started yet say so."""
+    last = {r: s.value.decode("utf-8", "replace") for r, s in enumerate(statuses)}
+    for r in range(len(statuses), world_size):
+        last[r] = "not started (the deadline passed while the ranks were being started)"
+    return last
+
+
 def _start_ranks(ctx, job: dict, procs: list, conns: list, statuses: list, reaper) -> None:
     """Start one process per rank, each with a pipe for its result and a status line, and tell the
-    reaper each rank's PID."""
+    reaper each rank's PID. Raises :class:`LaunchTimeout` if the deadline passes meanwhile."""
     starting = _main_not_reimported() if ctx.get_start_method() != "fork" else contextlib.nullcontext()
     with starting:
         for r in range(job["world_size"]):
+            if time.monotonic() >= job["deadline"]:
+                raise LaunchTimeout(job["timeout_s"], _last_ops(statuses, job["world_size"]), finished=set())
             recv_end, send_end = ctx.Pipe(duplex=False)
             status = ctx.Array("c", _STATUS_LEN, lock=False)
             p = ctx.Process(target=_rank_main, name=f"mtd-rank{r}", args=(r, job, send_end, status))
@@ -316,13 +333,12 @@ def _finished_ranks(pending: set, procs, conns, timeout: float) -> list:
     return sorted(done)
 
 
-def _collect(procs, conns, statuses, timeout_s: float, rundir: str) -> dict:
+def _collect(procs, conns, statuses, job: dict, rundir: str) -> dict:
     """Wait for every rank's report: ``{rank: result}``, or raise the :class:`RankError` of the rank
     to blame (after a grace for the others' reports: 0.5 s once a cause is known, up to 3 s while
     every failure so far looks like a consequence) or :class:`LaunchTimeout`."""
-    world_size = len(procs)
+    world_size, timeout_s, deadline = len(procs), job["timeout_s"], job["deadline"]
     results, errors, died = {}, {}, set()
-    deadline = time.monotonic() + timeout_s
     first_failure = None
     pending = set(range(world_size))
     while pending:
@@ -332,8 +348,7 @@ def _collect(procs, conns, statuses, timeout_s: float, rundir: str) -> dict:
             if now >= first_failure + (0.5 if has_cause else 3.0):
                 break
         if now >= deadline:
-            last = {r: statuses[r].value.decode("utf-8", "replace") for r in range(world_size)}
-            raise LaunchTimeout(timeout_s, last, finished=set(results))
+            raise LaunchTimeout(timeout_s, _last_ops(statuses, world_size), finished=set(results))
         for r in _finished_ranks(pending, procs, conns, timeout=min(deadline - now, 0.2)):
             kind, data = _receive(r, procs, conns, statuses, rundir)
             pending.discard(r)

@@ -21,10 +21,16 @@ the deadline it raises :class:`LaunchTimeout`. A rank still inside fn (perhaps s
 collective, which Python cannot interrupt) is handled by its watcher thread: it prints the
 RankError or LaunchTimeout to stderr and ends the process (exit code 1); torchrun then stops the
 rest.
+
+If torchrun itself dies (its agent killed, say by the OOM killer or a lost node), its store goes
+with it and nobody is left to stop the ranks: the watcher notices (its parent, the agent, is gone,
+or the store stops answering) and ends the rank at once with one line saying so, rather than
+training on to the deadline.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import os
@@ -39,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .failures import LaunchTimeout, RankError, blame
+from .failures import LaunchTimeout, RankError, blame, is_peer_gone
 
 POLL_S = 0.05
 WATCH_S = 0.2
@@ -50,8 +56,13 @@ _calls = itertools.count()
 _state = {"failed": False, "base": None}
 
 
+class _StoreGone(Exception):
+    """torchrun's store stopped answering: the agent that hosts it is gone."""
+
+
 class _Store:
-    """The call's keys in torchrun's store, with a lock: the main thread and the watcher share it."""
+    """The call's keys in torchrun's store, with a lock: the main thread and the watcher share it.
+    Every call raises :class:`_StoreGone` once the store's connection is lost."""
 
     def __init__(self, call: int):
         if _state["base"] is None:
@@ -61,27 +72,55 @@ class _Store:
         run = f"{env.get('TORCHELASTIC_RUN_ID', 'run')}.{env.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         self.kv = dist.PrefixStore(f"mtd-launch/{run}/{call}/", _state["base"])
         self.lock = threading.Lock()
+        self.where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+
+    @contextlib.contextmanager
+    def _talking(self):
+        with self.lock:
+            try:
+                yield
+            except (RuntimeError, OSError) as e:
+                if not (isinstance(e, dist.DistNetworkError) or is_peer_gone(str(e))):
+                    raise
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                raise _StoreGone(f"torchrun's store at {self.where} stopped answering ({first})") from None
 
     def set(self, key: str, value: str) -> None:
-        with self.lock:
+        with self._talking():
             self.kv.set(key, value)
 
     def get(self, key: str) -> str | None:
-        with self.lock:
+        with self._talking():
             return self.kv.get(key).decode("utf-8", "replace") if self.kv.check([key]) else None
 
     def has(self, keys: list) -> bool:
-        with self.lock:
+        with self._talking():
             return self.kv.check(keys)
 
     def add(self, key: str, amount: int) -> int:
-        with self.lock:
+        with self._talking():
             return int(self.kv.add(key, amount))
 
     def first(self, key: str, value: str) -> str:
         """Set ``key`` to ``value`` unless it is set already; return what it holds."""
-        with self.lock:
+        with self._talking():
             return self.kv.compare_set(key, "", value).decode()
+
+
+def _agent_pid() -> int | None:
+    """The torchrun agent's PID (this worker's parent) when torchrun started this process, else None."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def _leave_quietly(me: int, why: str) -> None:
+    """torchrun is gone: no one is left to stop this rank or hear its error. Say so, and end it."""
+    _state["failed"] = True
+    with contextlib.suppress(OSError, ValueError):  # the terminal or pipe may be gone as well
+        sys.stdout.flush()
+        sys.stderr.write(f"[rank {me}] launch: {why}, so this rank stops now: no one is left to stop it "
+                         f"or to hear its result (last op: {comm.last_op()}).\n")
+        sys.stderr.flush()
+    os._exit(1)
 
 
 def _decide(store: _Store, me: int, n: int) -> RankError:
@@ -105,9 +144,10 @@ class _Watcher(threading.Thread):
     """Posts this rank's last op; ends the process if a peer failed (or the deadline passed) while
     the main thread is still inside fn."""
 
-    def __init__(self, store: _Store, me: int, n: int, timeout_s: float, deadline: float):
+    def __init__(self, store: _Store, me: int, n: int, timeout_s: float, deadline: float, agent: int | None):
         super().__init__(name="mtd-torchrun-watcher", daemon=True)
         self.store, self.me, self.n, self.timeout_s, self.deadline = store, me, n, timeout_s, deadline
+        self.agent = agent
         self.lock, self.in_exchange, self.done = threading.Lock(), False, threading.Event()
 
     def enter_exchange(self) -> bool:
@@ -128,6 +168,8 @@ class _Watcher(threading.Thread):
     def run(self):
         posted, failed_at = None, None
         while not self.done.wait(WATCH_S):
+            if self.agent is not None and os.getppid() != self.agent:
+                _leave_quietly(self.me, f"torchrun's agent (pid {self.agent}) is gone")
             try:
                 op = comm.last_op()
                 if op != posted:
@@ -137,7 +179,9 @@ class _Watcher(threading.Thread):
                     failed_at = time.monotonic()
                 if failed_at is not None and time.monotonic() - failed_at > GRACE_S and self._take_over():
                     self._stop_process(_decide(self.store, self.me, self.n), "a peer failed")
-            except Exception:  # noqa: BLE001 - the store is gone (torchrun is ending): keep the deadline
+            except _StoreGone as e:
+                _leave_quietly(self.me, str(e))
+            except Exception:  # noqa: BLE001 - a slow store: keep the deadline
                 pass
             if time.monotonic() >= self.deadline and self._take_over():
                 try:
@@ -176,34 +220,43 @@ def _init_group(world_size: int, backend: str | None, timeout_s: float) -> int:
 
 def run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, timeout_s: float) -> list:
     """This process *is* one rank: initialise from env, run fn, agree on the outcome, gather results."""
-    deadline = time.monotonic() + timeout_s
+    deadline, agent = time.monotonic() + timeout_s, _agent_pid()
     n = _init_group(world_size, backend, timeout_s)
     me, store = dist.get_rank(), _Store(next(_calls))
-    watcher = _Watcher(store, me, n, timeout_s, deadline)
+    watcher = _Watcher(store, me, n, timeout_s, deadline, agent)
     watcher.start()
     comm.set_status("running fn (no collective yet)")
     try:
-        try:
-            payload = cloudpickle.dumps(fn(*args))
-        except BaseException:  # noqa: BLE001 - any error of fn is reported to every rank
-            _state["failed"] = True
-            if not watcher.enter_exchange():
-                time.sleep(3600)  # the watcher is ending this process
-            store.set(f"err/{me}", traceback.format_exc())
-            store.add("nfail", 1)
-            err = _decide(store, me, n)
-            _wait_for_peers_to_see(store, me, n, min(deadline, time.monotonic() + ACK_S))
-            _after_the_culprit(store, me, err.rank)
-            raise err from None
-        if not watcher.enter_exchange():
-            time.sleep(3600)
-        store.set(f"ok/{me}", "1")
-        _wait_for_all(store, me, n, timeout_s, deadline)
+        payload = _run_and_agree(fn, args, store, watcher, deadline)
+    except _StoreGone as e:
+        _leave_quietly(me, str(e))
     finally:
         watcher.done.set()
     gathered = [None] * n
     dist.all_gather_object(gathered, payload)
     return [cloudpickle.loads(p) for p in gathered]
+
+
+def _run_and_agree(fn, args: tuple, store: _Store, watcher: _Watcher, deadline: float) -> bytes:
+    """Run fn; return its pickled result once every rank's is ready, or raise the shared error."""
+    me, n, timeout_s = watcher.me, watcher.n, watcher.timeout_s
+    try:
+        payload = cloudpickle.dumps(fn(*args))
+    except BaseException:  # noqa: BLE001 - any error of fn is reported to every rank
+        _state["failed"] = True
+        if not watcher.enter_exchange():
+            time.sleep(3600)  # the watcher is ending this process
+        store.set(f"err/{me}", traceback.format_exc())
+        store.add("nfail", 1)
+        err = _decide(store, me, n)
+        _wait_for_peers_to_see(store, me, n, min(deadline, time.monotonic() + ACK_S))
+        _after_the_culprit(store, me, err.rank)
+        raise err from None
+    if not watcher.enter_exchange():
+        time.sleep(3600)
+    store.set(f"ok/{me}", "1")
+    _wait_for_all(store, me, n, timeout_s, deadline)
+    return payload
 
 
 def _wait_for_all(store: _Store, me: int, n: int, timeout_s: float, deadline: float) -> None:
