@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+from pathlib import Path
 
 #: Published parameter counts for ``estimate --model``.
 MODELS = {
@@ -37,6 +39,11 @@ STAGES = {0: "none (plain data parallel)", 1: "optimizer states (P_os)",
 MAX_SCHEDULE_WORK = 100_000
 #: ``schedule`` draws its chart only up to this many columns; wider, it prints the summary alone.
 MAX_CHART_COLUMNS = 1000
+#: The option through which a command writes a file: command -> (argument, flag, makes missing folders).
+OUTPUTS = {"dryrun": ("json", "--json", False), "predict": ("json", "--json", False),
+           "calibrate": ("out", "--out", True)}
+#: The exit status of a command whose reader closed the pipe (``... | head``): 128 + SIGPIPE, as a shell says.
+EXIT_BROKEN_PIPE = 141
 
 
 def positive(kind: type, what: str, example: str):
@@ -111,8 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="examples:\n  python -m minitorch_dist tour --smoke\n"
                                        "  python -m minitorch_dist grade --chapter ch00\n"
                                        "  python -m minitorch_dist estimate --params 7.5e9 --dp 64\n")
-    sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{tour,grade,estimate,plan,schedule,dryrun,calibrate,predict}")
+    sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tour", help="run each written chapter's headline experiment: theory vs measured",
                        description=tour.__doc__.split("\n\n")[0])
     tour.add_arguments(t)
@@ -191,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--chapter", help="one chapter's figures (ch03, 3 or 03_pipeline); default all")
     fi.add_argument("--check", action="store_true", help="write nothing; exit 1 if a figure is stale")
     fi.set_defaults(func=figures)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # the usage line names every command above
     return p
 
 
@@ -271,10 +278,64 @@ def schedule(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def output_problem(path, flag: str, make_folders: bool = False) -> str | None:
+    """Why the file ``path`` (given with option ``flag``) cannot be written, or None if it can. Checked
+    before a command runs, so that a run of minutes never ends in an error about where to put its
+    result. ``make_folders``: the command creates missing folders (then the nearest existing one counts)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return f"{flag} {path} is a folder: name a file in it, e.g. {flag} {p / 'result.json'}"
+    folder = p.parent
+    while make_folders and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.exists():
+        return (f"{flag} {path}: the folder {folder} does not exist; create it first (mkdir -p {folder}) "
+                f"or choose a path in an existing folder")
+    if not folder.is_dir():
+        return f"{flag} {path}: {folder} is a file, not a folder; choose another path"
+    writable = os.access(p, os.W_OK) if p.exists() else os.access(folder, os.W_OK | os.X_OK)
+    if not writable:
+        return (f"{flag} {path}: {p if p.exists() else folder} is not writable by this user; choose a path "
+                f"you can write, e.g. {flag} {Path.home() / p.name}")
+    return None
+
+
+def _output_problem(args) -> str | None:
+    """``output_problem`` for the file this command will write (``OUTPUTS``), if any."""
+    if args.command not in OUTPUTS:
+        return None
+    attr, flag, make_folders = OUTPUTS[args.command]
+    path = getattr(args, attr)
+    if args.command == "calibrate" and not getattr(args, "show", None) and path is None:
+        from .analysis.profiles import default_profile_path
+
+        path = default_profile_path()  # where calibrate writes without --out
+    return None if path is None else output_problem(path, flag, make_folders)
+
+
+def _run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _output_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The entry point. A reader that closes the pipe early (``python -m minitorch_dist schedule | head``)
+    ends the command quietly with status ``EXIT_BROKEN_PIPE``: the rest of the output goes nowhere, as
+    the Python documentation recommends (the "Note on SIGPIPE" of the ``signal`` module)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, where it can be caught, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        try:  # the interpreter flushes stdout at exit once more: send that to devnull
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout with no file descriptor (captured output)
+            pass
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

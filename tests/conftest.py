@@ -40,7 +40,7 @@ def pytest_report_header(config):
 SERIAL_FILES = {"test_predict.py", "test_headlines.py", "test_grade.py", "test_models.py", "test_dryrun.py",
                 "test_pipeline_measured.py", "test_parameter_server.py", "test_hogwild.py", "test_cli.py",
                 "test_meters.py", "test_meta_standin.py", "test_step_time.py", "test_course.py",
-                "test_launch_failures.py"}
+                "test_launch_failures.py", "test_launch_limits.py"}
 
 
 #: Files whose tests compare floating-point results that another CPU rounds differently: equal to one
@@ -56,7 +56,7 @@ NUMERICS_FILES = {
     "test_pipeline_v.py", "test_pipeline_llama.py", "test_expert_parallel.py", "test_moe.py",
     "test_moe_gpt.py", "test_moe_modern.py", "test_mixed_precision.py", "test_fp8.py", "test_fp8_linear.py",
     "test_compression.py", "test_activation_compression.py", "test_resilience.py", "test_kernels.py",
-    "test_attention_tiled.py", "test_figures.py",
+    "test_attention_tiled.py", "test_figures.py", "test_scaler_sharded.py",
 }
 
 

@@ -11,13 +11,21 @@ import time
 
 import pytest
 
-from minitorch_dist.__main__ import MAX_CHART_COLUMNS, MAX_SCHEDULE_WORK, MODELS, main
+from minitorch_dist.__main__ import (
+    EXIT_BROKEN_PIPE,
+    MAX_CHART_COLUMNS,
+    MAX_SCHEDULE_WORK,
+    MODELS,
+    OUTPUTS,
+    build_parser,
+    main,
+)
 from minitorch_dist.analysis import costmodel
 from minitorch_dist.course.registry import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
-COMMANDS = ("tour", "grade", "estimate", "plan", "schedule", "dryrun", "calibrate", "predict")
+COMMANDS = ("tour", "grade", "estimate", "plan", "schedule", "dryrun", "calibrate", "predict", "figures")
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -211,3 +219,56 @@ def test_schedule_at_the_limit_runs_in_seconds_and_leaves_out_a_wide_chart(capsy
     assert "chart left out: " in out and f"over {MAX_CHART_COLUMNS:,}; use smaller -p or -m" in out
     assert not any(line.startswith("stage ") for line in out.splitlines())
     assert "bubble fraction 0.997; peak stashed microbatches per stage 1 at most, 1 at least" in out
+
+
+def test_usage_line_names_every_command():
+    usage = build_parser().format_usage()
+    assert "{" + ",".join(COMMANDS) + "}" in usage, usage
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """``python -m minitorch_dist schedule | head -3``: the pipe is closed before the command writes
+    (its imports take a second); it exits with 128 + SIGPIPE and no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "minitorch_dist", "schedule", "-p", "8", "-m", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == EXIT_BROKEN_PIPE and EXIT_BROKEN_PIPE == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_every_option_that_writes_a_file_is_checked_before_the_run():
+    """Every command's --json / --out (a file it writes) is in OUTPUTS, whose paths main checks first."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    writes = {(cmd, flag) for cmd, parser in sub.choices.items() for action in parser._actions
+              for flag in action.option_strings if flag in ("--json", "--out")}
+    assert writes == {(cmd, flag) for cmd, (_, flag, _) in OUTPUTS.items()}
+
+
+def _dryrun_175b(*extra):
+    return ["dryrun", "--model", "gpt3-175b", "--dp", "8", "--tp", "8", "--pp", "16", *extra]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv, message", [
+    (_dryrun_175b("--json", "/nonexistent/dir/x.json"),
+     "--json /nonexistent/dir/x.json: the folder /nonexistent/dir does not exist; create it first"),
+    (["predict", "--technique", "ddp", "--profile", "h100", "--json", "{tmp}"],
+     "is a folder: name a file in it"),
+    (["calibrate", "--world", "2", "--out", "{tmp}/a_file/profile.json"], "a_file is a file, not a folder"),
+], ids=["dryrun-missing-folder", "predict-folder", "calibrate-under-a-file"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(argv, message, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    start = time.monotonic()
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert time.monotonic() - start < 5  # before the run: no ranks, no meta model
+    out = capsys.readouterr()
+    assert message.replace("{tmp}", str(tmp_path)) in out.err and out.out == ""
+
+
+def test_an_output_folder_without_write_permission_is_refused(tmp_path, monkeypatch, capsys):
+    """(Permissions are what ``os.access`` says: stubbed here, as a root user may write anywhere.)"""
+    monkeypatch.setattr("minitorch_dist.__main__.os.access", lambda *a: False)
+    assert main(_dryrun_175b("--json", str(tmp_path / "x.json"))) == 2
+    assert f"{tmp_path} is not writable by this user; choose a path you can write" in capsys.readouterr().err

@@ -489,3 +489,32 @@ def test_unused_parameter_on_one_rank_only_fails_loudly_not_silently():
 
     with pytest.raises(RankError, match="b.weight.*find_unused_parameters=True"):
         launch(fn, 2, timeout_s=60)
+
+
+class Replica(nn.Module):
+    """One weight of ``shape`` (the first tensor: a module's own come before its children's), then a layer;
+    ranks that pass (4, 8) and (8, 4) hold as many elements."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.w = nn.Parameter(torch.zeros(shape))
+
+    def forward(self, x):
+        return self.first(x).sum() * self.w.sum()
+
+
+def _replicas_of_different_shapes():
+    shape = (4, 8) if dist.get_rank() == 0 else (8, 4)
+    wrappers = (DP.DistributedDataParallel, DP.NaiveDataParallel)
+    return [refusal(lambda: wrap(Replica(shape))) for wrap in wrappers]
+
+
+def test_replicas_of_different_shapes_are_refused_naming_the_parameter():
+    """Rank 1 builds a (8, 4) weight where rank 0 has (4, 8): the broadcast of rank 0's would fit and train
+    another model silently (torch's DDP refuses). Every rank refuses, naming it and both shapes."""
+    for r, errors in enumerate(launch(_replicas_of_different_shapes, 2, timeout_s=60)):
+        for who, error in zip(("DistributedDataParallel", "NaiveDataParallel"), errors):
+            assert error is not None and error.startswith(f"{who}: the ranks hold different models"), error
+            here = " (this rank)" if r == 1 else ""
+            assert f"'w' (tensor 0) has shape [8, 4] on rank 1{here} but [4, 8] on rank 0" in error, error

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from minitorch_dist.analysis import costmodel
-from minitorch_dist.analysis.dryrun import COMM_OPS, MAX_WORLD, DryRun
+from minitorch_dist.analysis.dryrun import COMM_OPS, MAX_LAYERS, MAX_WORLD, DryRun
 from minitorch_dist.course.registry import REPO_ROOT
 from minitorch_dist.memory.zero import shard_size
 from minitorch_dist.models.gpt import GPTConfig
@@ -243,6 +243,7 @@ BAD = [
     (dict(model="gpt3-175b", seq=2050, tp=8, sequence_parallel=True), "choose --seq as a multiple of 8"),
     (dict(model="gpt3-175b", rank=1), "outside the grid of 1 ranks"),
     (dict(n_layer=4, n_embd=32), "missing: --n-head, --vocab-size, --seq"),
+    (dict(model="gpt3-175b", n_layer=MAX_LAYERS + 4), f"over the {MAX_LAYERS} layers a dry run builds"),
 ]
 
 
@@ -256,6 +257,17 @@ def test_bad_input_on_the_command_line():
     out = cli("--model", "gpt3-175b", "--dp", "8", "--tp", "8", "--pp", "16", "--world", "1000")
     assert out.returncode == 2 and "error:" in out.stderr and "not the world size 1000" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_model_deeper_than_the_limit_is_refused_at_once():
+    """100000 layers would take hours (the run grows faster than the layers): refused before any work."""
+    t0 = time.perf_counter()
+    out = cli("--n-layer", "100000", "--n-embd", "32", "--n-head", "4", "--vocab-size", "64", "--seq", "16",
+              timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"--n-layer 100000 is over the {MAX_LAYERS} layers a dry run builds" in out.stderr
+    assert f"choose --n-layer <= {MAX_LAYERS}" in out.stderr
+    assert time.perf_counter() - t0 < 30  # the interpreter and torch's import, no step
 
 
 @pytest.mark.slow

@@ -122,12 +122,19 @@ def _bare_all_to_all():
     return got.detach(), rows.grad
 
 
+def _bare_layer():
+    """``expert_parallel`` on the MoE layer itself (nothing to replace it inside): its sharded layer."""
+    ep = expert_parallel(_layer("switch"))
+    return {"type": type(ep).__name__, "local": len(ep.experts), "first": ep.first_expert}
+
+
 def _rank_run():
     n = dist.get_world_size()
     cases = {name: (lambda name=name: _routing_case(name)) for name in CASES}
     bad = 3 if n == 2 else 6
     cases |= {"error": lambda: refusal(lambda: ExpertParallelMoE(_layer("switch", n_experts=bad))),
-              "a2a": _bare_all_to_all, "seeded": _seeded}
+              "a2a": _bare_all_to_all, "seeded": _seeded, "bare": _bare_layer,
+              "bare_error": lambda: refusal(lambda: expert_parallel(_layer("switch", n_experts=bad)))}
     with float64():
         return run_cases(cases)
 
@@ -246,6 +253,15 @@ def test_experts_not_divisible_by_ranks_is_a_clear_error(ranks):
     errors = [case(res, "error", r) for r, res in enumerate(results)]
     assert errors[0].startswith(f"n_experts {bad} is not divisible by {n} ranks (expert parallel degree)")
     assert all(e == errors[0] for e in errors)
+
+
+def test_expert_parallel_on_the_layer_itself_shards_it_or_refuses(ranks):
+    """``expert_parallel(moe_layer)`` returned the layer unchanged (every expert on every rank, no check)."""
+    n, results = ranks
+    bad = 3 if n == 2 else 6
+    for r, res in enumerate(results):
+        assert case(res, "bare", r) == {"type": "ExpertParallelMoE", "local": E // n, "first": r * E // n}
+        assert case(res, "bare_error", r).startswith(f"n_experts {bad} is not divisible by {n} ranks")
 
 
 def test_needs_a_process_group():

@@ -768,3 +768,17 @@ def test_a_frozen_tensor_is_gathered_but_never_reduced(n):
                                                    "reduce_scatter": ELEM * STEPS * rs}
         reduced = {kind: case(res, kind, r)["bytes"]["reduce_scatter"] for kind in ("frozen", "mlp")}
         assert reduced["frozen"] < reduced["mlp"]
+
+
+def _units_of_different_shapes():
+    """Rank 1's second layer is (8, 4) where rank 0's is (4, 8): as many elements, another model."""
+    second = nn.Linear(8, 4, bias=False) if dist.get_rank() == 0 else nn.Linear(4, 8, bias=False)
+    model = nn.Sequential(nn.Linear(3, 3), second)
+    return refusal(lambda: fully_shard(model))
+
+
+def test_ranks_holding_different_shapes_are_refused_naming_the_parameter():
+    for r, error in enumerate(launch(_units_of_different_shapes, 2, timeout_s=60)):
+        assert error is not None and error.startswith("fully_shard: the ranks hold different models"), error
+        here = " (this rank)" if r == 1 else ""
+        assert f"'1.weight' (tensor 2) has shape [8, 4] on rank 1{here} but [4, 8] on rank 0" in error, error

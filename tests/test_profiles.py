@@ -112,6 +112,49 @@ def test_profile_missing_a_key_is_refused(tmp_path):
         load_profile(path)
 
 
+BAD_RATES = [  # (where in the file, the value written there, the field the error names)
+    (("op_overhead_s",), -7e-6, "op_overhead_s"),
+    (("copy_bytes_per_s",), 0.0, "copy_bytes_per_s"),
+    (("collectives", "all_reduce", "beta_s_per_byte"), float("nan"),
+     "collectives.all_reduce.beta_s_per_byte"),
+    (("peak_flops", "bf16"), float("inf"), "peak_flops.bf16"),
+    (("matmul", "fp32", 1, 1), -0.000787, "matmul.fp32[1][1]"),
+    (("inter_node", "alpha_s"), "5us", "inter_node.alpha_s"),
+    (("overlap",), 1.5, "overlap"),
+]
+
+
+@pytest.mark.parametrize("keys, value, field", BAD_RATES, ids=[f for _, _, f in BAD_RATES])
+def test_a_profile_with_an_impossible_rate_is_refused_naming_the_field_and_file(keys, value, field, tmp_path):
+    """A negative, zero, NaN or infinite rate would give negative step times, or NaN that a sum or a
+    minimum silently drops: refused when the profile is loaded."""
+    data = json.loads(shipped_path("h100").read_text())
+    where = data
+    for k in keys[:-1]:
+        where = where[k]
+    where[keys[-1]] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))  # NaN and Infinity as JSON's extensions, which Python reads back
+    with pytest.raises(ValueError, match="recalibrate|Recalibrate") as err:
+        load_profile(path)
+    assert f"profile {path}: {field} is " in str(err.value)
+
+
+def test_commands_refuse_a_profile_with_an_impossible_rate(tmp_path, capsys):
+    """``predict`` printed negative step times and ``plan`` a table of nan from such a profile."""
+    from minitorch_dist.__main__ import main
+
+    data = json.loads(shipped_path("h100").read_text())
+    data["collectives"]["all_reduce"]["beta_s_per_byte"] = float("nan")
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps(data))
+    for argv in (["predict", "--technique", "ddp", "--profile", str(path)],
+                 ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--profile", str(path)]):
+        assert main(argv) == 2
+        out = capsys.readouterr()
+        assert "collectives.all_reduce.beta_s_per_byte is nan" in out.err and "nan s" not in out.out
+
+
 @pytest.mark.parametrize("which", ["v100", "no/such/profile.json"])
 def test_unknown_profile_points_to_calibrate(which):
     with pytest.raises(ValueError, match="calibrate"):

@@ -41,9 +41,13 @@ from .dryrun_llama import check_llama_grid, llama_predicted
 from .meta_memory import MetaMemoryMeter
 from .planner_presets import get_gpu, get_model
 
-__all__ = ["MAX_WORLD", "COMM_OPS", "DTYPES", "DryRun", "check_grid", "dryrun", "flash_attention_accounting"]
+__all__ = ["MAX_WORLD", "MAX_LAYERS", "COMM_OPS", "DTYPES", "DryRun", "check_grid", "dryrun",
+           "flash_attention_accounting"]
 
 MAX_WORLD = 4096
+#: The deepest model a dry run builds: the presets have at most 128 layers. Its time grows faster than the
+#: layers (the memory meter re-reads every parameter's ``.grad`` at each op that may set a new peak).
+MAX_LAYERS = 256
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
 DTYPES = {"fp32": (torch.float32, "fp32"), "bf16-mixed": (torch.bfloat16, "mixed")}
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "peak")
@@ -88,6 +92,11 @@ class DryRun:
             flags = ", ".join("--" + k.replace("_", "-") for k in missing)
             raise ValueError(f"no model size: give --model PRESET or every one of --n-layer --n-embd "
                              f"--n-head --vocab-size --seq (missing: {flags})")
+        if dims["n_layer"] > MAX_LAYERS:
+            raise ValueError(f"--n-layer {dims['n_layer']} is over the {MAX_LAYERS} layers a dry run builds "
+                             f"(its time grows faster than the layers); choose --n-layer <= {MAX_LAYERS}: "
+                             f"every layer of a stage holds the same bytes, so a deeper model's per-layer "
+                             f"numbers scale from a shallower run")
         self.llama = spec is not None and spec.is_llama
         shape = {} if spec is None or self.llama else dict(bias=spec.bias, tie_embeddings=spec.tie_embeddings,
                                                            mlp_ratio=spec.mlp_ratio)

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..analysis import costmodel
 from ..runtime import comm, require_process_group
+from ..runtime.replica_shapes import check_same_shapes
 
 __all__ = ["NaiveDataParallel", "Bucket", "DistributedDataParallel", "launches_during_backward"]
 
@@ -53,8 +54,11 @@ def _require_member(what: str, group) -> None:
         raise ValueError(f"this rank is not a member of `group`; only the group's ranks may call {what}")
 
 
-def _broadcast_state(module: nn.Module, group) -> None:
-    """Make every replica rank 0's: broadcast each parameter (a tied one once) and buffer."""
+def _broadcast_state(module: nn.Module, group, who: str) -> None:
+    """Make every replica rank 0's: check that every rank built the same shapes (a broadcast would
+    reshape another model's tensors of equal sizes silently), then broadcast each parameter (a tied one
+    once) and buffer."""
+    check_same_shapes(itertools.chain(module.named_parameters(), module.named_buffers()), group, who=who)
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in itertools.chain(module.parameters(), module.buffers()):
@@ -83,7 +87,7 @@ class NaiveDataParallel(nn.Module):
         _require_member("NaiveDataParallel", group)
         self.module, self.group = module, group
         self.world_size = dist.get_world_size(group)
-        _broadcast_state(module, group)
+        _broadcast_state(module, group, "NaiveDataParallel")
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -244,7 +248,7 @@ class DistributedDataParallel(nn.Module):
         self.module, self.group, self.timeline = module, group, timeline
         self.find_unused_parameters = bool(find_unused_parameters)
         self.world_size = dist.get_world_size(group)
-        _broadcast_state(module, group)
+        _broadcast_state(module, group, "DistributedDataParallel")
 
         named.reverse()  # the order in which backward (roughly) produces the gradients
         sizes = [p.numel() * p.element_size() for _, p in named]

@@ -152,7 +152,11 @@ def expert_parallel(model: nn.Module, group=None, *, broadcast_weights=True, chu
     """Replace every :class:`~.moe.MoELayer` inside ``model`` by its :class:`ExpertParallelMoE`, in place.
     The whole ``model`` (the replicated parameters too) is first made the group's first rank's, once
     (``broadcast_weights=False`` when it already is). A model without MoE layers is left alone.
-    ``chunks``: each layer's all-to-alls pipelined with its experts in that many pieces."""
+    ``chunks``: each layer's all-to-alls pipelined with its experts in that many pieces.
+    ``model`` itself an MoELayer cannot be replaced in place: its :class:`ExpertParallelMoE` is returned
+    (use the result: ``layer = expert_parallel(layer)``)."""
+    if isinstance(model, MoELayer):  # checks that the experts divide over the ranks
+        return ExpertParallelMoE(model, group, broadcast_weights=broadcast_weights, chunks=chunks)
     if not any(isinstance(m, MoELayer) for m in model.modules()):
         return model
     if broadcast_weights:

@@ -25,7 +25,9 @@ A time prediction is only as good as the machine description it is fed. The cour
 
 The formulas that turn these into seconds live in :mod:`..costmodel.step_time`; this module only
 loads, checks and saves profiles. ``load_profile("h100")`` reads a shipped one, ``load_profile(path)``
-a file; a file missing a key is refused with the key named.
+a file; a file missing a key, or with a rate that is not a finite number of the right sign (a negative
+bandwidth, a NaN latency: every time computed from it would be meaningless), is refused with the key
+and the file named.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = ["COLLECTIVES", "SHIPPED", "REQUIRED", "MachineProfile", "load_profile", "default_profile_path",
-           "shipped_path", "monotone"]
+           "shipped_path", "monotone", "check_rates"]
 
 #: The collectives a profile times (``send`` is one point-to-point message: a pipeline's).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -45,6 +47,12 @@ SHIPPED = ("h100", "h200", "a100")
 #: Keys every profile must have (``sources`` and ``notes`` are optional).
 REQUIRED = ("name", "device", "kind", "world_size", "threads_per_rank", "memory_bytes", "peak_flops",
             "matmul", "op_overhead_s", "copy_bytes_per_s", "collective_overhead_s", "collectives", "overlap")
+
+#: Rates that must be finite and > 0 (a time is divided by them, or they are the times of a table).
+POSITIVE = ("world_size", "threads_per_rank", "memory_bytes", "copy_bytes_per_s")
+#: Costs that must be finite and >= 0: a calibration may find one too small to see (0).
+NON_NEGATIVE = ("op_overhead_s", "collective_overhead_s", "framework_overhead_s", "async_start_s",
+                "python_line_s", "reference_step_s")
 
 _HERE = Path(__file__).resolve().parent
 
@@ -136,8 +144,49 @@ class MachineProfile:
                 raise ValueError(f"{where}: collectives.{op} needs alpha_s and beta_s_per_byte")
         if "fp32" not in data["matmul"] or len(data["matmul"]["fp32"]) < 2:
             raise ValueError(f"{where}: matmul.fp32 needs at least two [flops, seconds] points")
+        check_rates(data, where)
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _rates(data: dict):
+    """(field, value, must be > 0) for every rate of a profile's ``data``, named as in the file."""
+    yield from ((k, data[k], True) for k in POSITIVE)
+    yield from ((k, data[k], False) for k in NON_NEGATIVE if k in data)
+    yield "overlap", data["overlap"], False
+    yield from ((f"peak_flops.{k}", v, True) for k, v in data["peak_flops"].items())
+    sweeps = data.get("collective_sweeps") or {}
+    for what, tables in (("matmul", data["matmul"]), ("collective_sweeps", sweeps)):
+        for key, table in tables.items():
+            for i, point in enumerate(table):
+                if not isinstance(point, (list, tuple)) or len(point) != 2:
+                    raise ValueError(f"{what}.{key}[{i}] is {point!r}, not a [size, seconds] pair")
+                yield from ((f"{what}.{key}[{i}][{j}]", v, True) for j, v in enumerate(point))
+    links = {f"collectives.{op}": c for op, c in data["collectives"].items()}
+    if data.get("inter_node") is not None:
+        links["inter_node"] = data["inter_node"]
+    for where, c in links.items():
+        yield from ((f"{where}.{k}", c[k], False) for k in ("alpha_s", "beta_s_per_byte"))
+    yield from ((f"kernels[{k!r}]", v, False) for k, v in (data.get("kernels") or {}).items())
+
+
+def check_rates(data: dict, where: str = "the profile") -> None:
+    """Refuse a profile ``data`` with a rate that is not a finite number > 0 (bandwidths, memory, peaks,
+    table entries) or >= 0 (latencies and overheads, which may measure 0), or an overlap above 1;
+    the ``ValueError`` names the field and ``where`` (the file)."""
+    try:
+        rates = list(_rates(data))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}; recalibrate, or fix the file") from None
+    for name, v, positive in rates:
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not (number and math.isfinite(v) and (v > 0 if positive else v >= 0)):
+            raise ValueError(f"{where}: {name} is {v!r}; it must be a finite number "
+                             f"{'> 0' if positive else '>= 0'}. Recalibrate with `python -m minitorch_dist "
+                             f"calibrate --out PATH`, or fix the file")
+    if data["overlap"] > 1:
+        raise ValueError(f"{where}: overlap is {data['overlap']!r}; it is a fraction of a collective's time, "
+                         f"between 0 and 1. Recalibrate, or fix the file")
 
 
 def monotone(sweep) -> list:
