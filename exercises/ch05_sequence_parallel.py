@@ -1,5 +1,5 @@
 # generated from solutions/ch05_sequence_parallel.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 6f5730a4bfb04d41 of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint 74004dcb76845400 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 05 exercises: sequence / context parallelism — the attention merge, zigzag sharding, Ulysses,
 the activations of a layer, ring attention forward and backward, and the bytes of context parallelism.
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.runtime import comm
 
 
@@ -371,7 +371,7 @@ def context_parallel_traffic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ranks of ``group``; the layer's hidden size is h = H·d, its sequence S, its element size e.
 
     1. **Predict**, before running anything, with the cost model
-       (``minitorch_dist.analysis.costmodel``, its sequence-parallel formulas): the bytes this rank
+       (``minitorch_dist.costmodel``, its sequence-parallel formulas): the bytes this rank
        puts on the wire, forward and backward together, for Ulysses (four all-to-alls each way,
        Jacobs et al. 2023, §3.2) and for ring attention (K/V forward; K/V and the dK/dV accumulators
        backward, Liu et al. 2023, §3).

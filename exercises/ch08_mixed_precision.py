@@ -1,5 +1,5 @@
 # generated from solutions/ch08_mixed_precision.py by `make exercises`: fill in each NotImplementedError
-# fingerprint a6a21a2840704dc9 of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint da95af19e78b46fe of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 08 exercises: mixed precision — the loss scaler and a training loop built on it, the
 updates bf16 loses, stochastic rounding, a Kahan-compensated bf16 update, fp8 tiles, delayed scaling.
 
@@ -44,7 +44,7 @@ import struct
 import torch
 from torch import nn
 
-from minitorch_dist.analysis.costmodel.precision import update_lost
+from minitorch_dist.costmodel.precision import update_lost
 from minitorch_dist.memory.mixed_precision import fp32_cross_entropy, half_precision_copy
 
 # --- 1. the loss scaler's update rule --------------------------------------------------------------

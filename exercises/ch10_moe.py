@@ -1,5 +1,5 @@
 # generated from solutions/ch10_moe.py by `make exercises`: fill in each NotImplementedError
-# fingerprint ed347bfb2e41d59d of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint b6deea7f6d5b5ac2 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 10 exercises: mixture of experts — top-2 gating with capacity, the load-balancing loss,
 expert choice, auxiliary-loss-free balancing, expert-parallel dispatch and combine, the traffic and
 drops of an expert-parallel step predicted.
@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from minitorch_dist.analysis import costmodel as cm
-from minitorch_dist.analysis.costmodel import expert_choice_capacity, moe_capacity
+from minitorch_dist import costmodel as cm
+from minitorch_dist.costmodel import expert_choice_capacity, moe_capacity
 from minitorch_dist.parallelism.mappings import all_to_all, size_and_rank
 from minitorch_dist.runtime import comm
 

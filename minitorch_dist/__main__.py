@@ -3,7 +3,7 @@
 
     tour      run each written chapter's headline experiment; print theory vs measured
     grade     run the exercise tests; print a per-exercise report (passed / failed / todo / blocked)
-    estimate  model-state memory per device under ZeRO stages 0-3, from analysis.costmodel
+    estimate  model-state memory per device under ZeRO stages 0-3, from costmodel
     plan      search DP x TP x PP x ZeRO for a model on a cluster (chapter 12)
     schedule  print a pipeline schedule (chapter 03)
     dryrun    one rank's training step at the papers' scale, on meta tensors (chapter 12)
@@ -67,7 +67,7 @@ def _gb(nbytes: float) -> str:
 
 def per_device_bytes(num_params: float, dp: int, stage: int, precision: str, optimizer: str) -> float:
     """Model-state bytes one device holds under ZeRO `stage` (activations and buffers excluded)."""
-    from .analysis import costmodel
+    from . import costmodel
 
     parts = costmodel.model_state_bytes(num_params, precision, optimizer)
     w, g, o = (parts[k] / num_params for k in ("weights", "gradients", "optimizer"))  # bytes per parameter
@@ -84,7 +84,7 @@ def estimate(args) -> int:
         print("error: --params and --gpu-mem-gb must be finite numbers > 0, and --dp >= 1", file=sys.stderr)
         return 2
     try:
-        from .analysis import costmodel
+        from . import costmodel
 
         parts = costmodel.model_state_bytes(num_params, args.precision, args.optimizer)
         stages = [args.zero] if args.zero is not None else [0, 1, 2, 3]
@@ -92,7 +92,7 @@ def estimate(args) -> int:
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .course.registry import format_table
+    from .runtime.tables import format_table
 
     per = {k: parts[k] / num_params for k in ("weights", "gradients", "optimizer")}
     print(f"Model-state memory per device for {what}, {args.dp} data-parallel ranks")
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=grade.main)
     e = sub.add_parser("estimate", help="model-state memory per device under ZeRO stages 0-3",
                        description="Per-device memory of weights, gradients and optimizer states under "
-                                   "ZeRO stage 0-3 (analysis.costmodel). Example, ZeRO's Table 1: "
+                                   "ZeRO stage 0-3 (costmodel). Example, ZeRO's Table 1: "
                                    "--params 7.5e9 --dp 64 gives 120 / 31.4 / 16.6 / 1.88 GB.")
     size = e.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", help="number of parameters, e.g. 7.5e9",
@@ -226,7 +226,7 @@ def figures(args) -> int:
 
 def _formula(args) -> str:
     """``costmodel.pipeline_bubble_fraction`` for the schedule, or "" where it has no formula."""
-    from .analysis import costmodel
+    from . import costmodel
 
     if args.name not in costmodel.SCHEDULES:
         return ""

@@ -125,7 +125,7 @@ def bubble_from_timeline(events, p: int) -> float:
     The fraction of device-time the ``p`` stages spend idle during the step ``events`` span.
 
     ``events`` are objects with ``.rank`` (the stage, 0..p-1), ``.t_start`` and ``.t_end``
-    (``minitorch_dist.analysis.timeline.Event``: what ranks record and what the simulator
+    (``minitorch_dist.runtime.timeline.Event``: what ranks record and what the simulator
     returns). The step runs from the earliest start to the latest end of *all* events, its
     makespan T. Stage r is busy for ``busy_r``, the total length of the *union* of its
     intervals (recorded spans can overlap or nest: count each instant once). Then

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.runtime import comm
 
 
@@ -404,7 +404,7 @@ def tp_layer_traffic(block: nn.Module, x: torch.Tensor, group=None) -> dict:
     every rank of ``group`` (t ranks).
 
     1. **Predict**, before running anything, with the cost model
-       (``minitorch_dist.analysis.costmodel``): how many all-reduces of the b·s·h activation the
+       (``minitorch_dist.costmodel``): how many all-reduces of the b·s·h activation the
        layer runs in its forward and in its backward, and how many bytes this rank puts on the
        wire for all of them under the ring model (Narayanan et al. 2021, §3.2), with the element
        size of ``x``.

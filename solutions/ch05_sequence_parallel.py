@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.runtime import comm
 
 
@@ -494,7 +494,7 @@ def context_parallel_traffic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ranks of ``group``; the layer's hidden size is h = H·d, its sequence S, its element size e.
 
     1. **Predict**, before running anything, with the cost model
-       (``minitorch_dist.analysis.costmodel``, its sequence-parallel formulas): the bytes this rank
+       (``minitorch_dist.costmodel``, its sequence-parallel formulas): the bytes this rank
        puts on the wire, forward and backward together, for Ulysses (four all-to-alls each way,
        Jacobs et al. 2023, §3.2) and for ring attention (K/V forward; K/V and the dK/dV accumulators
        backward, Liu et al. 2023, §3).

@@ -43,7 +43,7 @@ import struct
 import torch
 from torch import nn
 
-from minitorch_dist.analysis.costmodel.precision import update_lost
+from minitorch_dist.costmodel.precision import update_lost
 from minitorch_dist.memory.mixed_precision import fp32_cross_entropy, half_precision_copy
 
 # --- 1. the loss scaler's update rule --------------------------------------------------------------

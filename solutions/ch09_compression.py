@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.communication import compressed_allreduce
 from minitorch_dist.runtime import comm
 

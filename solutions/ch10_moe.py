@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from minitorch_dist.analysis import costmodel as cm
-from minitorch_dist.analysis.costmodel import expert_choice_capacity, moe_capacity
+from minitorch_dist import costmodel as cm
+from minitorch_dist.costmodel import expert_choice_capacity, moe_capacity
 from minitorch_dist.parallelism.mappings import all_to_all, size_and_rank
 from minitorch_dist.runtime import comm
 

@@ -40,7 +40,7 @@ import torch
 
 # first: chooses compiled CUDA or the interpreter before any @triton.jit below runs
 from minitorch_dist.kernels._runtime import as_rows, check_device, tl, triton  # isort: skip
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 
 _GELU_APPROXIMATIONS = ("none", "tanh")
 

@@ -34,7 +34,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT
 from minitorch_dist.parallelism.tensor_parallel import parallelize_gpt

@@ -8,7 +8,7 @@ Every comparison is exact: offloading copies (exactly) and changes no arithmetic
 import pytest
 import torch
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.memory.activation_offload import offload_activations
 from minitorch_dist.models.gpt import GPT, GPTConfig

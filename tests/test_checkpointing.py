@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter, saved_activation_bytes
 from minitorch_dist.memory.checkpointing import (
     ExplicitAttention,

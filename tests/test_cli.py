@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from minitorch_dist import costmodel
 from minitorch_dist.__main__ import (
     EXIT_BROKEN_PIPE,
     MAX_CHART_COLUMNS,
@@ -20,7 +21,6 @@ from minitorch_dist.__main__ import (
     build_parser,
     main,
 )
-from minitorch_dist.analysis import costmodel
 from minitorch_dist.course.registry import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)

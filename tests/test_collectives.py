@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.runtime import collectives as C
 from minitorch_dist.runtime.launch import launch
 

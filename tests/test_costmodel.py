@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from torch import nn
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 from minitorch_dist.models.gpt import GPT, GPTConfig
 
 # --- collectives ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 from minitorch_dist.communication import FP16, QSGD, PowerSGD, RandomK, Sign, TopK
 
 pytestmark = pytest.mark.ch09

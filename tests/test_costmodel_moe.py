@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.launch import launch
 

@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import pytest
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 
 pytestmark = pytest.mark.ch02
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 
 pytestmark = pytest.mark.ch08
 

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 from minitorch_dist.resilience.failures_sim import simulate_runtime, sweep_intervals
 
 pytestmark = [pytest.mark.ch13, pytest.mark.timeout(60)]

@@ -9,7 +9,7 @@ here: rel 1e-12 is far above k·u ~ 1e-15 and far below any wrong term.
 """
 import pytest
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 
 pytestmark = pytest.mark.ch05
 

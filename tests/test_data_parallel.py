@@ -34,13 +34,13 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 import torch.distributed as dist
 from torch import nn
 
-from minitorch_dist.analysis.timeline import Timeline
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism import data_parallel as DP
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import RankError, launch
+from minitorch_dist.runtime.timeline import Timeline
 
 from _support import adam_bound, case, close, float64, model_bound, refusal, run_cases, sgd_bound
 

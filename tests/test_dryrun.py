@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.dryrun import COMM_OPS, MAX_LAYERS, MAX_WORLD, DryRun
 from minitorch_dist.course.registry import REPO_ROOT
 from minitorch_dist.memory.zero import shard_size

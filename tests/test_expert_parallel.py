@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.launch import launch
 from minitorch_dist.sparsity.expert_parallel import (

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitorch_dist.analysis.costmodel.precision import (
+from minitorch_dist.costmodel.precision import (
     all_gather_buffer_bytes,
     format_info,
     quantized_bytes,

@@ -55,7 +55,7 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 import torch.distributed as dist
 from torch import nn
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.memory.zero import (
     FSDPModule,

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.models.gpt import GPT, GPTConfig
 
 KEYS = {"chapter", "experiment", "theory", "measured", "ok"}

@@ -734,7 +734,7 @@ def test_cross_entropy_rejects_bad_input_clearly():
 def test_bench_eager_sequences_move_what_the_cost_model_counts():
     """The benchmark's "eager" baselines are the op sequences costmodel's eager counts describe, so
     its GB/s sit on the same bytes as the notebook's model."""
-    from minitorch_dist.analysis import costmodel
+    from minitorch_dist import costmodel
     from minitorch_dist.analysis.meters import ByteCounter
     from minitorch_dist.kernels import bench
 

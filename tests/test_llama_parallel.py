@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minitorch_dist.analysis.costmodel.llama import llama_params_per_rank, ulysses_bytes_per_layer_gqa
+from minitorch_dist.costmodel.llama import llama_params_per_rank, ulysses_bytes_per_layer_gqa
 from minitorch_dist.memory.zero.fsdp import full_state_dict, fully_shard
 from minitorch_dist.models.llama import Llama, LlamaConfig, apply_rope, split_heads
 from minitorch_dist.models.train import train_steps

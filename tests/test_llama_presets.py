@@ -31,12 +31,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis import planner as P
-from minitorch_dist.analysis.costmodel import llama as LC
 from minitorch_dist.analysis.dryrun import DryRun
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.analysis.planner_presets import GPUS, MODELS, ModelSpec, get_model
+from minitorch_dist.costmodel import llama as LC
 from minitorch_dist.course.registry import REPO_ROOT
 from minitorch_dist.models.llama import Llama, LlamaBlock, LlamaConfig
 

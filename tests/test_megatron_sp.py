@@ -42,7 +42,7 @@ import torch
 import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.models.gpt import GPT, Block, GPTConfig
 from minitorch_dist.models.train import train_steps

@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.models.gpt import GPT, GPTConfig
 
 pytestmark = [pytest.mark.ch00, pytest.mark.timeout(120)]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minitorch_dist.analysis import costmodel as cm
+from minitorch_dist import costmodel as cm
 from minitorch_dist.memory.mixed_precision import (
     DynamicLossScaler,
     Fp32LayerNorm,

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.sparsity.moe import (
     ExpertChoiceRouter,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, MLP, GPTConfig
 from minitorch_dist.runtime.env import single_thread

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitorch_dist.analysis.costmodel import moe as cm
-from minitorch_dist.analysis.timeline import Timeline
+from minitorch_dist.costmodel import moe as cm
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.launch import launch
+from minitorch_dist.runtime.timeline import Timeline
 from minitorch_dist.sparsity.aux_free import (
     AuxFreeRouter,
     bias_update,

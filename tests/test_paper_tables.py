@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_costmodel_zero import PAPER_TABLE1  # the paper's printed values, kept in one place
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.dryrun import DryRun
 from minitorch_dist.analysis.paper_tables import (
     KORTHIKANTI_SETTINGS,

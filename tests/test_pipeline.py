@@ -28,8 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitorch_dist.analysis import costmodel
-from minitorch_dist.analysis.timeline import Timeline
+from minitorch_dist import costmodel
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import executor as X
@@ -39,6 +38,7 @@ from minitorch_dist.parallelism.pipeline import zero_bubble as ZB
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
+from minitorch_dist.runtime.timeline import Timeline
 
 from _support import case, close, float64, model_bound, refusal, run_cases
 

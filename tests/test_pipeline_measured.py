@@ -1,4 +1,4 @@
-"""The measured bubble (parallelism/pipeline/measured.py): the per-stage simulation against the chapter's
+"""The measured bubble (analysis/pipeline_measured.py): the per-stage simulation against the chapter's
 simulator, the idle breakdown on simulated timelines where every part is known, and one real run.
 
 Tolerances. The per-stage simulation, the chapter's simulator and the timeline's fractions compute the
@@ -17,14 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minitorch_dist.analysis.timeline import Event, bubble_fraction, busy_fraction
-from minitorch_dist.parallelism.pipeline import make_schedule, simulate
-from minitorch_dist.parallelism.pipeline.measured import (
+from minitorch_dist.analysis.pipeline_measured import (
     idle_breakdown,
     late_message,
     measure_pipeline,
     simulate_stages,
 )
+from minitorch_dist.parallelism.pipeline import make_schedule, simulate
+from minitorch_dist.runtime.timeline import Event, bubble_fraction, busy_fraction
 
 from _support import gamma
 

@@ -1,6 +1,6 @@
 """Pipeline schedules (chapter 03): golden orders from the papers' figures, structural validity
 over a sweep, clear errors, and the simulated bubble / stash of each schedule against the
-formulas in :mod:`minitorch_dist.analysis.costmodel`.
+formulas in :mod:`minitorch_dist.costmodel`.
 
 Tolerances. The simulator's times are sums of durations along chains of events, the formulas a handful
 of float64 operations; they are compared at FORMULA = rel 1e-12 or abs 1e-10, whichever is larger. A
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.parallelism.pipeline.schedules import (
     SCHEDULES,
     Action,

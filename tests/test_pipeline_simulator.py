@@ -17,7 +17,7 @@ import itertools
 
 import pytest
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.parallelism.pipeline import schedules
 from minitorch_dist.parallelism.pipeline.pipedream import weight_versions
 from minitorch_dist.parallelism.pipeline.schedules import Action, Schedule

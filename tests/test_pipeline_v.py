@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist.analysis.costmodel import pipeline as cm
+from minitorch_dist.costmodel import pipeline as cm
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import executor as X

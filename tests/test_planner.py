@@ -47,8 +47,8 @@ import random
 import pytest
 import torch
 
+from minitorch_dist import costmodel as cm
 from minitorch_dist.__main__ import main as cli_main
-from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.analysis import planner as P
 from minitorch_dist.analysis.planner_cli import why_nothing_fits
 from minitorch_dist.analysis.planner_presets import (

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.parallelism.sequence_parallel import ring_attention as RA
 from minitorch_dist.runtime import comm

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.memory.zero.sharded_optimizer import ShardedOptimizer
 from minitorch_dist.runtime import comm

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.profiles import load_profile
 from minitorch_dist.analysis.workload import Comm, Mark, Op, Wait, WorkloadRecorder, rebuild_args, summarize
 

@@ -1,7 +1,8 @@
 """The package's shape, read from its source with ``ast`` (nothing is imported).
 
-Three rules of the design (DESIGN.md, "The library"): no import cycles between modules; modules
-use each other's public names only; ``runtime/`` is the floor and imports nothing above it.
+Four rules of the design (DESIGN.md, "The library"): no import cycles between modules; modules
+use each other's public names only; ``runtime/`` is the floor and imports nothing above it; and an
+import only runs down the layers (:data:`LAYERS`), at module level or inside a function alike.
 Each rule is a plain function returning a list of problems (empty = fine); each is also run on a
 small fake package that breaks it, so a rule that can never fail would be caught too.
 """
@@ -162,6 +163,40 @@ def runtime_floor_problems(root: Path, floor: str = "runtime") -> list[str]:
             and not (imp.target == base or imp.target.startswith(base + "."))]
 
 
+# The layers, low to high; packages on one line are one layer and may import each other. A module
+# outside every package named here (the package's own ``__init__``) sits above them all.
+LAYERS = [
+    ("runtime",),
+    ("costmodel", "models"),
+    ("communication", "kernels"),
+    ("memory",),
+    ("parallelism", "sparsity"),
+    ("resilience",),
+    ("analysis",),
+    ("course",),
+    ("__main__",),
+]
+
+
+def _layer(module: str, pkg: str, layers) -> int:
+    """The layer index of ``module`` (by its first component under the package); above all if none."""
+    first = module.split(".")[1] if module.count(".") else ""
+    return next((i for i, names in enumerate(layers) if first in names), len(layers))
+
+
+def layer_problems(root: Path, layers=LAYERS) -> list[str]:
+    """Every import (top level or in a function) from a module to one of a higher layer."""
+    pkg, names = root.name, [" ".join(names) for names in layers]
+    out = []
+    for imp in collect_imports(root):
+        lo, hi = _layer(imp.importer, pkg, layers), _layer(imp.target, pkg, layers)
+        if hi > lo:
+            up = names[hi] if hi < len(layers) else f"{pkg}/__init__"
+            out.append(f"{imp.importer}:{imp.line} imports {imp.target}: {names[lo]} may not import "
+                       f"{up}, which sits above it")
+    return out
+
+
 # --- the real package -------------------------------------------------------------------------------
 
 
@@ -185,6 +220,16 @@ def test_no_private_imports_between_modules():
 
 def test_runtime_imports_nothing_above_it():
     assert runtime_floor_problems(ROOT) == []
+
+
+def test_every_import_runs_down_the_layers():
+    assert layer_problems(ROOT) == []
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() or p.suffix == ".py"}
+    named = {n for names in LAYERS for n in names}
+    assert packages - {"__init__.py"} - {n + ".py" for n in named} - named == set()
 
 
 # --- each rule catches its violation on a fake package ----------------------------------------------
@@ -232,6 +277,19 @@ def test_private_rule_catches_private_names_and_modules(tmp_path):
         "fakepkg.b:3 imports private name '_helper' from fakepkg.a",
         "fakepkg.c:1 imports private module fakepkg.k._impl from outside fakepkg.k",
     ]
+
+
+def test_layer_rule_catches_an_upward_import_in_a_function(tmp_path):
+    root = _fake(tmp_path, {
+        "runtime/comm.py": "x = 1\n",
+        "models/gpt.py": "from ..runtime import comm\n",  # down: fine
+        "costmodel/cost.py": "def f():\n    from ..models import gpt\n",  # same layer: fine
+        "memory/zero.py": "def f():\n    from ..parallelism import tp\n",
+        "parallelism/tp.py": "from ..memory import zero\n",
+    })
+    assert layer_problems(root) == [
+        "fakepkg.memory.zero:2 imports fakepkg.parallelism.tp: memory may not import parallelism sparsity, "
+        "which sits above it"]
 
 
 def test_floor_rule_catches_runtime_importing_above(tmp_path):

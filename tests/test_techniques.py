@@ -27,11 +27,11 @@ import torch
 import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
 
 from minitorch_dist.analysis import techniques as TQ
-from minitorch_dist.analysis.timeline import Timeline
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
+from minitorch_dist.runtime.timeline import Timeline
 
 from _support import float64, gamma, model_bound
 

@@ -32,7 +32,7 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 import torch.distributed as dist
 from torch import nn
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from minitorch_dist.models.train import train_steps
 from minitorch_dist.parallelism import tensor_parallel as TP

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.parallelism import tensor_parallel as TP
 from minitorch_dist.parallelism import tensor_parallel_vocab as TPV

@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.memory.zero import shard_size
 from minitorch_dist.models.gpt import GPTConfig
 from minitorch_dist.parallelism import three_d as D

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from minitorch_dist.analysis.timeline import Event, Timeline, bubble_fraction, busy_fraction, plot_gantt  # noqa: E402
+from minitorch_dist.runtime.timeline import Event, Timeline, bubble_fraction, busy_fraction, plot_gantt  # noqa: E402
 
 
 class FakeClock:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import costmodel
 from minitorch_dist.models.gpt import CausalSelfAttention, GPTConfig
 from minitorch_dist.parallelism.sequence_parallel import ulysses as U
 from minitorch_dist.parallelism.sequence_parallel.ring_attention import shard_sequence

@@ -43,9 +43,9 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
+from .. import costmodel
 from ..runtime import comm
 from ..runtime.launch import device as rank_device
-from . import costmodel
 from .op_timing import last_level_cache_bytes, median_seconds, repeat, sync, time_kernels
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
 from .workload import Op, WorkloadRecorder

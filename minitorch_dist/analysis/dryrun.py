@@ -9,7 +9,7 @@ tied-embedding all-reduce, ZeRO-0/1/2 over the DP group), run twice:
 a first step creates the optimizer state, the second -- the one measured -- starts as a training step
 does, with it. :class:`.meta_memory.MetaMemoryMeter` records this rank's peak bytes per category and
 the comm meter's events (``Model3D.step``'s phases) the bytes this rank puts on the wire (ring model).
-Next to each measured value is ``analysis.costmodel``'s prediction.
+Next to each measured value is ``costmodel``'s prediction.
 
 A Llama-shaped preset (``--model llama3-8b``: grouped-query attention, SwiGLU) plays the Llama of
 ``models.llama`` instead, through the same ``Model3D`` step (:mod:`.dryrun_llama`: its checks and formulas).
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import costmodel
-from .costmodel import llama as llama_cost
+from .. import costmodel
+from ..costmodel import llama as llama_cost
 from .dryrun_llama import check_llama_grid, llama_predicted
 from .meta_memory import MetaMemoryMeter
 from .planner_presets import get_gpu, get_model
@@ -211,7 +211,7 @@ def _step(run: DryRun):
 
 
 def predicted(run: DryRun, stage: int) -> dict:
-    """``analysis.costmodel``'s value for each measured key of this rank (pipeline stage ``stage``);
+    """``costmodel``'s value for each measured key of this rank (pipeline stage ``stage``);
     None where it has no formula. Activations: Korthikanti et al. 2022 in the element size of the
     run, "selective" (no attention scores) under flash accounting or selective recomputation, times the
     microbatches the schedule stashes on this stage; with full recomputation one layer's working set is

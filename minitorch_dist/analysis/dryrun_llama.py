@@ -11,8 +11,8 @@ activations with fused RMSNorm and SwiGLU) and the TP / SP / ZeRO byte formulas 
 """
 from __future__ import annotations
 
-from . import costmodel
-from .costmodel import llama as llama_cost
+from .. import costmodel
+from ..costmodel import llama as llama_cost
 
 __all__ = ["check_llama_grid", "llama_predicted"]
 

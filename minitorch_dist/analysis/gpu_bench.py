@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from .costmodel import model_flops_per_token
+from ..costmodel import model_flops_per_token
 
 __all__ = ["MiB", "COLLECTIVE_OPS", "LARGE_GPT", "PROFILE_KEYS", "IMPLS", "guarded", "tail",
            "collectives_rank", "bench_collectives", "training_rank", "bench_training", "bench_matmul",

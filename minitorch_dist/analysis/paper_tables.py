@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import costmodel
+from .. import costmodel
 from .meta_memory import MetaMemoryMeter
 
 __all__ = ["ZERO_MODELS", "ZERO_DPS", "ZERO_STAGES", "REP_HIDDEN", "KORTHIKANTI_SETTINGS", "GPT3_LAYER",

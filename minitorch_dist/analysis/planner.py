@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from . import costmodel
+from .. import costmodel
 from .planner_presets import GPUS, GPUSpec, ModelSpec, get_gpu, get_model
 from .profiles import MachineProfile, load_profile
 
@@ -434,7 +434,7 @@ def rank_of(plans: list[Plan], **match) -> int | None:
 
 def format_plans(plans: list[Plan], top_k: int = 10) -> str:
     """A plain-text table of the first ``top_k`` plans: the step's parts as shares of it."""
-    from ..course.registry import format_table
+    from ..runtime.tables import format_table
 
     parts = ("gemm", "elementwise", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
     rows = []

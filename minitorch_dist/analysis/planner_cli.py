@@ -13,7 +13,7 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from . import costmodel
+from .. import costmodel
 from .planner import (
     NO_EFFICIENCY,
     Assumptions,

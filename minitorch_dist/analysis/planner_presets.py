@@ -1,7 +1,7 @@
 """Chapter 12 — named models, accelerators and published configurations for the planner.
 
 Every number here is a published one, with its source next to it; the planner's formulas live in
-``analysis.costmodel``. Three tables:
+``costmodel``. Three tables:
 
 * :data:`MODELS`: shapes of GPT-2 XL (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1),
   LLaMA (Touvron et al. 2023, Table 2), Llama 3 (Dubey et al. 2024, Table 3: grouped-query
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from . import costmodel
-from .costmodel import llama as llama_cost
+from .. import costmodel
+from ..costmodel import llama as llama_cost
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 
-from . import costmodel
+from .. import costmodel
 from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 

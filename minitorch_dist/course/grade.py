@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.tables import format_table
 from . import registry
 from .exercises import MarkerError, chapter_exercises
 from .grade_run import (
@@ -160,7 +161,7 @@ def _timeout_rows(tag: str, exercises: list[str], results: list[TestResult], tim
 def report(rows: list[Row], impl: str) -> str:
     """The table and the score line."""
     cells = [[r.chapter, r.exercise, r.kind, r.status, r.tests, r.detail] for r in rows]
-    table = registry.format_table(cells, ["chapter", "exercise", "kind", "status", "tests", "detail"])
+    table = format_table(cells, ["chapter", "exercise", "kind", "status", "tests", "detail"])
     counts = {s: sum(r.status == s for r in rows) for s in _ORDER}
     rest = ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "passed")
     score = f"score: {counts['passed']}/{len(rows)} exercises passed ({impl})" + (f"; {rest}" if rest else "")

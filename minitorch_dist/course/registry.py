@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..runtime.tables import format_table
+
 #: The checkout root: the folder that holds the ``minitorch_dist`` package.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,15 +191,6 @@ def chapter(key: int | str | Chapter) -> Chapter:
 def written_chapters() -> list[Chapter]:
     """The chapters whose five parts are committed, in order."""
     return [ch for ch in CHAPTERS if ch.written]
-
-
-def format_table(rows: list[list[str]], header: list[str]) -> str:
-    """Plain-text table with fixed-width columns (used by tour, grade and the CLI)."""
-    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def planned_table(chapters=CHAPTERS) -> str:

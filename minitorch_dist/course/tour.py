@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from ..runtime.tables import format_table
 from . import registry
 from .registry import Chapter
 
@@ -99,7 +100,7 @@ def results_table(rows: list[dict]) -> str:
     body = [[_cell(r["chapter"], 8), _cell(r["experiment"]), _cell(r["theory"], 24), _cell(r["measured"], 24),
              _ok_cell(r), "" if r.get("seconds") is None else f"{r['seconds']:.1f}",
              _cell(r.get("note", ""), 64)] for r in rows]
-    return registry.format_table(body, ["chapter", "experiment", "theory", "measured", "ok", "s", "note"])
+    return format_table(body, ["chapter", "experiment", "theory", "measured", "ok", "s", "note"])
 
 
 def exit_status(rows: list[dict]) -> int:

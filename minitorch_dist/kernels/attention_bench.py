@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..analysis import costmodel
+from .. import costmodel
 from .attention_tiled import tiled_attention
 
 __all__ = ["saved_bytes", "best_seconds", "cpu_sweep", "gpu_sweep", "main"]

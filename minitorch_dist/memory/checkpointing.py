@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..analysis.costmodel.checkpointing import segment_peak_bytes
+from ..costmodel.checkpointing import segment_peak_bytes
 
 __all__ = [
     "checkpoint", "checkpoint_sequential", "sqrt_segments", "segment_bounds", "count_forwards",
@@ -313,7 +313,7 @@ def apply_recompute(model: nn.Module, policy: str, segments: int | Sequence[int]
 
 
 # --- the planner: segment boundaries for a memory budget --------------------------------------------
-# (its memory model, ``segment_peak_bytes``, is a formula: it lives in analysis.costmodel)
+# (its memory model, ``segment_peak_bytes``, is a formula: it lives in costmodel)
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

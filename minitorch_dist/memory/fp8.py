@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..analysis.costmodel.precision import format_info
+from ..costmodel.precision import format_info
 
 #: The two fp8 formats, by the papers' names, and torch's dtypes for them.
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..analysis import costmodel
+from .. import costmodel
 from ..runtime import comm, require_process_group
 from ..runtime.replica_shapes import check_same_shapes
 

@@ -13,7 +13,7 @@ clusters of workstations"). These are the "bus bandwidth" factors of nccl-tests
 
 S is the *full* buffer: the tensor being all-reduced or broadcast, the unsharded tensor of a
 reduce-scatter or all-gather, a rank's whole input of an all-to-all. The metered wrappers of
-:mod:`.comm` charge every call with :func:`bus_bytes`; ``analysis.costmodel`` re-exports both
+:mod:`.comm` charge every call with :func:`bus_bytes`; ``costmodel`` re-exports both
 names for its formulas. This module imports nothing of the package: everything may use it.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ routes *its own* tokens (so capacity is per rank, as in GShard's per-group capac
 
 With ``chunks=m > 1``, steps 2-4 run in m pipelined pieces, each chunk's experts computing while the
 next chunk's all-to-all travels (:mod:`.ep_overlap`); the result is the same. A
-:class:`~minitorch_dist.analysis.timeline.Timeline` set as ``layer.timeline`` records, per forward,
+:class:`~minitorch_dist.runtime.timeline.Timeline` set as ``layer.timeline`` records, per forward,
 the spans a rank spends routing ("routing"), launching all-to-alls ("a2a launch"), waiting on them
 ("a2a wait") and computing experts ("experts").
 

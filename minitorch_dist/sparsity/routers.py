@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..analysis.costmodel import expert_choice_capacity, moe_capacity
+from ..costmodel import expert_choice_capacity, moe_capacity
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Routing:
 
 def capacity(n_tokens: int, n_experts: int, k: int = 1, capacity_factor: float = 1.0) -> int:
     """Expert capacity ``C = ceil(cf · T · k / E)`` (Switch Transformers eq. 3, GShard's 2N/E for k = 2):
-    the one formula in :func:`minitorch_dist.analysis.costmodel.moe_capacity`, so theory and code agree."""
+    the one formula in :func:`minitorch_dist.costmodel.moe_capacity`, so theory and code agree."""
     return moe_capacity(n_tokens, n_experts, k, capacity_factor)
 
 

@@ -5,7 +5,7 @@ Runs the stubs in ``exercises/`` once you have filled them in (or in a student's
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: PyTorch's own ``all_gather_into_tensor``, the
-comm meter, and the formulas of ``minitorch_dist.analysis.costmodel``.
+comm meter, and the formulas of ``minitorch_dist.costmodel``.
 
 Tolerances (see tests/_support.py). Gathers, bytes and counts are compared exactly. The alpha-beta
 fit is a least-squares solve of m rows and 2 unknowns in float64: a backward-stable solve (QR, SVD)
@@ -29,8 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitorch_dist import comm, launch
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import comm, costmodel, launch
 
 from _support import gamma
 

@@ -392,7 +392,7 @@ def _bucketed_on_ranks(install):
 
 
 def _bucketed(install):
-    from minitorch_dist.analysis import costmodel
+    from minitorch_dist import costmodel
 
     r, n = dist.get_rank(), dist.get_world_size()
     x, y = _global_batch(n * ROWS)
@@ -523,7 +523,7 @@ def _traffic(traffic):
 
 @pytest.mark.parametrize("no_sync", [True, False])
 def test_predict_and_meter_ddp_traffic_predictions(traffic, no_sync):
-    from minitorch_dist.analysis import costmodel
+    from minitorch_dist import costmodel
 
     n = 2
     for r, res in enumerate(_traffic(traffic)):

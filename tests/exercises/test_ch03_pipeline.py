@@ -6,8 +6,8 @@ course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercise
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: small hand-derived schedules, the library's
 own schedules (``parallelism.pipeline.schedules``), its discrete-event simulator (timing,
-dependency order, stashed activations), ``analysis.timeline.bubble_fraction``, the formulas
-of ``analysis.costmodel``, and PyTorch's ``ScheduleZBVZeroBubble`` order. For the executor: one
+dependency order, stashed activations), ``runtime.timeline.bubble_fraction``, the formulas
+of ``costmodel``, and PyTorch's ``ScheduleZBVZeroBubble`` order. For the executor: one
 process running the whole GPT on the whole batch, and ``torch.distributed.pipelining``'s
 ``Schedule1F1B`` on the same ranks; for the messages, the comm meter on a real step.
 
@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist.analysis import costmodel
-from minitorch_dist.analysis.costmodel import pipeline as v_costs
-from minitorch_dist.analysis.timeline import Event, bubble_fraction
+from minitorch_dist import costmodel
+from minitorch_dist.costmodel import pipeline as v_costs
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import schedules
@@ -44,6 +43,7 @@ from minitorch_dist.parallelism.pipeline.schedules import Action, Schedule
 from minitorch_dist.parallelism.pipeline.simulator import check_dependencies, simulate
 from minitorch_dist.runtime import comm
 from minitorch_dist.runtime.launch import launch
+from minitorch_dist.runtime.timeline import Event, bubble_fraction
 
 from _support import close, float64, model_bound, refusal
 

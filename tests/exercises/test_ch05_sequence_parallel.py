@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitorch_dist import comm
-from minitorch_dist.analysis import costmodel
+from minitorch_dist import comm, costmodel
 from minitorch_dist.course.exercises import load, resolve_impl
 
 from _support import close, model_bound, refusal, roundoff, run_cases

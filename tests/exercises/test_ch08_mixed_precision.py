@@ -716,7 +716,7 @@ def test_quantize_tiles_1x128_equals_a_hand_computation(ex, shape, tile):
 
 
 def test_quantize_tiles_1x128_round_trip_and_default_tile(ex):
-    from minitorch_dist.analysis.costmodel.precision import round_to_format
+    from minitorch_dist.costmodel.precision import round_to_format
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 384, generator=g)

@@ -47,8 +47,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minitorch_dist import costmodel as cm
 from minitorch_dist import launch
-from minitorch_dist.analysis import costmodel as cm
 from minitorch_dist.runtime import comm
 from minitorch_dist.sparsity.expert_parallel import ExpertParallelMoE
 from minitorch_dist.sparsity.moe import ExpertChoiceRouter, MoELayer, SwitchRouter, Top2Router

@@ -39,7 +39,8 @@ import cloudpickle
 import pytest
 import torch
 
-from minitorch_dist.analysis import costmodel, planner
+from minitorch_dist import costmodel
+from minitorch_dist.analysis import planner
 from minitorch_dist.analysis.planner_presets import GPUS, PUBLISHED, get_model
 from minitorch_dist.course.exercises import load, resolve_impl
 from minitorch_dist.models.gpt import GPT, GPTConfig

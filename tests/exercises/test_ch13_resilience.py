@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from minitorch_dist import launch
-from minitorch_dist.analysis.costmodel import resilience as cmr
+from minitorch_dist.costmodel import resilience as cmr
 from minitorch_dist.models.gpt import GPTConfig
 from minitorch_dist.resilience.checkpoint import _writers
 from minitorch_dist.resilience.placement import Placement

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...runtime.collectives import chunk_sizes
 from .base import figure
 

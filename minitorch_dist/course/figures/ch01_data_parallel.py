@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...models import GPT, GPTConfig
 from ...parallelism.data_parallel import MiB
 from .base import figure

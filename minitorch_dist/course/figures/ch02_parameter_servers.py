@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...parallelism.parameter_server import key_ranges
 from .base import figure
 

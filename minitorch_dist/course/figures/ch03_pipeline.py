@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...parallelism.pipeline.schedules import make_schedule
 from ...parallelism.pipeline.simulator import COLORS, gantt, simulate
 from .base import figure

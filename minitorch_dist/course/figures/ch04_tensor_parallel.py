@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...parallelism.tensor_parallel import head_rows
 from .base import figure
 

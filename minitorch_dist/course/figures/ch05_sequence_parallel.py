@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...parallelism.sequence_parallel.ring_attention import block_plan, sequence_positions
 from .base import figure
 

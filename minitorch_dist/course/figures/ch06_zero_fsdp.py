@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from .base import figure
 
 PARTS = (("parameters", 2, "#4C72B0"), ("gradients", 2, "#DD8452"), ("optimizer state", 12, "#55A868"))

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...memory.mixed_precision import DynamicLossScaler
 from .base import figure
 

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...communication import ErrorFeedback, PowerSGD, TopK
 from .base import figure
 

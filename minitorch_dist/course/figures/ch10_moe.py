@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...sparsity.routers import expert_choice_routing, top_k_routing
 from .base import figure
 

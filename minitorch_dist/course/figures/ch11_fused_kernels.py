@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ...analysis import costmodel
+from ... import costmodel
 from .base import figure
 
 

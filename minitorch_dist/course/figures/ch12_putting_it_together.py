@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis import planner as P
 from ...analysis.planner_presets import GPUS, PUBLISHED, get_model
 from ...parallelism.mesh import RankGrid

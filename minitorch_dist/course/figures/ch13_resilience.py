@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...resilience.placement import Placement
 from .base import figure
 

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...runtime.collectives import metered, ring_all_reduce, time_collective
 from ...runtime.launch import launch
 

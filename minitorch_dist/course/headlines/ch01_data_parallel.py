@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis.predict import tour_row
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT, GPTConfig

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ...analysis import costmodel
-from ...analysis.costmodel import pipeline as pipeline_costs
+from ... import costmodel
 from ...analysis.predict import tour_row
+from ...costmodel import pipeline as pipeline_costs
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT, GPTConfig
 from ...parallelism.pipeline import local_stages, make_schedule, run_schedule, simulate

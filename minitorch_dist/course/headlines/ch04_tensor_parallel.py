@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis.predict import tour_row
 from ...models.gpt import GPT, GPTConfig
 from ...models.llama import Llama, LlamaConfig

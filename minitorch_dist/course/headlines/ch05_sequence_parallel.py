@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis.predict import tour_row
 from ...models.gpt import GPT, GPTConfig
 from ...models.train import train_steps

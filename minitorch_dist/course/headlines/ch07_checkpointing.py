@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis.meters import MemoryMeter
 from ...memory.checkpointing import apply_recompute, count_forwards, sqrt_segments
 from ...models import GPT, GPTConfig, MarkovCorpus

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...analysis.costmodel.precision import all_gather_buffer_bytes
+from ...costmodel.precision import all_gather_buffer_bytes
 from ...memory.fp8 import quantize_blockwise, quantize_per_tensor
 from ...memory.fp8_linear import BlockwiseScaling, DelayedScaling, train_in_precision
 from ...memory.mixed_precision import DynamicLossScaler, MixedPrecisionTrainer, fp32_cross_entropy

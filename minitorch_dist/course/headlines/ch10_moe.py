@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from ...analysis import costmodel
-from ...analysis.costmodel import moe as moe_cost
+from ... import costmodel
 from ...analysis.predict import tour_row
+from ...costmodel import moe as moe_cost
 from ...runtime import comm
 from ...runtime.env import single_thread
 from ...runtime.launch import launch

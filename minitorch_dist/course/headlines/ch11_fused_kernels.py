@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis.meters import ByteCounter
 from ...kernels import (
     FusedAdamW,

@@ -2,7 +2,7 @@
 the 3D step's time predicted from the calibrated profile next to the clock."""
 from __future__ import annotations
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...analysis.predict import tour_row
 from ...models.gpt import GPTConfig
 from ...parallelism.three_d import merge_full_params, reference_run, train_3d

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...analysis import costmodel
+from ... import costmodel
 from ...models.gpt import GPTConfig
 from ...resilience import load, save
 from ...resilience.elastic import Failure, run_elastic

@@ -42,8 +42,8 @@ which is FSDP's backward pre-hook: it re-gathers into the same storage (the save
 runs the unit's graph backward, reduce-scatters the gradients and frees again. Nothing is recomputed.
 
 **Hybrid sharding.** ``group`` shards (n_s ranks); ``replicate_group`` (n_r ranks holding the same
-shard) all-reduces the reduce-scattered gradient: ``hybrid_groups(n_s)`` builds both on a
-:class:`..parallelism.mesh.RankGrid`. Gradients are averaged over all n_s·n_r ranks.
+shard) all-reduces the reduce-scattered gradient: ``hybrid_groups(n_s)`` builds both (rows of
+n_s consecutive ranks, and the columns). Gradients are averaged over all n_s·n_r ranks.
 
 **fp8 all-gather** (chapter 08, :mod:`.fsdp_fp8`): ``fully_shard(module, fp8_all_gather=True)`` sends
 each shard as E4M3 bytes plus one fp32 scale and dequantises after the gather: half of bf16's bytes.
@@ -61,7 +61,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ...parallelism.mesh import RankGrid
 from ...runtime import comm, require_process_group
 from ...runtime.replica_shapes import check_same_shapes
 from .fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_format
@@ -385,7 +384,7 @@ def full_state_dict(module: nn.Module) -> dict:
 
 
 def hybrid_groups(shard_size: int):
-    """This rank's ``(group, replicate_group)`` on a 2-D :class:`RankGrid`: rows of ``shard_size``
+    """This rank's ``(group, replicate_group)`` on a 2-D grid of ranks: rows of ``shard_size``
     consecutive ranks shard, columns replicate. n = 4, shard_size = 2: shard {0,1} {2,3}; replicate
     {0,2} {1,3}. ``dist.new_group`` is collective, so every rank creates every group, in one order.
     """
@@ -394,11 +393,12 @@ def hybrid_groups(shard_size: int):
     if shard_size < 1 or n % shard_size:
         raise ValueError(f"world size {n} is not divisible by shard_size {shard_size}; "
                          f"pick a shard_size that divides it")
-    grid = RankGrid(n, dp=n // shard_size, tp=shard_size, pp=1)  # tp: the fast axis, consecutive ranks
+    rows = [list(range(i, i + shard_size)) for i in range(0, n, shard_size)]  # (n/s rows of s ranks)
+    columns = [list(range(j, n, shard_size)) for j in range(shard_size)]  # (s columns of n/s ranks)
     mine = {}
-    for axis in ("tp", "dp"):
-        for ranks in grid.groups(axis):
+    for axis, groups in (("shard", rows), ("replicate", columns)):
+        for ranks in groups:
             g = dist.new_group(ranks)
             if r in ranks:
                 mine[axis] = g
-    return mine["tp"], mine["dp"]
+    return mine["shard"], mine["replicate"]

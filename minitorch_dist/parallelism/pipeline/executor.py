@@ -230,7 +230,7 @@ class _StashCount:
 
 
 class _Spans:
-    """Observer for an optional :class:`analysis.timeline.Timeline`: one span per action, and the
+    """Observer for an optional :class:`runtime.timeline.Timeline`: one span per action, and the
     events added during this step."""
 
     def __init__(self, timeline):
@@ -371,7 +371,7 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
     ``stages`` maps chunk -> module (:func:`local_stages`). Every rank passes the same global batch;
     it is cut into ``m`` microbatches, rank of stage 0 reads the tokens, the last stage's rank the
     targets. Gradients accumulate in the parameters' ``.grad`` (zero them before, step the optimizer
-    after, as with any backward). ``timeline`` (:class:`analysis.timeline.Timeline`) gets one span
+    after, as with any backward). ``timeline`` (:class:`runtime.timeline.Timeline`) gets one span
     per action, named ``str(action)``, category F/B/W, meta ``mb``, ``chunk``; receives are waited
     for *outside* the spans, so the gaps are the bubbles. ``memory`` (:class:`analysis.meters.MemoryMeter`)
     tracks the tensors autograd saves over the step (the (x, dy) pairs zero-bubble keeps from B to

@@ -42,7 +42,7 @@ What comes out, for stage r with busy time ``busy_r = sum of its action duration
   of its last backward part (W if split, else B), and counts ``1/v`` of a microbatch. GPipe
   peaks at ``m``, 1F1B at ``min(p - r, m)`` (Narayanan et al. 2021, PipeDream-2BW §3.1); ZB-V at
   ``p`` on every rank (Qi et al. 2024 §6), DualPipeV at ``p + 1/2`` on every rank
-  (:mod:`~minitorch_dist.analysis.costmodel.pipeline`).
+  (:mod:`~minitorch_dist.costmodel.pipeline`).
 
 The same replay, with any durations, decides whether the schedule deadlocks: if no stage can
 start its next action, :func:`check_dependencies` names each stuck stage and what it waits for.
@@ -53,8 +53,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from minitorch_dist.analysis.timeline import Event, plot_gantt
-
+from ...runtime.timeline import Event, plot_gantt
 from .schedules import Action, Schedule
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}  # forward blue, backward green, weight-grad orange

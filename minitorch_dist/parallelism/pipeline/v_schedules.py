@@ -115,7 +115,7 @@ def zb_v(p: int, m: int) -> Schedule:
 
     With ``t_F = t_B = t_W = t`` it idles only the V's start-up, ``(p-1) t/2`` per rank (rank r waits
     ``r t/2`` for its first input and ends ``(p-1-r) t/2`` before the last rank), the least any schedule on
-    the V can: :func:`~minitorch_dist.analysis.costmodel.pipeline.zbv_idle_time`. Every rank
+    the V can: :func:`~minitorch_dist.costmodel.pipeline.zbv_idle_time`. Every rank
     holds at most ``2p`` chunks' activations (``p`` microbatches' worth): 1F1B's stage 0. Needs
     ``m >= 2p-1`` (:func:`zbv_min_microbatches`); PyTorch pads smaller m and drops the padding.
     """

@@ -118,6 +118,21 @@ class Timeline:
         self.events.append(ev)
         return ev
 
+    # --- as an observer (runtime.observe): ``with observe.watching(tl):`` records what techniques
+    # announce. Spans become events; instants and counters are not drawn (a technique's marks are
+    # for the observers that count them).
+
+    def on_begin(self, name: str, category: str | None, meta: dict) -> Event:
+        """A technique started ``name``: an event with no end yet (``on_end`` closes it, maybe from
+        another thread, e.g. a communication future's callback). Nesting: at the depth of the
+        :meth:`span` blocks open around it."""
+        ev = Event(self.rank, name, category, self.now(), float("nan"), dict(meta), self._depth)
+        self.events.append(ev)
+        return ev
+
+    def on_end(self, ev: Event) -> None:
+        ev.t_end = self.now()
+
     def align(self, group=None) -> float:
         """Make this instant time zero on every rank: a barrier, then a new origin.
 

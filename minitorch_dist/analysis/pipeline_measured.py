@@ -2,7 +2,7 @@
 with stage times measured apart, and where the difference goes.
 
 Each rank times its own stage's F, B and W alone (no message; both ranks busy, as in a step) between
-the steps that the executor runs with a :class:`~minitorch_dist.analysis.timeline.Timeline`; on rank
+the steps that the executor runs with a :class:`~minitorch_dist.runtime.timeline.Timeline`; on rank
 r, idle = makespan − Σ its action spans. :func:`simulate_stages` plays the simulator's rules with
 each stage's own times (the first stage embeds, the last takes the loss) and a message time ``p2p``
 per hop (e.g. the profile's one-way send); :func:`idle_breakdown` splits a timeline's
@@ -18,15 +18,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...analysis.timeline import Event, Timeline
-from ...models.data import MarkovCorpus
-from ...models.gpt import GPT
-from ...runtime.launch import device as rank_device
-from ...runtime.launch import launch
-from .executor import local_stages, run_schedule
-from .schedules import Action, make_schedule, validate_structure
-from .simulator import check_dependencies
-from .zero_bubble import LinearTap, b_params, backward_input, backward_weights
+from ..models.data import MarkovCorpus
+from ..models.gpt import GPT
+from ..parallelism.pipeline.executor import local_stages, run_schedule
+from ..parallelism.pipeline.schedules import Action, make_schedule, validate_structure
+from ..parallelism.pipeline.simulator import check_dependencies
+from ..parallelism.pipeline.zero_bubble import LinearTap, b_params, backward_input, backward_weights
+from ..runtime.launch import device as rank_device
+from ..runtime.launch import launch
+from ..runtime.timeline import Event, Timeline
 
 __all__ = ["build_step", "time_stage_alone", "measure_pipeline", "simulate_stages",
            "late_message", "message_delays", "idle_breakdown"]
@@ -36,7 +36,7 @@ def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
     """This rank's step of schedule ``name`` on ``p`` ranks for the GPT of :mod:`~minitorch_dist.analysis.
     techniques` at ``size``, its global batch cut into ``m`` microbatches: ``(step, schedule, stage,
     x, y)``; ``step(timeline=None)`` runs the schedule, then AdamW, and returns the PipelineResult."""
-    from ...analysis import techniques as T
+    from . import techniques as T
 
     cfg = T.model_config(size)
     torch.manual_seed(seed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ...runtime.busbw import BUS_FACTORS, bus_bytes
+from ..runtime.busbw import BUS_FACTORS, bus_bytes
 
 # --- collectives: the ring model ------------------------------------------------------------
 
