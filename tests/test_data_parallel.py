@@ -34,10 +34,11 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 import torch.distributed as dist
 from torch import nn
 
+from minitorch_dist.analysis.observers import Recorder, launches_during_backward
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism import data_parallel as DP
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import comm, observe
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import RankError, launch
 from minitorch_dist.runtime.timeline import Timeline
@@ -114,7 +115,7 @@ def _train(kind, opt_name, steps, accumulate=1, freeze=(), make=lambda: GPT(CFG)
     log = []
     for step in range(steps):
         x, y = data.batch(step, B, T, r, n)
-        with comm.meter() as m:
+        with comm.meter() as m, observe.watching(Recorder()) as seen:
             for i, (xi, yi) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
                 last = i == accumulate - 1
                 with contextlib.nullcontext() if last or kind == "naive" else dp.no_sync():
@@ -123,7 +124,7 @@ def _train(kind, opt_name, steps, accumulate=1, freeze=(), make=lambda: GPT(CFG)
             if kind == "naive":
                 dp.average_gradients()
         log.append({"calls": m.calls["all_reduce"], "bytes": m.bytes["all_reduce"],
-                    "wire": m.wire_bytes["all_reduce"], "order": list(getattr(dp, "order_log", [])),
+                    "wire": m.wire_bytes["all_reduce"], "ddp_marks": seen.marks("ddp"),
                     "none_grads": sorted(k for k, p in model.named_parameters() if p.grad is None)})
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -165,10 +166,11 @@ def _with_timeline():
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(SEED + r)
     tl = Timeline()
-    dp = DP.DistributedDataParallel(GPT(CFG), bucket_cap_mb=CAP_MB, first_bucket_mb=FIRST_MB, timeline=tl)
+    dp = DP.DistributedDataParallel(GPT(CFG), bucket_cap_mb=CAP_MB, first_bucket_mb=FIRST_MB)
     tl.align()
     x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(0, B, T, r, n)
-    dp(x, y)[1].backward()
+    with observe.watching(tl):  # the timeline records the spans DDP announces
+        dp(x, y)[1].backward()
     return [(e.name, e.category, e.t_start, e.t_end) for e in tl.events], len(dp.buckets)
 
 
@@ -334,15 +336,15 @@ def test_buckets_launch_in_order_during_backward(n):
     for r, run in enumerate(_case(n, ("ours", "sgd"))):
         nb = len(run["buckets"])
         assert nb >= 2
-        for s in run["steps"]:
-            order = s["order"]
+        for s in run["steps"]:  # the marks DDP announced: ("grad", {"param"}), ("launch"/"wait", {"bucket"})
+            order = [(kind, meta.get("param", meta.get("bucket"))) for kind, meta in s["ddp_marks"]]
             assert sorted(name for kind, name in order if kind == "grad") == sorted(names)
             assert [i for kind, i in order if kind == "launch"] == list(range(nb))
             assert [i for kind, i in order if kind == "wait"] == list(range(nb))
             last_grad = max(k for k, (kind, _) in enumerate(order) if kind == "grad")
             during = sum(kind == "launch" for kind, _ in order[:last_grad])
             assert during >= 1, f"rank {r}: no all-reduce was launched before backward ended: {order}"
-            assert DP.launches_during_backward(order) == during
+            assert launches_during_backward(s["ddp_marks"]) == during
             # a bucket is launched only after each of its gradients arrived
             seen = set()
             for kind, x in order:
@@ -450,10 +452,9 @@ def test_parameters_unused_on_some_ranks_match_torch(n, use):
 def test_timeline_shows_all_reduces_overlapping_backward(n):
     for r, (events, nb) in enumerate(_case(n, "timeline")):
         spans = {name: (t0, t1) for name, _, t0, t1 in events}
-        # "wait" (backward's compute done, all-reduces still running) appears when they did not all hide
-        assert set(spans) - {"wait"} == {"backward"} | {f"all_reduce b{i}" for i in range(nb)}
-        if "wait" in spans:
-            assert spans["wait"][0] == spans["backward"][1] <= spans["wait"][1]
+        # "wait": after backward's compute, for the all-reduces still running (short when they hid)
+        assert set(spans) == {"backward", "wait"} | {f"all_reduce b{i}" for i in range(nb)}
+        assert spans["backward"][1] <= spans["wait"][0] <= spans["wait"][1]
         b0, b1 = spans["backward"]
         assert b0 < b1
         starts = [spans[f"all_reduce b{i}"][0] for i in range(nb)]

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minitorch_dist import costmodel
+from minitorch_dist.analysis.fsdp_observers import GatheredUnits
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.memory.zero import (
     FSDPModule,
@@ -64,12 +65,12 @@ from minitorch_dist.memory.zero import (
     fully_shard,
     hybrid_groups,
     sharded_units,
-    sharding_state,
 )
+from minitorch_dist.memory.zero.fsdp import replicate
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.models.train import train_steps
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import comm, observe
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import RankError, launch
 
@@ -190,7 +191,7 @@ def _shard(kind, model, shard=fully_shard, **kw):
         for layer in model.layers:
             shard(layer["fc"], **kw)
         shard(model.head, **kw)
-        return model  # torch's FSDP2 needs its root call; ours leaves the RMSNorms replicated
+        return replicate(model) if shard is fully_shard else model  # the RMSNorms stay replicated
     return shard(model, **kw)
 
 
@@ -231,23 +232,21 @@ def _gpt(opt, **kw):
     torch.manual_seed(SEED)
     model = _shard_gpt(GPT(CFG), **kw)
     run = train_steps(model, STEPS, B, T, optimizer=OPTS[opt], rank=r, world_size=n)
-    state = sharding_state(model)
     out = {"losses": run.losses, "full": full_state_dict(model), "events": {"fwd": _events(run.meters[0]),
            "bwd": _events(run.meters[1])}, "tied": model.lm_head.weight is model.wte.weight,
            "names": [k for k, _ in model.named_parameters()], "class": type(model).__name__}
-    # One more step by hand, with a fresh optimizer over the same shards: the trace and peaks of
+    # One more step by hand, with a fresh optimizer over the same shards: the schedule and peaks of
     # one forward / backward, then the memory meter after the step (outside forward/backward).
     optim = OPTS[opt](list(model.parameters()))
     x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(STEPS, B, T, r, n)
-    state.reset_stats()
-    state.record_trace = True
-    with comm.meter() as fwd:
-        _, loss = model(x, y)
-    out["fwd_peak"] = (state.peak_gathered, state.peak_gathered_bytes)
-    with comm.meter() as bwd:
-        loss.backward()
+    with observe.watching(GatheredUnits()) as gathered:
+        with comm.meter() as fwd:
+            _, loss = model(x, y)
+        out["fwd_peak"] = (gathered.peak_units, gathered.peak_bytes)
+        with comm.meter() as bwd:
+            loss.backward()
     optim.step()
-    out["trace"] = list(state.trace_events)
+    out["trace"] = [(e, u, i) for i, (e, u) in enumerate(gathered.schedule)]  # i: the order announced
     out["step_events"] = {"fwd": _events(fwd), "bwd": _events(bwd)}
     out["memory"] = MemoryMeter(model, optim).current()
     units = sharded_units(model)
@@ -322,7 +321,9 @@ def _inference():
     x, _ = MarkovCorpus(CFG.vocab_size, seed=0).batch(0, B, T, dist.get_rank(), dist.get_world_size())
     with torch.no_grad():
         logits, loss = model(x)
-    return {"logits": logits, "loss": loss, "left_gathered": sorted(sharding_state(model).gathered_now)}
+    return {"logits": logits, "loss": loss,
+            "left_gathered": sorted(u.name for u in sharded_units(model) if u.gathered),
+            "global_hooks": len(nn.modules.module._global_forward_pre_hooks)}  # the root found per module
 
 
 def _errors():
@@ -356,7 +357,8 @@ def _errors():
            # a dict is not a policy: a TypeError (a ValueError would fail this case)
            "policy": refusal(lambda: fully_shard(nn.Linear(2, 2), mp_policy={"param_dtype": torch.bfloat16}),
                              TypeError),
-           "replicate": refused(lambda: fully_shard(nn.Linear(2, 2), replicate_group=dist.group.WORLD))}
+           "replicate": refused(lambda: fully_shard(nn.Linear(2, 2), replicate_group=dist.group.WORLD)),
+           "replicate_alone": refused(lambda: replicate(nn.Linear(2, 2)))}
     others = dist.new_group([1])  # every rank makes it; rank 0 is not in it
     if dist.get_rank() == 0:
         out["outside"] = refused(lambda: fully_shard(nn.Linear(2, 2), group=others))
@@ -575,7 +577,7 @@ def test_inference_under_no_grad_equals_the_dense_model(n):
             want = dense(MarkovCorpus(CFG.vocab_size, seed=0).batch(0, B, T)[0])[0]
     bound = model_bound(n=N, depth=GPT_DEPTH, scale=max(1.0, want.abs().max().item()))
     for r, got in enumerate(_case(n, "inference")):
-        assert got["loss"] is None and got["left_gathered"] == []
+        assert got["loss"] is None and got["left_gathered"] == [] and got["global_hooks"] == 0
         close(got["logits"], want.chunk(n)[r], bound, f"no_grad logits n={n} r={r}")
 
 
@@ -716,6 +718,7 @@ def test_bad_input_is_a_clear_error(n):
     assert f"world size {n} is not divisible by shard_size 3" in errors["grid"]
     assert "floating-point" in errors["dtype"] and errors["policy"] is not None  # a TypeError (the case)
     assert "replicate_group needs group" in errors["replicate"]
+    assert "call fully_shard on its submodules first" in errors["replicate_alone"]
     assert "rank 0 is not in group [1]" in errors["outside"]
 
 

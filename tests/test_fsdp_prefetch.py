@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minitorch_dist.analysis.meters import tensor_bytes
-from minitorch_dist.memory.zero import full_state_dict, fully_shard, sharded_units, sharding_state
+from minitorch_dist.memory.zero import full_state_dict, fully_shard, sharded_units
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 
@@ -101,7 +101,7 @@ def _ours(spec):
 
     def gathered_bytes():  # what the units' gathered buffers hold between steps
         held.append((tensor_bytes([part.full for u in sharded_units(model) for part in u.parts]),
-                     sorted(sharding_state(model).gathered_now)))
+                     sorted(u.name for u in sharded_units(model) if u.gathered)))
 
     _train(model, spec, dist.get_rank(), dist.get_world_size(), after_step=gathered_bytes)
     return {"params": full_state_dict(model), "held": held}

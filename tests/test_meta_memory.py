@@ -58,7 +58,9 @@ def test_cpu_step_agrees_with_memory_meter_on_every_shared_category():
     assert new.peak["temporaries"] > 0
     assert new.peak["total"] >= ref.peak["total"]  # the same states plus the temporaries
     assert new.peak["total"] == sum(new.at_peak[c] for c in STEP_CATEGORIES)
-    assert "temporaries" in new.report() and new.report("B").count("\n") == len(STEP_CATEGORIES) + 1
+    table = new.report("B").splitlines()  # a header, its rule, a row per category and the total
+    assert "temporaries" in new.report() and len(table) == len(STEP_CATEGORIES) + 3
+    assert f"{float(new.peak['total']):.3f}" in table[-1] and set(table[1]) == {"-", " "}
 
 
 # --- (2) on meta the same step gives the same bytes ---------------------------------------------------
@@ -212,8 +214,9 @@ def fsdp_worker() -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from minitorch_dist.memory.zero.fsdp import fully_shard, sharded_units, sharding_state
-    from minitorch_dist.runtime import comm
+    from minitorch_dist.analysis.fsdp_observers import GatheredUnits
+    from minitorch_dist.memory.zero.fsdp import fully_shard, sharded_units
+    from minitorch_dist.runtime import comm, observe
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=8)
     with torch.device("meta"):
@@ -226,13 +229,11 @@ def fsdp_worker() -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meter, steps = MetaMemoryMeter(model, opt), []
     for _ in range(2):  # the second one prefetches the next unit while one computes
-        with meter.track():
+        with meter.track(), observe.watching(GatheredUnits()) as gathered:
             model(x, y)[1].backward()
             opt.step()
             opt.zero_grad()
-        state = sharding_state(model)
-        steps.append({"peak": meter.peak, "final": meter.final, "gathered_peak": state.peak_gathered_bytes})
-        state.reset_stats()
+        steps.append({"peak": meter.peak, "final": meter.final, "gathered_peak": gathered.peak_bytes})
     units = sharded_units(model)
     before, coll = torch.empty(1000, device="meta"), MetaMemoryMeter()
     with coll.track():  # a collective returns its arguments: not an allocation

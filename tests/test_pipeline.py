@@ -29,13 +29,14 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from minitorch_dist import costmodel
+from minitorch_dist.analysis.pipeline_observers import StashCounter
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import executor as X
 from minitorch_dist.parallelism.pipeline import schedules as S
 from minitorch_dist.parallelism.pipeline import simulator as SIM
 from minitorch_dist.parallelism.pipeline import zero_bubble as ZB
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import comm, observe
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 from minitorch_dist.runtime.timeline import Timeline
@@ -86,13 +87,13 @@ def _ours(name, v, m, tied, origin=None):
     stages = X.local_stages(model, sched)
     # one clock for all ranks: CLOCK_MONOTONIC from the parent's origin (align()'s barrier would
     # leave each rank its own zero, skewed by the barrier's exit, milliseconds on 2 busy cores)
-    tl = Timeline(origin=origin) if origin is not None else None
+    tl, stash = Timeline(origin=origin), StashCounter()
     x, y = _batch()
-    with comm.meter() as cm:
-        res = X.run_schedule(sched, stages, x, y, timeline=tl)
-    events = [(e.name, e.category, e.t_start, e.t_end, e.meta) for e in res.events]
+    with comm.meter() as cm, observe.watching(tl), observe.watching(stash):
+        res = X.run_schedule(sched, stages, x, y)
+    events = [(e.name, e.category, e.t_start, e.t_end, e.meta) for e in tl.events]
     return {"loss": res.loss, "grads": _owned_grads(model, stages), "comm": cm.summary(),
-            "peak": res.peak_stashed, "stashed": res.stashed, "actions": res.actions, "events": events}
+            "peak": stash.peak, "stashed": stash.held, "actions": res.actions, "events": events}
 
 
 def _torch(name, m):
@@ -120,8 +121,10 @@ def _memory(name, m):
     torch.manual_seed(SEED)
     model = GPT(_cfg(p))
     sched = _schedule(name, p, m)
-    res = X.run_schedule(sched, X.local_stages(model, sched), *_batch(), memory=MemoryMeter(model))
-    return res.peak_activation_bytes
+    meter = MemoryMeter(model)
+    with meter.track():
+        X.run_schedule(sched, X.local_stages(model, sched), *_batch())
+    return meter.peak["activations"]
 
 
 def _errors():
@@ -145,9 +148,8 @@ def _posting_order(name, v):
     sched = _schedule(name, p, 2 * p, v)
     stages = X.local_stages(model, sched)
     X.run_schedule(sched, stages, *_batch())  # the recorder's own warm-up
-    with WorkloadRecorder() as rec:
-        marks = type("Marks", (), {"events": [], "span": staticmethod(rec.span)})()  # the executor's timeline
-        X.run_schedule(sched, stages, *_batch(), timeline=marks)
+    with WorkloadRecorder() as rec, observe.watching(rec):  # it marks each action the executor announces
+        X.run_schedule(sched, stages, *_batch())
     return [(type(i).__name__, getattr(i, "op", None) or getattr(i, "name", None) or i.ref,
              getattr(i, "edge", None)) for i in rec.items]  # an Op's "op" is None: its name
 
@@ -304,6 +306,7 @@ def test_stashed_microbatches_match_simulator_and_cost_model(p, name, v):
         for r, res in enumerate(per_rank):
             got = res["peak"]
             assert got == sim[r], (m, r)
+            assert len(res["stashed"]) == len(sched[r]) and max(res["stashed"]) == got, (m, r)  # per action
             assert got == costmodel.pipeline_stashed_microbatches(name, p, m, stage=r, v=v), (m, r)
             assert res["actions"] == [str(a) for a in sched[r]]
         if name == "1f1b":

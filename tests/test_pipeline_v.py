@@ -20,7 +20,6 @@ relatively, u = 1.1e-16), a bubble fraction one division more on each side. So t
 formulas are compared at rel = abs = 1e-12 (FORMULA): a bubble of one action too many moves a time by
 1/8 or more and a fraction by ~1/(m + p).
 """
-import contextlib
 import functools
 import random
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from minitorch_dist.analysis.pipeline_observers import StashCounter
 from minitorch_dist.costmodel import pipeline as cm
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT, GPTConfig
@@ -38,7 +38,7 @@ from minitorch_dist.parallelism.pipeline import schedules as S
 from minitorch_dist.parallelism.pipeline import simulator as SIM
 from minitorch_dist.parallelism.pipeline.actions import Action, Schedule
 from minitorch_dist.parallelism.pipeline.messages import Messages
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import comm, observe
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 
@@ -278,10 +278,8 @@ def _ours(name, m, tied, rows=B):
     sched = S.make_schedule(name, p, m)
     stages = X.local_stages(model, sched)
     log = []  # the executor's events in order: an action starting, a message waited for
-
-    def span(action, category="", **_):
-        log.append(("start", action))
-        return contextlib.nullcontext()
+    starts = SimpleNamespace(on_begin=lambda action, category, meta: log.append(("start", action)))
+    stash = StashCounter()
 
     ready = Messages.ready
 
@@ -291,12 +289,12 @@ def _ours(name, m, tied, rows=B):
 
     Messages.ready = logged_ready  # this rank's process only
     try:
-        with comm.meter() as meter:
-            res = X.run_schedule(sched, stages, *_batch(rows), timeline=SimpleNamespace(events=[], span=span))
+        with comm.meter() as meter, observe.watching(starts), observe.watching(stash):
+            res = X.run_schedule(sched, stages, *_batch(rows))
     finally:
         Messages.ready = ready
     return {"loss": res.loss, "grads": _owned_grads(model, stages), "comm": meter.summary(),
-            "peak": res.peak_stashed, "actions": res.actions, "log": log}
+            "peak": stash.peak, "actions": res.actions, "log": log}
 
 
 def _torch(name, m):

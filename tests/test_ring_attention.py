@@ -39,8 +39,9 @@ import torch.nn.functional as F
 
 from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
+from minitorch_dist.analysis.observers import Recorder
 from minitorch_dist.parallelism.sequence_parallel import ring_attention as RA
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import comm, observe
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 
@@ -112,14 +113,14 @@ def _memory():
         Q, K, V, _ = _full(seq, torch.float32, b=MEM_B, h=MEM_H, d=MEM_D)
         q, k, v = (RA.shard_sequence(x, t, r, -2, "zigzag").requires_grad_(True) for x in (Q, K, V))
         meter = MemoryMeter()
-        with RA.count_block_work() as work, meter.track():
+        with observe.watching(Recorder()) as work, meter.track():  # ring attention announces its blocks
             RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         shapes = []  # a second forward lists every saved tensor (only the innermost hooks see them)
         with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x,
                                                       lambda x: x):
             RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         out[seq] = {"activations": meter.peak["activations"], "shapes": shapes,
-                    "largest": {p: work.largest_block(p) for p in ("forward", "backward")}}
+                    "largest": {p: max(work.counts(f"{p} score entries")) for p in ("forward", "backward")}}
     return out
 
 
@@ -130,9 +131,9 @@ def _work():
     out = {}
     for layout in RA.LAYOUTS:
         q, k, v = (RA.shard_sequence(x, t, r, -2, layout).requires_grad_(True) for x in (Q, K, V))
-        with RA.count_block_work() as w:
+        with observe.watching(Recorder()) as w:
             RA.ring_attention(q, k, v, causal=True, layout=layout).sum().backward()
-        out[layout] = dict(w.flops)
+        out[layout] = {p: w.totals[f"{p} flops"] for p in ("forward", "backward")}
     return out
 
 

@@ -29,6 +29,7 @@ import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked r
 from minitorch_dist.analysis import techniques as TQ
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT
+from minitorch_dist.runtime import observe
 from minitorch_dist.runtime.env import single_thread
 from minitorch_dist.runtime.launch import launch
 from minitorch_dist.runtime.timeline import Timeline
@@ -52,17 +53,16 @@ def _one_technique(t):
     before = [p.detach().clone() for p in held]
     first = spec.step()
     moved = [not torch.equal(b, p.detach()) for b, p in zip(before, held)]
-    return {"moved": moved, "losses": [first, spec.step()], "config": spec.config,
-            "hook": spec.timeline_hook is not None}
+    return {"moved": moved, "losses": [first, spec.step()], "config": spec.config}
 
 
 def _timeline_case(t):
-    """One step marked on a Timeline, then one with the hook set to None: the spans of each."""
+    """One step while a Timeline listens, then one while none does: the spans of each."""
     tl = Timeline()
-    spec = TQ.make_step(t, "tiny", timeline=tl)
-    spec.step()
+    spec = TQ.make_step(t, "tiny")
+    with observe.watching(tl):
+        spec.step()
     marked = [(e.name, e.category) for e in tl.events]
-    spec.timeline_hook(None)
     spec.step()
     return {"marked": marked, "after_off": len(tl.events) - len(marked)}
 
@@ -83,8 +83,7 @@ def _world2():
 def _world2_run():
     out = {t: _one_technique(t) for t in TQ.TECHNIQUES}
     out["timeline"] = {t: _timeline_case(t) for t in PIPELINES}
-    out["errors"] = {"timeline": _error(lambda: TQ.make_step("ddp", "tiny", timeline=Timeline())),
-                     "world": _error(lambda: TQ.make_step("ddp", "tiny", world=4))}
+    out["errors"] = {"world": _error(lambda: TQ.make_step("ddp", "tiny", world=4))}
     return out
 
 
@@ -207,8 +206,7 @@ def test_pipeline_steps_mark_each_action_on_the_timeline(technique):
         kinds = [c for _, c in case["marked"]]
         want = {"F", "B", "W"} if technique == "pp-zbh1" else {"F", "B"}
         assert set(kinds) == want and all(kinds.count(k) == m for k in want)
-        assert case["after_off"] == 0  # timeline_hook(None): the next step marks nothing
-    assert all(_ranks(2)[0][t]["hook"] == (t in PIPELINES) for t in TQ.TECHNIQUES)
+        assert case["after_off"] == 0  # nobody listening: the next step marks nothing
 
 
 def test_configs_and_grids():
@@ -251,5 +249,4 @@ def test_bad_calls_name_the_fix():
     with pytest.raises(RuntimeError, match="make_step needs an initialised process group"):
         TQ.make_step("ddp", "tiny")
     errors = _ranks(2)[0]["errors"]
-    assert "timeline= marks pipeline actions" in errors["timeline"]
     assert "pass world=2, or launch 4 ranks" in errors["world"]

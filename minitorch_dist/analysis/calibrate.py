@@ -46,7 +46,9 @@ import torch.distributed as dist
 from .. import costmodel
 from ..runtime import comm
 from ..runtime.launch import device as rank_device
-from .op_timing import last_level_cache_bytes, median_seconds, repeat, sync, time_kernels
+from ..runtime.tables import format_table
+from ..runtime.timing import seconds, sync
+from .op_timing import last_level_cache_bytes, median_seconds, repeat, time_kernels
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
 from .workload import Op, WorkloadRecorder
 
@@ -86,16 +88,11 @@ def _mean_after_compute(fn, reps: int = 60) -> float:
     collective follows compute in a step (a barrier first would time the barrier's wake-up too). The
     mean, not the best or the median: a step pays every slow call, and on a loaded CPU some are slow."""
     a = torch.randn(128, 128, device=rank_device())
-    fn()
-    times = []
-    for _ in range(reps):
+
+    def burst():
         for _ in range(8):
             a @ a
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
+    return seconds(fn, reps, warmup=1, device=rank_device(), before=burst, reduce=statistics.fmean)
 
 
 def _alpha_beta(quick: bool = False) -> dict:
@@ -155,10 +152,15 @@ def _async_start(nbytes: int = 128 * 1024, compute_s: float = 0.01, trials: int 
     r, a = dist.get_rank(), torch.randn(128, 128, device=rank_device())
     buf = torch.ones(nbytes // 4, device=rank_device())
 
-    def busy(seconds):
+    def busy(duration: float):
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        while time.perf_counter() - t0 < duration:
             a @ a
+        sync(rank_device())  # on a GPU the compute is the GEMMs queued, done
+
+    def recv():
+        if r == 1:
+            dist.recv(buf, 0)
 
     def receive(sender_busy: bool) -> float:
         dist.barrier()
@@ -168,10 +170,7 @@ def _async_start(nbytes: int = 128 * 1024, compute_s: float = 0.01, trials: int 
             work.wait()
             return 0.0
         busy(compute_s / 2)
-        t0 = time.perf_counter()
-        if r == 1:
-            dist.recv(buf, 0)
-        return time.perf_counter() - t0
+        return seconds(recv, reps=1, warmup=0, device=rank_device())
     late = statistics.mean(receive(True) for _ in range(trials))  # the mean: a step pays the slow ones too
     alone = statistics.mean(receive(False) for _ in range(trials))
     agreed = torch.tensor([max(0.0, late - alone) if r == 1 else 0.0], dtype=torch.float64,
@@ -422,13 +421,16 @@ def _memory_bytes() -> float:
 
 def format_profile(p: MachineProfile, details: dict | None = None) -> str:
     """A profile as a readable table (and, after a calibration, what the reference step showed)."""
-    lines = [f"profile {p.name!r} ({p.kind}): {p.device}", f"  {p.hardware}" if p.hardware else "",
-             f"  collectives on {p.world_size} ranks (ring model: steps·α + bus bytes·β)",
-             f"  {'op':<16}{'α (µs)':>10}{'1/β (GB/s)':>12}"]
+    rows = []
     for op in COLLECTIVES:
         a, b = p.alpha_beta(op)
-        bandwidth = 1 / b / 1e9 if b > 0 else float("inf")
-        lines.append(f"  {op:<16}{a * 1e6:>10.1f}{bandwidth:>12.2f}")
+        rows.append([op, f"{a * 1e6:.1f}", f"{1 / b / 1e9 if b > 0 else float('inf'):.2f}"])
+    for i in (1, 2):  # numbers to the right: their decimal points line up
+        width = max(len(r[i]) for r in rows)
+        rows = [[*r[:i], r[i].rjust(width), *r[i + 1:]] for r in rows]
+    lines = [f"profile {p.name!r} ({p.kind}): {p.device}", f"  {p.hardware}" if p.hardware else "",
+             f"  collectives on {p.world_size} ranks (ring model: steps·α + bus bytes·β)",
+             *("  " + line for line in format_table(rows, ["op", "α (µs)", "1/β (GB/s)"]).splitlines())]
     peak = ", ".join(f"{k} {v / 1e12:.3g} TF/s" for k, v in p.peak_flops.items() if v)
     big_flops, big_s = p.matmul["fp32"][-1]
     lines += [f"  peak: {peak}", f"  largest GEMM of the table: {big_flops / big_s / 1e9:.1f} GF/s fp32",

@@ -2,9 +2,10 @@
 
 Each function measures one section of :mod:`.gpu_report` on the devices at hand: NCCL bus bandwidth
 (nccl-tests' busbw = algbw x factor, :mod:`..runtime.busbw`), the median step of the course's DDP and
-``fully_shard`` against torch's, bf16 GEMM TF/s timed with CUDA events, and the tiny GPT's model FLOPs
-utilisation (``costmodel.model_flops_per_token`` over the shipped profile's dense peak). They also run
-on CPU ranks (gloo), which is how they are tested without a GPU.
+``fully_shard`` against torch's, bf16 GEMM TF/s, and the tiny GPT's model FLOPs utilisation
+(``costmodel.model_flops_per_token`` over the shipped profile's dense peak). Every time is the course's
+one clock (:mod:`..runtime.timing`), with CUDA events on a GPU and the wall clock elsewhere. They also
+run on CPU ranks (gloo), which is how they are tested without a GPU.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import traceback
 import torch
 
 from ..costmodel import model_flops_per_token
+from ..runtime.dtypes import torch_name
+from ..runtime.timing import seconds, sync, timed_runs
 
 __all__ = ["MiB", "COLLECTIVE_OPS", "LARGE_GPT", "PROFILE_KEYS", "IMPLS", "guarded", "tail",
            "collectives_rank", "bench_collectives", "training_rank", "bench_training", "bench_matmul",
@@ -43,25 +46,6 @@ def guarded(name: str, fn, *args) -> dict:
     print(f"gpu-report: {name} {'FAILED: ' + out['error'] if 'error' in out else 'done'} "
           f"({out['seconds']} s)", flush=True)
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_s(fn, device: torch.device) -> float:
-    """Seconds of one ``fn()``: CUDA events on a GPU, the wall clock (after a sync) elsewhere."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # --- 3: collective bus bandwidth --------------------------------------------------------------------------
@@ -101,8 +85,8 @@ def collectives_rank(sizes: list, ops=COLLECTIVE_OPS, warmup: int = 3, iters: in
                 call, nbytes = _collective_call(op, nbytes, n, dev)
                 for _ in range(warmup):
                     call()
-                _sync(dev), dist.barrier()
-                t = torch.tensor([statistics.median(_time_s(call, dev) for _ in range(iters))], device=dev)
+                sync(dev), dist.barrier()  # every rank starts the timed calls together
+                t = torch.tensor([seconds(call, iters, warmup=0, device=dev, cuda_events=True)], device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
             except Exception as e:  # noqa: BLE001 - e.g. gloo has no reduce_scatter on CUDA tensors
                 rows.append({"bytes": nbytes, "error": f"{type(e).__name__}: {e}"})
@@ -186,7 +170,7 @@ def _median_steps(cfg, batch: int, rounds: int, dev: torch.device, per_round: in
     times = {impl: [] for impl in IMPLS}
     for _ in range(rounds):
         for impl in IMPLS:
-            times[impl] += [_time_s(lambda: step(impl), dev) for _ in range(per_round)]
+            times[impl] += timed_runs(lambda: step(impl), per_round, warmup=0, device=dev, cuda_events=True)
     return {impl: statistics.median(t) for impl, t in times.items()}
 
 
@@ -227,12 +211,9 @@ def bench_matmul(sizes: list, device: torch.device, dtype=torch.bfloat16, warmup
     rows = []
     for n in sizes:
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        for _ in range(warmup):
-            torch.mm(a, b)
-        _sync(device)
-        t = statistics.median(_time_s(lambda: torch.mm(a, b), device) for _ in range(iters))
+        t = seconds(lambda: torch.mm(a, b), iters, warmup, device=device, cuda_events=True)
         rows.append({"n": n, "seconds": t, "tflops": 2 * n**3 / t / 1e12})
-    return {"dtype": str(dtype).removeprefix("torch."), "device": str(device), "rows": rows,
+    return {"dtype": torch_name(dtype), "device": str(device), "rows": rows,
             "timer": "CUDA events" if device.type == "cuda" else "wall clock"}
 
 
@@ -264,9 +245,7 @@ def bench_mfu(device: torch.device, device_name: str, batch: int = 64, steps: in
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    t = statistics.median(_time_s(step, device) for _ in range(steps))
+    t = seconds(step, steps, warmup=3, device=device, cuda_events=True)
     tokens_per_s = batch * cfg.block_size / t
     fpt = model_flops_per_token(cfg)
     try:

@@ -14,7 +14,9 @@ that no argument holds, is a new storage: its ``nbytes()`` is recorded under the
 storage's Python object -- which torch keeps alive exactly as long as the storage -- says when its
 last tensor or view goes. ``UntypedStorage.resize_`` is not an op (FSDP frees a gathered unit by
 resizing its storage to 0, then gathers into it again), so while a meter tracks, that method is
-wrapped to tell it. ``saved_tensors_hooks`` mark what autograd keeps for backward.
+wrapped to tell it. ``saved_tensors_hooks`` mark what autograd keeps for backward. What it does as
+``MemoryMeter`` does -- find the model states, hook gradients and the optimizer step, stand in for a
+saved tensor, print the table -- is their shared core, ``MeterCore``.
 
 **How it classifies.** A storage is in the first category that applies: ``parameters`` (of
 ``model`` or ``optimizer``'s groups, or an ``nn.Parameter`` seen as an op's argument whose storage
@@ -49,20 +51,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .meters import CATEGORIES, TextTable
+from .memory_core import MeterCore, SavedAlias, storage_of
+from .meters import CATEGORIES
 
 STEP_CATEGORIES = (*CATEGORIES, "temporaries")
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)  # torch.tensor(...)
 _GRAD = operator.attrgetter("grad")
-_UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
-
-
-def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    t = getattr(t, "_local_tensor", t)  # a DTensor owns only its local shard
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-        return None
 
 
 def _arg_tensors(args, kwargs):
@@ -81,18 +75,6 @@ class _Store:
     def __init__(self, key: int, nbytes: int, inside: bool):
         self.key, self.nbytes, self.inside = key, nbytes, inside
         self.cat, self.saved, self.finalizer = None, 0, None
-
-
-class _Saved:
-    """What autograd keeps instead of a saved tensor: a detached alias; its death un-saves the storage."""
-
-    __slots__ = ("tensor", "key", "generation", "meter")
-
-    def __init__(self, tensor, key, generation, meter):
-        self.tensor, self.key, self.generation, self.meter = tensor, key, generation, meter
-
-    def __del__(self):
-        self.meter._unsave(self.key, self.generation)
 
 
 class _SeeOps(TorchDispatchMode):
@@ -137,7 +119,7 @@ def _told_of_resizes(meter):
                 torch.UntypedStorage.resize_ = _own_resize
 
 
-class MetaMemoryMeter:
+class MetaMemoryMeter(MeterCore):
     """Peak bytes of one step per category, on any device, ``meta`` included.
 
     >>> meter = MetaMemoryMeter(model, opt)
@@ -154,9 +136,8 @@ class MetaMemoryMeter:
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
-        self.model, self.optimizer = model, optimizer
+        super().__init__(model, optimizer)
         self._generation, self._tracking = 0, False
-        self._lock = threading.RLock()  # frees may come from autograd's threads
         self._reset()
 
     def _reset(self) -> None:
@@ -224,13 +205,13 @@ class MetaMemoryMeter:
         with self._lock:
             for o, r in zip(outs, returns):
                 for t in (o if isinstance(o, (list, tuple)) else (o,)):
-                    s = _storage_of(t) if isinstance(t, torch.Tensor) else None
+                    s = storage_of(t) if isinstance(t, torch.Tensor) else None
                     rec = self._recs.get(s._cdata) if s is not None else None
                     if rec is not None and s.nbytes() != rec.nbytes:  # resize_, set_, a grown out= tensor
                         self._resize(rec, s.nbytes())
                     elif rec is None and s is not None and (r.alias_info is None or func in _LIFTS):
                         if ins is None:  # c10d ops return their arguments with no alias annotation
-                            ins = {a._cdata for a in map(_storage_of, _arg_tensors(args, kwargs))
+                            ins = {a._cdata for a in map(storage_of, _arg_tensors(args, kwargs))
                                    if a is not None}
                         if s._cdata not in ins or func in _LIFTS:
                             self._classify(self._see(s, inside=True))
@@ -242,7 +223,7 @@ class MetaMemoryMeter:
     def _add_param(self, p: torch.Tensor, seen: bool = False) -> None:
         """Count ``p``'s storage as parameters. One ``seen`` as an op's argument is not a parameter if
         its storage was allocated in the block (an FSDP unit's gathered weights, bound while it runs)."""
-        s = _storage_of(p)
+        s = storage_of(p)
         rec = self._recs.get(s._cdata) if s is not None else None
         if s is None or seen and (s._cdata in self._param_keys or rec is not None and rec.inside):
             return
@@ -263,7 +244,7 @@ class MetaMemoryMeter:
 
     def _pack(self, t: torch.Tensor):
         base = t._base if t._base is not None else t
-        s = _storage_of(t)
+        s = storage_of(t)
         if s is None or isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter):
             return t  # a parameter (or a view of one) saved is not an activation
         with self._lock:
@@ -273,11 +254,8 @@ class MetaMemoryMeter:
             rec.saved += 1
             self._classify(rec)
             self._sample()
-        return _Saved(t.detach(), s._cdata, self._generation, self)
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
+        key, generation = s._cdata, self._generation
+        return SavedAlias(t.detach(), lambda: self._unsave(key, generation))
 
     def _unsave(self, key: int, generation: int) -> None:
         with self._lock:
@@ -287,13 +265,6 @@ class MetaMemoryMeter:
                 self._classify(rec)
 
     # --- model states: read at each sample, changes applied to the records ----------------------------
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
-        opts = [self.optimizer] if self.optimizer is not None else []
-        inner = getattr(self.optimizer, "optim", None)  # a sharded optimizer's local one
-        if isinstance(inner, torch.optim.Optimizer):
-            opts.append(inner)
-        return opts
-
     def _scan_grads(self) -> None:
         ids = list(map(id, map(_GRAD, self._plist)))
         if ids == self._grad_ids:
@@ -302,7 +273,7 @@ class MetaMemoryMeter:
             if new == old:
                 continue
             was, g = self._grad_key[i], self._plist[i].grad
-            s = _storage_of(g) if g is not None else None
+            s = storage_of(g) if g is not None else None
             self._grad_key[i] = s._cdata if s is not None else None
             if s is not None:
                 self._grad_count[s._cdata] = self._grad_count.get(s._cdata, 0) + 1
@@ -326,7 +297,7 @@ class MetaMemoryMeter:
         for i, st in enumerate(states):
             if full or i >= len(old) or old[i] != lens[i]:
                 for t in st.values():
-                    s = _storage_of(t) if isinstance(t, torch.Tensor) else None
+                    s = storage_of(t) if isinstance(t, torch.Tensor) else None
                     if s is not None:
                         keys.add(s._cdata)
                         self._see(s, inside=False)
@@ -365,19 +336,14 @@ class MetaMemoryMeter:
     def _start(self) -> list:
         """Register the model states as they are now; return the hook handles."""
         self._reset()
-        ps = list(self.model.parameters()) if self.model is not None else []
-        ps += [p for o in self._optimizers() for g in o.param_groups for p in g["params"]]
-        for p in {id(p): p for p in ps}.values():
+        for p in self._params():
             self._add_param(p)
         buffers = self.model.buffers() if self.model is not None else ()
-        self._buffer_keys = {s._cdata for s in map(_storage_of, buffers) if s is not None}
+        self._buffer_keys = {s._cdata for s in map(storage_of, buffers) if s is not None}
         self._tracking = True
         self._scan_state(full=True)
-        handles = [p.register_post_accumulate_grad_hook(lambda _p: self._sample(force=True))
-                   for p in self._plist if p.requires_grad and p.is_leaf]
-        for o in self._optimizers()[:1]:
-            handles.append(o.register_step_pre_hook(lambda *_: self._step_event(True)))
-            handles.append(o.register_step_post_hook(lambda *_: self._step_event(False)))
+        handles = self._hooks(self._plist, lambda: self._sample(force=True), lambda: self._step_event(False),
+                              before_step=lambda: self._step_event(True))
         self._sample(force=True)
         return handles
 
@@ -413,12 +379,7 @@ class MetaMemoryMeter:
             return dict(self._now, total=sum(self._now.values()))
 
     def report(self, unit: str = "MiB") -> str:
-        """A table: per category the peak, the split at the peak of the total, and the bytes now."""
-        if unit not in _UNITS:
-            raise ValueError(f"unit {unit!r} is not one of {list(_UNITS)}")
-        div, now = _UNITS[unit], self.current()
-        rows = [f"{'category':<18}{'peak ' + unit:>14}{'at peak ' + unit:>16}{'now ' + unit:>14}"]
-        for k in (*STEP_CATEGORIES, "total"):
-            rows.append(f"{k:<18}{self.peak[k] / div:>14.3f}{self.at_peak[k] / div:>16.3f}"
-                        f"{now[k] / div:>14.3f}")
-        return TextTable("\n".join(rows))
+        """A table: per category the peak, the split at the peak of the total, and the bytes now
+        (``unit``: B, KiB, MiB or GiB)."""
+        return self._table((*STEP_CATEGORIES, "total"),
+                           {"peak": self.peak, "at peak": self.at_peak, "now": self.current()}, unit)

@@ -23,12 +23,15 @@ On CUDA the meter also reads the caching allocator's high-water mark
 (``torch.cuda.max_memory_allocated``) as ``peak["cuda_peak_allocated"]``: it includes what the
 categories miss (temporaries, workspaces, fragmentation inside blocks), so the gap between it and
 ``peak["total"]`` is itself a lesson.
+
+:class:`.memory_core.MeterCore` is what this meter and chapter 12's ``MetaMemoryMeter`` share: the
+model states' tensors, the hooks at the moments memory may peak, the saved-tensor stand-in, the table.
+``Timer`` reads the course's one clock (:mod:`..runtime.timing`).
 """
 from __future__ import annotations
 
 import contextlib
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,15 +40,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..runtime.timing import sync, timed_runs
+from .memory_core import MeterCore, SavedAlias, storage_of
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 
 def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
     """(key, nbytes) of the storage behind ``t``; None for an empty or storage-less tensor."""
-    t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2, TP) owns only its local shard
-    try:
-        s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+    s = storage_of(t)
+    if s is None:
         n = t.numel() * t.element_size()
         return ((str(t.device), "id", id(t)), n) if n else None
     if s.nbytes() == 0:
@@ -87,25 +91,7 @@ def tensor_bytes(tensors: Any) -> int:
     return _unique_bytes(_tensors(tensors), set())
 
 
-class _Saved:
-    """What autograd keeps instead of a saved tensor while the meter is on.
-
-    It holds a *detached* alias (same storage, same version counter): holding the saved tensor
-    itself would hold its ``grad_fn`` and close a reference cycle through C++ that Python's
-    garbage collector cannot break. When autograd frees the saved tensor (after backward, or when
-    the graph is dropped) this object dies and the meter releases its bytes.
-    """
-
-    __slots__ = ("tensor", "key", "meter")
-
-    def __init__(self, tensor: torch.Tensor, key: tuple, meter: MemoryMeter):
-        self.tensor, self.key, self.meter = tensor, key, meter
-
-    def __del__(self):
-        self.meter._release(self.key)
-
-
-class MemoryMeter:
+class MemoryMeter(MeterCore):
     """Peak and current bytes of parameters, gradients, optimizer state and activations.
 
     >>> meter = MemoryMeter(model, opt)
@@ -135,7 +121,7 @@ class MemoryMeter:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  device: torch.device | str | None = None):
-        self.model, self.optimizer = model, optimizer
+        super().__init__(model, optimizer)
         if device is None:
             first = next(iter(self._params()), None)
             device = first.device if first is not None else "cpu"
@@ -144,21 +130,11 @@ class MemoryMeter:
         self._live: dict[tuple, list] = {}  # storage key -> [nbytes, number of saved tensors using it]
         self._live_bytes = 0
         self._tracking = False
-        self._lock = threading.RLock()  # releases may come from autograd's threads or from __del__
         self._param_keys: set = set()
         self._plist: list[torch.Tensor] = []
         self._cache: dict[str, int] | None = None
 
     # --- the three model-state categories -------------------------------------------------------
-    def _params(self) -> list[torch.Tensor]:
-        ps = list(self.model.parameters()) if self.model is not None else []
-        if self.optimizer is not None:
-            ps += [p for g in self.optimizer.param_groups for p in g["params"]]
-            inner = getattr(self.optimizer, "optim", None)  # a sharded optimizer's local one (its shards)
-            if isinstance(inner, torch.optim.Optimizer):
-                ps += [p for g in inner.param_groups for p in g["params"]]
-        return list({id(p): p for p in ps}.values())  # the same tensor may come from both
-
     def _model_states(self) -> dict[str, int]:
         params, seen = self._params(), set()
         out = {"parameters": _unique_bytes(params, seen),
@@ -213,11 +189,7 @@ class MemoryMeter:
                 self._live_bytes += nbytes
             entry[1] += 1
             self._sample()
-        return _Saved(t.detach(), key, self)
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
+        return SavedAlias(t.detach(), lambda: self._release(key))
 
     def _release(self, key: tuple) -> None:
         with self._lock:
@@ -242,13 +214,10 @@ class MemoryMeter:
             self._param_keys |= {st[0] for st in map(_storage, self.model.buffers()) if st is not None}
         cuda = self.device.type == "cuda"
         if cuda:
-            torch.cuda.synchronize(self.device)
+            sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         # A gradient appearing is a moment memory may peak (activations not yet freed, grads growing).
-        handles = [p.register_post_accumulate_grad_hook(lambda _p: self._sample())
-                   for p in self._plist if p.requires_grad and p.is_leaf]
-        if self.optimizer is not None:
-            handles.append(self.optimizer.register_step_post_hook(lambda *_: self._sample(refresh=True)))
+        handles = self._hooks(self._plist, self._sample, lambda: self._sample(refresh=True))
         self._tracking = True
         self._sample(refresh=True)
         try:
@@ -260,7 +229,7 @@ class MemoryMeter:
             for h in handles:
                 h.remove()
             if cuda:
-                torch.cuda.synchronize(self.device)
+                sync(self.device)
                 cuda_peak = torch.cuda.max_memory_allocated(self.device)
                 self.peak["cuda_peak_allocated"] = max(self.peak.get("cuda_peak_allocated", 0), cuda_peak)
 
@@ -269,25 +238,10 @@ class MemoryMeter:
 
         Returns a string that a notebook displays as the table itself.
         """
-        if unit not in _UNITS:
-            raise ValueError(f"unit {unit!r} is not one of {list(_UNITS)}")
-        cur, div = self.current(), _UNITS[unit]
-        cell = lambda d, k: f"{d[k] / div:>14.3f}" if k in d else f"{'-':>14}"  # noqa: E731
-        rows = [f"{'category':<20}{'peak ' + unit:>14}{'now ' + unit:>14}"]
-        for k in (*CATEGORIES, "total", "cuda_peak_allocated", "cuda_allocated"):
-            if k in self.peak or k in cur:
-                rows.append(f"{k:<20}{cell(self.peak, k)}{cell(cur, k)}")
-        return TextTable("\n".join(rows))
-
-
-_UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
-
-
-class TextTable(str):
-    """A string that a notebook displays as itself (no quotes, real newlines)."""
-
-    def __repr__(self) -> str:
-        return str(self)
+        cur = self.current()
+        keys = [k for k in (*CATEGORIES, "total", "cuda_peak_allocated", "cuda_allocated")
+                if k in self.peak or k in cur]
+        return self._table(keys, {"peak": self.peak, "now": cur}, unit)
 
 
 def saved_activation_bytes(fn: Callable, *args, **kwargs) -> int:
@@ -301,14 +255,10 @@ def saved_activation_bytes(fn: Callable, *args, **kwargs) -> int:
     return meter.peak["activations"]
 
 
-def _sync() -> None:
-    # Kernels run asynchronously on a GPU: without a sync the clock measures the launch, not the work.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 class Timer:
-    """Wall-clock seconds of a block, synchronised with CUDA when CUDA is in use.
+    """Wall-clock seconds of a block, synchronised with CUDA when CUDA is in use (the course's one
+    clock, :mod:`..runtime.timing`: a GPU runs asynchronously, and a clock read without waiting for
+    it would time the launch, not the work).
 
     >>> with Timer() as t:
     ...     step()
@@ -324,12 +274,12 @@ class Timer:
         self.elapsed: float | None = None
 
     def __enter__(self) -> Timer:
-        _sync()
+        sync()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        _sync()
+        sync()
         self.elapsed = time.perf_counter() - self.start
 
     @staticmethod
@@ -337,13 +287,7 @@ class Timer:
         """Run ``fn`` ``warmup`` times untimed, then ``repeat`` times timed: median, min, mean, times (s)."""
         if repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {repeat}")
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeat):
-            with Timer() as t:
-                fn()
-            times.append(t.elapsed)
+        times = timed_runs(fn, repeat, warmup)
         return {"median": statistics.median(times), "min": min(times),
                 "mean": statistics.fmean(times), "times": times}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "launches_during_backward"]
 
 
 class Recorder:
@@ -60,3 +60,21 @@ class Recorder:
     def spans(self, category: str | None = None) -> list[tuple[str, dict]]:
         """``(name, meta)`` of every span begun (of ``category`` only, when given), in order."""
         return [(e[1], e[3]) for e in self.log if e[0] == "begin" and (category is None or e[2] == category)]
+
+    def counts(self, name: str) -> list[float]:
+        """Every ``delta`` announced for the counter ``name``, in order (``totals[name]`` is their sum)."""
+        return [e[2] for e in self.log if e[0] == "count" and e[1] == name]
+
+
+def launches_during_backward(ddp_marks) -> int:
+    """How many bucket all-reduces DDP launched before backward produced its last gradient.
+
+    ``ddp_marks``: a :class:`Recorder` that listened to one synchronised backward, or its
+    ``marks("ddp")`` — ``("grad", {"param": name})``, ``("launch", {"bucket": i})``, ``("wait", ...)``
+    in the order they were announced. Zero means no communication overlapped the backward.
+    """
+    marks = ddp_marks.marks("ddp") if isinstance(ddp_marks, Recorder) else list(ddp_marks)
+    grads = [k for k, (name, _) in enumerate(marks) if name == "grad"]
+    if not grads:
+        return 0
+    return sum(1 for name, _ in marks[:grads[-1]] if name == "launch")

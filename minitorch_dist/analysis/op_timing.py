@@ -1,7 +1,8 @@
 """Chapter 00 — timing one op, or one short function, on this rank: the clock ``calibrate`` reads.
 
-* :func:`median_seconds`: a function's median time over repetitions, each after a barrier when ranks
-  run together (every rank starts its repetition at once, as in a step), a GPU synchronized first;
+* :func:`median_seconds`: a function's median time over repetitions on the rank's device
+  (:func:`..runtime.timing.seconds`, the course's one clock), each after a barrier when ranks run
+  together (every rank starts its repetition at once, as in a step);
 * :func:`repeat`: a short function looped until it takes long enough for the clock to time it;
 * :func:`time_kernels`: every distinct op of a recorded workload run again alone on fresh tensors
   of its shapes -- the kernel table of a machine profile. An op in a step finds its inputs where the
@@ -13,7 +14,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -21,40 +21,24 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_unflatten
 
 from ..runtime.launch import device as rank_device
-from .workload import Op, fresh_tensor, rebuild_args
+from ..runtime.timing import seconds
+from .workload import DeviceGenerators, Op, fresh_tensor, rebuild_args
 
-__all__ = ["sync", "median_seconds", "repeat", "argument_sets", "time_kernels", "last_level_cache_bytes",
-           "COPIES"]
-
-
-def sync() -> None:
-    """Wait for the rank's device (a GPU runs asynchronously: the clock must see the work done)."""
-    if rank_device().type == "cuda":
-        torch.cuda.synchronize()
+__all__ = ["median_seconds", "repeat", "argument_sets", "time_kernels", "last_level_cache_bytes", "COPIES"]
 
 
 def median_seconds(fn, reps: int = 7, warmup: int = 2, barrier: bool = True, stat=statistics.median) -> float:
-    """Median (or ``stat``) seconds of ``fn()`` over ``reps`` runs after ``warmup``; each run starts after a
-    barrier (every rank begins together) when ``barrier`` and a process group exists."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if barrier and dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return stat(times)
+    """Median (or ``stat``) seconds of ``fn()`` on the rank's device over ``reps`` runs after ``warmup``
+    (:func:`..runtime.timing.seconds`); each run starts after a barrier (every rank begins together)
+    when ``barrier`` and a process group exists."""
+    before = dist.barrier if barrier and dist.is_initialized() else None
+    return seconds(fn, reps, warmup, device=rank_device(), before=before, reduce=stat)
 
 
 def repeat(fn, floor_s: float = 2e-4):
     """``fn`` looped enough times to take ~``floor_s``, and the loop count: short ops timed reliably."""
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    inner = max(1, int(floor_s / max(time.perf_counter() - t0, 1e-7)))
+    once = seconds(fn, reps=1, warmup=0, device=rank_device())
+    inner = max(1, int(floor_s / max(once, 1e-7)))
 
     def loop():
         for _ in range(inner):
@@ -75,13 +59,15 @@ def argument_sets(op: Op, footprint: int, pools: dict | None = None) -> list:
     leaves, spec = op.spec
     pools = {} if pools is None else pools
     budget = k * int(op.nbytes)  # at most the footprint
-    return [(args, kwargs)] + [tree_unflatten([_place(x, pools, budget) for x in leaves], spec)
+    generators = DeviceGenerators()  # one per device, made when a pool on that device is first filled
+    return [(args, kwargs)] + [tree_unflatten([_place(x, pools, budget, generators) for x in leaves], spec)
                                for _ in range(k - 1)]
 
 
-def _place(leaf, pools: dict, budget: int):
+def _place(leaf, pools: dict, budget: int, generators: dict):
     """A recorded tensor argument as a view into its dtype's pool (at least ``budget`` bytes), at the
-    pool's cursor (which moves past it, and back to the start at the end); anything else as it is."""
+    pool's cursor (which moves past it, and back to the start at the end); anything else as it is.
+    A new pool is filled by ``generators``' generator of its own device."""
     if not (isinstance(leaf, tuple) and leaf and leaf[0] == "T"):
         return leaf
     _, shape, stride, dtype, where = leaf
@@ -89,7 +75,7 @@ def _place(leaf, pools: dict, budget: int):
     entry = pools.get((dtype, where))
     n = budget // torch.empty((), dtype=dtype).element_size() + span
     if entry is None or entry[0].numel() < n:
-        entry = pools[(dtype, where)] = [fresh_tensor(("T", (n,), (1,), dtype, where), torch.Generator()), 0]
+        entry = pools[(dtype, where)] = [fresh_tensor(("T", (n,), (1,), dtype, where), generators), 0]
     pool, at = entry
     at = 0 if at + span > pool.numel() else at
     entry[1] = at + span

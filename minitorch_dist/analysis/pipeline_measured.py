@@ -2,11 +2,12 @@
 with stage times measured apart, and where the difference goes.
 
 Each rank times its own stage's F, B and W alone (no message; both ranks busy, as in a step) between
-the steps that the executor runs with a :class:`~minitorch_dist.runtime.timeline.Timeline`; on rank
-r, idle = makespan − Σ its action spans. :func:`simulate_stages` plays the simulator's rules with
-each stage's own times (the first stage embeds, the last takes the loss) and a message time ``p2p``
-per hop (e.g. the profile's one-way send); :func:`idle_breakdown` splits a timeline's
-idle into waiting for the other stage, messages, gaps between actions, and the drain;
+the steps that the executor runs while a :class:`~minitorch_dist.runtime.timeline.Timeline` listens
+(``observe.watching``: the executor announces each action as a span); on rank r, idle = makespan
+− Σ its action spans. :func:`simulate_stages` plays the simulator's rules with each stage's own
+times (the first stage embeds, the last takes the loss) and a message time ``p2p`` per hop (e.g.
+the profile's one-way send); :func:`idle_breakdown` splits a timeline's idle into waiting for the
+other stage, messages, gaps between actions, and the drain;
 :func:`late_message` times a receive whose sender went on computing after posting it (and the same
 receive posted before the receiver's own compute, as the executor posts it).
 """
@@ -24,6 +25,7 @@ from ..parallelism.pipeline.executor import local_stages, run_schedule
 from ..parallelism.pipeline.schedules import Action, make_schedule, validate_structure
 from ..parallelism.pipeline.simulator import check_dependencies
 from ..parallelism.pipeline.zero_bubble import LinearTap, b_params, backward_input, backward_weights
+from ..runtime import observe
 from ..runtime.launch import device as rank_device
 from ..runtime.launch import launch
 from ..runtime.timeline import Event, Timeline
@@ -35,7 +37,7 @@ __all__ = ["build_step", "time_stage_alone", "measure_pipeline", "simulate_stage
 def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
     """This rank's step of schedule ``name`` on ``p`` ranks for the GPT of :mod:`~minitorch_dist.analysis.
     techniques` at ``size``, its global batch cut into ``m`` microbatches: ``(step, schedule, stage,
-    x, y)``; ``step(timeline=None)`` runs the schedule, then AdamW, and returns the PipelineResult."""
+    x, y)``; ``step()`` runs the schedule, then AdamW, and returns the PipelineResult."""
     from . import techniques as T
 
     cfg = T.model_config(size)
@@ -46,9 +48,9 @@ def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
     opt = torch.optim.AdamW(stages[0].parameters(), lr=T.LR)
     x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, T.GLOBAL_BATCH[size], cfg.block_size)
 
-    def step(timeline=None):
+    def step():
         opt.zero_grad()
-        res = run_schedule(schedule, stages, x, y, timeline=timeline)
+        res = run_schedule(schedule, stages, x, y)
         opt.step()
         return res
 
@@ -108,7 +110,8 @@ def _rank(name: str, size: str, m: int, reps: int, origin: float) -> dict:
         dist.barrier()  # start the step together
         tl = Timeline(origin=origin)  # one clock for every rank: the parent's time.monotonic()
         t0 = time.perf_counter()
-        step(tl)
+        with observe.watching(tl):
+            step()
         step_s.append(time.perf_counter() - t0)
         steps.append(tl.events)
     return {"alone": {k: statistics.median(v) for k, v in alone.items()}, "steps": steps, "step_s": step_s}

@@ -25,6 +25,7 @@ import statistics
 import sys
 
 from .. import costmodel
+from ..runtime import observe
 from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 
@@ -32,30 +33,16 @@ __all__ = ["record_traces", "predict_step", "predict", "notebook_profile", "plot
            "tour_row", "format_prediction", "summary_table", "add_arguments", "main"]
 
 
-class _SpanRelay:
-    """The pipeline executor's ``timeline=``: marks actions in whatever recorder is attached."""
-
-    def __init__(self):
-        self.target, self.events = None, []  # events: the executor reads how many a step added (none)
-
-    def span(self, name, category="", **kw):
-        return self.target.span(name, category, **kw) if self.target is not None else contextlib.nullcontext()
-
-
 def _record_rank(technique: str, size: str, seed: int):
     import torch.distributed as dist
 
     from . import techniques as T
 
-    relay = _SpanRelay()
     pipeline = technique.startswith("pp-")  # its F, B, W actions are marked in the record
-    spec = T.make_step(technique, size, dist.get_world_size(), seed=seed,
-                       timeline=relay if pipeline else None)
+    spec = T.make_step(technique, size, dist.get_world_size(), seed=seed)
     spec.step()  # warm-up: the optimizer's state, the buffers, the first-call work
-    with WorkloadRecorder() as rec:
-        relay.target = rec
+    with WorkloadRecorder() as rec, observe.watching(rec) if pipeline else contextlib.nullcontext():
         spec.step()
-        relay.target = None
     return portable(rec.items), spec.config
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from ..parallelism.three_d import Model3D
 from ..runtime import require_process_group
 from ..runtime.launch import device as rank_device
 from ..runtime.launch import launch
+from ..runtime.timing import timed_runs
 from ..sparsity.expert_parallel import expert_parallel, sync_replicated_grads
 from ..sparsity.moe_gpt import MoEGPT, MoEGPTConfig
 
@@ -72,15 +72,13 @@ class StepSpec:
     optimizer step); returns this rank's loss as a float, or None on a rank that computes none (a
     pipeline stage other than the last). ``config``: plain data, :func:`step_config` plus the parameter
     counts. ``model``: the module holding this rank's parameters (the wrapper, or the stages).
-    ``timeline_hook``: pipeline techniques only (else None): ``timeline_hook(tl)`` makes the following
-    steps mark each F/B/W action as a span on ``tl`` (anything with ``span(name, category=..., **meta)``,
-    e.g. :class:`.timeline.Timeline`); ``timeline_hook(None)`` stops it.
+    What a step does is announced through :mod:`runtime.observe` (a pipeline: each F/B/W action as a
+    span): ``with observe.watching(Timeline()): spec.step()`` draws it.
     """
 
     step: Callable[[], float | None]
     config: dict
     model: nn.Module
-    timeline_hook: Callable[[object], None] | None = None
 
 
 def model_config(size: str) -> GPTConfig:
@@ -238,7 +236,7 @@ def _tensor_parallel(technique: str, conf: dict, seed: int, dev) -> StepSpec:
     return StepSpec(step, conf, model)
 
 
-def _pipeline(conf: dict, seed: int, dev, timeline) -> StepSpec:
+def _pipeline(conf: dict, seed: int, dev) -> StepSpec:
     """pp-*: one stage per rank, the schedule's m microbatches; the optimizer over this rank's stage."""
     model = _dense(model_config(conf["size"]), seed, dev)
     schedule = make_schedule(conf["schedule"], conf["pp"], conf["microbatches"])
@@ -246,18 +244,14 @@ def _pipeline(conf: dict, seed: int, dev, timeline) -> StepSpec:
     holder = nn.ModuleDict({str(c): s for c, s in stages.items()})
     opt = _adamw(holder.parameters())
     x, y = _batch(conf, 0, 1, dev)  # stage 0 reads the tokens, the last stage the targets
-    marks = {"timeline": timeline}
 
     def step():
         opt.zero_grad()
-        res = run_schedule(schedule, stages, x, y, timeline=marks["timeline"])  # + tied embedding sync
+        res = run_schedule(schedule, stages, x, y)  # + tied embedding sync
         opt.step()
         return res.loss
 
-    def timeline_hook(tl) -> None:
-        marks["timeline"] = tl
-
-    return StepSpec(step, conf, holder, timeline_hook)
+    return StepSpec(step, conf, holder)
 
 
 def _moe_config(conf: dict) -> MoEGPTConfig:
@@ -297,11 +291,9 @@ def _three_d(conf: dict, seed: int, dev) -> StepSpec:
     return StepSpec(step, conf, model.zero)
 
 
-def make_step(technique: str, size: str, world: int | None = None, seed: int = 0,
-              timeline=None) -> StepSpec:
+def make_step(technique: str, size: str, world: int | None = None, seed: int = 0) -> StepSpec:
     """Build this rank's step of ``technique`` at ``size``; call it on every rank of an initialised
-    process group of ``world`` ranks (None: the group's size). ``seed`` draws the weights.
-    ``timeline``: pipeline techniques only, where each F/B/W action becomes a span (see :class:`StepSpec`)."""
+    process group of ``world`` ranks (None: the group's size). ``seed`` draws the weights."""
     require_process_group("make_step")
     n = dist.get_world_size()
     world = n if world is None else world
@@ -309,12 +301,9 @@ def make_step(technique: str, size: str, world: int | None = None, seed: int = 0
         raise ValueError(f"make_step(world={world}) but the process group has {n} ranks; "
                          f"pass world={n}, or launch {world} ranks")
     conf = step_config(technique, size, world)
-    if timeline is not None and technique not in _SCHEDULES:
-        raise ValueError(f"timeline= marks pipeline actions; {technique!r} has none: use one of "
-                         f"{', '.join(_SCHEDULES)}, or timeline=None")
     dev = rank_device()
     if technique in _SCHEDULES:
-        spec = _pipeline(conf, seed, dev, timeline)
+        spec = _pipeline(conf, seed, dev)
     elif technique in ("tp", "sp"):
         spec = _tensor_parallel(technique, conf, seed, dev)
     elif technique == "ep":
@@ -335,19 +324,11 @@ def make_step(technique: str, size: str, world: int | None = None, seed: int = 0
 
 def time_steps(spec: StepSpec, reps: int, warmup: int = 1) -> list[float]:
     """Inside a rank: ``warmup`` untimed steps, then ``reps`` timed ones; each starts after a barrier,
-    is timed on each rank with ``time.perf_counter`` (after a CUDA synchronise on a GPU), and takes the
-    slowest rank's time (one all-reduce MAX after the last step). Returns the ``reps`` seconds, the same
-    list on every rank. The barrier and the all-reduce bypass the comm meter: they are not the step's."""
-    cuda = rank_device().type == "cuda"
-    times = []
-    for i in range(warmup + reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        spec.step()
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    is timed on each rank by the course's one clock (:func:`..runtime.timing.timed_runs`: the wall
+    clock, after waiting for a GPU), and takes the slowest rank's time (one all-reduce MAX after the
+    last step). Returns the ``reps`` seconds, the same list on every rank. The barrier and the
+    all-reduce bypass the comm meter: they are not the step's."""
+    times = timed_runs(spec.step, reps, warmup, device=rank_device(), before=dist.barrier)
     slowest = torch.tensor(times, dtype=torch.float64, device=rank_device())  # (reps,)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()

@@ -33,16 +33,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..runtime import comm
+from ..runtime.dtypes import short_name
 
 __all__ = ["Op", "Comm", "Mark", "Wait", "WorkloadRecorder", "record_workload", "summarize", "rebuild_args",
-           "portable"]
+           "fresh_tensor", "DeviceGenerators", "portable"]
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
 #: Code that runs only because a dispatch mode is recording: its lines are not the step's.
 _RECORDING_ONLY = ("torch/_dynamo/", "torch/_library/", "torch/_compile.py", "torch/compiler/",
-                   "torch/utils/_python_dispatch.py", "torch/_ops.py", "analysis/workload.py")
+                   "torch/utils/_python_dispatch.py", "torch/_ops.py", "analysis/workload.py",
+                   "runtime/observe.py")  # observe: only the recording listens (unwatched: one test)
 _COUNTED: dict = {}  # code object -> whether its lines count
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
 
 
@@ -72,7 +73,7 @@ class Wait:
 
 @dataclasses.dataclass
 class Mark:
-    """A named point in the step (a pipeline action starting or ending): :meth:`WorkloadRecorder.span`."""
+    """A named point in the step (a pipeline action starting or ending): :meth:`WorkloadRecorder.on_begin`."""
 
     name: str
     edge: str  # "start" | "end"
@@ -241,7 +242,7 @@ class WorkloadRecorder(TorchDispatchMode):
         floats = [t.dtype for t in ins if t.dtype.is_floating_point]
         lines, self._lines_at_last_op = self.lines - self._lines_at_last_op, self.lines
         self.items.append(Op(packet.__name__, kind, flops, nbytes, _phase(), _key(func, leaves),
-                             _DTYPES.get(floats[0], "fp32") if floats else "fp32", lines, func,
+                             short_name(floats[0], "fp32") if floats else "fp32", lines, func,
                              (leaves, spec)))
         return out
 
@@ -255,16 +256,24 @@ class WorkloadRecorder(TorchDispatchMode):
                 continue
             self._storages[st.data_ptr()] = max(self._storages.get(st.data_ptr(), 0), st.nbytes())
 
-    @contextlib.contextmanager
-    def span(self, name: str, category: str = "", **_):
-        """Mark where a named part of the step starts and ends (the pipeline executor's ``timeline=``)."""
+    # --- as an observer (runtime.observe): ``with observe.watching(rec):`` marks where each piece of
+    # work a technique announces (a pipeline action) starts and ends, among the ops and collectives.
+
+    def on_begin(self, name: str, category: str | None, meta: dict) -> str | None:
+        """A part of the step starts (a span of :mod:`runtime.observe`). Work announced as detached
+        (a collective in flight, ending in the backend's thread) is not a part: its messages are
+        recorded as they are issued and waited for."""
+        if meta.get("detached"):
+            return None
         self._flush_comm()
         self.items.append(Mark(name, "start"))
-        try:
-            yield
-        finally:
-            self._flush_comm()
-            self.items.append(Mark(name, "end"))
+        return name
+
+    def on_end(self, name: str | None) -> None:
+        if name is None:
+            return
+        self._flush_comm()
+        self.items.append(Mark(name, "end"))
 
 
 def record_workload(fn, *args, **kwargs) -> tuple:
@@ -283,17 +292,36 @@ def summarize(items) -> dict:
             "collectives": Counter(c.op for c in comms), "comm_bytes": sum(c.nbytes for c in comms)}
 
 
-def fresh_tensor(leaf, generator):
+class DeviceGenerators(dict):
+    """Random generators by device, each made (seeded with ``seed``) when a tensor on its device is
+    first filled: a tensor is filled by a generator of its own device -- a CPU generator cannot fill a
+    CUDA tensor ("Expected a 'cuda' device type for generator"). ``meta`` holds no values and has no
+    generator: None there."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.seed = seed
+
+    def __missing__(self, device) -> torch.Generator | None:
+        dev = torch.device(device)
+        made = None if dev.type == "meta" else torch.Generator(device=dev).manual_seed(self.seed)
+        self[device] = made
+        return made
+
+
+def fresh_tensor(leaf, generators: DeviceGenerators | None = None):
     """A tensor like the one recorded (``leaf``: ``("T", shape, stride, dtype, device)``, as an op's
     spec holds it; anything else is returned as it is): floats in [0.5, 1.5) (a NaN or a denormal is
-    slow on a CPU and would misprice the op), zeros for integers (valid indices), True for bools."""
+    slow on a CPU and would misprice the op), zeros for integers (valid indices), True for bools.
+    The floats come from ``generators``' generator of the tensor's device (None: a fresh set)."""
     if not (isinstance(leaf, tuple) and leaf and leaf[0] == "T"):
         return leaf
     _, shape, stride, dtype, where = leaf
     size = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0) if all(shape) else 0
     base = torch.empty(max(size, 1), dtype=dtype, device=where)  # where the recorded tensor lived
     if dtype.is_floating_point:  # positive and well scaled: a square root or a log of it is no NaN
-        base.uniform_(0.5, 1.5, generator=generator)
+        generators = DeviceGenerators() if generators is None else generators
+        base.uniform_(0.5, 1.5, generator=generators[str(base.device)])
     elif dtype == torch.bool:
         base.fill_(True)
     else:
@@ -302,10 +330,11 @@ def fresh_tensor(leaf, generator):
 
 
 def rebuild_args(op: Op, seed: int = 0) -> tuple:
-    """``(args, kwargs)``: fresh tensors shaped as ``op``'s were, for ``op.func(*args, **kwargs)``."""
+    """``(args, kwargs)``: fresh tensors shaped as ``op``'s were, for ``op.func(*args, **kwargs)``, each
+    on its recorded device and filled by a generator of that device (:class:`DeviceGenerators`)."""
     leaves, spec = op.spec
-    g = torch.Generator().manual_seed(seed)
-    return tree_unflatten([fresh_tensor(x, g) for x in leaves], spec)
+    generators = DeviceGenerators(seed)
+    return tree_unflatten([fresh_tensor(x, generators) for x in leaves], spec)
 
 
 def portable(items) -> list:

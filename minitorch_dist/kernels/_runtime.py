@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from ..runtime.timing import cache_flusher, seconds
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first @triton.jit (see module docstring)
 
@@ -66,7 +68,7 @@ if INTERPRET:
 MAX_FUSED_BYTES = 65536
 
 __all__ = ["INTERPRET", "MAX_FUSED_BYTES", "as_rows", "backend", "check_device", "default_device",
-           "max_block", "num_warps", "row_block", "tl", "triton"]
+           "max_block", "num_warps", "row_block", "time_ms", "tl", "triton"]
 
 
 def backend() -> str:
@@ -133,3 +135,16 @@ def num_warps(block: int) -> int:
     """Warps per program for a row block of ``block`` elements (the fused-softmax tutorial's rule:
     more threads for wider rows so each thread holds a few elements)."""
     return 16 if block >= 4096 else 8 if block >= 2048 else 4
+
+
+def time_ms(fn, warmup_ms: float = 25, budget_ms: float = 100) -> float:
+    """Median milliseconds of ``fn()`` on the current GPU, timed as ``triton.testing.do_bench`` times a
+    kernel, with the course's one clock (:mod:`..runtime.timing`): CUDA events around each run, the L2
+    cache flushed before it (every run reads its inputs from memory, as in a real step), and as many
+    runs as fill about ``warmup_ms`` untimed, then ``budget_ms`` timed, counted from 5 runs of a flush
+    and ``fn`` together (so the count stays bounded however short ``fn`` is)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    flush = cache_flusher(dev)
+    once_ms = 1e3 * seconds(lambda: (flush(), fn()), 5, warmup=1, device=dev, cuda_events=True)
+    warmup, reps = (max(1, int(ms / max(once_ms, 1e-6))) for ms in (warmup_ms, budget_ms))
+    return 1e3 * seconds(fn, reps, warmup, device=dev, before=flush, cuda_events=True)

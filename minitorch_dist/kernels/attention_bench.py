@@ -9,7 +9,7 @@ Two questions, two machines.
   (``torch.autograd.graph.saved_tensors_hooks``)? :func:`cpu_sweep`.
 - **On a GPU**: our Triton kernel (:func:`.flash_attention.flash_attention`, compiled) against SDPA's
   flash backend, forward and forward + backward, in TFLOP/s (matmul FLOPs of
-  ``costmodel.attention_flops`` over the median time, ``triton.testing.do_bench``). :func:`gpu_sweep`,
+  ``costmodel.attention_flops`` over the median time, :func:`._runtime.time_ms`). :func:`gpu_sweep`,
   run by ``make gpu-report`` (section ``attention``) or ``python -m minitorch_dist.kernels.attention_bench
   --out FILE``.
 """
@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import costmodel
+from ..runtime.dtypes import torch_name
+from ..runtime.timing import seconds
+from ._runtime import time_ms
 from .attention_tiled import tiled_attention
 
 __all__ = ["saved_bytes", "best_seconds", "cpu_sweep", "gpu_sweep", "main"]
@@ -44,14 +47,10 @@ def saved_bytes(fn, *args) -> int:
 
 
 def best_seconds(fn, reps: int = 3) -> float:
-    """The best of ``reps`` wall-clock runs after one warm-up (this process, its thread count)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """The best of ``reps`` wall-clock runs after one warm-up (this process, its thread count): the
+    course's one clock (:func:`..runtime.timing.seconds`) with ``reduce=min``, since on a shared CPU
+    the fastest run is the one least disturbed by other work."""
+    return seconds(fn, reps, warmup=1, reduce=min)
 
 
 def _cpu_impls(block: int):
@@ -86,12 +85,6 @@ def cpu_sweep(seqs, batch: int = 1, heads: int = 4, head_dim: int = 64, block: i
     return out
 
 
-def _gpu_time_ms(fn) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def gpu_sweep(seqs=(1024, 2048, 4096, 8192), head_dims=(64, 128), batch: int = 4, heads: int = 16,
               dtype=torch.bfloat16) -> dict:
     """TFLOP/s of ours (Triton, compiled) and SDPA's flash backend, causal, forward and fwd + bwd."""
@@ -117,12 +110,12 @@ def gpu_sweep(seqs=(1024, 2048, 4096, 8192), head_dims=(64, 128), batch: int = 4
             row = {"seq": s, "head_dim": d}
             for name, fn in impls.items():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    fwd = _gpu_time_ms(lambda fn=fn: fn(q, k, v))
-                    both = _gpu_time_ms(lambda fn=fn: torch.autograd.backward(fn(q, k, v), do))
+                    fwd = time_ms(lambda fn=fn: fn(q, k, v))
+                    both = time_ms(lambda fn=fn: torch.autograd.backward(fn(q, k, v), do))
                 row[name] = {"forward_TFLOPs": fwd_flops / fwd / 1e9,
                              "fwd_bwd_TFLOPs": (fwd_flops + bwd_flops) / both / 1e9}
             rows.append(row)
-    return {"gpu": torch.cuda.get_device_name(0), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+    return {"gpu": torch.cuda.get_device_name(0), "dtype": torch_name(dtype), "batch": batch,
             "heads": heads, "causal": True, "rows": rows,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 

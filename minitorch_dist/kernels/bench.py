@@ -4,7 +4,8 @@ copy.
 A memory-bound kernel is as fast as the bytes it moves allow, and no kernel that reads a tensor
 and writes one of the same size can beat ``y.copy_(x)``: the copy's bandwidth is the roof this
 device reaches in practice (below the datasheet's HBM figure). For each row width N (M rows)
-this times, with ``triton.testing.do_bench`` (median, L2 flushed between runs):
+this times, with :func:`._runtime.time_ms` (the course's one clock as ``triton.testing.do_bench``
+uses it: CUDA events, the median, L2 flushed between runs):
 
 - ``eager``: the op-by-op PyTorch sequence (`softmax_reference`, `layernorm_eager`),
 - ``torch``: PyTorch's own fused CUDA kernel (``torch.softmax``, ``F.layer_norm``),
@@ -32,7 +33,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ._runtime import INTERPRET, triton
+from ..runtime.dtypes import to_dtype, torch_name
+from ..runtime.tables import format_table
+from ._runtime import INTERPRET, time_ms, triton
 from .layernorm import layernorm_forward
 from .softmax import softmax_forward, softmax_reference
 
@@ -86,16 +89,12 @@ def gbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def _time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def copy_bandwidth(M: int, N: int, dtype=torch.float32) -> float:
     """GB/s of ``y.copy_(x)`` for M x N tensors: read x once, write y once."""
     require_gpu()
     x = torch.randn(M, N, device="cuda", dtype=dtype)
     y = torch.empty_like(x)
-    return gbps(2 * x.numel() * x.element_size(), _time_ms(lambda: y.copy_(x)))
+    return gbps(2 * x.numel() * x.element_size(), time_ms(lambda: y.copy_(x)))
 
 
 def measure(kernel: str, M: int, N: int, dtype=torch.float32,
@@ -116,7 +115,7 @@ def measure(kernel: str, M: int, N: int, dtype=torch.float32,
             torch._dynamo.reset()
             fn = torch.compile(fn, dynamic=False)
         fn(*inputs)  # compile / autotune outside the timed runs
-        row[name] = gbps(nbytes, _time_ms(lambda: fn(*inputs)))
+        row[name] = gbps(nbytes, time_ms(lambda: fn(*inputs)))
     row["copy"] = copy_bandwidth(M, N, dtype)
     return row
 
@@ -130,7 +129,7 @@ def run(kernels=("softmax", "layernorm"), M: int = 4096, sizes=SIZES, dtype=torc
         "gpu_memory_GiB": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
         "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "dtype": str(dtype).removeprefix("torch."), "M": M,
+        "dtype": torch_name(dtype), "M": M,
         "unit": "GB/s effective (2 M N element bytes / median time)", "kernels": {}, "at_largest_n": {},
     }
     for k in kernels:
@@ -159,15 +158,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = run(tuple(args.kernels.split(",")), M=1024 if args.smoke else 4096,
-                  sizes=SMOKE_SIZES if args.smoke else SIZES, dtype=getattr(torch, args.dtype))
+                  sizes=SMOKE_SIZES if args.smoke else SIZES, dtype=to_dtype(args.dtype))
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    columns = ("eager", "torch", "compile", "triton", "copy")
     for k, rows in results["kernels"].items():
         print(f"{k} on {results['gpu']} ({results['dtype']}, M={results['M']}), GB/s:")
-        print("      N " + "".join(f"{c:>9}" for c in ("eager", "torch", "compile", "triton", "copy")))
-        for r in rows:
-            print(f"{r['N']:>7} " + "".join(f"{r[c]:>9.0f}"
-                                            for c in ("eager", "torch", "compile", "triton", "copy")))
+        print(format_table([[f"{r['N']:>5}", *(f"{r[c]:>7.0f}" for c in columns)] for r in rows],
+                           ["N", *columns]))
         print(f"  triton / copy at N={results['at_largest_n'][k]['N']}: "
               f"{results['at_largest_n'][k]['fraction_of_copy']}")
     print(f"wrote {args.out}")

@@ -40,10 +40,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import costmodel
-from ..runtime import comm, require_process_group
+from ..runtime import comm, observe, require_process_group
+from ..runtime.devices import values_or
 from ..runtime.replica_shapes import check_same_shapes
 
-__all__ = ["NaiveDataParallel", "Bucket", "DistributedDataParallel", "launches_during_backward"]
+__all__ = ["NaiveDataParallel", "Bucket", "DistributedDataParallel"]
 
 MiB = 2**20  # torch's bucket_cap_mb is in MiB (distributed.py: _MB_TO_BYTES = 1024 * 1024)
 
@@ -218,12 +219,9 @@ class DistributedDataParallel(nn.Module):
     skips them exactly as torch's DDP arranges. (torch finds unused parameters by walking the
     autograd graph after forward, so their buckets can go out early; here they go at the end.)
 
-    **Observability.** ``ddp.order_log``: ``("grad", name)``, ``("launch", i)``, ``("wait", i)`` in
-    the order they happened during the last synchronised backward. With ``timeline=`` (a
-    ``Timeline``): a ``"backward"`` span (from the gradient reaching the forward's outputs to the
-    engine callback) and ``"all_reduce b{i}"`` spans from launch to completion, the completion
-    time taken by a callback on the work's future, i.e. when the backend finished, not when we
-    waited. These spans read the clock without ``cuda_sync``: syncing would destroy the overlap.
+    **Observability** (:mod:`runtime.observe`). A synchronised backward announces the ``"ddp"`` marks
+    ``"grad"`` (param=), ``"launch"``, ``"wait"`` (bucket=) in order, and the spans ``"backward"`` (first
+    output gradient to engine callback), ``"wait"``, ``"all_reduce b{i}"`` (launch to the backend's done).
 
     Differences from torch's DDP: buffers are broadcast only at construction (torch also does it
     before every forward, ``broadcast_buffers=True``); parameters are broadcast one by one, not
@@ -234,7 +232,7 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
-                 group=None, find_unused_parameters: bool = False, timeline=None):
+                 group=None, find_unused_parameters: bool = False):
         super().__init__()
         for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -245,7 +243,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"{type(module).__name__} has no parameters with requires_grad=True: "
                              f"there are no gradients to average; wrap a model that trains")
         _require_member("DistributedDataParallel", group)
-        self.module, self.group, self.timeline = module, group, timeline
+        self.module, self.group = module, group
         self.find_unused_parameters = bool(find_unused_parameters)
         self.world_size = dist.get_world_size(group)
         _broadcast_state(module, group, "DistributedDataParallel")
@@ -263,7 +261,6 @@ class DistributedDataParallel(nn.Module):
                        for b in self._buckets for p in b.params]
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # what the latest forward saw
-        self.order_log: list[tuple] = []
         self._reset()
 
     # --- the public surface ------------------------------------------------------------------
@@ -271,11 +268,10 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         self._sync_this_backward = self.require_backward_grad_sync
         out = self.module(*args, **kwargs)
-        if self.timeline is not None and torch.is_grad_enabled():
-            self._t_backward_start = None  # set when the gradient first reaches an output
-            for t in tree_flatten(out)[0]:
+        if observe.watched() and self._sync_this_backward and torch.is_grad_enabled():
+            for t in tree_flatten(out)[0]:  # the "backward" span begins at the first output's gradient
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._mark_backward_start)
+                    t.register_hook(self._begin_backward)
         return out
 
     @contextlib.contextmanager
@@ -294,30 +290,22 @@ class DistributedDataParallel(nn.Module):
 
     # --- backward: hooks, launches, the end-of-backward callback --------------------------------
 
-    def _now(self) -> float:
-        return self.timeline.clock() - self.timeline.origin  # no cuda_sync: see class docstring
-
     def _reset(self) -> None:
         self._in_backward = False
         for b in self._buckets:
             b.reset()
         self._next = 0  # the next bucket to launch
-        self._t_launch: dict[int, float] = {}
-        self._t_done: dict[int, float] = {}
-        self._t_backward_start = None
-        self._t_last_grad = None
+        self._backward_span = None  # observe's key of this backward's span, when it is watched
 
-    def _mark_backward_start(self, grad):
-        if self._t_backward_start is None:
-            self._t_backward_start = self._now()
+    def _begin_backward(self, grad):
+        if self._backward_span is None:
+            self._backward_span = observe.begin("backward", "backward")
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync_this_backward:
             return  # no_sync: the gradient just accumulates in p.grad
-        self._t_last_grad = self._now() if self.timeline is not None else None
         if not self._in_backward:  # the first gradient of this backward
             self._in_backward = True
-            self.order_log = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket = self._bucket_of[id(p)]
         if bucket.has_grad(p) or p.grad.is_sparse:
@@ -329,7 +317,7 @@ class DistributedDataParallel(nn.Module):
                 f"parameter {name} has a sparse gradient; only dense gradients are supported "
                 f"(use nn.Embedding(..., sparse=False))")
         bucket.add_grad(p, 1.0 / self.world_size)
-        self.order_log.append(("grad", bucket.name_of(p)))
+        observe.mark("grad", "ddp", param=bucket.name_of(p))
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -337,16 +325,16 @@ class DistributedDataParallel(nn.Module):
         while self._next < len(self._buckets) and self._buckets[self._next].complete:
             i = self._next
             work = self._buckets[i].launch(self.group)
-            self.order_log.append(("launch", i))
-            if self.timeline is not None:
-                self._t_launch[i] = self._now()
-                done = self._t_done  # this backward's dict, even if the callback fires after a reset
-                work.get_future().add_done_callback(lambda _, i=i, d=done: d.__setitem__(i, self._now()))
+            observe.mark("launch", "ddp", bucket=i)
+            if observe.watched():  # the span ends when the backend finishes, in the backend's thread
+                key = observe.begin(f"all_reduce b{i}", "all_reduce", bucket=i, nbytes=self.bucket_bytes[i])
+                if key is not None:
+                    work.get_future().add_done_callback(lambda _, key=key: observe.end(key))
             self._next += 1
 
     def _finish_backward(self) -> None:
         """Runs once backward has produced every gradient: wait, write the averages back."""
-        t_end = self._now() if self.timeline is not None else None
+        observe.end(self._backward_span)
         try:
             unready = [(b, p) for b in self._buckets for p in b.params if not b.has_grad(p)]
             if unready and not self.find_unused_parameters:
@@ -362,14 +350,13 @@ class DistributedDataParallel(nn.Module):
                 b.add_grad(p, 1.0 / self.world_size)
             self._launch_ready_buckets()
             used = self._globally_used() if self.find_unused_parameters else None
-            for i, b in enumerate(self._buckets[:self._next]):  # all of them, after the launch above
-                b.wait()
-                self.order_log.append(("wait", i))
+            with observe.span("wait", "wait"):
+                for i, b in enumerate(self._buckets[:self._next]):  # all of them, after the launch above
+                    b.wait()
+                    observe.mark("wait", "ddp", bucket=i)
             for k, (b, p) in enumerate((b, p) for b in self._buckets for p in b.params):
                 if used is None or used[k]:  # no rank produced a gradient: leave .grad as it is (None)
                     b.copy_out(p)
-            if self.timeline is not None:
-                self._record_spans(t_end)
         finally:
             self._reset()
 
@@ -379,27 +366,4 @@ class DistributedDataParallel(nn.Module):
         local = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
                              device=self._buckets[0].flat.device)  # (n_params,)
         comm.all_reduce(local, group=self.group)
-        if local.is_meta:  # meta tensors hold no values to agree on: this rank's flags stand in
-            return [p.grad is not None for p in params]
-        return (local > 0).tolist()
-
-    def _record_spans(self, t_end: float) -> None:
-        tl = self.timeline
-        start = self._t_backward_start  # None if no output's gradient was seen: first launch
-        start = min(self._t_launch.values(), default=t_end) if start is None else start
-        last_grad = max(start, min(self._t_last_grad or t_end, t_end))
-        tl.add("backward", min(start, last_grad), last_grad, category="backward")
-        if t_end > last_grad:  # backward's compute is done; the step waits for the all-reduces
-            tl.add("wait", last_grad, t_end, category="wait")
-        for i in range(self._next):
-            done = self._t_done.get(i, self._now())  # a future without a callback yet: now, after wait
-            tl.add(f"all_reduce b{i}", self._t_launch[i], max(done, self._t_launch[i]),
-                   category="all_reduce", bucket=i, nbytes=self.bucket_bytes[i])
-
-
-def launches_during_backward(order_log) -> int:
-    """How many bucket all-reduces were launched before backward produced its last gradient."""
-    grads = [k for k, (kind, _) in enumerate(order_log) if kind == "grad"]
-    if not grads:
-        return 0
-    return sum(1 for kind, _ in order_log[:grads[-1]] if kind == "launch")
+        return [x > 0 for x in values_or(local, [p.grad is not None for p in params])]

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +67,7 @@ __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_re
 # --- plumbing: who am I, who are my neighbours, one overlapped exchange ------------------------
 
 
-def _rank_and_size(group) -> tuple[int, int]:
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         if group is not None:
             require_process_group("a collective on a given group")
@@ -77,7 +79,7 @@ def _rank_and_size(group) -> tuple[int, int]:
     return r, dist.get_world_size(group)
 
 
-def _peer(group, group_rank: int) -> int:
+def _peer(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """The global rank of ``group_rank``: send/recv address ranks globally, even within a group."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
@@ -89,7 +91,8 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1)
 
 
-def _exchange(send_buf, dst, recv_buf, src, group) -> None:
+def _exchange(send_buf: torch.Tensor, dst: int, recv_buf: torch.Tensor, src: int,
+              group: dist.ProcessGroup | None) -> None:
     """Send ``send_buf`` to ``dst`` while receiving ``recv_buf`` from ``src``; wait for both.
 
     Posting both before waiting keeps the ring from deadlocking (each rank blocked in a send to a
@@ -115,7 +118,7 @@ def chunk_sizes(numel: int, n: int) -> list[int]:
 # --- the ring (Patarasuk & Yuan 2009; Thakur et al. 2005 §4.4) ----------------------------------
 
 
-def _ring(flat: torch.Tensor, group, reduce: bool) -> list[torch.Tensor]:
+def _ring(flat: torch.Tensor, group: dist.ProcessGroup | None, reduce: bool) -> list[torch.Tensor]:
     """n-1 ring steps over the chunks of ``flat``; each rank sends right and receives from the left.
 
     reduce=True (reduce-scatter): at step s rank r sends chunk r-s-1 and adds the incoming chunk
@@ -136,14 +139,15 @@ def _ring(flat: torch.Tensor, group, reduce: bool) -> list[torch.Tensor]:
     return chunks
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Ring reduce-scatter: return this rank's chunk of the sum over ranks (1-D, chunk r of
     :func:`chunk_sizes`), like ``reduce_scatter_tensor`` but for any numel. ``tensor`` is left
     untouched (we reduce into a copy). n-1 steps; sends ``(N - |c_r|) * itemsize`` bytes."""
     return _ring(_flat(tensor).clone(), group, reduce=True)[_rank_and_size(group)[0]]
 
 
-def ring_all_gather(chunk: torch.Tensor, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
+def ring_all_gather(chunk: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Ring all-gather: every rank's ``chunk``, concatenated in rank order, like ``all_gather_into_tensor``.
 
     Without ``out`` the chunks must be of equal size and the result is 1-D. With ``out`` (any
@@ -165,7 +169,7 @@ def ring_all_gather(chunk: torch.Tensor, group=None, out: torch.Tensor | None = 
     return out
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Ring all-reduce (SUM, in place) = ring reduce-scatter + ring all-gather.
 
     ``t = 2(n-1)*alpha + 2(n-1)/n*S*beta`` (``costmodel.allreduce_time``). The reduce-scatter
@@ -180,7 +184,8 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 # --- latency-optimal: log2(n) steps (Thakur et al. 2005 §4.4) -----------------------------------
 
 
-def recursive_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def recursive_doubling_all_reduce(tensor: torch.Tensor,
+                                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Recursive doubling (SUM, in place): in round k rank r swaps its whole buffer with rank
     r XOR 2^k and both add, so after log2(n) rounds every rank holds the sum.
 
@@ -212,7 +217,7 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Ten
     return tensor
 
 
-def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def tree_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast back (SUM, in place).
 
     Reduce: in round k, ranks with bit k set send their partial sum to r - 2^k and drop out.
@@ -243,7 +248,7 @@ def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def naive_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Everyone sends to rank 0, rank 0 sums and sends the result back (SUM, in place).
 
     Rank 0 sends (n-1)*S bytes and receives as much; every other rank sends S. Through one port
@@ -268,7 +273,7 @@ def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 # --- counting and timing -----------------------------------------------------------------------
 
 
-def metered(fn, *args, **kwargs):
+def metered(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int, int]:
     """Run ``fn(*args, **kwargs)`` under a comm meter; return ``(result, bytes_sent, messages_sent)``
     of this rank, e.g. ``out, nbytes, nmsg = metered(ring_all_reduce, t)``."""
     with comm.meter() as m:
@@ -276,7 +281,8 @@ def metered(fn, *args, **kwargs):
     return result, m.bytes["send"], m.calls["send"]
 
 
-def time_collective(fn, sizes_bytes, repeats: int = 5) -> list[float]:
+def time_collective(fn: Callable[[torch.Tensor], object], sizes_bytes: Iterable[float],
+                    repeats: int = 5) -> list[float]:
     """Seconds ``fn(t)`` takes on a float32 tensor of each size, best of ``repeats`` (call inside
     launch; e.g. ``fn=dist.all_reduce`` or :func:`ring_all_reduce`).
 

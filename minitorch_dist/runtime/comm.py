@@ -23,7 +23,9 @@ import contextlib
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +68,7 @@ class CommMeter:
     def add(self, ev: CommEvent) -> None:
         self.calls[ev.op] += 1
         self.bytes[ev.op] += ev.nbytes
-        self.wire_bytes[ev.op] += ev.wire_bytes
+        self.wire_bytes[ev.op] += ev.wire_bytes  # type: ignore[assignment]  # float counts: ring-model bytes
         self.events.append(ev)
 
     @property
@@ -99,11 +101,11 @@ class CommMeter:
 # status line launch() reads on a hang. A lock because async hooks may call from other threads.
 _active: list = []
 _lock = threading.Lock()
-_status = {"text": "no collective yet", "sink": None}
+_status: dict = {"text": "no collective yet", "sink": None}
 
 
 @contextlib.contextmanager
-def meter():
+def meter() -> Iterator[CommMeter]:
     """Count every metered call made inside the block (on this rank)."""
     m = CommMeter()
     with _lock:
@@ -115,7 +117,7 @@ def meter():
             del _active[next(i for i, a in enumerate(_active) if a is m)]
 
 
-def set_status_sink(sink) -> None:
+def set_status_sink(sink: Any) -> None:
     """Mirror the status line into ``sink`` (a shared ``multiprocessing.Array('c')``), for launch()."""
     _status["sink"] = sink
 
@@ -133,15 +135,16 @@ def set_status(text: str) -> None:
         sink.value = raw  # no lock: a torn line on a hang report is harmless
 
 
-def _group_size(group) -> int:
+def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _group_ranks(group) -> tuple:
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple:
     return tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) if dist.is_initialized() else ()
 
 
-def record(op: str, nbytes: int, n: int, dtype="", shape=(), ranks=()) -> CommEvent:
+def record(op: str, nbytes: int, n: int, dtype: object = "", shape: Iterable[int] = (),
+           ranks: Iterable[int] = ()) -> CommEvent:
     """Register one call of ``op`` on a buffer of ``nbytes`` among ``n`` ranks in every active meter.
 
     ``ranks``: the global ranks of the group it ran on (the wrappers fill it in). The wrappers
@@ -156,7 +159,7 @@ def record(op: str, nbytes: int, n: int, dtype="", shape=(), ranks=()) -> CommEv
     return ev
 
 
-_calls_so_far = Counter()
+_calls_so_far: Counter[str] = Counter()
 _wait_listeners: list = []  # called with a CommEvent when the work of an asynchronous call is waited on
 
 
@@ -164,20 +167,20 @@ class MeteredWork:
     """The ``Work`` of an asynchronous call, unchanged except that ``wait()`` is reported first to the
     listeners of :func:`on_wait` (analysis.workload records where a step waits for its communication)."""
 
-    def __init__(self, work, event: CommEvent):
+    def __init__(self, work: Any, event: CommEvent) -> None:
         self._work, self.event = work, event
 
-    def wait(self, *args, **kwargs):
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
         for listener in list(_wait_listeners):
             listener(self.event)
         return self._work.wait(*args, **kwargs)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
 @contextlib.contextmanager
-def on_wait(listener):
+def on_wait(listener: Callable[[CommEvent], object]) -> Iterator[None]:
     """Within the block, ``listener(event)`` runs whenever an asynchronous call's work is waited on."""
     _wait_listeners.append(listener)
     try:
@@ -186,7 +189,8 @@ def on_wait(listener):
         _wait_listeners.remove(listener)
 
 
-def _run(op, tensor, nbytes, group, async_op, fn, peer=None):
+def _run(op: str, tensor: torch.Tensor, nbytes: int, group: dist.ProcessGroup | None, async_op: bool,
+         fn: Callable[[], Any], peer: int | None = None) -> Any:
     """Record the call, run it, keep the status line current."""
     n = _group_size(group)
     ev = record(op, nbytes, n, tensor.dtype, tensor.shape, _group_ranks(group))
@@ -207,56 +211,63 @@ def _nbytes(t: torch.Tensor) -> int:
 # --- the wrappers: torch.distributed signatures ---------------------------------------------
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = ReduceOp.SUM,
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     return _run("all_reduce", tensor, _nbytes(tensor), group, async_op,
                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
-def reduce_scatter(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                   op: dist.ReduceOp | dist.ReduceOp.RedOpType = ReduceOp.SUM,
+                   group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
     """``reduce_scatter_tensor`` (``reduce_scatter_single``): ``input`` is the full buffer (n x output)."""
     return _run("reduce_scatter", input, _nbytes(input), group, async_op,
                 lambda: _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op))
 
 
-def all_gather(output, input, group=None, async_op=False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+               async_op: bool = False) -> Any:
     """``all_gather_into_tensor`` (``all_gather_single``): ``output`` is the full buffer (n x input)."""
     return _run("all_gather", output, _nbytes(output), group, async_op,
                 lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
 
 
-def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, group: dist.ProcessGroup | None = None,
+               async_op: bool = False) -> Any:
     """``all_to_all_single`` (uneven splits allowed). S is this rank's whole input."""
     return _run("all_to_all", input, _nbytes(input), group, async_op,
                 lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                                group=group, async_op=async_op))
 
 
-def broadcast(tensor, src, group=None, async_op=False):
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
+              async_op: bool = False) -> Any:
     return _run("broadcast", tensor, _nbytes(tensor), group, async_op,
                 lambda: dist.broadcast(tensor, src, group=group, async_op=async_op))
 
 
-def send(tensor, dst, group=None):
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> Any:
     return _run("send", tensor, _nbytes(tensor), group, False, lambda: dist.send(tensor, dst, group=group),
                 peer=dst)
 
 
-def recv(tensor, src=None, group=None):
+def recv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None) -> Any:
     return _run("recv", tensor, _nbytes(tensor), group, False, lambda: dist.recv(tensor, src, group=group),
                 peer=src)
 
 
-def isend(tensor, dst, group=None):
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> Any:
     return _run("send", tensor, _nbytes(tensor), group, True, lambda: dist.isend(tensor, dst, group=group),
                 peer=dst)
 
 
-def irecv(tensor, src=None, group=None):
+def irecv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None) -> Any:
     return _run("recv", tensor, _nbytes(tensor), group, True, lambda: dist.irecv(tensor, src, group=group),
                 peer=src)
 
 
-def batch_isend_irecv(p2p_ops):
+def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[Any]:
     """Launch a list of ``dist.P2POp`` together; each send / recv is counted on its own."""
     events = []
     for p in p2p_ops:
@@ -278,7 +289,7 @@ def batch_isend_irecv(p2p_ops):
     return works
 
 
-def barrier(group=None):
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     set_status("in barrier")
     dist.barrier(group=group)
     set_status("after barrier")

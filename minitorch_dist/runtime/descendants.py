@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 from . import reaper
 
@@ -42,7 +43,7 @@ def become_subreaper() -> bool:
 
 def _live_parents() -> dict[int, int]:
     """``{pid: parent pid}`` of every live process (zombies left out: they are already dead)."""
-    parents = {}
+    parents: dict[int, int] = {}
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -60,7 +61,7 @@ def _live_parents() -> dict[int, int]:
     return parents
 
 
-def descendants(roots) -> list[int]:
+def descendants(roots: Iterable[int]) -> list[int]:
     """The live descendants of the processes ``roots`` (the roots themselves not included)."""
     children: dict[int, list[int]] = {}
     for pid, ppid in _live_parents().items():
@@ -73,7 +74,7 @@ def descendants(roots) -> list[int]:
     return found
 
 
-def _kill(pids) -> None:
+def _kill(pids: Iterable[int]) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -81,7 +82,7 @@ def _kill(pids) -> None:
             pass
 
 
-def kill_descendants(roots) -> None:
+def kill_descendants(roots: Iterable[int]) -> None:
     """SIGKILL every live descendant of ``roots``, walking again until none is left (bounded)."""
     roots = [pid for pid in roots if pid]
     for _ in range(ROUNDS):

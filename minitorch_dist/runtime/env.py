@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from collections.abc import Iterator
 
 import torch
 
@@ -69,7 +70,7 @@ def hardware_summary() -> str:
 
 
 @contextlib.contextmanager
-def single_thread():
+def single_thread() -> Iterator[None]:
     """Run the enclosed code on one intra-op thread, as every CPU rank does under ``launch``:
     a single-process reference computed this way sums in the same order as the ranks."""
     before = torch.get_num_threads()

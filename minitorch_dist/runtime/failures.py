@@ -64,7 +64,7 @@ class LaunchTimeout(RuntimeError):
 
 def _runs(items: list) -> list:
     """``[(rank, text), ...]`` as ``(first, last, text)`` runs of consecutive ranks with one text."""
-    runs = []
+    runs: list[list] = []
     for r, text in items:
         if runs and runs[-1][2] == text and runs[-1][1] == r - 1:
             runs[-1][1] = r

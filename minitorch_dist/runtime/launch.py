@@ -64,6 +64,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import cloudpickle
 import torch
@@ -104,7 +106,7 @@ def _under_torchrun() -> bool:
 # --- the rank process -------------------------------------------------------------------------
 
 
-def _rank_main(r, job, conn, status):
+def _rank_main(r: int, job: dict, conn: mp.connection.Connection, status: Any) -> None:
     """One rank: join the group, run fn, send ``(kind, data, type name)`` back through ``conn``.
     ``job`` is the dict :func:`launch` builds (the same for every rank)."""
     os.setpgrp()  # its own process group: a kill of the group reaches whatever this rank starts
@@ -125,7 +127,8 @@ def _rank_main(r, job, conn, status):
     comm.set_status_sink(status)
     comm.set_status("starting (before init_process_group)")
     msg = _run_fn(r, job)
-    out.flush(), err.flush()  # before reporting: the caller kills the rank once it has the result
+    out.flush()  # before reporting: the caller kills the rank once it has the result
+    err.flush()
     with contextlib.suppress(OSError):  # the caller is gone: the watchdog is ending this rank
         conn.send(msg)
         conn.close()
@@ -168,13 +171,13 @@ def _pick_start_method(backend: str, start_method: str | None) -> str:
 
 
 @contextlib.contextmanager
-def _main_not_reimported():
+def _main_not_reimported() -> Iterator[None]:
     """Under spawn, multiprocessing re-runs the caller's ``__main__`` script in every child (its
     "safe importing of main module" rule), so a script without an ``if __name__ == "__main__"``
     guard would launch again from inside its ranks. ``fn`` travels by value, so the ranks need no
     ``__main__``: hide it from multiprocessing while the ranks start."""
     main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
     main.__dict__.pop("__file__", None)
     main.__spec__ = None
     try:
@@ -184,7 +187,7 @@ def _main_not_reimported():
         main.__dict__.update(saved)
 
 
-def _kill(procs, mark: str) -> None:
+def _kill(procs: list[mp.process.BaseProcess], mark: str) -> None:
     """Kill every rank and what it started: its tree first (while the rank, a subreaper, holds it
     together), then its process group, then what a rank that died on its own left behind."""
     descendants.kill_descendants([p.pid for p in procs if p.pid is not None and p.exitcode is None])
@@ -215,11 +218,11 @@ def _echo_outputs(outdir: str, n: int) -> None:
 # --- launch ------------------------------------------------------------------------------------
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def _check_arguments(world_size, timeout_s) -> None:
+def _check_arguments(world_size: object, timeout_s: object) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout_s is None:
@@ -229,8 +232,9 @@ def _check_arguments(world_size, timeout_s) -> None:
         raise ValueError(f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}")
 
 
-def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 300,
-           start_method: str | None = None, threads: int | None = None, oversubscribe: bool | None = None):
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+           timeout_s: float = 300, start_method: str | None = None, threads: int | None = None,
+           oversubscribe: bool | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks with torch.distributed initialised; return the
     list of per-rank results (rank 0 first).
 
@@ -259,7 +263,10 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout_s: fl
         importlib.import_module("torch._dynamo")
     rundir = tempfile.mkdtemp(prefix="mtd-launch-")
     reaper = None
-    procs, conns, statuses = [], [], []  # filled as ranks start, so a failed start still cleans up
+    # these three are filled as ranks start, so a failed start still cleans up
+    procs: list = []
+    conns: list = []
+    statuses: list = []
     try:
         # the reaper also kills what a rank started in a session of its own, found by the launch's mark
         reaper = supervise.Reaper(rundir, marker=f"{descendants.MARK_VAR}={os.path.basename(rundir)}")
@@ -288,7 +295,8 @@ def _last_ops(statuses: list, world_size: int) -> dict:
     return last
 
 
-def _start_ranks(ctx, job: dict, procs: list, conns: list, statuses: list, reaper) -> None:
+def _start_ranks(ctx: Any, job: dict, procs: list, conns: list, statuses: list,
+                 reaper: supervise.Reaper) -> None:
     """Start one process per rank, each with a pipe for its result and a status line, and tell the
     reaper each rank's PID. Raises :class:`LaunchTimeout` if the deadline passes meanwhile."""
     starting = _main_not_reimported() if ctx.get_start_method() != "fork" else contextlib.nullcontext()
@@ -302,10 +310,13 @@ def _start_ranks(ctx, job: dict, procs: list, conns: list, statuses: list, reape
             p.start()
             reaper.watch(p.pid)
             send_end.close()
-            procs.append(p), conns.append(recv_end), statuses.append(status)
+            procs.append(p)
+            conns.append(recv_end)
+            statuses.append(status)
 
 
-def _receive(r: int, procs, conns, statuses, rundir: str) -> tuple:
+def _receive(r: int, procs: list[mp.process.BaseProcess], conns: list[mp.connection.Connection],
+             statuses: list, rundir: str) -> tuple:
     """Rank r's report as ``(kind, data)``: ``("ok", result)``, ``("error", traceback)``, or
     ``("died", death report)`` for a rank that ended without a word (os._exit, a signal...)."""
     try:
@@ -324,21 +335,25 @@ def _receive(r: int, procs, conns, statuses, rundir: str) -> tuple:
                          f"dicts), or define the result's class where the caller can import it.")
 
 
-def _finished_ranks(pending: set, procs, conns, timeout: float) -> list:
+def _finished_ranks(pending: set[int], procs: list[mp.process.BaseProcess],
+                    conns: list[mp.connection.Connection], timeout: float) -> list[int]:
     """The pending ranks with a report to read, or whose process has ended (even if a process it
     started still holds its pipe open)."""
-    ready = mp.connection.wait([conns[r] for r in pending], timeout=timeout)
+    ready: list[Any] = mp.connection.wait([conns[r] for r in pending], timeout=timeout)  # the conns given
     done = {conns.index(c) for c in ready}
     done |= {r for r in pending if procs[r].exitcode is not None}
     return sorted(done)
 
 
-def _collect(procs, conns, statuses, job: dict, rundir: str) -> dict:
+def _collect(procs: list[mp.process.BaseProcess], conns: list[mp.connection.Connection], statuses: list,
+             job: dict, rundir: str) -> dict[int, object]:
     """Wait for every rank's report: ``{rank: result}``, or raise the :class:`RankError` of the rank
     to blame (after a grace for the others' reports: 0.5 s once a cause is known, up to 3 s while
     every failure so far looks like a consequence) or :class:`LaunchTimeout`."""
     world_size, timeout_s, deadline = len(procs), job["timeout_s"], job["deadline"]
-    results, errors, died = {}, {}, set()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    died: set[int] = set()
     first_failure = None
     pending = set(range(world_size))
     while pending:

@@ -17,8 +17,9 @@ An *observer* is any object with some of the methods
 
 (a method it lacks is simply not called). It listens inside ``with observe.watching(obs):``, on
 this rank, to everything announced from any thread while the block runs. The Gantt timeline
-(:class:`analysis.timeline.Timeline`), the workload recorder, the memory meter's stash counter
-and the tests are observers. Nesting is allowed: every active observer hears every announcement.
+(:class:`runtime.timeline.Timeline`), the workload recorder, the pipeline's stash counter
+(:class:`analysis.pipeline_observers.StashCounter`) and the tests' :class:`analysis.observers.Recorder`
+are observers. Nesting is allowed: every active observer hears every announcement.
 
 Cost. With nobody watching, an announcement is one truth test of an empty list; code that would
 do real work only to announce something (register a hook, read a clock) asks :func:`watched`
@@ -30,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["Observer", "watching", "watched", "span", "begin", "end", "mark", "count"]
 
@@ -48,10 +49,11 @@ class Observer(Protocol):
 # the backend's callback threads (a future's done-callback) while a block is entered or left.
 _watchers: list = []
 _lock = threading.Lock()
+_O = TypeVar("_O")
 
 
 @contextlib.contextmanager
-def watching(observer) -> Iterator:
+def watching(observer: _O) -> Iterator[_O]:
     """Let ``observer`` hear every announcement made on this rank while the block runs."""
     with _lock:
         _watchers.append(observer)
@@ -72,10 +74,16 @@ def _listeners(method: str) -> list:
         return [(w, getattr(w, method)) for w in _watchers if hasattr(w, method)]
 
 
-def begin(name: str, category: str | None = None, **meta) -> tuple | None:
-    """Announce the start of a piece of work; returns the key :func:`end` takes (None: no observer)."""
+def begin(name: str, category: str | None = None, **meta: Any) -> tuple | None:
+    """Announce the start of a piece of work that may end anywhere — later, in another thread, after
+    other spans began (a collective in flight). Returns the key :func:`end` takes (None: no observer).
+    Observers see ``meta["detached"] = True``: its end need not nest inside the blocks around it."""
     if not _watchers:
         return None
+    return _begin(name, category, {**meta, "detached": True})
+
+
+def _begin(name: str, category: str | None, meta: dict[str, Any]) -> tuple:
     return tuple((w, fn(name, category, meta)) for w, fn in _listeners("on_begin"))
 
 
@@ -90,19 +98,19 @@ def end(key: tuple | None) -> None:
 
 
 @contextlib.contextmanager
-def span(name: str, category: str | None = None, **meta) -> Iterator[None]:
-    """Announce the block as one piece of work (:func:`begin` on entry, :func:`end` on exit)."""
+def span(name: str, category: str | None = None, **meta: Any) -> Iterator[None]:
+    """Announce the block as one piece of work, begun on entry and ended on exit: spans nest."""
     if not _watchers:
         yield
         return
-    key = begin(name, category, **meta)
+    key = _begin(name, category, meta)
     try:
         yield
     finally:
         end(key)
 
 
-def mark(name: str, category: str | None = None, **meta) -> None:
+def mark(name: str, category: str | None = None, **meta: Any) -> None:
     """Announce an instant (a bucket launched, a gradient arrived)."""
     if not _watchers:
         return
@@ -110,7 +118,7 @@ def mark(name: str, category: str | None = None, **meta) -> None:
         fn(name, category, meta)
 
 
-def count(name: str, delta: float, **meta) -> None:
+def count(name: str, delta: float, **meta: Any) -> None:
     """Announce that the quantity ``name`` changed by ``delta`` (a stash grew, a counter ticked)."""
     if not _watchers:
         return

@@ -16,11 +16,13 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 
 def read_pids(parent: int) -> tuple[list[int], bool]:
     """The PIDs the parent sent, and whether it said ``done`` (False: the parent is gone)."""
-    pids, buf = [], b""
+    pids: list[int] = []
+    buf = b""
     while os.getppid() == parent:
         ready, _, _ = select.select([0], [], [], 0.2)
         if not ready:
@@ -40,7 +42,7 @@ def read_pids(parent: int) -> tuple[list[int], bool]:
 
 def pids_in(rundir: str) -> list[int]:
     """The PIDs the ranks left in the run folder (``rank{r}.pid``)."""
-    pids = []
+    pids: list[int] = []
     try:
         names = [n for n in os.listdir(rundir) if n.endswith(".pid")]
     except OSError:
@@ -56,7 +58,7 @@ def pids_in(rundir: str) -> list[int]:
 
 def marked(marker: bytes) -> set[int]:
     """The live processes whose environment holds ``marker`` (none without ``/proc``), this one aside."""
-    found = set()
+    found: set[int] = set()
     try:
         names = [n for n in os.listdir("/proc") if n.isdigit()]
     except OSError:
@@ -88,7 +90,7 @@ def kill_marked(marker: bytes, rounds: int = 100) -> None:
         _kill(os.kill, pid, signal.SIGKILL)
 
 
-def _kill(kill, pid: int, sig: int) -> None:
+def _kill(kill: Callable[[int, int], None], pid: int, sig: int) -> None:
     try:
         kill(pid, sig)
     except OSError:

@@ -11,6 +11,8 @@ number of dimensions, then its sizes).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +22,7 @@ from .launch import device
 __all__ = ["check_same_shapes", "shape_signature"]
 
 
-def shape_signature(shapes) -> list[int]:
+def shape_signature(shapes: Iterable[Sequence[int]]) -> list[int]:
     """``[ndim, *sizes]`` of each shape in turn: one list of ints that two ranks compare."""
     return [x for s in shapes for x in (len(s), *s)]
 
@@ -34,7 +36,7 @@ def _shapes(signature: list[int]) -> list[tuple]:
     return out
 
 
-def _gather(values: list[int], group) -> list[list[int]]:
+def _gather(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
     """Every rank's ``values`` (of any length), in group order. Each buffer starts as this rank's own, so
     under a backend that moves nothing (torch's fake group, where a dry run plays one rank) all agree."""
     n = dist.get_world_size(group)
@@ -50,7 +52,8 @@ def _gather(values: list[int], group) -> list[list[int]]:
     return [row[:k] for row, k in zip(rows.view(n, width).tolist(), lengths.tolist())]
 
 
-def check_same_shapes(named, group=None, *, who: str) -> None:
+def check_same_shapes(named: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None = None, *,
+                      who: str) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless every rank's ``named``
     (``[(name, tensor), ...]``, in the order the ranks will exchange them) has rank 0's shapes; it names
     the first tensor that differs, its shape on the first rank that differs and on rank 0. ``who``

@@ -91,7 +91,7 @@ def die_with_parent(parent_pid: int, rundir: str | None = None) -> threading.Thr
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         _end_orphan(rundir)
 
-    def watch():
+    def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(POLL_S)
         _end_orphan(rundir)
@@ -121,27 +121,30 @@ class Reaper:
     ``marker`` (``KEY=value``) it also kills every process whose environment holds it (Linux).
     """
 
-    def __init__(self, rundir: str, marker: str | None = None):
+    def __init__(self, rundir: str, marker: str | None = None) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._pipe = None  # the reaper's stdin: PIDs to watch, then "done"
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", _REAPER_SCRIPT, rundir, str(os.getpid()),
                  *([marker] if marker else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, close_fds=True)
+            self._pipe = self.proc.stdin
         except OSError as e:
             warnings.warn(f"launch: could not start the reaper ({e}); the ranks still die with "
                           "this process, but what they started might not", stacklevel=3)
-            self.proc = None
 
     @property
     def fd(self) -> int | None:
         """The parent's end of the pipe: a rank started by fork inherits it and must close it."""
-        return self.proc.stdin.fileno() if self.proc else None
+        return self._pipe.fileno() if self._pipe is not None else None
 
     def _send(self, line: str) -> None:
         with contextlib.suppress(ValueError, OSError):  # the reaper is gone (BrokenPipeError)
-            self.proc.stdin.write(line.encode() + b"\n")
-            self.proc.stdin.flush()
+            if self._pipe is not None:
+                self._pipe.write(line.encode() + b"\n")
+                self._pipe.flush()
 
     def watch(self, pid: int) -> None:
         if self.proc:
@@ -152,7 +155,8 @@ class Reaper:
             return
         self._send("done")
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+            if self._pipe is not None:
+                self._pipe.close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -261,7 +261,7 @@ def plot_gantt(events, ax=None, colors: dict[str, Any] | None = None, title: str
     index = {r: i for i, r in enumerate(ranks)}
     row = _RowOf(index, row_key)
     key = lambda e: e.category if e.category is not None else e.name  # noqa: E731
-    palette = plt.get_cmap("tab10").colors
+    palette = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]  # tab10 is a ListedColormap
     cmap = dict(colors or {})
     for k in sorted({key(e) for e in events} - set(cmap)):
         cmap[k] = palette[len(cmap) % len(palette)]

@@ -39,6 +39,8 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import cloudpickle
 import torch
@@ -53,7 +55,7 @@ GRACE_S = 0.5  # after a first error, how long to wait for other ranks' errors b
 ACK_S = 10.0  # how long a failing rank waits for its peers to see the error before raising
 LEAVE_S = 3.0  # how long the other ranks wait for the culprit to leave first
 _calls = itertools.count()
-_state = {"failed": False, "base": None}
+_state: dict = {"failed": False, "base": None}
 
 
 class _StoreGone(Exception):
@@ -75,7 +77,7 @@ class _Store:
         self.where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
 
     @contextlib.contextmanager
-    def _talking(self):
+    def _talking(self) -> Iterator[None]:
         with self.lock:
             try:
                 yield
@@ -148,7 +150,8 @@ class _Watcher(threading.Thread):
         super().__init__(name="mtd-torchrun-watcher", daemon=True)
         self.store, self.me, self.n, self.timeout_s, self.deadline = store, me, n, timeout_s, deadline
         self.agent = agent
-        self.lock, self.in_exchange, self.done = threading.Lock(), False, threading.Event()
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.in_exchange: bool | None = False  # None: the watcher took over
 
     def enter_exchange(self) -> bool:
         """The main thread now handles failures itself. False if the watcher is already acting."""
@@ -165,7 +168,7 @@ class _Watcher(threading.Thread):
             self.in_exchange = None  # the watcher acts; the main thread must not
             return True
 
-    def run(self):
+    def run(self) -> None:
         posted, failed_at = None, None
         while not self.done.wait(WATCH_S):
             if self.agent is not None and os.getppid() != self.agent:
@@ -218,7 +221,8 @@ def _init_group(world_size: int, backend: str | None, timeout_s: float) -> int:
     return env_world
 
 
-def run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, timeout_s: float) -> list:
+def run_under_torchrun(fn: Callable[..., Any], world_size: int, args: tuple, backend: str | None,
+                       timeout_s: float) -> list:
     """This process *is* one rank: initialise from env, run fn, agree on the outcome, gather results."""
     deadline, agent = time.monotonic() + timeout_s, _agent_pid()
     n = _init_group(world_size, backend, timeout_s)
@@ -237,7 +241,8 @@ def run_under_torchrun(fn, world_size: int, args: tuple, backend: str | None, ti
     return [cloudpickle.loads(p) for p in gathered]
 
 
-def _run_and_agree(fn, args: tuple, store: _Store, watcher: _Watcher, deadline: float) -> bytes:
+def _run_and_agree(fn: Callable[..., Any], args: tuple, store: _Store, watcher: _Watcher,
+                   deadline: float) -> bytes:
     """Run fn; return its pickled result once every rank's is ready, or raise the shared error."""
     me, n, timeout_s = watcher.me, watcher.n, watcher.timeout_s
     try:
@@ -293,7 +298,7 @@ def _after_the_culprit(store: _Store, me: int, culprit: int, linger: float = LEA
     time.sleep(linger)
 
 
-def _teardown_at_exit():
+def _teardown_at_exit() -> None:
     """Leaving with the group alive has gloo abort the process (SIGABRT): barrier, then destroy.
     After a failed launch the peers may be gone or stuck, so there is no barrier to wait at."""
     if dist.is_initialized():

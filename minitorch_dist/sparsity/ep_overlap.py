@@ -25,7 +25,9 @@ An asynchronous collective inside autograd is two functions: :func:`all_to_all_s
 (``async_op=True``) and returns the output buffer, :func:`all_to_all_wait` waits and hands the buffer
 on. Backward runs them in reverse: the wait's backward *launches* the reverse all-to-all of the
 gradient, the start's backward waits for it, so the backward pass overlaps the same way
-(the autograd engine runs the other chunks' expert backward in between).
+(the autograd engine runs the other chunks' expert backward in between). The forward announces
+(:mod:`runtime.observe`) the spans "launch dispatch c" / "launch combine c" ("a2a launch"),
+"wait dispatch c" / "wait combine c" ("a2a wait") and "experts c" ("experts").
 
 With a dispatch of D seconds, experts of P seconds and a combine of Cb seconds for the whole batch,
 per chunk d = D/m + α, p = P/m, c = Cb/m + α, ``costmodel.chunked_moe_layer_time`` steps through this
@@ -34,28 +36,21 @@ the first dispatch and the last combine stay exposed, instead of D + Cb.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ..runtime import comm
+from ..runtime import comm, observe
 
 __all__ = ["PendingAllToAll", "all_to_all_start", "all_to_all_wait", "chunk_sizes", "split_blocks",
-           "chunked_expert_exchange", "span"]
-
-
-def span(timeline, name: str, category: str):
-    """``timeline.span(name, category)``, or nothing when ``timeline`` is None."""
-    return contextlib.nullcontext() if timeline is None else timeline.span(name, category=category)
+           "chunked_expert_exchange"]
 
 
 class PendingAllToAll:
     """One all-to-all in flight: its work and send buffer (forward); the reverse all-to-all's work and
-    output (backward); where to record waits (``timeline``, ``name``)."""
+    output (backward); its ``name`` (the wait announces the span "wait {name}")."""
 
-    def __init__(self, out_splits, in_splits, group, timeline=None, name="all-to-all"):
+    def __init__(self, out_splits, in_splits, group, name="all-to-all"):
         self.out_splits, self.in_splits, self.group = list(out_splits), list(in_splits), group
-        self.timeline, self.name = timeline, name
+        self.name = name
         self.work = self.send = self.bwd_work = self.bwd_send = self.bwd_out = None
 
 
@@ -83,7 +78,7 @@ class _Start(torch.autograd.Function):
 class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, handle):
-        with span(handle.timeline, f"wait {handle.name}", "a2a wait"):
+        with observe.span(f"wait {handle.name}", "a2a wait"):
             handle.work.wait()
         handle.work = handle.send = None
         ctx.handle = handle
@@ -96,18 +91,18 @@ class _Wait(torch.autograd.Function):
         return grad, None  # a placeholder: _Start.backward returns the gradient that came back
 
 
-def all_to_all_start(x: torch.Tensor, out_splits, in_splits, group=None, timeline=None,
+def all_to_all_start(x: torch.Tensor, out_splits, in_splits, group=None,
                      name: str = "all-to-all") -> tuple[torch.Tensor, PendingAllToAll]:
     """Launch ``all_to_all_single`` of x's rows (``in_splits[j]`` rows to rank j, ``out_splits[i]``
     from rank i) without waiting. Returns (the output buffer, not to be read yet, and the handle):
     pass both to :func:`all_to_all_wait`. Differentiable through the pair."""
-    handle = PendingAllToAll(out_splits, in_splits, group, timeline, name)
+    handle = PendingAllToAll(out_splits, in_splits, group, name)
     return _Start.apply(x, handle), handle
 
 
 def all_to_all_wait(out: torch.Tensor, handle: PendingAllToAll) -> torch.Tensor:
-    """Wait for the all-to-all of ``handle`` (recorded as an "a2a wait" span when it has a timeline)
-    and return its output, now filled."""
+    """Wait for the all-to-all of ``handle`` (announced as the "a2a wait" span "wait {name}") and
+    return its output, now filled."""
     return _Wait.apply(out, handle)
 
 
@@ -143,8 +138,7 @@ def _chunk_rows(block_sizes: list[int], parts: list[list[int]], device) -> list[
 
 
 def chunked_expert_exchange(run, packed: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                            per_src_expert: torch.Tensor, group=None, chunks: int = 2,
-                            timeline=None) -> torch.Tensor:
+                            per_src_expert: torch.Tensor, group=None, chunks: int = 2) -> torch.Tensor:
     """Dispatch ``packed`` [A, h] (rows grouped by destination rank, ``send_counts[j]`` to rank j), run
     the local experts, and bring the outputs home, in ``chunks`` pipelined pieces (module docstring).
 
@@ -160,8 +154,8 @@ def chunked_expert_exchange(run, packed: torch.Tensor, send_counts: list[int], r
     recv_rows = _chunk_rows(recv_counts, recv_parts, dev)
 
     def dispatch(c):
-        with span(timeline, f"launch dispatch {c}", "a2a launch"):  # gather the rows, post the call
-            return all_to_all_start(packed[send_rows[c]], recv_parts[c], send_parts[c], group, timeline,
+        with observe.span(f"launch dispatch {c}", "a2a launch"):  # gather the rows, post the call
+            return all_to_all_start(packed[send_rows[c]], recv_parts[c], send_parts[c], group,
                                     f"dispatch {c}")
 
     pending, back = dispatch(0), []
@@ -169,11 +163,11 @@ def chunked_expert_exchange(run, packed: torch.Tensor, send_counts: list[int], r
         rows = all_to_all_wait(*pending)
         if c + 1 < chunks:
             pending = dispatch(c + 1)
-        with span(timeline, f"experts {c}", "experts"):
+        with observe.span(f"experts {c}", "experts"):
             ex = expert_of[recv_rows[c]]
             order = torch.sort(ex, stable=True).indices
             out = run(rows[order], torch.bincount(ex, minlength=n_local).tolist())[torch.argsort(order)]
-        with span(timeline, f"launch combine {c}", "a2a launch"):
-            back.append(all_to_all_start(out, send_parts[c], recv_parts[c], group, timeline, f"combine {c}"))
+        with observe.span(f"launch combine {c}", "a2a launch"):
+            back.append(all_to_all_start(out, send_parts[c], recv_parts[c], group, f"combine {c}"))
     outs = torch.cat([all_to_all_wait(*b) for b in back])
     return outs[torch.argsort(torch.cat(send_rows))]

@@ -17,10 +17,9 @@ routes *its own* tokens (so capacity is per rank, as in GShard's per-group capac
     5. combine                    weights applied locally, as in the single-process layer
 
 With ``chunks=m > 1``, steps 2-4 run in m pipelined pieces, each chunk's experts computing while the
-next chunk's all-to-all travels (:mod:`.ep_overlap`); the result is the same. A
-:class:`~minitorch_dist.runtime.timeline.Timeline` set as ``layer.timeline`` records, per forward,
-the spans a rank spends routing ("routing"), launching all-to-alls ("a2a launch"), waiting on them
-("a2a wait") and computing experts ("experts").
+next chunk's all-to-all travels (:mod:`.ep_overlap`); the result is the same. Each forward announces
+(:mod:`runtime.observe`) the spans a rank spends routing ("routing"), exchanging counts ("counts"),
+launching all-to-alls ("a2a launch"), waiting on them ("a2a wait") and computing experts ("experts").
 
 The all-to-alls are differentiable (:class:`AllToAll`, from :mod:`..parallelism.mappings`, the home
 of every region-crossing operator, and re-exported here): the backward of an all-to-all is the
@@ -46,8 +45,9 @@ from torch import nn
 
 from ..parallelism.mappings import AllToAll, all_to_all, size_and_rank
 from ..parallelism.replicas import broadcast_from_first_rank
-from ..runtime import comm
-from .ep_overlap import chunked_expert_exchange, span
+from ..runtime import comm, observe
+from ..runtime.devices import has_values
+from .ep_overlap import chunked_expert_exchange
 from .moe import MoELayer, Routing, combine, dispatch, run_experts
 
 __all__ = ["AllToAll", "all_to_all", "check_divisible", "ExpertParallelMoE", "expert_parallel",
@@ -71,7 +71,7 @@ class ExpertParallelMoE(nn.Module):
     After a forward: ``last_routing`` (this rank's routing), ``aux_loss``, and ``send_counts`` /
     ``recv_counts``: the rows sent to / received from each rank by the dispatch all-to-all.
     ``chunks``: pipeline the dispatch, experts and combine in that many pieces (1: the plain layer).
-    ``timeline``: a Timeline to record the forward's waits and expert compute in (None: nothing).
+    The forward announces its spans through :mod:`runtime.observe` (module docstring).
     """
 
     def __init__(self, layer: MoELayer, group=None, *, broadcast_weights=True, chunks: int = 1):
@@ -92,7 +92,7 @@ class ExpertParallelMoE(nn.Module):
         self.last_routing: Routing | None = None
         self.send_counts: list[int] = []
         self.recv_counts: list[int] = []
-        self.chunks, self.timeline = chunks, None
+        self.chunks = chunks
 
     @classmethod
     def from_dense(cls, layer: MoELayer, group=None, *, broadcast_weights=True,
@@ -108,17 +108,17 @@ class ExpertParallelMoE(nn.Module):
         if x.size(-1) != self.h:
             raise ValueError(f"ExpertParallelMoE expects [..., h={self.h}] inputs, got shape "
                              f"{tuple(x.shape)}")
-        if x.is_meta or self.router.w_gate.is_meta:
+        if not (has_values(x) and has_values(self.router.w_gate)):
             raise RuntimeError("expert parallelism routes by values: run it on real tensors (the all-to-all "
                                "splits are the token counts per expert, which meta tensors do not hold)")
         n, El = self.n, self.local
         tokens = x.reshape(-1, self.h)
-        with span(self.timeline, "route", "routing"):
+        with observe.span("route", "routing"):
             routing = self.last_routing = self.router(tokens)
             packed, counts = dispatch(tokens, routing)  # rows sorted by expert = grouped by owner rank
         # 1. counts: recv[i·El + e] = rows rank i sends to my local expert e.
         recv = torch.empty_like(routing.counts)
-        with span(self.timeline, "counts", "counts"):
+        with observe.span("counts", "counts"):
             comm.all_to_all(recv, routing.counts.contiguous(), [El] * n, [El] * n, group=self.group)
         per_src_expert = recv.view(n, El)
         self.send_counts = routing.counts.view(n, El).sum(1).tolist()
@@ -126,20 +126,20 @@ class ExpertParallelMoE(nn.Module):
         if self.chunks > 1:  # 2-4 pipelined in chunks
             back = chunked_expert_exchange(lambda rows, c: run_experts(self.experts, rows, c), packed,
                                            self.send_counts, self.recv_counts, per_src_expert, self.group,
-                                           self.chunks, self.timeline)
+                                           self.chunks)
             return combine(back, routing, tokens.size(0)).reshape(x.shape)
         # 2. dispatch.
-        with span(self.timeline, "wait dispatch", "a2a wait"):
+        with observe.span("wait dispatch", "a2a wait"):
             received = all_to_all(packed, self.recv_counts, self.send_counts, self.group)
         # 3. regroup source-major rows to expert-major, run, and restore the source-major order.
-        with span(self.timeline, "experts", "experts"):
+        with observe.span("experts", "experts"):
             expert_of_row = (torch.arange(El, device=x.device).repeat(n)
                              .repeat_interleave(per_src_expert.reshape(-1)))
             by_expert = torch.sort(expert_of_row, stable=True).indices
             out = run_experts(self.experts, received[by_expert], per_src_expert.sum(0).tolist())
             out = out[torch.argsort(by_expert)]
         # 4. combine all-to-all: every row back to the rank that sent it; 5. weights, locally.
-        with span(self.timeline, "wait combine", "a2a wait"):
+        with observe.span("wait combine", "a2a wait"):
             back = all_to_all(out, self.send_counts, self.recv_counts, self.group)
         return combine(back, routing, tokens.size(0)).reshape(x.shape)
 

@@ -6,11 +6,12 @@ import torch
 import torch.distributed as dist
 
 from ... import costmodel
+from ...analysis.observers import Recorder, launches_during_backward
 from ...analysis.predict import tour_row
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT, GPTConfig
-from ...parallelism.data_parallel import DistributedDataParallel, launches_during_backward
-from ...runtime import comm
+from ...parallelism.data_parallel import DistributedDataParallel
+from ...runtime import comm, observe
 from ...runtime.env import single_thread
 from ...runtime.launch import launch
 
@@ -27,13 +28,13 @@ def _train_gpt(cfg, steps, batch, seq, wrap):
     wire, during = [], []
     for step in range(steps):
         x, y = data.batch(step, batch, seq, r, n)
-        with comm.meter() as m:
+        with comm.meter() as m, observe.watching(Recorder()) as seen:
             _, loss = model(x, y)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         wire.append(m.wire_bytes["all_reduce"])
-        during.append(launches_during_backward(getattr(model, "order_log", [])))
+        during.append(launches_during_backward(seen))
     inner = getattr(model, "module", model)
     return {"params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
             "wire": wire, "during": during, "buckets": len(getattr(model, "buckets", []))}

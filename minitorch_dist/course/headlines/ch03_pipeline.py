@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 
 from ... import costmodel
+from ...analysis.pipeline_observers import StashCounter
 from ...analysis.predict import tour_row
 from ...costmodel import pipeline as pipeline_costs
 from ...models.data import MarkovCorpus
 from ...models.gpt import GPT, GPTConfig
 from ...parallelism.pipeline import local_stages, make_schedule, run_schedule, simulate
+from ...runtime import observe
 from ...runtime.launch import launch
 
 
@@ -20,8 +22,10 @@ def _headline_rank(name, p, m, cfg, batch, seq):
     model = GPT(cfg)
     sched = make_schedule(name, p, m)
     x, y = MarkovCorpus(cfg.vocab_size, seed=0).batch(0, batch, seq)
-    res = run_schedule(sched, local_stages(model, sched), x, y)
-    return res.peak_stashed, {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
+    stash = StashCounter()
+    with observe.watching(stash):
+        run_schedule(sched, local_stages(model, sched), x, y)
+    return stash.peak, {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
 
 
 def _reference_grads(cfg, batch, seq) -> dict:

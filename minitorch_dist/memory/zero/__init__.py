@@ -17,6 +17,7 @@ from .fsdp import (
                    full_state_dict,
                    fully_shard,
                    hybrid_groups,
+                   replicate,
                    sharded_units,
                    sharding_state,
 )
@@ -26,4 +27,4 @@ from .zero12 import ZeroDataParallel
 
 __all__ = ["FlatParams", "shard_range", "shard_size", "FSDPModule", "MixedPrecisionPolicy", "fully_shard",
            "full_state_dict", "sharded_units", "sharding_state", "hybrid_groups",
-           "OffloadedOptimizer", "ShardedOptimizer", "ZeroDataParallel"]
+           "replicate", "OffloadedOptimizer", "ShardedOptimizer", "ZeroDataParallel"]

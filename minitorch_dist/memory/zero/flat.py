@@ -3,9 +3,14 @@
 Every ZeRO stage (Rajbhandari et al. 2020, §5) and FSDP (Zhao et al. 2023, §3.2 "FlatParameter")
 works on a flat view of the parameters: one contiguous 1-D buffer holding every tensor end to
 end, padded with zeros to a multiple of the world size n so that reduce-scatter and all-gather
-see n equal chunks. Rank r owns elements ``[r*S, (r+1)*S)`` with ``S = ceil(numel / n)``; a
-tensor may straddle two shards, which is fine: the optimizer sees only the flat shard, an
-elementwise update (SGD, Adam) does not care where one tensor ends.
+see n equal chunks of ``S = ceil(numel / n)`` elements. *Which* S elements rank r owns is the
+layout's choice, and the course uses two: ``fully_shard`` (ZeRO-3, as FSDP and DeepSpeed do) gives
+rank r the contiguous block ``[r*S, (r+1)*S)`` (:func:`shard_range`), so an all-gather lands every
+tensor in place; ZeRO-1/2 (:mod:`.partition`) give rank r the interleaved elements ``r, r+n, ...``,
+so that stage 2 can reduce-scatter bucket by bucket during backward (every bucket holds a piece of
+every rank's part; the reason is spelled out there and in chapter 06). Either way a tensor may
+straddle two shards, which is fine: the optimizer sees only the flat shard, an elementwise update
+(SGD, Adam) does not care where one tensor ends.
 
     numel = sum_i p_i.numel()          S = ceil(numel / n)          padded = n * S
 """

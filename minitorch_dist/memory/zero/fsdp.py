@@ -15,17 +15,29 @@ Zhao et al. 2023, "PyTorch FSDP", §3 (units, resharding, prefetching, hybrid sh
 Each call makes one unit of the parameters under ``module`` that no earlier call took
 (:class:`.fsdp_unit.FlatUnit`) and returns the same module, its class now also an
 :class:`FSDPModule` (FSDP2 swaps the class the same way): its ``forward`` gathers, runs, frees.
-Modules no call covers (no ``fully_shard`` on the root) stay *replicated*: their parameters are
-broadcast from rank 0 and their gradients all-reduced and averaged at the end of backward, as in
-chapter 01. So "shard the Linear and Embedding layers, keep the norms replicated" is just not
-calling ``fully_shard`` on the norms or the root. A submodule two parents share is sharded
-first: its own unit, which both parents skip. Frozen tensors are gathered but never reduced.
+Parameters no call covers are yours, as in FSDP2: ``replicate(model)`` in place of the root's
+``fully_shard`` keeps them *replicated* (broadcast from rank 0, gradients all-reduced and averaged
+at the end of backward, chapter 01), as torch's composable ``replicate`` composes with FSDP2. So
+"shard the Linear and Embedding layers, keep the norms replicated" is ``fully_shard`` on those
+layers, then ``replicate(model)``. A submodule two parents share is sharded first: its own unit,
+which both parents skip. Frozen tensors are gathered but never reduced.
 
-**The root** is found at the first forward: the outermost module that runs and holds units (a
-global forward pre-hook looks for it once, then removes itself). Its :class:`ShardingState` is
-shared by its units: the order they ran in (each pass prefetches by the last pass's order: before a
-unit computes, the all-gather of the next one is issued, in forward and in backward), the
-replicated parameters, and the statistics (units and bytes gathered at once, a trace).
+**The root** is found as FSDP2 finds it (``_lazy_init``): each sharded module has a forward
+pre-hook, and the first to run, once every ``fully_shard`` call has been made, becomes the root of
+every sharded module under it not claimed yet. Its :class:`ShardingState` is shared by its units:
+the order they ran in (each pass prefetches by the last pass's order: before a unit computes, the
+all-gather of the next one is issued, in forward and in backward) and the replicated parameters.
+The state lives on the modules (``module.fsdp_state``), a shard's group on the shard
+(``p.fsdp_shard``): nothing is kept per process. FSDP2's four hooks map onto one autograd node per
+unit call: its pre-forward and post-forward hooks are the start and the end of
+:class:`.fsdp_unit.UnitFunction`'s ``forward`` (gather and prefetch; reshard), its pre-backward hook is
+autograd calling that node's ``backward`` (gather again and prefetch) and its post-backward hook is
+the end of that ``backward`` (reduce-scatter; reshard).
+
+**Measured beside it.** A unit announces what it does through :mod:`...runtime.observe`, category
+``"fsdp"`` (an instant per ``all_gather``, ``forward``, ``forward_end``, ``backward``,
+``backward_end``, ``reduce_scatter``, ``free``; the count ``gathered_bytes``);
+:class:`...analysis.fsdp_observers.GatheredUnits` listens and keeps the peaks and the schedule.
 
 **Prefetch never serves old weights.** When the units a step runs change (a layer used on some steps,
 several forwards before one backward), a prefetched unit may not run before ``opt.step()``. So a
@@ -53,49 +65,44 @@ Memory per rank (fp32, AdamW): parameters 4Ψ_pad/n_s, gradients 4Ψ_pad/n_s, op
 """
 from __future__ import annotations
 
-import time
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ...runtime import comm, require_process_group
+from ...runtime import comm, observe, require_process_group
+from ...runtime.devices import values_or
 from ...runtime.replica_shapes import check_same_shapes
 from .fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_format
 from .fsdp_unit import FlatUnit, MixedPrecisionPolicy, UnitCall, UnitFunction
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "ShardingState", "sharding_state",
-           "sharded_units", "shard_groups", "full_state_dict", "hybrid_groups"]
+__all__ = ["fully_shard", "replicate", "FSDPModule", "MixedPrecisionPolicy", "ShardingState",
+           "sharding_state", "sharded_units", "shard_groups", "full_state_dict", "hybrid_groups"]
 
 
 class ShardingState:
-    """What the units under one root share: the order they ran in, replicated parameters, statistics.
+    """What the units under one root share: the order they ran in and the replicated parameters.
 
-    ``peak_gathered`` / ``peak_gathered_bytes``: the most units / bytes gathered at once since
-    ``reset_stats()``; ``trace``: ``(event, unit name, perf_counter)`` while ``record_trace``.
+    Made by the root's first forward (:func:`_pre_forward`): it claims every module under ``root``
+    that ``fully_shard`` or ``replicate`` marked and no earlier root claimed (``fsdp_state`` None).
     """
 
-    def __init__(self, root: nn.Module, units: list[FlatUnit]):
-        self.root, self.units = root, units
-        for name, m in root.named_modules():
-            if isinstance(m, FSDPModule) and m.fsdp_unit is not None and m.fsdp_unit in units:
+    def __init__(self, root: nn.Module):
+        self.root = root
+        claimed = [(name, m) for name, m in root.named_modules()
+                   if getattr(m, "fsdp_state", "unmarked") is None]
+        for name, m in claimed:
+            m.fsdp_state = self
+            if getattr(m, "fsdp_unit", None) is not None:
                 m.fsdp_unit.name, m.fsdp_unit.state = name or "root", self
-        first = units[0]
-        self.group, self.replicate_group = first.group, first.replicate_group
-        taken = {id(p) for u in units for p in u.sharded}
-        self.replicated = [p for p in root.parameters() if id(p) not in taken]
+        self.units = [m.fsdp_unit for _, m in claimed if getattr(m, "fsdp_unit", None) is not None]
+        first = self.units[0] if self.units else None
+        self.group, self.replicate_group = (first.group, first.replicate_group) if first else (None, None)
+        self.replicated = [p for p in root.parameters() if getattr(p, "fsdp_shard", None) is None]
         self._sync_replicated()
         self.order = {"forward": [], "backward": []}  # this pass
         self.last = {"forward": [], "backward": []}  # the pass before: what prefetch follows
         self.depth, self.callback_queued = 0, False
-        self.record_trace, self.trace_events = False, []
-        self.gathered_now, self.gathered_bytes_now = set(), 0
-        self.peak_gathered, self.peak_gathered_bytes = 0, 0
-        root.register_forward_pre_hook(lambda *_: self.begin_pass())
-        root.register_forward_hook(lambda *_: self.end_pass())
-        self.begin_pass()
 
     # --- order and prefetch ---------------------------------------------------------------------
     def begin_pass(self) -> None:
@@ -120,7 +127,7 @@ class ShardingState:
         last = self.last[kind]
         if unit.prefetch and pos + 1 < len(last):
             last[pos + 1].issue_all_gather(async_op=True)
-        self.trace(kind, unit.name)
+        observe.mark(kind, "fsdp", unit=unit.name)
         return pos
 
     # --- replicated parameters (those in no unit) ----------------------------------------------------
@@ -160,27 +167,12 @@ class ShardingState:
         for g in self._groups():
             comm.all_reduce(flat, group=g)
             world *= dist.get_world_size(g)
-        mine = [float(p.grad is not None) for p in ps]  # on meta (a dry run) counts have no values
-        counts, off = (mine if flat.is_meta else flat[-len(ps):].tolist()), 0
+        mine = [float(p.grad is not None) for p in ps]  # a dry run has no counts: this rank's stand in
+        counts, off = values_or(flat[-len(ps):], mine), 0
         for p, c in zip(ps, counts):
             if c > 0:
                 p.grad = flat[off:off + p.numel()].view_as(p).div(world)
             off += p.numel()
-
-    # --- statistics -------------------------------------------------------------------------------
-    def note_gathered(self, unit: FlatUnit, delta: int) -> None:
-        (self.gathered_now.add if delta > 0 else self.gathered_now.discard)(unit.name)
-        self.gathered_bytes_now += delta * unit.full_bytes
-        self.peak_gathered = max(self.peak_gathered, len(self.gathered_now))
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes_now)
-
-    def trace(self, event: str, name: str) -> None:
-        if self.record_trace:
-            self.trace_events.append((event, name, time.perf_counter()))
-
-    def reset_stats(self) -> None:
-        self.trace_events = []
-        self.peak_gathered, self.peak_gathered_bytes = len(self.gathered_now), self.gathered_bytes_now
 
 
 def _cast(tree, dtype):
@@ -219,49 +211,25 @@ class FSDPModule:
         return full_state_dict(self)
 
 
-_CLASSES: dict[type, type] = {}
-_UNCLAIMED: weakref.WeakSet = weakref.WeakSet()  # sharded modules whose root is not found yet
+def _pre_forward(module: nn.Module, _args) -> None:
+    """Forward pre-hook of each module ``fully_shard`` or ``replicate`` marked (FSDP2's root
+    pre-forward): the first to run becomes the root (lazy initialisation); the root opens a pass."""
+    if module.fsdp_state is None:
+        ShardingState(module)
+    if module.fsdp_state.root is module:
+        module.fsdp_state.begin_pass()
 
 
-class _TensorSet:
-    """A set of tensors by identity that does not keep them alive (tensors compare by value), each
-    with a value it was added with (a shard: the group it is sharded over)."""
-
-    def __init__(self):
-        self._refs: dict[int, tuple[weakref.ref, object]] = {}
-
-    def add(self, t, value=None) -> None:
-        self._refs[id(t)] = (weakref.ref(t), value)
-
-    def __contains__(self, t) -> bool:
-        r = self._refs.get(id(t))
-        return r is not None and r[0]() is t
-
-    def value(self, t):
-        """What ``t`` was added with (None if it is not in the set)."""
-        return self._refs[id(t)][1] if t in self else None
+def _post_forward(module: nn.Module, _args, _output) -> None:
+    if module.fsdp_state.root is module:
+        module.fsdp_state.end_pass()
 
 
-_TAKEN = _TensorSet()  # original parameters some unit has taken
-_SHARDS = _TensorSet()  # the sharded parameters every unit put in their place
-_root_hook = None
-
-
-def _find_root(module, _inputs) -> None:
-    """Global forward pre-hook: the first module to run that holds unclaimed units is their root."""
-    global _root_hook
-    mine = [m for m in module.modules() if m in _UNCLAIMED]
-    units = [m.fsdp_unit for m in mine if m.fsdp_unit is not None]
-    for u in units:  # the shards as they are now: deferred initialisation replaces fully_shard's
-        for p in u.sharded:
-            _SHARDS.add(p, u.group)
-    if units:
-        ShardingState(module, units)
-    for m in mine:
-        _UNCLAIMED.discard(m)
-    if not _UNCLAIMED and _root_hook is not None:
-        _root_hook.remove()
-        _root_hook = None
+def _mark(module: nn.Module) -> None:
+    """Hooks that find the root at the first forward; ``fsdp_state`` None until a root claims it."""
+    module.fsdp_state = None
+    module.register_forward_pre_hook(_pre_forward, prepend=True)
+    module.register_forward_hook(_post_forward)
 
 
 def _slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -272,13 +240,13 @@ def _slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
         for a, p in m._parameters.items():
             if p is None or id(p) in sharded:
                 continue
-            if p in _SHARDS:
+            if getattr(p, "fsdp_shard", None) is not None:
                 where = f"{mname} ({type(m).__name__})" if mname else type(m).__name__
                 raise ValueError(f"fully_shard: {where} is already in another module's unit. Either it is "
                                  f"shared by two modules: shard it first, fully_shard(<the shared module>), "
                                  f"and both will skip its unit; or fully_shard was called top-down: call it "
                                  f"on submodules first, then the root")
-            if p in _TAKEN:
+            if getattr(p, "fsdp_taken", False):
                 raise ValueError(f"fully_shard: parameter {mname or type(module).__name__}.{a} is already in "
                                  f"another unit (tied weights?); put every module that uses it in one unit: "
                                  f"call fully_shard on a common parent (e.g. the root) instead")
@@ -319,7 +287,6 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
     ``fp8_all_gather`` (chapter 08, :mod:`.fsdp_fp8`): True (E4M3) or ``'e4m3'`` / ``'e5m2'``: each rank
     sends its shard as fp8 plus one fp32 scale, dequantised after the gather (half of bf16's bytes).
     """
-    global _root_hook
     _check(module, group, replicate_group, mp_policy, reshard_after_forward)
     fp8 = fp8_all_gather_format(fp8_all_gather)
     slots = _slots(module)
@@ -334,17 +301,23 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
         if fp8 is not None:
             enable_fp8_all_gather(unit, fp8)
         for _, _, p in slots:
-            _TAKEN.add(p)
-        for p in unit.sharded:
-            _SHARDS.add(p, group)
+            p.fsdp_taken = True  # a tied copy of it elsewhere may not join another unit
     cls = type(module)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _CLASSES[cls]
+    module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.fsdp_unit = unit
-    _UNCLAIMED.add(module)
-    if _root_hook is None:
-        _root_hook = nn.modules.module.register_module_forward_pre_hook(_find_root)
+    _mark(module)
+    return module
+
+
+def replicate(module: nn.Module) -> nn.Module:
+    """Keep the parameters under ``module`` that no ``fully_shard`` call took replicated (chapter 01):
+    broadcast from rank 0 at the first forward, gradients averaged over the units' ranks at the end of
+    backward. Call it last, on the root, in place of ``fully_shard(module)``; returns ``module``."""
+    require_process_group("replicate")
+    if hasattr(module, "fsdp_state") or not any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise ValueError("replicate(module) keeps what fully_shard left out: call fully_shard on its "
+                         "submodules first, then replicate once, on the root (not on a sharded module)")
+    _mark(module)
     return module
 
 
@@ -358,8 +331,8 @@ def shard_groups(params) -> list:
     Their ranks hold different pieces of one gradient, so "an inf or NaN: skip the step" must be agreed
     over them (:class:`..mixed_precision.DynamicLossScaler`); under hybrid sharding the shard group
     suffices, the replicas of a shard holding the same all-reduced gradient."""
-    groups = {id(_SHARDS.value(p)): _SHARDS.value(p) for p in params if p in _SHARDS}
-    return list(groups.values())
+    tags = [p.fsdp_shard for p in params if getattr(p, "fsdp_shard", None) is not None]
+    return list({id(t.group): t.group for t in tags}.values())
 
 
 def sharding_state(module: nn.Module) -> ShardingState:

@@ -43,10 +43,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...models.init import cut_of
-from ...runtime import comm
+from ...runtime import comm, observe
+from ...runtime.devices import has_values, values_or
 from .flat import FlatParams, shard_range
 
-__all__ = ["MixedPrecisionPolicy", "FlatUnit", "UnitCall", "UnitFunction"]
+__all__ = ["MixedPrecisionPolicy", "FlatUnit", "UnitCall", "UnitFunction", "ShardTag"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,20 @@ class MixedPrecisionPolicy:
             if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
                 raise ValueError(f"MixedPrecisionPolicy({k}={d!r}): a {k} must be a floating-point torch "
                                  f"dtype such as torch.bfloat16, torch.float16 or torch.float32")
+
+
+class ShardTag:
+    """Noted on every sharded parameter as ``p.fsdp_shard``: the group it is sharded over. The tensor
+    carries it, as FSDP2's DTensor carries its mesh, so a list of parameters says which of them are
+    shards (:func:`.fsdp.shard_groups`). A pickled copy drops it: a process group lives in its processes."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def __reduce__(self):
+        return type(None), ()
 
 
 class FlatPart:
@@ -103,6 +118,8 @@ class FlatPart:
         self.shard = shard
         self.sharded = [nn.Parameter(shard[a:b], requires_grad=t)
                         for (a, b, _, _), t in zip(self._pieces(), trains)]
+        for p in self.sharded:
+            p.fsdp_shard = ShardTag(self.unit.group)
         self.full = shard.new_empty(self.flat.padded_numel, dtype=self.compute_dtype)
         self.full_bytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -133,7 +150,6 @@ class FlatPart:
         send = self.shard.detach().to(self.compute_dtype)  # the cast of mixed precision (a copy if any)
         work = comm.all_gather(self.full, send, group=self.unit.group, async_op=async_op)
         self.pending = (work, guard, send)
-        self.gathered_from = self.shard._version  # bumped by an optimizer step (the parameters view shard)
 
     @property
     def stale(self) -> bool:
@@ -181,8 +197,8 @@ class FlatPart:
         if u.replicate_group is not None:
             comm.all_reduce(got, group=u.replicate_group)
             world *= dist.get_world_size(u.replicate_group)
-        # On the meta device (a dry run) the counts have no values: take this rank's own flags.
-        counts = [float(g is not None) for g in grads] if got.is_meta else got[S:].tolist()
+        # The summed flags; in a dry run (no values) this rank's own stand in.
+        counts = values_or(got[S:], [float(g is not None) for g in grads])
         self._accumulate(got[:S].div(world).to(self.dtype), counts)  # a shard of S, no flags
 
     def _accumulate(self, shard_grad: torch.Tensor, counts: list) -> None:
@@ -208,7 +224,7 @@ class FlatUnit:
     """
 
     def __init__(self, slots, group, replicate_group, mp_policy, reshard_after_forward):
-        self.name, self.state = "?", None  # set when the root is found (see fsdp.ShardingState)
+        self.name, self.state = "?", None  # set when its root is found (see fsdp.ShardingState)
         self.group, self.replicate_group = group, replicate_group
         self.reshard_after_forward = reshard_after_forward
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -228,7 +244,7 @@ class FlatUnit:
 
     @property
     def is_meta(self) -> bool:
-        return any(part.shard.is_meta for part in self.parts)
+        return not all(has_values(part.shard) for part in self.parts)  # built on meta: not materialised yet
 
     def materialize(self, device, piece) -> None:
         """Deferred initialisation (ch12): each part's meta shard made real on ``device`` (see
@@ -257,10 +273,11 @@ class FlatUnit:
         if self.gathered and not self.stale:
             return
         self.release()
-        self.state.note_gathered(self, +1)
+        observe.mark("all_gather", "fsdp", unit=self.name)
+        observe.count("gathered_bytes", self.full_bytes, unit=self.name)
         for part in self.parts:
             part.all_gather(async_op)
-        self.state.trace("all_gather", self.name)
+            part.gathered_from = part.shard._version  # bumped by an optimizer step (the parameters view it)
 
     def wait(self) -> None:
         """Make sure the full buffers hold the shards' current weights, gathering now if nobody
@@ -275,8 +292,8 @@ class FlatUnit:
         for part in self.parts:
             part.full.untyped_storage().resize_(0)
             part.gathered_from = None
-        self.state.note_gathered(self, -1)
-        self.state.trace("free", self.name)
+        observe.mark("free", "fsdp", unit=self.name)
+        observe.count("gathered_bytes", -self.full_bytes, unit=self.name)
 
     def release(self) -> None:
         """Free a gathered unit that is not to run on these values (a prefetch it did not use, or
@@ -304,7 +321,7 @@ class FlatUnit:
         for part, part_leaves in zip(self.parts, leaves):
             if any(p.requires_grad for p in part.sharded):  # the same on every rank
                 part.reduce_grads(part_leaves)
-        self.state.trace("reduce_scatter", self.name)
+        observe.mark("reduce_scatter", "fsdp", unit=self.name)
 
 
 class UnitCall:
@@ -355,7 +372,7 @@ class UnitFunction(torch.autograd.Function):
                     unit.unbind()
         finally:
             state.depth -= 1
-        state.trace("forward_end", unit.name)
+        observe.mark("forward_end", "fsdp", unit=unit.name)
         if unit.reshard_after_forward:
             unit.free()
         ctx.call, ctx.inner_outs, ctx.inner_inputs = call, outs, inputs
@@ -371,7 +388,7 @@ class UnitFunction(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(ctx.inner_outs, grad_outs) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        state.trace("backward_end", unit.name)
+        observe.mark("backward_end", "fsdp", unit=unit.name)
         unit.reduce_grads(ctx.leaves)
         unit.free()
         grads = tuple(x.grad if x.requires_grad else None for x in ctx.inner_inputs)

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime import comm, require_process_group
+from ...runtime.devices import same_memory, values_or
 from .offload import OffloadedOptimizer
 from .partition import FlatPartition, bucket_ranges
 
@@ -84,12 +85,6 @@ def _check_flat(params) -> None:
                          f"one ShardedOptimizer per dtype")
     if len({id(p) for p in params}) != len(params):
         raise ValueError("a parameter is listed twice: pass each tensor (a tied weight too) once")
-
-
-def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    """Whether ``grad`` already lives in the flat buffer at ``view`` (meta tensors all sit at address 0:
-    there only the view itself counts)."""
-    return grad is view or (not view.is_meta and grad.data_ptr() == view.data_ptr())
 
 
 def _options(group: dict) -> dict:
@@ -188,7 +183,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _into_flat_grad(self, p: torch.Tensor) -> None:
         """A gradient arrived: keep it in the flat gradient buffer, as a view (nothing if it is one)."""
         v = self._grad_views[self._index[id(p)]]
-        if not _is_view(p.grad, v):
+        if not same_memory(p.grad, v):
             v.copy_(p.grad)  # autograd made a fresh gradient (p.grad was None): it starts the sum
             p.grad = v
 
@@ -196,7 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p, v in zip(self.partition.flat.params, self._grad_views):
             if p.grad is None:
                 v.zero_()  # no gradient on this rank: it adds nothing to the average
-            elif not _is_view(p.grad, v):
+            elif not same_memory(p.grad, v):
                 v.copy_(p.grad)  # set by hand, not by backward
                 p.grad = v
         self.partition.shard.grad = self.partition.reduce(self.flat_grad)
@@ -323,9 +318,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = self._got if self.stage == 2 else [p.grad is not None for p in flat.params]
         mask = torch.tensor(local, dtype=torch.uint8, device=self.partition.flat_param.device)
         comm.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
-        if mask.is_meta:  # meta tensors hold no values to agree on: this rank's flags stand in
-            return list(local)
-        return mask.bool().tolist()
+        return values_or(mask.bool(), list(local))  # a dry run agrees on nothing: this rank's flags stand in
 
     @torch.no_grad()
     def step(self, closure=None):

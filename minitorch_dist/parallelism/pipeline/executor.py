@@ -41,15 +41,16 @@ matches it whatever order the ranks post in (NCCL ignores tags and matches in is
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ...models.gpt import GPT
-from ...runtime import comm, require_process_group
+from ...runtime import comm, observe, require_process_group
+from ...runtime.devices import item_or_nan
 from .messages import Messages
 from .zero_bubble import LinearTap, b_params, backward_input, backward_weights
 
@@ -139,23 +140,21 @@ class PipelineResult:
     loss: float | None  # mean loss over the global batch, on the rank holding the last stage
     losses: list[float]  # per-microbatch mean losses (last stage's rank), unscaled; NaN on meta tensors
     actions: list[str]  # this rank's actions, in the order run
-    stashed: list[float]  # microbatches whose activations were held while each action ran
-    peak_stashed: float  # max(stashed), in microbatch units (a chunk counts 1/v)
-    events: list = field(default_factory=list)  # timeline Events of this step (when a Timeline was given)
-    peak_activation_bytes: int | None = None  # MemoryMeter peak, when one was given
 
 
 # --- tied embeddings: Megatron's embedding group ------------------------------------------------
 
-_groups: dict = {}
+# world group -> {(first, last): their group}. Weak: the entries die with the world they belong to, so
+# a world made again (after destroy_process_group) makes its own groups, never a dead world's.
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _embedding_group(ranks: tuple[int, int]):
-    """The 2-rank group of the first and last stage; created once (only its members call this)."""
-    key = (ranks, id(dist.group.WORLD))
-    if key not in _groups:
-        _groups[key] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _groups[key]
+    """The 2-rank group of the first and last stage; created once per world (only its members call this)."""
+    mine = _groups.setdefault(dist.group.WORLD, {})
+    if ranks not in mine:
+        mine[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return mine[ranks]
 
 
 def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None, embedding_group=None) -> bool:
@@ -211,49 +210,20 @@ def _check(schedule, stages, x, y, group):
                          f"m={schedule.m} equal microbatches; use a batch size that is a multiple of m")
 
 
-class _StashCount:
-    """Observer of the activation stash: microbatches whose activations this rank holds (a chunk
-    counts 1/v), recorded as each action runs, and the peak."""
-
-    def __init__(self, v: int):
-        self.v, self.units, self.peak, self.held = v, 0, 0, []
-
-    def grow(self) -> None:  # an F stashed one chunk's activations
-        self.units += 1
-        self.peak = max(self.peak, self.units)
-
-    def shrink(self) -> None:  # the last backward step of a chunk freed them
-        self.units -= 1
-
-    def record(self) -> None:
-        self.held.append(self.units / self.v)
-
-
-class _Spans:
-    """Observer for an optional :class:`runtime.timeline.Timeline`: one span per action, and the
-    events added during this step."""
-
-    def __init__(self, timeline):
-        self.timeline = timeline
-        self.t0 = len(timeline.events) if timeline is not None else 0
-
-    def __call__(self, a):
-        if self.timeline is None:
-            return contextlib.nullcontext()
-        return self.timeline.span(str(a), category=a.kind, mb=a.mb, chunk=a.chunk)
-
-    def events(self) -> list:
-        return list(self.timeline.events[self.t0:]) if self.timeline is not None else []
-
-
 class _Runner:
     """One rank's step: :meth:`run` executes an action; the F, B and W steps are methods.
 
     ``state[(mb, chunk)]`` holds what a microbatch's chunk keeps from F to B (stage input ``x``,
     output ``y``, the Linear taps) and, with a split backward, from B to W (``stash``).
+
+    Announced (:mod:`runtime.observe`): each action as a span ``str(action)``, category F/B/W, meta
+    ``mb``, ``chunk`` (its receive waited for before the span, so the gaps are the bubbles); and the
+    stash, ``count("stash", ±1/v)``, as an F keeps a chunk's activations and the last backward step
+    of that chunk (B, or W when split) frees them: in microbatches, a chunk holding 1/v of the rank's
+    layers.
     """
 
-    def __init__(self, schedule, stages, x, y, group, timeline):
+    def __init__(self, schedule, stages, x, y, group):
         self.schedule, self.stages = schedule, stages
         self.rank, self.n_vs, self.m = dist.get_rank(group), schedule.p * schedule.v, schedule.m
         param = next(next(iter(stages.values())).parameters())
@@ -266,14 +236,15 @@ class _Runner:
         self.b_ids = {c: {id(q) for q in ps} for c, ps in self.b_params.items()}
         self.state: dict = {}
         self.losses, self.actions = [], []
-        self.stash, self.spans = _StashCount(schedule.v), _Spans(timeline)
+        self.unit = 1 / schedule.v  # a chunk's share of a microbatch, in the stash's count
 
     def run(self, a) -> None:
         step = {"F": self.forward, "B": self.backward, "W": self.weights}.get(a.kind)
         if step is None:
             raise ValueError(f"unknown action kind {a.kind!r} in {a}; expected F, B or W")
-        step(a, self.schedule.virtual_stage(self.rank, a.chunk))
-        self.actions.append(str(a))
+        name = str(a)
+        step(a, self.schedule.virtual_stage(self.rank, a.chunk), name)
+        self.actions.append(name)
 
     def _input(self, a):
         """``(vs_from, mb, vs, grad)`` of the message action ``a`` waits for, or None (tokens, loss)."""
@@ -298,18 +269,17 @@ class _Runner:
         if key is not None:
             self.messages.ready(*key)
 
-    def forward(self, a, vs: int) -> None:
+    def forward(self, a, vs: int, name: str) -> None:
         """F: the stage input (tokens, or the previous stage's activation), the stage, send its output on."""
         inp = self.xs[a.mb] if vs == 0 else self.messages.recv(vs - 1, a.mb, vs, 0).requires_grad_(True)
-        self.stash.grow()
-        self.stash.record()
-        with self.spans(a):
+        observe.count("stash", self.unit, mb=a.mb, chunk=a.chunk)  # kept until this chunk's backward
+        with observe.span(name, a.kind, mb=a.mb, chunk=a.chunk):
             st = self.state[(a.mb, a.chunk)] = {"x": None if vs == 0 else inp, "taps": []}  # taps: split B/W
             if (a.mb, a.chunk) in self.split:
                 self.taps.active = st["taps"]
             if vs == self.n_vs - 1:
                 loss = self.stages[a.chunk](inp, self.ys[a.mb])
-                self.losses.append(float("nan") if loss.is_meta else loss.item())  # meta: no value
+                self.losses.append(item_or_nan(loss))
                 st["y"] = loss / self.m  # mean of the m microbatch means = the batch mean
             else:
                 st["y"] = self.stages[a.chunk](inp)  # (B/m, T, n_embd)
@@ -318,16 +288,15 @@ class _Runner:
         if vs < self.n_vs - 1:
             self.messages.send(st["y"], vs + 1, a.mb, 0)
 
-    def backward(self, a, vs: int) -> None:
+    def backward(self, a, vs: int, name: str) -> None:
         """B: the output's gradient (1 on the last stage), backward, send dL/dx back. When the schedule
         splits this (mb, chunk), only the input and non-Linear gradients
         (:func:`.zero_bubble.backward_input`); W the rest."""
         key = (a.mb, a.chunk)
         st = self.state[key]
         g = None if vs == self.n_vs - 1 else self.messages.recv(vs + 1, a.mb, vs, 1)
-        self.stash.record()
         split = key in self.split
-        with self.spans(a):
+        with observe.span(name, a.kind, mb=a.mb, chunk=a.chunk):
             if split:
                 dx, st["stash"] = backward_input(st.pop("y"), g, st.pop("x"), st.pop("taps"),
                                                   self.b_params[a.chunk])
@@ -338,50 +307,49 @@ class _Runner:
             self.messages.send(dx, vs - 1, a.mb, 1)
         if not split:
             del self.state[key]
-            self.stash.shrink()
+            observe.count("stash", -self.unit, mb=a.mb, chunk=a.chunk)
 
-    def weights(self, a, vs: int) -> None:
+    def weights(self, a, vs: int, name: str) -> None:
         """W: the Linear weight gradients from the (x, dy) pairs B kept
         (:func:`.zero_bubble.backward_weights`)."""
-        self.stash.record()
-        with self.spans(a):
+        with observe.span(name, a.kind, mb=a.mb, chunk=a.chunk):
             backward_weights(self.state.pop((a.mb, a.chunk))["stash"], self.b_ids[a.chunk])
-        self.stash.shrink()
+        observe.count("stash", -self.unit, mb=a.mb, chunk=a.chunk)
 
     def close(self) -> None:
         if self.taps is not None:
             self.taps.remove()
 
-    def result(self, memory) -> PipelineResult:
+    def result(self) -> PipelineResult:
         if self.state:
             raise RuntimeError(f"rank {self.rank}: microbatches {sorted(self.state)} were never fully "
                                f"backpropagated; the schedule is missing their B (or W) actions")
         on_last = self.rank == self.schedule.placement(self.n_vs - 1)[0]
         return PipelineResult(
             rank=self.rank, loss=sum(self.losses) / self.m if on_last else None, losses=self.losses,
-            actions=self.actions, stashed=self.stash.held, peak_stashed=self.stash.peak / self.schedule.v,
-            events=self.spans.events(),
-            peak_activation_bytes=memory.peak["activations"] if memory is not None else None)
+            actions=self.actions)
 
 
 def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: torch.Tensor,
-                 timeline=None, memory=None, group=None, sync_tied: bool = True) -> PipelineResult:
+                 group=None, sync_tied: bool = True) -> PipelineResult:
     """Run this rank's actions of ``schedule`` for one step on the global batch ``(x, y)``.
 
     ``stages`` maps chunk -> module (:func:`local_stages`). Every rank passes the same global batch;
     it is cut into ``m`` microbatches, rank of stage 0 reads the tokens, the last stage's rank the
     targets. Gradients accumulate in the parameters' ``.grad`` (zero them before, step the optimizer
-    after, as with any backward). ``timeline`` (:class:`runtime.timeline.Timeline`) gets one span
-    per action, named ``str(action)``, category F/B/W, meta ``mb``, ``chunk``; receives are waited
-    for *outside* the spans, so the gaps are the bubbles. ``memory`` (:class:`analysis.meters.MemoryMeter`)
-    tracks the tensors autograd saves over the step (the (x, dy) pairs zero-bubble keeps from B to
-    W live outside autograd and are not counted; ``peak_stashed`` counts them, in microbatches).
-    With tied embeddings the embedding gradient is all-reduced between the first and last stage
-    at the end (:func:`sync_tied_embedding`; ``sync_tied=False`` leaves it to the caller).
+    after, as with any backward). With tied embeddings the embedding gradient is all-reduced between
+    the first and last stage at the end (:func:`sync_tied_embedding`; ``sync_tied=False`` leaves it
+    to the caller).
     ``group``: the pipeline's process group (default: the world), stage r = its rank r.
 
-    Returns a :class:`PipelineResult`: ``loss`` (batch mean, on the last stage's rank),
-    ``peak_stashed`` and the per-action ``stashed`` counts, this step's timeline ``events``.
+    Returns a :class:`PipelineResult`: ``loss`` (batch mean, on the last stage's rank), the losses of
+    the microbatches, the actions run.
+
+    The step announces each action as a span and each change of the activation stash as a count
+    (:class:`_Runner`; :mod:`runtime.observe`): ``with observe.watching(Timeline()):`` draws its
+    Gantt chart, ``analysis.pipeline_observers.StashCounter`` counts the microbatches held, and
+    ``with meter.track():`` around the call meters the tensors autograd saves (the (x, dy) pairs
+    zero-bubble keeps from B to W live outside autograd: the stash count has them, the meter not).
 
     Where the schedule has a W for a (mb, chunk) (zero-bubble schedules; some of DualPipeV's), B
     computes the input gradient and the non-Linear parameter gradients, W the Linear weight gradients
@@ -390,11 +358,8 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
     tied embedding (no all-reduce needed).
     """
     _check(schedule, stages, x, y, group)
-    runner = _Runner(schedule, stages, x, y, group, timeline)
-    with contextlib.ExitStack() as cleanup:
-        if memory is not None:
-            cleanup.enter_context(memory.track())
-        cleanup.callback(runner.close)
+    runner = _Runner(schedule, stages, x, y, group)
+    try:
         actions = schedule[runner.rank]
         for i, a in enumerate(actions):
             for ahead in actions[i:i + 2]:  # post this action's receive and the next one's: the next
@@ -404,4 +369,6 @@ def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: tor
         runner.messages.wait()
         if sync_tied:
             sync_tied_embedding(stages, schedule, group)
-    return runner.result(memory)
+    finally:
+        runner.close()
+    return runner.result()

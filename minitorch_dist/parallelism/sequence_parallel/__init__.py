@@ -29,7 +29,6 @@ from .megatron_sp import (
 from .ring_attention import (
     LAYOUTS,
     attention_block,
-    count_block_work,
     merge_attention,
     sequence_positions,
     shard_sequence,
@@ -52,7 +51,7 @@ __all__ = [
     "SequenceParallelGPT", "SequenceParallelMLP", "SequenceParallelRowLinear",
     "allreduce_sequence_parallel_grads", "gather_from_sequence", "parallelize_gpt_sp",
     "reduce_scatter_to_sequence", "scatter_to_sequence", "sequence_parallel_block", "LAYOUTS",
-    "attention_block", "count_block_work", "merge_attention", "sequence_positions", "shard_sequence",
+    "attention_block", "merge_attention", "sequence_positions", "shard_sequence",
     "unshard_sequence", "zigzag_shard", "zigzag_unshard", "UlyssesAttention", "UlyssesGQAAttention",
     "check_ulysses_degree", "heads_to_seq", "seq_to_heads", "ulysses_attention",
 ]

@@ -50,17 +50,18 @@ of Llama 3's context parallelism, Dubey et al. 2024 §3.3.2, which gathers K/V w
 rather than a ring; Brandon et al. 2023, "Striped Attention", balance the same work by striping
 tokens round-robin instead). Both layouts apply one rule per (query chunk a,
 key chunk b) of the global chunk order: b < a full, b == a diagonal mask, b > a skipped.
+
+Every score block computed is announced (:mod:`runtime.observe`) as two counts, ``"forward
+score entries"`` += Sq·Sk and ``"forward flops"`` += 4·B·h·Sq·Sk·d (``"backward ..."``: 10·B·h·Sq·Sk·d,
+five matmuls); a :class:`analysis.observers.Recorder` sums them (its ``totals``), per rank.
 """
 from __future__ import annotations
-
-import contextlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ...kernels.attention_tiled import tiled_attention_backward, tiled_attention_forward
-from ...runtime import comm, require_process_group
+from ...runtime import comm, observe, require_process_group
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -101,7 +102,7 @@ def attention_block(q, k, v, causal=False, scale=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     forward, _ = _block_math(q)
     out, lse = forward(q, k, v, causal=causal, scale=scale)
-    _count("forward", q, k)
+    _announce_block("forward", q, k)
     return out, lse.to(out.dtype)
 
 
@@ -129,49 +130,18 @@ def attention_block_backward(q, k, v, causal, scale, dout, lse, delta):
     """
     _, backward = _block_math(q)
     grads = backward(q, k, v, dout, lse, delta, causal=causal, scale=scale)
-    _count("backward", q, k)
+    _announce_block("backward", q, k)
     return grads
 
 
-# --- counting block work (for the load-balance and memory checks) ---------------------------------------
-
-
-@dataclass
-class BlockWork:
-    """Blocks of scores computed on this rank: ``blocks[pass]`` lists (Sq, Sk); ``flops[pass]`` sums
-    4·B·h·Sq·Sk·d forward (two matmuls) and 10·B·h·Sq·Sk·d backward (five)."""
-
-    blocks: dict = field(default_factory=lambda: {"forward": [], "backward": []})
-    flops: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
-
-    def score_entries(self, which="forward") -> int:
-        return sum(a * b for a, b in self.blocks[which])
-
-    def largest_block(self, which="forward") -> int:
-        return max((a * b for a, b in self.blocks[which]), default=0)
-
-
-_counters: list = []
-
-
-def _count(which, q, k):
-    if _counters:
+def _announce_block(which, q, k):
+    """Announce one score block of pass ``which`` (module docstring): its Sq·Sk entries and its FLOPs,
+    4·B·h·Sq·Sk·d forward (two matmuls), 10·B·h·Sq·Sk·d backward (five)."""
+    if observe.watched():
         sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        batch = q.numel() // (sq * d)
-        for c in _counters:
-            c.blocks[which].append((sq, sk))
-            c.flops[which] += (4 if which == "forward" else 10) * batch * sq * sk * d
-
-
-@contextlib.contextmanager
-def count_block_work():
-    """``with count_block_work() as w:`` records every score block computed inside (this rank)."""
-    w = BlockWork()
-    _counters.append(w)
-    try:
-        yield w
-    finally:
-        _counters.remove(w)
+        batch_heads = q.numel() // (sq * d)
+        observe.count(f"{which} score entries", sq * sk)
+        observe.count(f"{which} flops", (4 if which == "forward" else 10) * batch_heads * sq * sk * d)
 
 
 # --- the layouts: which chunks of the sequence a rank holds ---------------------------------------------
