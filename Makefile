@@ -24,11 +24,13 @@ setup: $(STAMP)                      ## create .venv and install everything
 tour: $(STAMP)                       ## one headline experiment per written chapter, as a table
 	$(BIN)/python -m minitorch_dist tour
 
-lint: $(STAMP)                       ## ruff over the repository (configured in pyproject.toml)
+lint: $(STAMP)                       ## ruff over the repository, mypy over runtime/ and the wrappers (pyproject.toml)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: $(STAMP)                       ## lint, then the whole suite: library, exercises, notebooks (smoke sizes)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" $(NBVAL) tests notebooks $(NO_SOLUTIONS)
 	MTD_SMOKE=1 $(BIN)/python -m pytest -m serial tests $(NO_SOLUTIONS)
 
@@ -40,6 +42,7 @@ test-portability: $(STAMP)           ## the numerics tests again, with MKL on an
 
 test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not serial" tests $(NO_SOLUTIONS)
 	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow and serial" tests $(NO_SOLUTIONS)
 

@@ -362,7 +362,8 @@ def _check_ps_arguments(problem, bounds, staleness, clocks, lr) -> int:
     return len(bounds)
 
 
-def ssp_parameter_server(problem, bounds, staleness, clocks: int, lr: float, straggler=None) -> dict:
+def ssp_parameter_server(  # noqa: C901 - a server and a worker, one worked solution read top to bottom
+        problem, bounds, staleness, clocks: int, lr: float, straggler=None) -> dict:
     """Kind: build
 
     One rank of a parameter server whose workers may run at most ``staleness`` clocks apart (Ho et

@@ -253,7 +253,7 @@ def v_stage(p: int, rank: int, chunk: int) -> int:
     # END SOLUTION
 
 
-def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:
+def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:  # noqa: C901 - the phases, as listed above
     """Kind: build
 
     Rank ``rank``'s ZB-V action list for ``p`` ranks and ``m`` microbatches, as strings: ``"F3"``

@@ -377,7 +377,7 @@ class Zero3Unit(nn.Module):
 
 def _zero_model(model: nn.Module, stage: int, lr: float):
     """(model, optimizer, inner): the model at ZeRO ``stage`` with AdamW; ``inner`` holds the state."""
-    adamw = lambda params: torch.optim.AdamW(params, lr=lr)  # noqa: E731
+    adamw = lambda params: torch.optim.AdamW(params, lr=lr)
     if stage == 3:
         model = fully_shard(model)  # one unit: the whole model
         opt = adamw(model.parameters())

@@ -131,6 +131,30 @@ def group_ranks(axis: str, dp: int, tp: int, pp: int) -> list[list[int]]:
 WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12
 
 
+def _check_fits_arguments(cfg, memory_bytes, tp, pp, zero, recompute, sequence_parallel, usable,
+                          grad_bytes) -> None:
+    """Validate the arguments of :func:`fits_in_memory` (a ``ValueError`` naming the fix)."""
+    if cfg.n_layer % pp:
+        raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors "
+                         f"of {cfg.n_layer}")
+    if cfg.n_head % tp or cfg.vocab_size % tp:
+        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must both be divisible by "
+                         f"tp={tp}; choose tp among their common divisors")
+    if sequence_parallel and cfg.block_size % tp:
+        raise ValueError(f"sequence parallelism needs block_size {cfg.block_size} divisible by tp={tp}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
+    if recompute not in costmodel.RECOMPUTE:
+        raise ValueError(f"recompute must be one of {costmodel.RECOMPUTE}, got {recompute!r}")
+    if not memory_bytes > 0:
+        raise ValueError(f"memory_bytes must be > 0 (the GPU's memory, e.g. 80e9), got {memory_bytes!r}")
+    if not 0 < usable <= 1:
+        raise ValueError(f"usable must be in (0, 1], got {usable!r}")
+    if grad_bytes not in (2, 4):
+        raise ValueError(f"grad_bytes must be 2 (16-bit gradients) or 4 (an fp32 main_grad), "
+                         f"got {grad_bytes!r}")
+
+
 def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro_batch: int,
                    microbatches: int, zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
                    usable: float = 0.9, grad_bytes: int = 4) -> tuple[bool, dict]:
@@ -178,25 +202,7 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
       CUDA context, communication buffers and fragmentation), and ``fits = total <= capacity``.
     """
     _positive_ints(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=microbatches)
-    if cfg.n_layer % pp:
-        raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors "
-                         f"of {cfg.n_layer}")
-    if cfg.n_head % tp or cfg.vocab_size % tp:
-        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must both be divisible by "
-                         f"tp={tp}; choose tp among their common divisors")
-    if sequence_parallel and cfg.block_size % tp:
-        raise ValueError(f"sequence parallelism needs block_size {cfg.block_size} divisible by tp={tp}")
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
-    if recompute not in costmodel.RECOMPUTE:
-        raise ValueError(f"recompute must be one of {costmodel.RECOMPUTE}, got {recompute!r}")
-    if not memory_bytes > 0:
-        raise ValueError(f"memory_bytes must be > 0 (the GPU's memory, e.g. 80e9), got {memory_bytes!r}")
-    if not 0 < usable <= 1:
-        raise ValueError(f"usable must be in (0, 1], got {usable!r}")
-    if grad_bytes not in (2, 4):
-        raise ValueError(f"grad_bytes must be 2 (16-bit gradients) or 4 (an fp32 main_grad), "
-                         f"got {grad_bytes!r}")
+    _check_fits_arguments(cfg, memory_bytes, tp, pp, zero, recompute, sequence_parallel, usable, grad_bytes)
     psi = costmodel.pipeline_stage_params(cfg, tp, pp)[0]  # parameters on one GPU of the first stage
     s, b, h, a, t = cfg.block_size, micro_batch, cfg.n_embd, cfg.n_head, tp
     layers = cfg.n_layer // pp
@@ -286,6 +292,20 @@ def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, m
 # --- 4. one training step on a data x tensor grid ------------------------------------------------
 
 
+def _check_grid_arguments(cfg, dp, tp, steps, batch, seq) -> None:
+    """Validate the arguments of :func:`train_on_2d_grid`, on the ranks of a job of ``dp * tp``."""
+    for name, v in (("dp", dp), ("tp", tp), ("steps", steps), ("batch", batch), ("seq", seq)):
+        _positive_ints(**{name: v})
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("train_on_2d_grid runs on every rank: launch(train_on_2d_grid, dp * tp, ...)")
+    if dist.get_world_size() != dp * tp:
+        raise ValueError(f"the grid has dp*tp = {dp * tp} ranks but the job has {dist.get_world_size()}")
+    if batch % dp:
+        raise ValueError(f"batch {batch} is not divisible by dp={dp}: each replica needs the same rows")
+    if cfg.n_head % tp or cfg.vocab_size % tp:
+        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must be divisible by tp={tp}")
+
+
 def train_on_2d_grid(cfg, dp: int, tp: int, steps: int, batch: int, seq: int, lr: float = 0.1):
     """Kind: build
 
@@ -323,16 +343,7 @@ def train_on_2d_grid(cfg, dp: int, tp: int, steps: int, batch: int, seq: int, lr
     ``model.named_parameters()`` after the last update, detached (the names are the dense GPT's;
     each tensor is this rank's slice).
     """
-    for name, v in (("dp", dp), ("tp", tp), ("steps", steps), ("batch", batch), ("seq", seq)):
-        _positive_ints(**{name: v})
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("train_on_2d_grid runs on every rank: launch(train_on_2d_grid, dp * tp, ...)")
-    if dist.get_world_size() != dp * tp:
-        raise ValueError(f"the grid has dp*tp = {dp * tp} ranks but the job has {dist.get_world_size()}")
-    if batch % dp:
-        raise ValueError(f"batch {batch} is not divisible by dp={dp}: each replica needs the same rows")
-    if cfg.n_head % tp or cfg.vocab_size % tp:
-        raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must be divisible by tp={tp}")
+    _check_grid_arguments(cfg, dp, tp, steps, batch, seq)
     # BEGIN SOLUTION
     rank = dist.get_rank()
     dp_rank = rank // tp  # rank = tp_rank + tp * dp_rank

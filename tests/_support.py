@@ -168,7 +168,7 @@ def attention_bounds(q, k, v, causal, scale=None, do=None, *, acc=torch.float32,
     to the inputs' dtype before their products (the Triton kernel's fp16 path). ``merged``: o and lse
     merged from key blocks (ring attention), each block's lse error moving the merge's weights."""
     dtype, u = q.dtype, roundoff(acc)
-    g = lambda n: gamma(n, acc)  # noqa: E731
+    g = lambda n: gamma(n, acc)
     uh = roundoff(dtype) if cast and dtype not in (torch.float32, torch.float64) else 0.0
     q, k, v = (x.detach().double().cpu() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
@@ -216,7 +216,7 @@ def attention_bounds(q, k, v, causal, scale=None, do=None, *, acc=torch.float32,
     ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
     dq, dk, dv = c * ds @ k, c * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
     if group > 1:  # each kv head: the sum over its group's query heads
-        fold = lambda t: t.unflatten(1, (-1, group)).sum(2)  # noqa: E731
+        fold = lambda t: t.unflatten(1, (-1, group)).sum(2)
         e_dk, e_dv, dk, dv = fold(e_dk), fold(e_dv), fold(dk), fold(dv)
     out.update(dq=n * (e_dq + rounded(dq, e_dq, dtype)), dk=n * (e_dk + rounded(dk, e_dk, dtype)),
                dv=n * (e_dv + rounded(dv, e_dv, dtype)), delta=n * e_delta[..., 0])
@@ -242,9 +242,10 @@ def dense_run(model_fn, steps: int, batch: int, seq: int, *, seed: int, **train_
 
 def refusal(call, *errors: type[BaseException]) -> str | None:
     """The message ``call()`` refuses with (one of ``errors``, default ValueError), or None if it ran."""
+    expected = errors or (ValueError,)
     try:
         call()
-    except errors or (ValueError,) as e:
+    except expected as e:
         return str(e)
     return None
 
@@ -272,7 +273,7 @@ def run_cases(cases: dict) -> dict:
     for name, fn in cases.items():
         try:
             out[name] = fn()
-        except Exception as e:  # noqa: BLE001 - handed to the test of this case, with its traceback
+        except Exception as e:  # handed to the test of this case, with its traceback
             out[name] = CaseFailure(name, e)
     return out
 

@@ -171,7 +171,7 @@ def test_relu_mask_takes_n_over_8_bytes():
 @pytest.mark.parametrize("encoding", ["none", "fp16", "int8"])
 def test_mlp_saved_bytes_equal_the_sum_of_the_formulas(encoding):
     model, (x, y) = _mlp(), _data()
-    fwd = lambda: F.mse_loss(model(x), y)  # noqa: E731
+    fwd = lambda: F.mse_loss(model(x), y)
     saved = _saved_tensors(fwd)
     # sanity: the independent record holds the two ReLU masks, the activations and parameter views
     assert sum(d == torch.bool for _, d, _ in saved) == 2 and any(p for *_, p in saved)

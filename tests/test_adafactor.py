@@ -85,7 +85,8 @@ def test_same_trajectory_as_torch_adafactor(hyper):
         start = [p.detach() for p in WithTensor3().parameters()]
     for step, (a, b) in enumerate(zip(ours, ref)):
         for pa, pb in zip(a, b):  # bitwise: the same operations in the same order (module docstring)
-            torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=lambda m: f"step {step + 1}: {m}")
+            torch.testing.assert_close(pa, pb, rtol=0, atol=0,
+                                       msg=lambda m, step=step: f"step {step + 1}: {m}")
     moved = max((p - p0).abs().max().item() for p, p0 in zip(ours[-1], start))
     assert moved > 1e-3  # the comparison is not between two models that did not train
 

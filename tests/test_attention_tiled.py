@@ -55,7 +55,7 @@ CASES = [  # B, H, H_kv, Sq, Sk, d, causal, block_q, block_k
 
 def _inputs(B, H, H_kv, Sq, Sk, d, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
     return make(B, H, Sq, d), make(B, H_kv, Sk, d), make(B, H_kv, Sk, d), make(B, H, Sq, d)
 
 
@@ -204,7 +204,7 @@ def test_standard_attention_moves_the_score_matrix_and_flash_does_not():
 def test_flash_bytes_follow_theorem_2():
     """Θ(N²d²/M): four times the bytes for twice the sequence, half for twice the on-chip memory."""
     d, e = 64, 2
-    kv = lambda n, sram: cm.flash_attention_bytes(1, 1, n, n, d, e, sram_bytes=sram)["read"] - n * d * e  # noqa: E731
+    kv = lambda n, sram: cm.flash_attention_bytes(1, 1, n, n, d, e, sram_bytes=sram)["read"] - n * d * e
     # integers; the query tiles divide the sequences evenly here, so the scalings hold exactly
     assert kv(8192, 2**17) == 4 * kv(4096, 2**17)
     assert 2 * kv(8192, 2**18) == kv(8192, 2**17)

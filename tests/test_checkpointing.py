@@ -216,7 +216,7 @@ def test_checkpoint_sequential_equals_torch(n, segments):
 def test_checkpointed_blocks_run_forward_exactly_twice_per_step():
     n = 9
     model = make_gpt(n_layer=n)
-    runs = lambda policy, segments=None: step(apply_recompute(model, policy, segments), metered=False)[4]  # noqa: E731
+    runs = lambda policy, segments=None: step(apply_recompute(model, policy, segments), metered=False)[4]
     assert runs("none") == dict.fromkeys(range(n), 1)
     assert runs("full") == dict.fromkeys(range(n), 2)
     # sqrt(9) = 3 segments; the last one is not checkpointed (as in torch)
@@ -330,7 +330,7 @@ def brute_force(layer_bytes, boundary_bytes, budget):
 
 def test_planner_matches_brute_force_on_uneven_layers():
     rng = random.Random(0)
-    for trial in range(30):
+    for _ in range(30):
         n = rng.randint(1, 7)
         layer_bytes = [rng.randint(1, 40) * 1000 for _ in range(n)]
         boundary_bytes = [rng.randint(1, 10) * 1000 for _ in range(n)]

@@ -69,7 +69,7 @@ def test_payload_size_is_the_formula(name):
         g = torch.randn(shape)
         p = comp.compress(g)
         d = math.prod(shape)
-        k = lambda r: max(1, math.ceil(r * d))  # noqa: E731
+        k = lambda r, d=d: max(1, math.ceil(r * d))
         formula = {"topk": 8 * k(0.1), "randk": 4 * k(0.25), "sign": math.ceil(d / 8) + 4,
                    "qsgd": d + 4, "fp16": 2 * d}[name]
         assert p.nbytes == comp.payload_nbytes(shape) == formula
@@ -122,7 +122,7 @@ def test_error_feedback_carries_exactly_the_residual(inner):
     sent, given = torch.zeros(4, 9), torch.zeros(4, 9)
     slack = torch.zeros(4, 9)  # float32 rounding of the four additions a step makes, each <= eps/2 |result|
     eps = torch.finfo(torch.float32).eps
-    for t in range(8):
+    for _ in range(8):
         g = torch.randn(4, 9, generator=gen)
         dec = ef.decompress(ef.compress(g, key="w"))
         expect_dec = shadow.decompress(shadow.compress(g + e))

@@ -373,7 +373,7 @@ def test_bucket_assignment_errors():
 def test_ddp_step_time_hand_worked():
     # alpha-beta with n = 2: allreduce_time(S) = 2*alpha + S*beta; take alpha = 0.5, beta = 1 per byte
     n, alpha, beta = 2, 0.5, 1.0
-    ar = lambda S: 2 * alpha + S * beta  # noqa: E731  (independent of cm.allreduce_time)
+    ar = lambda S: 2 * alpha + S * beta  # independent of cm.allreduce_time
     tf, tb = 1.0, 4.0
     # two equal buckets: ready at 1 + 4*1/2 = 3 and at 5; each all-reduce takes 1 + 1 = 2 s
     sched = cm.ddp_allreduce_schedule(tf, tb, [1, 1], n, alpha, beta)
@@ -454,7 +454,7 @@ def test_vocab_parallel_logits_bytes():
 @pytest.mark.parametrize("n", [2, 3, 4, 8, 16, 64])
 def test_allreduce_crossover_is_where_the_algorithms_take_equal_time(n):
     alpha, beta = 5e-6, 1 / 50e9
-    ring = lambda S: cm.allreduce_time(S, n, alpha, beta)  # noqa: E731
+    ring = lambda S: cm.allreduce_time(S, n, alpha, beta)
     for algo, time in (("recursive_doubling", cm.recursive_doubling_allreduce_time),
                        ("tree", cm.tree_allreduce_time), ("naive", cm.naive_allreduce_time)):
         S = cm.allreduce_crossover_bytes(n, alpha, beta, algo)

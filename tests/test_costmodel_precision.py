@@ -137,7 +137,7 @@ def test_loss_scale_lifts_the_quantile_into_fp16s_normal_range(quantile):
     s = cm.loss_scale_needed(grads, "fp16", quantile=quantile)
     assert math.log2(s) == int(math.log2(s)) and s > 1
     k = int(quantile * (a.numel() - 1))
-    below = lambda scale: ((grads * scale).half().double().abs() < info["min_normal"]).sum().item()  # noqa: E731
+    below = lambda scale: ((grads * scale).half().double().abs() < info["min_normal"]).sum().item()
     assert below(s) <= k < below(s / 2)  # s lifts all but k of them, s/2 does not
     assert below(1.0) > 0.5 * a.numel()  # unscaled, most of these gradients are lost or subnormal in fp16
     lo, hi = cm.loss_scale_range(grads, "fp16", quantile=quantile)
@@ -146,7 +146,7 @@ def test_loss_scale_lifts_the_quantile_into_fp16s_normal_range(quantile):
     assert torch.isfinite((grads * hi).half()).all()
     # subnormal floor: reach min_subnormal, the smallest number fp16 holds (so none is flushed to 0)
     s_sub = cm.loss_scale_needed(grads, "fp16", quantile=quantile, floor="subnormal")
-    short = lambda scale: (a * scale < info["min_subnormal"]).sum().item()  # noqa: E731
+    short = lambda scale: (a * scale < info["min_subnormal"]).sum().item()
     assert s_sub < s and short(s_sub) <= k < short(s_sub / 2)
     assert ((grads * s_sub).half() == 0).sum().item() <= k
 

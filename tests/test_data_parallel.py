@@ -30,7 +30,7 @@ import functools
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 from torch import nn
 
@@ -508,7 +508,7 @@ class Replica(nn.Module):
 def _replicas_of_different_shapes():
     shape = (4, 8) if dist.get_rank() == 0 else (8, 4)
     wrappers = (DP.DistributedDataParallel, DP.NaiveDataParallel)
-    return [refusal(lambda: wrap(Replica(shape))) for wrap in wrappers]
+    return [refusal(lambda wrap=wrap: wrap(Replica(shape))) for wrap in wrappers]
 
 
 def test_replicas_of_different_shapes_are_refused_naming_the_parameter():

@@ -43,15 +43,15 @@ import torch.nn.functional as F
 if importlib.util.find_spec("triton") is None:  # find, not import: the package must import triton first
     pytest.skip("chapter 11 needs Triton: pip install triton", allow_module_level=True)
 
-from minitorch_dist.kernels import _runtime  # noqa: E402
-from minitorch_dist.kernels.flash_attention import (  # noqa: E402
+from minitorch_dist.kernels import _runtime
+from minitorch_dist.kernels.flash_attention import (
     flash_attention,
     flash_attention_backward,
     flash_attention_delta,
     flash_attention_forward,
 )
 
-from _support import attention_bounds, gamma, roundoff, within  # noqa: E402
+from _support import attention_bounds, gamma, roundoff, within
 
 pytestmark = [pytest.mark.ch11, pytest.mark.timeout(120)]
 DEV = _runtime.default_device()

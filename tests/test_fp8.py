@@ -373,7 +373,7 @@ def _fsdp_rank():
     float32 (bytes; the bf16 comparison), fp8 in float64 (against one process), the GPT, the refusals."""
     cases = {mode: functools.partial(_one_step, mode) for mode in MODES}
     cases |= {"fp8_float64": _one_step_float64, "bf16_reference": _bf16_reference, "gpt": _gpt_losses,
-              "errors": lambda: [refusal(lambda: fully_shard(nn.Linear(2, 2), fp8_all_gather=bad))
+              "errors": lambda: [refusal(lambda bad=bad: fully_shard(nn.Linear(2, 2), fp8_all_gather=bad))
                                  for bad in ("e3m4", 3)]}
     return run_cases(cases)
 

@@ -51,7 +51,7 @@ import math
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 from torch import nn
 
@@ -308,7 +308,7 @@ def _hybrid():
     model = _shard_gpt(GPT(CFG), group=group, replicate_group=replicate)
     run = train_steps(model, STEPS, B, T, optimizer=OPTS["adamw"], rank=dist.get_rank(),
                       world_size=dist.get_world_size())
-    ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]  # noqa: E731
+    ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]
     return {"losses": run.losses, "full": full_state_dict(model),
             "events": {"fwd": ev(run.meters[0]), "bwd": ev(run.meters[1])},
             "shard_numels": [u.shard_numel for u in sharded_units(model)]}
@@ -620,7 +620,7 @@ def test_collectives_per_step_are_the_formula(n, run):
             assert [e[0] for e in fwd] == ["all_gather"] * units
             assert sorted(e[0] for e in bwd) == (["all_gather"] * (units if reshard else 0)
                                                  + ["reduce_scatter"] * units)
-            per_op = lambda evs, op: sum(e[1] for e in evs if e[0] == op)  # noqa: E731
+            per_op = lambda evs, op: sum(e[1] for e in evs if e[0] == op)
             assert per_op(fwd + bwd, "all_gather") == ELEM * sum(w["all_gather"] for w in want.values())
             assert per_op(bwd, "reduce_scatter") == ELEM * sum(w["reduce_scatter"] for w in want.values())
             wire = sum(e[2] for e in fwd + bwd)
@@ -752,7 +752,7 @@ def test_a_frozen_tensor_is_gathered_but_never_reduced(n):
     """MLP units: net.0 = (weight, bias), net.2, net.4; with net.0.weight frozen it is a part of its
     own: all-gathered in forward and backward, absent from the reduce-scatter (fewer bytes)."""
     shapes = {"net.0": [(24, 13), (24,)], "net.2": [(24, 24), (24,)], "net.4": [(5, 24), (5,)]}
-    numel = lambda ts: sum(math.prod(s) for s in ts)  # noqa: E731
+    numel = lambda ts: sum(math.prod(s) for s in ts)
 
     def elements(frozen):  # per step, summed over the units' parts (costmodel.fsdp_unit_elements each)
         ag = rs = 0

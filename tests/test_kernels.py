@@ -50,11 +50,11 @@ import torch.nn.functional as F
 if importlib.util.find_spec("triton") is None:  # find, not import: the package must import triton first
     pytest.skip("chapter 11 needs Triton: pip install triton", allow_module_level=True)
 
-from minitorch_dist import kernels as K  # noqa: E402
-from minitorch_dist.kernels import _runtime  # noqa: E402
-from minitorch_dist.models.gpt import GPT, GPTConfig  # noqa: E402
+from minitorch_dist import kernels as K
+from minitorch_dist.kernels import _runtime
+from minitorch_dist.models.gpt import GPT, GPTConfig
 
-from _support import gamma, roundoff  # noqa: E402
+from _support import gamma, roundoff
 
 pytestmark = pytest.mark.ch11
 DEV = K.default_device()
@@ -180,7 +180,7 @@ def _ln_backward_error(x, w, b, eps, dy, e_dy=0.0):
     a = g.abs() + xhat.abs() * c1.abs() + c2.abs()
     e_dx = rstd * (e_g + e_xhat * c1.abs() + xhat.abs() * e_c1 + e_c2 + a * (g32(4) + f["rel_r"]))
     e_dy = torch.as_tensor(e_dy, dtype=torch.float64).expand_as(dy)
-    flat = lambda t: t.reshape(-1, n)  # noqa: E731
+    flat = lambda t: t.reshape(-1, n)
     e_dw = (flat(e_dy) * flat(xhat).abs() + flat(dy).abs() * flat(e_xhat)).sum(0) + g32(rows + 1) * (
         flat(dy) * flat(xhat)).abs().sum(0)
     e_db = flat(e_dy).sum(0) + g32(rows) * flat(dy).abs().sum(0)

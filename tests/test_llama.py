@@ -193,7 +193,8 @@ def test_a_kv_head_serves_exactly_its_group_of_query_heads():
     heads = {}
     for name in ("before", "after"):
         captured = {}
-        hook = attn.o_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("y", a[0]))
+        hook = attn.o_proj.register_forward_pre_hook(
+            lambda m, a, captured=captured: captured.setdefault("y", a[0]))
         attn(x)
         hook.remove()
         heads[name] = captured["y"].view(B, T, CFG.n_head, CFG.head_dim)

@@ -33,7 +33,7 @@ import functools
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -125,7 +125,7 @@ def _tp_cases(sequence_parallel):
         model = TPL.parallelize_llama(Llama(cfg), sequence_parallel=sequence_parallel)
         partial = {}
 
-        def after():
+        def after(model=model, partial=partial):
             partial.update({k: p.grad.clone() for k, p in model.named_parameters() if "ln_" in k})
             SP.allreduce_sequence_parallel_grads(model)
 

@@ -34,16 +34,16 @@ def _run(op, x, g):
         y = op(x)
     with comm.meter() as bwd:
         y.backward(g)
-    calls = lambda m: {k: v for k, v in m.calls.items() if v}  # noqa: E731
+    calls = lambda m: {k: v for k, v in m.calls.items() if v}
     return {"y": y.detach(), "dx": x.grad, "fwd": calls(fwd), "bwd": calls(bwd)}
 
 
 def _cases():
     """Each operator: (its call, this rank's input, its upstream gradient) — shapes per operator."""
     r, t = dist.get_rank(), dist.get_world_size()
-    X = lambda shape: _ints(shape, 100 + r)  # noqa: E731  X_r, different on every rank
-    G = lambda shape: _ints(shape, 200 + r)  # noqa: E731  G_r
-    same = lambda shape: _ints(shape, 7)  # noqa: E731  a replicated tensor, equal on every rank
+    X = lambda shape: _ints(shape, 100 + r)  # X_r, different on every rank
+    G = lambda shape: _ints(shape, 200 + r)  # G_r
+    same = lambda shape: _ints(shape, 7)  # a replicated tensor, equal on every rank
     splits_in = [(r + j) % 3 + 1 for j in range(t)]  # rows this rank sends to rank j
     splits_out = [(i + r) % 3 + 1 for i in range(t)]  # rows rank i sends here
     return run_cases({
@@ -99,8 +99,13 @@ def _expected(name, r, t):
     if name == "heads_to_seq":
         Z, dZ = torch.cat(_all(100, (B, H // t, S, D), t), 1), torch.cat(_all(200, (B, H, S // t, D), t), 2)
         return Z[:, :, seq(r)], dZ[:, heads(r)]
-    # all_to_all: rank i sends rows block j of X_i to rank j, blocks of (i + j) % 3 + 1 rows
-    rows = lambda i, j: (i + j) % 3 + 1  # noqa: E731
+    return _expected_all_to_all(r, t)
+
+
+def _expected_all_to_all(r, t):
+    """(y, dx) of rank r for all_to_all: rank i sends rows block j of X_i to rank j, blocks of
+    (i + j) % 3 + 1 rows."""
+    rows = lambda i, j: (i + j) % 3 + 1
     def block(tensors, i, j):  # block j of rank i's tensor, blocks sized rows(i, ·)
         lo = sum(rows(i, k) for k in range(j))
         return tensors[i][lo:lo + rows(i, j)]

@@ -39,7 +39,7 @@ import functools
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 
 from minitorch_dist import costmodel

@@ -329,7 +329,7 @@ def run_all(world: int) -> dict:
             try:
                 refused = fn(world)
                 out[name]["refused"] = refused or out[name]["refused"]
-            except Exception as e:  # noqa: BLE001 -- reported per wrapper, the test names it
+            except Exception as e:  # reported per wrapper, the test names it
                 out[name]["ok"] = False
                 out[name]["error"] += (f"rank {rank} of {world}: {type(e).__name__}: {e}\n"
                                        f"{''.join(traceback.format_exc(limit=-4))}")

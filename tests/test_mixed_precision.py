@@ -310,8 +310,8 @@ def test_tiny_update_lost_in_fp16_kept_by_master():
             super().__init__()
             self.w = nn.Parameter(torch.ones(8))
 
-    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-4)  # noqa: E731   unit gradient -> update of 1e-4
-    loss = lambda m, x, y: m.w.float().sum()  # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-4)  # unit gradient -> update of 1e-4
+    loss = lambda m, x, y: m.w.float().sum()
     pure = W().half()  # fp16 weights updated in place: every update rounds away
     opt = sgd(pure.parameters())
     tr = MixedPrecisionTrainer(W(), sgd, torch.float16, loss_scaling=False, loss_fn=loss)

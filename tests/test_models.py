@@ -97,7 +97,7 @@ def test_init_is_gpt2_and_deterministic():
     b = GPT(cfg)
     torch.manual_seed(1)
     c = GPT(cfg)
-    for (n, p), q, r in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), n
     assert not torch.equal(a.blocks[0].attn.c_attn.weight, c.blocks[0].attn.c_attn.weight)
     # std of the big matrices: 0.02, and 0.02/sqrt(2 L) for the residual outputs (c_proj)

@@ -284,7 +284,7 @@ def _expert_bounds(experts, packed, counts):
     """How far two fp32 evaluations of the expert MLPs on ``packed`` (rows per expert ``counts``), and of
     their backward for ``y.sum()``, can be apart: [y, d packed, then each expert's dW1, db1, dW2, db2],
     element by element, first order (module docstring)."""
-    g = lambda n: gamma(n, torch.float32)  # noqa: E731
+    g = lambda n: gamma(n, torch.float32)
     bounds_y, bounds_dx, bounds_p = [], [], []
     for expert, x in zip(experts, packed.detach().double().split(counts)):
         w1, b1 = expert.c_fc.weight.detach().double(), expert.c_fc.bias.detach().double()

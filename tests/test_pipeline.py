@@ -106,7 +106,7 @@ def _torch(name, m):
     stages = X.split_gpt(model, p * v)
     mine = [stages[c * p + r] for c in range(v)]
     pstages = [pp.PipelineStage(s, s.index, p * v, torch.device("cpu")) for s in mine]
-    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))  # noqa: E731
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
     sched = getattr(pp, cls)(pstages if v > 1 else pstages[0], m, loss_fn=loss_fn)
     x, y = _batch()
     losses = []
@@ -337,7 +337,7 @@ def test_timeline_follows_the_schedule_and_its_dependencies(p, name, v):
         ev = res["events"]
         assert [e[0] for e in ev] == [str(a) for a in sched[r]]
         assert [e[1] for e in ev] == [a.kind for a in sched[r]]
-        for (nm, kind, t0, t1, meta), a in zip(ev, sched[r]):
+        for (_nm, kind, t0, t1, meta), a in zip(ev, sched[r]):
             assert meta == {"mb": a.mb, "chunk": a.chunk} and t1 >= t0
             span[kind, a.mb, sched.virtual_stage(r, a.chunk)] = (t0, t1)
         assert all(ev[i][3] <= ev[i + 1][2] for i in range(len(ev) - 1))  # one action at a time

@@ -212,7 +212,7 @@ def test_parameters_are_held_once_in_a_v():
             sched, one = S.make_schedule(name, p, 2 * p), S.one_f_one_b(p, 2 * p)
             owner = {}
             for r in range(p):
-                for c, st in X.local_stages(model, sched, rank=r).items():
+                for st in X.local_stages(model, sched, rank=r).values():
                     for k, q in st.named_parameters():
                         assert owner.setdefault(id(q), r) == r, f"{k} on ranks {owner[id(q)]} and {r}"
             blocks = {k: q for k, q in model.named_parameters() if k.startswith("blocks.")}
@@ -306,7 +306,7 @@ def _torch(name, m):
     stages = X.split_gpt(model, 2 * p)
     mine = [stages[r], stages[2 * p - 1 - r]]  # the V: rank r holds stages r and 2p-1-r
     pstages = [pp.PipelineStage(s, s.index, 2 * p, torch.device("cpu")) for s in mine]
-    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))  # noqa: E731
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
     sched = getattr(pp, TORCH[name])(pstages, m, loss_fn=loss_fn)
     x, y = _batch()
     losses = []

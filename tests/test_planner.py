@@ -236,7 +236,7 @@ def _states_per_rank(stage):
     from minitorch_dist.models.data import MarkovCorpus
 
     torch.manual_seed(0)
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)
     if stage == 3:
         model = GPT(TINY)
         for block in model.blocks:
@@ -366,7 +366,7 @@ def _gemm_seconds(profile, b, s, h, a, t, layers, V, dtype="bf16"):
     """One microbatch's forward GEMMs on the last stage, written out again: per layer QKV (b*s) x h x 3h/t,
     scores and context 2bs^2h/t each, attention out (b*s) x h/t x h, the MLP's (b*s) x h x 4h/t twice;
     the LM head (b*s) x h x V/t."""
-    mm = lambda f: profile.matmul_seconds(f, dtype)  # noqa: E731
+    mm = lambda f: profile.matmul_seconds(f, dtype)
     layer = (mm(2 * b * s * h * 3 * h / t) + 2 * mm(2 * b * s * s * h / t) + mm(2 * b * s * h * h / t)
              + 2 * mm(2 * b * s * h * 4 * h / t))
     return layers * layer + mm(2 * b * s * h * V / t), layer

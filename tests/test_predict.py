@@ -11,6 +11,8 @@ arguments and runs the same code, without a new interpreter's imports.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -159,3 +161,95 @@ def test_time_techniques_adds_a_techniques_ops_to_a_calibrated_profile(profile_p
     assert after.notes[-1] == "recorded: zero1/tiny"
     with pytest.raises(ValueError, match="calibrate"):
         time_techniques(load_profile("h100"), ("zero1",))
+
+
+# --- the technique is resolved once, at the entry; the ranks receive its record -----------------------
+
+
+class _Launched(Exception):
+    """Raised by the stand-in for ``launch``: the ranks' arguments are kept, no rank starts."""
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """``(function name, world, args)`` of each launch, which raises :class:`_Launched` instead."""
+    launch = importlib.import_module("minitorch_dist.runtime.launch")  # the module, not its function
+
+    calls = []
+
+    def fake(fn, world, *args, **kwargs):
+        calls.append((fn.__name__, world, args))
+        raise _Launched
+    monkeypatch.setattr(launch, "launch", fake)
+    return calls
+
+
+def test_predict_looks_the_name_up_once_and_its_ranks_receive_the_record(launched, monkeypatch):
+    from minitorch_dist.analysis import techniques as T
+    from minitorch_dist.analysis.predict import predict
+
+    looked_up, resolve = [], T.resolve
+
+    def counting(technique, *args, **kwargs):
+        looked_up.extend([technique] if isinstance(technique, str) else [])
+        return resolve(technique, *args, **kwargs)
+    monkeypatch.setattr(T, "resolve", counting)
+    with pytest.raises(_Launched):
+        predict("pp-1f1b", 2, profile="h100")
+    assert looked_up == ["pp-1f1b"]
+    assert launched == [("_record_rank", 2, (T.TECHNIQUE["pp-1f1b"], "tiny", 0))]
+    with pytest.raises(ValueError, match="unknown technique 'fsdp'"):
+        predict("fsdp", 2, profile="nowhere.json")  # the technique first: it needs no profile
+    assert len(launched) == 1
+
+
+def test_calibrate_resolves_its_techniques_before_the_ranks_start(launched):
+    from minitorch_dist.analysis import techniques as T
+    from minitorch_dist.analysis.calibrate import calibrate, time_techniques
+
+    with pytest.raises(_Launched):
+        calibrate(2, out=False, sizes=("tiny",), techniques=("ddp", T.TECHNIQUE["tp"]), quick=True)
+    assert launched[-1] == ("_rank", 2, ([(T.TECHNIQUE["ddp"], "tiny"), (T.TECHNIQUE["tp"], "tiny")], True))
+    with pytest.raises(_Launched):
+        calibrate(4, out=False)  # every technique, at each size where 4 ranks can run it
+    runs = [(tech.name, size) for tech, size in launched[-1][2][0]]
+    assert ("pp-1f1b", "10x") in runs and ("pp-1f1b", "tiny") not in runs and ("ddp", "tiny") in runs
+    profile = dataclasses.replace(load_profile("h100"), kind="calibrated", world_size=2)
+    with pytest.raises(_Launched):
+        time_techniques(profile, ("zero1",))
+    assert launched[-1] == ("_kernels_rank", 2, ([(T.TECHNIQUE["zero1"], "tiny")], False))
+    calls = len(launched)
+    refused = ((("ddpp",), "unknown technique 'ddpp'"), (("tp",), "n_head 4 is not divisible by tp=3"))
+    for techniques, match in refused:
+        with pytest.raises(ValueError, match=match):
+            calibrate(3, out=False, sizes=("tiny",), techniques=techniques)
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        calibrate(2, out=False, sizes=("huge",))
+    assert len(launched) == calls  # refused before any rank started
+
+
+def test_a_tour_row_resolves_its_technique_at_its_entry(launched):
+    from minitorch_dist.analysis import techniques as T
+    from minitorch_dist.analysis.predict import tour_row
+
+    with pytest.raises(_Launched):
+        tour_row("ch03", "pp-1f1b", smoke=True)
+    assert launched == [("_rank", 2, ([(T.TECHNIQUE["pp-1f1b"], "tiny")], True))]  # its calibration first
+    with pytest.raises(ValueError, match="needs world >= 2"):
+        tour_row("ch04", "tp", smoke=True, world=1)
+    assert len(launched) == 1
+
+
+def test_the_command_line_resolves_each_run_once():
+    from argparse import Namespace
+
+    from minitorch_dist.analysis import techniques as T
+    from minitorch_dist.analysis.predict import _runs
+
+    runs = _runs(Namespace(technique="all", size="all", world=4))
+    assert all(tech is T.TECHNIQUE[tech.name] for tech, _ in runs)
+    names = [(tech.name, size) for tech, size in runs]
+    assert ("pp-1f1b", "10x") in names and ("pp-1f1b", "tiny") not in names  # "all": what 4 ranks can run
+    assert _runs(Namespace(technique="pp-1f1b", size="10x", world=4)) == [(T.TECHNIQUE["pp-1f1b"], "10x")]
+    with pytest.raises(ValueError, match="n_layer 2 is not divisible by pp"):
+        _runs(Namespace(technique="pp-1f1b", size="tiny", world=4))

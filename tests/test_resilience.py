@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily; forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily; forked ranks inherit it
 import torch.distributed as dist
 from torch import nn
 
@@ -120,7 +120,7 @@ class _Bounds:
 def _reference(steps):
     with float64():
         trainer, grads = Trainer("single", CFG, B, T), []
-        record = lambda: grads.append(_grad_sizes(trainer.model))  # noqa: E731 - after backward, before the step
+        record = lambda: grads.append(_grad_sizes(trainer.model))  # after backward, before the step
         losses = [trainer.step(s, between=record) for s in range(steps)]
         dense = {f"model.{k}": p.detach().clone() for k, p in trainer.model.named_parameters()}
         for k, p in trainer.model.named_parameters():
@@ -431,7 +431,7 @@ def saved(tmp_path):
 
 
 def test_a_checkpoint_of_another_model_names_the_tensor(saved):
-    other = lambda **kw: Trainer("single", GPTConfig.tiny(**(dict(CFG.__dict__) | kw)), B, T)  # noqa: E731
+    other = lambda **kw: Trainer("single", GPTConfig.tiny(**(dict(CFG.__dict__) | kw)), B, T)
     wide = other(n_embd=32)
     with pytest.raises(CheckpointError, match=r"model.wte.weight is \(32, 16\) in the checkpoint and \(32"):
         load(wide.state(step=0), saved)
@@ -444,7 +444,7 @@ def test_a_checkpoint_of_another_model_names_the_tensor(saved):
 
 
 def test_a_truncated_or_altered_shard_is_an_error_naming_the_file(saved):
-    fresh = lambda: Trainer("single", CFG, B, T).state(step=0)  # noqa: E731
+    fresh = lambda: Trainer("single", CFG, B, T).state(step=0)
     shutil.copytree(saved, saved.with_name("copy"))
     file = saved / "rank00000.pt"
     data = file.read_bytes()
@@ -555,7 +555,7 @@ def test_a_rank_killed_mid_step_is_survived_on_fewer_ranks(tmp_path, reference):
                if t.is_floating_point())
     with float64():
         trainer, grads = Trainer("single", CFG, batch, T), []
-        record = lambda: grads.append(_grad_sizes(trainer.model))  # noqa: E731 - after backward
+        record = lambda: grads.append(_grad_sizes(trainer.model))  # after backward
         want = [trainer.step(s, between=record) for s in range(cfg_steps)]
     got = run.losses()
     _assert_losses([got[s] for s in range(cfg_steps)], want, _Bounds(grads, n=batch * T))

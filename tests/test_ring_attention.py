@@ -73,7 +73,7 @@ def _ring(t, r, causal, layout, dtype=torch.float64, scale=None, group=None, see
         out = RA.ring_attention(q, k, v, group=group, causal=causal, layout=layout, scale=scale)
     with comm.meter() as bwd:
         (out * RA.shard_sequence(G, t, r, -2, layout)).sum().backward()
-    ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]  # noqa: E731
+    ev = lambda m: [(e.op, e.nbytes, e.group_size) for e in m.events]
     return {"grads": [out.detach(), q.grad, k.grad, v.grad], "fwd": ev(fwd), "bwd": ev(bwd)}
 
 
@@ -116,8 +116,8 @@ def _memory():
         with observe.watching(Recorder()) as work, meter.track():  # ring attention announces its blocks
             RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         shapes = []  # a second forward lists every saved tensor (only the innermost hooks see them)
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x,
-                                                      lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda x, shapes=shapes: shapes.append(tuple(x.shape)) or x, lambda x: x):
             RA.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         out[seq] = {"activations": meter.peak["activations"], "shapes": shapes,
                     "largest": {p: max(work.counts(f"{p} score entries")) for p in ("forward", "backward")}}
@@ -283,8 +283,8 @@ def test_forward_sends_t_minus_1_kv_pairs_backward_adds_t_dkv_pairs(t, case):
             assert {n for _, _, n in ev[which]} == {t}
         assert {nb for _, nb, _ in ev["fwd"]} == {blk * elem}  # every message is one (S/t)-block
         assert {nb for _, nb, _ in ev["bwd"]} == {blk * elem, blk * acc}
-        sends = lambda which: [nb for op, nb, _ in ev[which] if op == "send"]  # noqa: E731
-        recvs = lambda which: [nb for op, nb, _ in ev[which] if op == "recv"]  # noqa: E731
+        sends = lambda which, ev=ev: [nb for op, nb, _ in ev[which] if op == "send"]
+        recvs = lambda which, ev=ev: [nb for op, nb, _ in ev[which] if op == "recv"]
         assert len(sends("fwd")) == 2 * (t - 1) and sum(sends("fwd")) == 2 * (t - 1) * blk * elem
         assert len(sends("bwd")) == 2 * (t - 1) + 2 * t
         assert sum(sends("bwd")) == 2 * (t - 1) * blk * elem + 2 * t * blk * acc

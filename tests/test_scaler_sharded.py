@@ -35,7 +35,7 @@ import math
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn

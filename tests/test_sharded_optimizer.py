@@ -44,7 +44,7 @@ import functools
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -398,7 +398,8 @@ def test_offloaded_step_equals_one_process(n):
     for r, run in enumerate(_case(n, "offload")):
         assert len(run["offload"]) == STEPS + 1
         for step, (off, mem) in enumerate(zip(run["offload"], run["memory"], strict=True)):
-            torch.testing.assert_close(off, mem, atol=0, rtol=0, msg=lambda m: f"rank {r} step {step}: {m}")
+            torch.testing.assert_close(off, mem, atol=0, rtol=0,
+                                       msg=lambda m, r=r, step=step: f"rank {r} step {step}: {m}")
 
 
 @pytest.mark.parametrize("n", NS)

@@ -121,7 +121,7 @@ def test_a_message_sent_while_its_sender_computes_moves_at_once_only_if_its_rece
     send = Comm("send", 65536, 2, True, "forward", (0, 1), peer=1)
     t = costmodel.comm_seconds(send, p)
     sender = [_op("f"), send, _op("w"), Wait(1)]  # posts its send, computes on
-    recv = lambda posted_early: Comm("recv", 65536, 2, posted_early, "forward", (0, 1), peer=0)  # noqa: E731
+    recv = lambda posted_early: Comm("recv", 65536, 2, posted_early, "forward", (0, 1), peer=0)
     asked_later = {0: sender, 1: [_op("f"), _op("b"), recv(False)]}
     posted = {0: sender, 1: [recv(True), _op("f"), _op("b"), Wait(0)]}
     late = costmodel.replay_step(asked_later, p)["per_rank"][1]["step_s"]
@@ -181,7 +181,7 @@ def test_an_op_is_timed_on_enough_argument_sets_to_span_its_steps_footprint():
     sets = argument_sets(mm, 10 * int(mm.nbytes))
     assert len(sets) == 10
     first = [s[0][0] for s in sets]
-    reach = lambda t: (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()  # noqa: E731
+    reach = lambda t: (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
     spans = sorted((t.data_ptr(), t.data_ptr() + reach(t)) for t in first)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # each set its own memory
     assert all(t.stride() == first[0].stride() and t.shape == first[0].shape for t in first)
@@ -213,3 +213,31 @@ def test_a_ddp_step_records_its_bucket_all_reduces_and_their_waits():
     assert {i for i, _ in buckets} <= waits
     ops = [o for o in items if isinstance(o, Op)]
     assert sum(o.kind == "matmul" for o in ops) >= 3 * 4 * 2  # four Linear layers per block, fwd + 2 bwd
+
+
+def _alpha_beta_with_one_disturbed_sweep(disturbed_on_rank: int):
+    """On the ranks: the first sweep of every collective is flat on one rank (as when other work
+    disturbs it: no cost per byte to see), the next ones grow with the size."""
+    import torch.distributed as dist
+
+    from minitorch_dist.analysis import calibrate
+
+    calls = {}
+
+    def sweep_times(op, sweep, reps):
+        calls[op] = calls.get(op, 0) + 1
+        flat = calls[op] == 1 and dist.get_rank() == disturbed_on_rank
+        return [1e-3 - s * 1e-12 if flat else 1e-4 + s * 1e-9 for s in sweep]  # flat: noise tilts it down
+
+    calibrate._sweep_times = sweep_times
+    out = calibrate._alpha_beta(quick=True)
+    return calls, {op: fit["beta_s_per_byte"] for op, fit in out.items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_that_cannot_see_bandwidth_is_measured_again_on_every_rank():
+    from minitorch_dist.runtime.launch import launch
+
+    for r, (calls, betas) in enumerate(launch(_alpha_beta_with_one_disturbed_sweep, 2, 1)):
+        assert set(calls.values()) == {2}, (r, calls)  # both ranks retried together: no rank waits alone
+        assert all(b > 0 for b in betas.values()), (r, betas)

@@ -3,12 +3,14 @@
 Four rules of the design (DESIGN.md, "The library"): no import cycles between modules; modules
 use each other's public names only; ``runtime/`` is the floor and imports nothing above it; and an
 import only runs down the layers (:data:`LAYERS`), at module level or inside a function alike.
+Beside them: long modules say why, and every process-group parameter is annotated (mypy checks it).
 Each rule is a plain function returning a list of problems (empty = fine); each is also run on a
 small fake package that breaks it, so a rule that can never fail would be caught too.
 """
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,6 +277,40 @@ def test_every_package_has_a_layer():
     assert packages - {"__init__.py"} - {n + ".py" for n in named} - named == set()
 
 
+# A process group is what every parallel wrapper takes, and its type is the API: annotated
+# (``dist.ProcessGroup | None``: None is the default group), mypy checks what callers pass.
+def _is_group(name: str) -> bool:
+    return name == "group" or name.endswith("_group")
+
+
+def _triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A ``@triton.jit`` kernel: its arguments are launch values (``rows_per_group``), no process group."""
+    return any(ast.unparse(d).split("(")[0].endswith("jit") for d in fn.decorator_list)
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.arg]:
+    a = fn.args
+    yield from (*a.posonlyargs, *a.args, *a.kwonlyargs)
+    yield from (x for x in (a.vararg, a.kwarg) if x is not None)
+
+
+def group_annotation_problems(root: Path) -> list[str]:
+    """Function parameters named ``group`` or ``*_group`` without an annotation (lambdas cannot have
+    one; Triton kernels are skipped)."""
+    out = []
+    for mod, path in module_names(root).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _triton_kernel(fn):
+                out += [f"{mod}:{p.lineno} {fn.name}({p.arg}) is not annotated"
+                        for p in _parameters(fn) if _is_group(p.arg) and p.annotation is None]
+    return out
+
+
+def test_every_group_parameter_is_annotated():
+    assert group_annotation_problems(ROOT) == []
+
+
 # --- each rule catches its violation on a fake package ----------------------------------------------
 
 
@@ -343,3 +379,21 @@ def test_floor_rule_catches_runtime_importing_above(tmp_path):
     })
     assert runtime_floor_problems(root) == [
         "fakepkg.runtime.env:2 imports fakepkg.analysis.cost (the runtime/ floor imports nothing above it)"]
+
+
+def test_group_rule_catches_an_unannotated_group(tmp_path):
+    root = _fake(tmp_path, {
+        "a.py": ("import torch.distributed as dist\n"
+                 "def f(x, group: dist.ProcessGroup | None = None, tp_group: 'dist.ProcessGroup' = None):\n"
+                 "    pass\n"),  # annotated: fine
+        "b.py": ("class Layer:\n"
+                 "    def __init__(self, dp_group, *, group=None, grouping=1):\n"  # grouping: not a group
+                 "        self.f = lambda group: group\n"),  # a lambda cannot be annotated: fine
+        "c.py": "def g(*, replicate_group=None):\n    pass\n",
+        "k.py": "import triton\n@triton.jit\ndef kernel(x_ptr, rows_per_group):\n    pass\n",  # kernel: fine
+    })
+    assert group_annotation_problems(root) == [
+        "fakepkg.b:2 __init__(dp_group) is not annotated",
+        "fakepkg.b:2 __init__(group) is not annotated",
+        "fakepkg.c:1 g(replicate_group) is not annotated",
+    ]

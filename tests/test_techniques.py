@@ -19,12 +19,13 @@ gradient's scale: a sum in place of a mean would pass; ch01 checks that).
 One launch per world size builds and steps every technique and returns plain data; the tests inspect it.
 The reference is computed here, in one process on one thread (like a rank), from GPT, AdamW and the corpus.
 """
+import dataclasses
 import functools
 import os
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 
 from minitorch_dist.analysis import techniques as TQ
 from minitorch_dist.models.data import MarkovCorpus
@@ -250,3 +251,53 @@ def test_bad_calls_name_the_fix():
         TQ.make_step("ddp", "tiny")
     errors = _ranks(2)[0]["errors"]
     assert "pass world=2, or launch 4 ranks" in errors["world"]
+
+
+# --- the records: a technique's name is looked up once ---------------------------------------------
+
+
+@pytest.mark.parametrize("technique", TQ.TECHNIQUES)
+def test_every_name_resolves_to_its_record(technique):
+    tech = TQ.resolve(technique)
+    assert tech is TQ.TECHNIQUE[technique] and tech.name == technique
+    assert TQ.resolve(tech) is tech and TQ.resolve(tech, 2, "tiny") is tech  # a record is not looked up again
+    conf = TQ.step_config(tech, "tiny", 2)
+    assert conf == TQ.step_config(technique, "tiny", 2) and conf["technique"] == technique
+    assert (conf["dp"], conf["tp"], conf["pp"]) == tech.degrees(2)
+    assert conf.get("schedule") == tech.schedule
+    assert tech.multi_rank == (technique not in ("ddp", "zero1", "zero2", "zero3"))
+    assert tech.marks_actions == (technique in PIPELINES)  # the pipelines' actions, in their records
+    assert tech.splits_sequence == (technique == "sp")
+    assert repr(tech).startswith(f"Technique(name={technique!r}")  # its functions stay out of its repr
+
+
+def test_the_table_is_the_one_list_of_techniques():
+    assert TQ.TECHNIQUES == tuple(TQ.TECHNIQUE) == ("ddp", "zero1", "zero2", "zero3", "tp", "sp", "pp-gpipe",
+                                                    "pp-1f1b", "pp-zbh1", "ep", "3d")
+    assert {TQ.TECHNIQUE[t].schedule for t in PIPELINES} == {"gpipe", "1f1b", "zb-h1"}
+    assert TQ.TECHNIQUE["3d"].schedule == "1f1b" and TQ.TECHNIQUE["ep"].degrees(4) == (4, 1, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TQ.TECHNIQUE["ddp"].name = "fsdp"
+
+
+@pytest.mark.parametrize("args,match", [
+    (("fsdp",), "unknown technique 'fsdp'; choose one of ddp, zero1, zero2, zero3, tp, sp, pp-gpipe"),
+    ((None,), "unknown technique None; choose one of ddp"),
+    (("ddp", None, "huge"), "unknown size 'huge'; choose one of tiny, 10x"),
+    (("sp", 1), "'sp' splits the model over ranks and needs world >= 2: use world=2, or 'ddp'"),
+    ((TQ.TECHNIQUE["pp-1f1b"], 1), "'pp-1f1b' splits the model over ranks and needs world >= 2"),
+    (("tp", 3), "'tp' on 3 ranks, size 'tiny': n_head 4 is not divisible by tp=3"),
+    (("pp-1f1b", 4, "tiny"), "'pp-1f1b' on 4 ranks, size 'tiny': n_layer 2 is not divisible by pp"),
+    (("ddp", 3, "10x"), "global batch of 8 sequences must split into dp=3 shards"),
+    (("ddp", 2.0), "world must be an int from 1 to"),
+])
+def test_resolve_names_the_fix(args, match):
+    with pytest.raises(ValueError, match=match):
+        TQ.resolve(*args)
+
+
+def test_resolve_checks_the_world_at_the_size_asked_for():
+    assert TQ.resolve("pp-1f1b", 4, "10x") is TQ.TECHNIQUE["pp-1f1b"]  # 4 layers over 4 stages
+    with pytest.raises(ValueError, match="size 'tiny'"):
+        TQ.resolve("pp-1f1b", 4)  # no size: every size, and the tiny GPT's 2 layers do not split 4 ways
+    assert TQ.check("3d", 4, "10x") is TQ.TECHNIQUE["3d"]

@@ -28,7 +28,7 @@ import math
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 from torch import nn
 
@@ -141,7 +141,7 @@ def _gpt():
         yb = block(xb)
     with comm.meter() as bb:
         yb.sum().backward()
-    ev = lambda m: [(e.op, e.nbytes, e.wire_bytes) for e in m.events]  # noqa: E731
+    ev = lambda m: [(e.op, e.nbytes, e.wire_bytes) for e in m.events]
     return {"losses": losses, "logits": TP.gather_from_tp(logits.detach()),
             "grads": grads, "params": {k: q.detach().clone() for k, q in model.named_parameters()},
             "tied": model.lm_head.weight is model.wte.weight,

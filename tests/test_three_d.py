@@ -213,8 +213,8 @@ def test_selective_recomputation_keeps_no_attention_output():
             model = GPT(CFG)
         stage = D.Stage3D(model, 0, 1, range(CFG.n_layer), recompute=mode)
         count = [0]
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.__setitem__(0, count[0] + 1) or t,
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, count=count: count.__setitem__(0, count[0] + 1) or t, lambda t: t):
             loss = stage(x, x)
         loss.backward()
         saved[mode] = count[0]

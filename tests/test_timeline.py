@@ -11,10 +11,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import pytest
+import torch.distributed as dist
 
-from minitorch_dist.runtime.timeline import Event, Timeline, bubble_fraction, busy_fraction, plot_gantt  # noqa: E402
+from minitorch_dist.runtime.timeline import Event, Timeline, bubble_fraction, busy_fraction, plot_gantt
 
 
 class FakeClock:
@@ -186,7 +186,7 @@ def test_plot_gantt_row_of_gives_each_rank_several_lanes():
            for r in (0, 1)
            for n, c, t0, t1 in (("backward", "backward", 0.0, 1.0),
                                 ("all_reduce b0", "all_reduce", 0.5, 1.5))]
-    lane = lambda e: f"rank {e.rank} " + ("comm" if e.category == "all_reduce" else "compute")  # noqa: E731
+    lane = lambda e: f"rank {e.rank} " + ("comm" if e.category == "all_reduce" else "compute")
     ax = plot_gantt(evs, row_of=lane)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 comm", "rank 0 compute", "rank 1 comm",
                                                             "rank 1 compute"]

@@ -1,5 +1,6 @@
-"""The course's one clock (``runtime.timing``), its one dtype table (``runtime.dtypes``), and the rule
-that every tensor a measurement makes is filled by a generator of its own device.
+"""The course's one clock (``runtime.timing``), its one dtype table (``runtime.dtypes``), its one table
+formatter (``runtime.tables``), and the rule that every tensor a measurement makes is filled by a
+generator of its own device.
 
 The clock: warm-up runs are not timed, ``before`` runs before every run and is never timed, the
 statistic is the caller's, and a CPU or ``meta`` device never touches CUDA. The CUDA paths (the
@@ -28,6 +29,7 @@ from minitorch_dist.analysis.workload import (
     rebuild_args,
 )
 from minitorch_dist.runtime import dtypes, timing
+from minitorch_dist.runtime.tables import format_table
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +70,7 @@ def test_warmup_and_before_are_not_timed_and_cpu_never_touches_cuda(monkeypatch)
 
 def test_seconds_reduces_the_runs_with_the_callers_statistic():
     naps = iter([0.001, 0.03, 0.001, 0.002])  # one warm-up, then three runs: the middle one is slow
-    fn = lambda: time.sleep(next(naps))  # noqa: E731
+    fn = lambda: time.sleep(next(naps))
     assert timing.seconds(fn, reps=3, warmup=1, reduce=lambda ts: ts) == pytest.approx([0.03, 0.001, 0.002],
                                                                                        abs=0.02)
     naps = iter([0.001, 0.03, 0.001, 0.002])
@@ -145,6 +147,34 @@ def test_every_spelling_of_a_dtype_has_one_short_name():
         dtypes.short_name(torch.int64)
     assert all(dtypes.short_name(d) == k for k, d in dtypes.DTYPES.items())
     assert set(dtypes.ALIASES.values()) <= set(dtypes.DTYPES)
+
+
+def test_the_cost_model_reads_the_one_dtype_table():
+    from minitorch_dist import costmodel as cm
+    for spelling, short in dtypes.ALIASES.items():
+        if short in cm.FORMATS:
+            assert cm.format_name(spelling) == cm.format_name(dtypes.to_dtype(spelling)) == short
+    assert all(cm.FORMATS[k].torch_name == dtypes.torch_name(k) for k in cm.FORMATS)
+    with pytest.raises(ValueError, match="unknown number format"):
+        cm.format_name("float64")  # a dtype the table knows, but not a format of chapter 08
+    for spelling in ("half", "float16", torch.float16, "torch.float16"):
+        assert cm.ridge_point("h100", spelling) == cm.ridge_point("h100", "fp16")
+    assert cm.ridge_point("h100", "tf32") > cm.ridge_point("h100", "fp32")  # peaks the dtype table lacks
+
+
+# --- the table formatter -------------------------------------------------------------------------------
+
+
+def test_table_columns_align_left_unless_told():
+    rows, header = [["ddp", "1.5"], ["zero-3", "12.25"]], ["technique", "GiB"]
+    assert format_table(rows, header).splitlines() == ["technique  GiB", "---------  -----", "ddp        1.5",
+                                                       "zero-3     12.25"]
+    assert format_table(rows, header, align="ll") == format_table(rows, header)
+    assert format_table(rows, header, align="lr").splitlines() == ["technique    GiB", "---------  -----",
+                                                                   "ddp          1.5", "zero-3     12.25"]
+    for bad in ("l", "lrl", "lc"):
+        with pytest.raises(ValueError, match="one 'l' or 'r' per column"):
+            format_table(rows, header, align=bad)
 
 
 # --- every generator follows its tensor's device ------------------------------------------------------

@@ -52,7 +52,7 @@ import tempfile
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  optimizers import it lazily (~2 s); forked ranks inherit it
+import torch._dynamo  # optimizers import it lazily (~2 s); forked ranks inherit it
 import torch.distributed as dist
 from torch import nn
 
@@ -158,10 +158,12 @@ def _mechanism():
         _train(zero, steps=1)  # the optimizer state exists from here on
         live, seen = {}, []  # at each gradient's arrival: reduce-scatters issued so far in this backward
         for p in zero.flat.params:  # registered after the module's hooks, so they run after them
-            p.register_post_accumulate_grad_hook(lambda _p: seen.append(live["m"].calls["reduce_scatter"])
+            p.register_post_accumulate_grad_hook(lambda _p, live=live, seen=seen:
+                                                 seen.append(live["m"].calls["reduce_scatter"])
                                                  if "m" in live else None)
         meter, at_step = MemoryMeter(zero, zero.optimizer), {}
-        zero.optimizer.register_step_post_hook(lambda *_: at_step.update(meter.current()))
+        zero.optimizer.register_step_post_hook(
+            lambda *_, at_step=at_step, meter=meter: at_step.update(meter.current()))
         x, y = MarkovCorpus(CFG.vocab_size, seed=0).batch(1, B, T, dist.get_rank(), dist.get_world_size())
         with meter.track():
             zero.zero_grad()
@@ -371,7 +373,7 @@ def test_communication_is_2psi_at_every_stage(n):
     nbytes, buckets = 4 * psi_p, _buckets(n)
     k = len(buckets)
     assert k >= 4  # several buckets, or this test shows nothing
-    one = lambda op, lo, hi: (op, 4 * (hi - lo), (n - 1) / n * 4 * (hi - lo))  # noqa: E731
+    one = lambda op, lo, hi: (op, 4 * (hi - lo), (n - 1) / n * 4 * (hi - lo))
     mask = ("all_reduce", _tensors(), 2 * (n - 1) / n * _tensors())  # one byte per tensor: who got a gradient
     expected = {0: [mask, ("all_reduce", nbytes, 2 * (n - 1) / n * nbytes)],
                 1: [mask, one("reduce_scatter", 0, psi_p), one("all_gather", 0, psi_p)],
@@ -475,7 +477,8 @@ def test_offload_equals_single_process(n):
             want = runs["memory", stage]
             for part in ("model", "optimizer"):
                 torch.testing.assert_close(state[part], want[part], atol=0, rtol=0,
-                                           msg=lambda m: f"rank {r} {where} stage {stage} {part}: {m}")
+                                           msg=lambda m, r=r, where=where, stage=stage, part=part:
+                                           f"rank {r} {where} stage {stage} {part}: {m}")
 
 
 @pytest.mark.parametrize("n", NS)

@@ -71,7 +71,7 @@ def test_offloaded_step_equals_plain_optimizer(where, name):
 
     shard = w0.clone()
     with OffloadedOptimizer(shard, OPTIMIZERS[name], where=where) as off:
-        for k, g in enumerate(grads):
+        for g in grads:
             off.step(g)
             assert not torch.equal(shard, w0), "the device shard was not updated"
         assert torch.equal(shard, ref_w), (shard - ref_w).abs().max()

@@ -30,7 +30,9 @@ a table. ``--show h100`` prints a shipped profile instead.
 ``--quick`` (``calibrate(quick=True)``) measures the same things on fewer points: every other size of the
 collectives' sweep up to 4 MB, 20 timed calls per size instead of 60, and each op and the reference step
 timed fewer times -- for a smoke run, where seconds matter more than the last digit.
-:func:`time_techniques` adds the ops of more techniques to a calibrated profile's kernel table.
+:func:`time_techniques` adds the ops of more techniques to a calibrated profile's kernel table. Both
+resolve the techniques once (:func:`.techniques.resolve`), before any rank starts, and the ranks receive
+the records.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ import statistics
 import sys
 import time
 from datetime import date
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,6 +55,9 @@ from ..runtime.timing import seconds, sync
 from .op_timing import last_level_cache_bytes, median_seconds, repeat, time_kernels
 from .profiles import COLLECTIVES, MachineProfile, default_profile_path, load_profile
 from .workload import Op, WorkloadRecorder
+
+if TYPE_CHECKING:
+    from .techniques import Technique
 
 __all__ = ["calibrate", "time_techniques", "gemm_peak_flops", "median_seconds", "time_kernels",
            "reference_step_seconds", "cache_effect", "last_level_cache_bytes", "main"]
@@ -95,21 +102,36 @@ def _mean_after_compute(fn, reps: int = 60) -> float:
     return seconds(fn, reps, warmup=1, device=rank_device(), before=burst, reduce=statistics.fmean)
 
 
-def _alpha_beta(quick: bool = False) -> dict:
+def _alpha_beta(quick: bool = False, attempts: int = 3) -> dict:
     """Per collective: the measured sweep (full-buffer bytes, mean seconds) and its α-β fit; ``quick``:
-    every other size up to 4 MB, 20 calls each instead of 60."""
+    every other size up to 4 MB, 20 calls each instead of 60.
+
+    A sweep whose times do not grow with the size fits β = 0 (no cost per byte): other work on the
+    cores disturbed it more than the bytes cost. Such a sweep is measured again, up to ``attempts``
+    times in all; the ranks agree on retrying (one MAX all-reduce), so they run the same calls."""
     n, out = dist.get_world_size(), {}
     sweep, reps = (QUICK_SWEEP_BYTES, 20) if quick else (SWEEP_BYTES, 60)
     sizes = [max(n, s // 4 // n * n) * 4 for s in sweep]
     for op in COLLECTIVES:
-        times = [_mean_after_compute(_collective_call(op, s), reps) for s in sweep]
-        if op == "send":  # the receiver's clock: from the end of its compute to the message's arrival
-            agreed = torch.tensor(times, dtype=torch.float64, device=rank_device()) * (dist.get_rank() == 1)
-            dist.all_reduce(agreed)
-            times = agreed.tolist()
-        alpha, beta = costmodel.fit_alpha_beta(sizes, times, n if op != "send" else 2, op)
+        for _ in range(attempts):
+            times = _sweep_times(op, sweep, reps)
+            alpha, beta = costmodel.fit_alpha_beta(sizes, times, n if op != "send" else 2, op)
+            unresolved = torch.tensor([float(beta <= 0)], device=rank_device())
+            dist.all_reduce(unresolved, op=dist.ReduceOp.MAX)
+            if not unresolved.item():
+                break
         out[op] = {"alpha_s": alpha, "beta_s_per_byte": beta, "sweep": [[b, t] for b, t in zip(sizes, times)]}
     return out
+
+
+def _sweep_times(op: str, sweep, reps: int) -> list[float]:
+    """Mean seconds of ``op`` at each size of ``sweep`` (for ``send``: the receiver's, on every rank)."""
+    times = [_mean_after_compute(_collective_call(op, s), reps) for s in sweep]
+    if op == "send":  # the receiver's clock: from the end of its compute to the message's arrival
+        agreed = torch.tensor(times, dtype=torch.float64, device=rank_device()) * (dist.get_rank() == 1)
+        dist.all_reduce(agreed)
+        times = agreed.tolist()
+    return times
 
 
 def _collective_overhead(calls: int = 200) -> float:
@@ -186,7 +208,7 @@ def _gemm_table() -> list:
     table = []
     for m, k, n in GEMM_SHAPES:
         a, b = torch.randn(m, k, device=rank_device()), torch.randn(k, n, device=rank_device())
-        loop, inner = repeat(lambda: torch.mm(a, b))
+        loop, inner = repeat(partial(torch.mm, a, b))
         table.append([2.0 * m * k * n, median_seconds(loop, reps=5) / inner])
     table.sort()
     for i in range(1, len(table)):  # more FLOPs never take less time
@@ -247,6 +269,11 @@ def reference_step_seconds(world: int, quick: bool = False, timeout_s: float = 1
     return statistics.median(launch(_reference_seconds, world, quick, timeout_s=timeout_s))
 
 
+def _table_seconds(table: dict, ops) -> float:
+    """The seconds of ``ops`` in a kernel table, added up (0 for an op it could not time)."""
+    return sum(table.get(o.key) or 0.0 for o in ops)
+
+
 def _framework_overhead(table: dict, quick: bool = False) -> dict:
     """A whole step of the tiny GPT on this rank (8 sequences, AdamW): measured, and its ops' table sum.
     The difference, per Python line the step executed, is the framework's cost, which no op timed alone
@@ -262,7 +289,7 @@ def _framework_overhead(table: dict, quick: bool = False) -> dict:
     ops = [o for o in rec.items if isinstance(o, Op)]
     time_kernels(ops, table, reps=3 if quick else 5, footprint=rec.footprint)
     measured = min(before, median_seconds(step, reps=reps))  # a burst of other work hits one, not both
-    alone = sum(table.get(o.key) or 0.0 for o in ops)
+    alone = _table_seconds(table, ops)
     flops = sum(o.flops for o in ops)
     return {"step_s": measured, "ops_alone_s": alone, "n_ops": len(ops), "flops": flops,
             "python_lines": rec.lines, "per_line_s": max(0.0, (measured - alone) / max(rec.lines, 1))}
@@ -276,12 +303,12 @@ def _cache_effect_rank(sizes, quick: bool) -> list:
         with WorkloadRecorder() as rec:
             step()
         ops = [o for o in rec.items if isinstance(o, Op)]
-        total = lambda table: sum(table.get(o.key) or 0.0 for o in ops)  # noqa: E731
         runs = {"step_s": [], "hot_s": [], "footprint_s": []}
         for _ in range(1 if quick else 3):  # interleaved: a slow moment of the machine hits all three
             runs["step_s"].append(median_seconds(step, reps=5 if quick else 11))
-            runs["hot_s"].append(total(time_kernels(ops, reps=3)))
-            runs["footprint_s"].append(total(time_kernels(ops, reps=3, footprint=rec.footprint)))
+            hot, spread = time_kernels(ops, reps=3), time_kernels(ops, reps=3, footprint=rec.footprint)
+            runs["hot_s"].append(_table_seconds(hot, ops))
+            runs["footprint_s"].append(_table_seconds(spread, ops))
         out.append({"size": size, "footprint_bytes": rec.footprint, "n_ops": len(ops),
                     **{k: statistics.median(v) for k, v in runs.items()}})
     return out
@@ -297,28 +324,44 @@ def cache_effect(sizes=("tiny", "10x"), world: int = 2, quick: bool = False, tim
     return launch(_cache_effect_rank, world, tuple(sizes), quick, timeout_s=timeout_s)[0]
 
 
-def _technique_kernels(table: dict, sizes, techniques, quick: bool = False) -> list:
-    """Record one step of each technique at each size on this rank and time its ops alone (``quick``:
-    each 3 times instead of 5)."""
+def _kernel_runs(techniques, sizes, world: int) -> list[tuple[Technique, str]]:
+    """``(record, size)`` of each step whose ops go into the kernel table, resolved once before the ranks
+    start: each of ``techniques`` (names or records) at each of ``sizes``, raising ``ValueError`` naming
+    the fix for one that cannot run on ``world`` ranks; None: every technique, those that cannot left
+    out."""
+    from . import techniques as T
+
+    chosen = [T.resolve(t) for t in (T.TECHNIQUES if techniques is None else techniques)]  # names first
+    for size in sizes:
+        T.model_config(size)
+    runs = []
+    for size in sizes:
+        for tech in chosen:
+            try:
+                runs.append((T.resolve(tech, world, size), size))
+            except ValueError:
+                if techniques is not None:
+                    raise
+    return runs
+
+
+def _technique_kernels(table: dict, runs, quick: bool = False) -> list:
+    """Record one step of each ``(technique, size)`` of ``runs`` on this rank and time its ops alone
+    (``quick``: each 3 times instead of 5)."""
     from . import techniques as T
 
     done = []
-    for size in sizes:
-        for name in techniques:
-            try:
-                T.check(name, dist.get_world_size())
-            except ValueError:
-                continue
-            spec = T.make_step(name, size, dist.get_world_size())
-            spec.step()  # warm-up: optimizer state, buffers
-            with WorkloadRecorder() as rec:
-                spec.step()
-            time_kernels(rec.items, table, reps=3 if quick else 5, footprint=rec.footprint)
-            done.append(f"{name}/{size}")
+    for tech, size in runs:
+        spec = T.make_step(tech, size, dist.get_world_size())
+        spec.step()  # warm-up: optimizer state, buffers
+        with WorkloadRecorder() as rec:
+            spec.step()
+        time_kernels(rec.items, table, reps=3 if quick else 5, footprint=rec.footprint)
+        done.append(f"{tech.name}/{size}")
     return done
 
 
-def _rank(sizes, techniques, quick: bool = False) -> dict:
+def _rank(runs, quick: bool = False) -> dict:
     """Everything one rank measures (all ranks at once)."""
     out = {"collectives": _alpha_beta(quick), "collective_overhead_s": _collective_overhead(),
            "overlap": _overlap(), "async_start_s": _async_start(), "matmul": _gemm_table(),
@@ -326,15 +369,15 @@ def _rank(sizes, techniques, quick: bool = False) -> dict:
            "op_overhead_s": _op_overhead()}
     table: dict = {}
     out["reference"] = _framework_overhead(table, quick)
-    out["recorded"] = _technique_kernels(table, sizes, techniques, quick)
+    out["recorded"] = _technique_kernels(table, runs, quick)
     out["kernels"] = table
     return out
 
 
-def _kernels_rank(sizes, techniques, quick: bool) -> dict:
-    """The kernel table of ``techniques`` alone, on one rank (all ranks at once)."""
+def _kernels_rank(runs, quick: bool) -> dict:
+    """The kernel table of ``runs`` alone, on one rank (all ranks at once)."""
     table: dict = {}
-    return {"recorded": _technique_kernels(table, sizes, techniques, quick), "kernels": table}
+    return {"recorded": _technique_kernels(table, runs, quick), "kernels": table}
 
 
 def _merge_kernels(per_rank) -> dict:
@@ -351,25 +394,21 @@ def calibrate(world: int = 2, out=None, sizes=("tiny", "10x"), techniques=None,
               timeout_s: float = 600, quick: bool = False) -> tuple[MachineProfile, dict]:
     """Measure this machine on ``world`` ranks; write the profile to ``out`` (None: the user's cache;
     False: nowhere, a notebook's own); return ``(profile, details)`` (details: the sweeps, the reference
-    step). ``sizes`` and ``techniques`` choose whose ops go into the kernel table (default: all);
-    ``quick``: the same measurements on fewer points and repetitions (a smoke run's)."""
+    step). ``sizes`` and ``techniques`` (names or records) choose whose ops go into the kernel table
+    (default: every technique that runs on ``world`` ranks; (): none); ``quick``: the same measurements
+    on fewer points and repetitions (a smoke run's)."""
     from ..runtime.env import hardware_summary
     from ..runtime.launch import launch
-    from . import techniques as T
 
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"--world {world!r}: collectives need at least 2 ranks; "
                          f"use --world 2 (one rank per core)")
-    for name in techniques or ():
-        T.check(name, world)
-    for size in sizes:
-        T.model_config(size)
-    chosen = tuple(T.TECHNIQUES if techniques is None else techniques)  # (): no kernel table at all
-    res = launch(_rank, world, tuple(sizes), chosen, quick, timeout_s=timeout_s)
+    runs = _kernel_runs(techniques, sizes, world)
+    res = launch(_rank, world, runs, quick, timeout_s=timeout_s)
     r0 = res[0]
     ref = [r["reference"] for r in res]
     gemm_peak = max(f / t for f, t in r0["matmul"])
-    med = lambda key: statistics.median(r[key] for r in res)  # noqa: E731
+    med = lambda key: statistics.median(r[key] for r in res)
     profile = MachineProfile(
         name="calibrated", device=hardware_summary().split(" | ")[0], kind="calibrated", world_size=world,
         threads_per_rank=1, memory_bytes=_memory_bytes(), peak_flops={"fp32": gemm_peak},
@@ -395,15 +434,12 @@ def time_techniques(profile: MachineProfile, techniques, sizes=("tiny",), quick:
     of each of ``techniques`` at ``sizes``, timed alone as :func:`calibrate` times them; the ops it
     already holds keep their times, and nothing else is measured again."""
     from ..runtime.launch import launch
-    from . import techniques as T
 
     if profile.kind != "calibrated":
         raise ValueError(f"profile {profile.name!r} is {profile.kind}: only a profile calibrated here can "
                          f"time more ops; run calibrate")
-    for name in techniques:
-        T.check(name, profile.world_size)
-    res = launch(_kernels_rank, profile.world_size, tuple(sizes), tuple(techniques), quick,
-                 timeout_s=timeout_s)
+    runs = _kernel_runs(techniques, sizes, profile.world_size)
+    res = launch(_kernels_rank, profile.world_size, runs, quick, timeout_s=timeout_s)
     return dataclasses.replace(profile, kernels={**_merge_kernels(res), **profile.kernels},
                                notes=[*profile.notes, f"recorded: {', '.join(res[0]['recorded'])}"])
 

@@ -40,7 +40,7 @@ def guarded(name: str, fn, *args) -> dict:
     print(f"gpu-report: {name} ...", flush=True)
     try:
         out = fn(*args)
-    except Exception as e:  # noqa: BLE001 - recorded in the report, the next section still runs
+    except Exception as e:  # recorded in the report, the next section still runs
         out = {"error": f"{type(e).__name__}: {e}", "traceback": tail(traceback.format_exc(), 30)}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"gpu-report: {name} {'FAILED: ' + out['error'] if 'error' in out else 'done'} "
@@ -88,7 +88,7 @@ def collectives_rank(sizes: list, ops=COLLECTIVE_OPS, warmup: int = 3, iters: in
                 sync(dev), dist.barrier()  # every rank starts the timed calls together
                 t = torch.tensor([seconds(call, iters, warmup=0, device=dev, cuda_events=True)], device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            except Exception as e:  # noqa: BLE001 - e.g. gloo has no reduce_scatter on CUDA tensors
+            except Exception as e:  # e.g. gloo has no reduce_scatter on CUDA tensors
                 rows.append({"bytes": nbytes, "error": f"{type(e).__name__}: {e}"})
                 break
             algbw = nbytes / t.item() / 1e9
@@ -109,7 +109,7 @@ def bench_collectives(n_gpus: int, smoke: bool) -> dict:
         return res
     try:
         res = launch(collectives_rank, 2, sizes[:7], backend="gloo", timeout_s=900, start_method="spawn")[0]
-    except Exception as e:  # noqa: BLE001 - recorded with the reason there is no NCCL number
+    except Exception as e:  # recorded with the reason there is no NCCL number
         return {"error": f"needs 2 GPUs (NCCL); gloo with 2 ranks sharing the one GPU failed: "
                          f"{type(e).__name__}: {e}"}
     res["note"] = ("needs 2 GPUs for NCCL: this is gloo with 2 ranks sharing one GPU (host staging and "
@@ -170,7 +170,8 @@ def _median_steps(cfg, batch: int, rounds: int, dev: torch.device, per_round: in
     times = {impl: [] for impl in IMPLS}
     for _ in range(rounds):
         for impl in IMPLS:
-            times[impl] += timed_runs(lambda: step(impl), per_round, warmup=0, device=dev, cuda_events=True)
+            times[impl] += timed_runs(lambda impl=impl: step(impl), per_round, warmup=0, device=dev,
+                                      cuda_events=True)
     return {impl: statistics.median(t) for impl, t in times.items()}
 
 
@@ -211,7 +212,7 @@ def bench_matmul(sizes: list, device: torch.device, dtype=torch.bfloat16, warmup
     rows = []
     for n in sizes:
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        t = seconds(lambda: torch.mm(a, b), iters, warmup, device=device, cuda_events=True)
+        t = seconds(lambda a=a, b=b: torch.mm(a, b), iters, warmup, device=device, cuda_events=True)
         rows.append({"n": n, "seconds": t, "tflops": 2 * n**3 / t / 1e12})
     return {"dtype": torch_name(dtype), "device": str(device), "rows": rows,
             "timer": "CUDA events" if device.type == "cuda" else "wall clock"}
@@ -250,7 +251,7 @@ def bench_mfu(device: torch.device, device_name: str, batch: int = 64, steps: in
     fpt = model_flops_per_token(cfg)
     try:
         peak, peak_source = peak_flops(device_name)
-    except Exception as e:  # noqa: BLE001 - a missing or broken profile: MFU null, with the reason
+    except Exception as e:  # a missing or broken profile: MFU null, with the reason
         peak, peak_source = None, f"{type(e).__name__}: {e}"
     return {"config": vars(cfg), "batch": batch, "step_s": t, "tokens_per_s": tokens_per_s,
             "flops_per_token": fpt, "flops_per_token_source": "costmodel.model_flops_per_token",

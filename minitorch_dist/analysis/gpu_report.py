@@ -161,7 +161,7 @@ def write_report(result: dict, out_dir: Path, stem: str) -> list[Path]:
             path.parent.mkdir(parents=True, exist_ok=True)
             plot(sec, title).savefig(path, dpi=120, bbox_inches="tight")
             written.append(path)
-        except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
+        except Exception as e:  # the numbers matter more than the picture
             errors[section] = f"{type(e).__name__}: {e}"
     if errors:
         result["plot_errors"] = errors
@@ -204,7 +204,7 @@ def collect(out_dir: Path, smoke: bool = False, skip=()) -> tuple[dict, str]:
               "cuda": torch.version.cuda, "smoke": smoke, "skipped": sorted(skip)}
     try:
         result["hardware"] = hardware_summary()
-    except Exception as e:  # noqa: BLE001 - a report without the line beats no report
+    except Exception as e:  # a report without the line beats no report
         result["hardware"] = {"error": f"{type(e).__name__}: {e}"}
     for section, (fn, *args) in _sections(n_gpus, name, out_dir, stem, smoke).items():
         result[section] = {"skipped": True} if section in skip else guarded(section, fn, *args)

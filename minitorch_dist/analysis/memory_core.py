@@ -94,10 +94,10 @@ class MeterCore:
         ("-" where a column lacks the key), through the course's one table formatter."""
         if unit not in UNITS:
             raise ValueError(f"unit {unit!r} is not one of {list(UNITS)}")
-        cols = [[f"{c[k] / UNITS[unit]:.3f}" if k in c else "-" for k in keys] for c in columns.values()]
-        cols = [[x.rjust(max(map(len, col))) for x in col] for col in cols]  # decimal points line up
-        rows = [[k, *cells] for k, *cells in zip(keys, *cols)]
-        return TextTable(format_table(rows, ["category", *(f"{title} {unit}" for title in columns)]))
+        rows = [[k, *(f"{c[k] / UNITS[unit]:.3f}" if k in c else "-" for c in columns.values())]
+                for k in keys]
+        header = ["category", *(f"{title} {unit}" for title in columns)]
+        return TextTable(format_table(rows, header, align="l" + "r" * len(columns)))  # decimal points line up
 
 
 class TextTable(str):

@@ -101,7 +101,7 @@ def time_kernels(items, table: dict | None = None, reps: int = 5, stat=statistic
             sets = argument_sets(op, footprint, pools)
             turn = iter(range(1 << 62))
 
-            def call():
+            def call(op=op, sets=sets, turn=turn):
                 args, kwargs = sets[next(turn) % len(sets)]
                 op.func(*args, **kwargs)
             loop, inner = repeat(call)

@@ -10,11 +10,20 @@ the profile's one-way send); :func:`idle_breakdown` splits a timeline's idle int
 other stage, messages, gaps between actions, and the drain;
 :func:`late_message` times a receive whose sender went on computing after posting it (and the same
 receive posted before the receiver's own compute, as the executor posts it).
+
+Clocks. Every measured duration goes through :mod:`~minitorch_dist.runtime.timing`, which waits for
+the device before and after: on a GPU a pass is its kernels done, not their launch. A receive's wait
+is timed there by CUDA events on the compute stream (from the end of the compute queued before it to
+the message's arrival), since waiting for the whole device would also wait for a receive already
+posted. On a GPU the step's timeline waits for the device at every span's edge
+(``Timeline(cuda_sync=True)``), which also waits for sends still in flight: its spans can only be
+longer than the kernels they launched.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +38,7 @@ from ..runtime import observe
 from ..runtime.launch import device as rank_device
 from ..runtime.launch import launch
 from ..runtime.timeline import Event, Timeline
+from ..runtime.timing import seconds, timed_runs
 
 __all__ = ["build_step", "time_stage_alone", "measure_pipeline", "simulate_stages",
            "late_message", "message_delays", "idle_breakdown"]
@@ -57,41 +67,49 @@ def build_step(name: str, size: str, m: int, p: int, seed: int = 0):
     return step, schedule, stages[0], x, y
 
 
+def _timed(device, fn: Callable[..., object], *args) -> tuple[object, float]:
+    """``fn(*args)``'s result and its seconds, ``device`` waited for before and after it."""
+    out = []
+    t = seconds(lambda: out.append(fn(*args)), reps=1, warmup=0, device=device)
+    return out[0], t
+
+
 def time_stage_alone(schedule, stage, x, y, rounds: int = 1) -> dict:
     """Seconds ``{"F": [...], "B": [...], "W": [...]}`` of this rank's actions on one microbatch each,
     with no message: ``rounds`` times all m forwards, then all m backwards (B then W when the schedule
     splits them). The input is the tokens (first stage) or a random activation, the output gradient
-    random: the step's arithmetic, not its values. W takes ~0 for an unsplit backward."""
+    random: the step's arithmetic, not its values. W is 0 for an unsplit backward."""
     m, split = schedule.m, schedule.splits_backward
     taps = LinearTap([stage]) if split else None
     own = b_params(stage)
     ids = {id(q) for q in own}
     times = {"F": [], "B": [], "W": []}
+    like = next(stage.parameters())  # the boundary activation lives where the stage does
+    where = like.device
+
+    def forward(inp, ys):
+        return stage(inp, ys) / m if stage.is_last else stage(inp)
     for _ in range(rounds):
         live = []
         for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            like = next(stage.parameters())  # the boundary activation lives where the stage does
             inp = xs if stage.is_first else torch.randn(stage.boundary_shape(*xs.shape), dtype=like.dtype,
-                                                        device=like.device, requires_grad=True)
+                                                        device=where, requires_grad=True)
             seen = [] if split else None  # split: the Linear inputs and outputs B and W need
             if split:
                 taps.active = seen
-            t0 = time.perf_counter()
-            out = stage(inp, ys) / m if stage.is_last else stage(inp)
-            times["F"].append(time.perf_counter() - t0)
+            out, t = _timed(where, forward, inp, ys)
+            times["F"].append(t)
             live.append((inp, out, seen))
         for inp, out, seen in live:
             g = None if stage.is_last else torch.randn_like(out)
-            t0 = time.perf_counter()
             if split:
-                _, stash = backward_input(out, g, None if stage.is_first else inp, seen, own)
-                t1 = time.perf_counter()
-                backward_weights(stash, ids)
+                (_, stash), t = _timed(where, backward_input, out, g, None if stage.is_first else inp, seen,
+                                       own)
+                times["B"].append(t)
+                times["W"].append(_timed(where, backward_weights, stash, ids)[1])
             else:
-                torch.autograd.backward(out, g)
-                t1 = time.perf_counter()
-            times["B"].append(t1 - t0)
-            times["W"].append(time.perf_counter() - t1)
+                times["B"].append(_timed(where, torch.autograd.backward, out, g)[1])
+                times["W"].append(0.0)
     if split:
         taps.remove()
     stage.zero_grad(set_to_none=True)
@@ -100,6 +118,7 @@ def time_stage_alone(schedule, stage, x, y, rounds: int = 1) -> dict:
 
 def _rank(name: str, size: str, m: int, reps: int, origin: float) -> dict:
     step, schedule, stage, x, y = build_step(name, size, m, dist.get_world_size())
+    where = next(stage.parameters()).device
     step()  # warm-up: AdamW's state, the first messages
     time_stage_alone(schedule, stage, x, y)  # warm-up
     alone, steps, step_s = {"F": [], "B": [], "W": []}, [], []
@@ -108,13 +127,17 @@ def _rank(name: str, size: str, m: int, reps: int, origin: float) -> dict:
         for k, v in time_stage_alone(schedule, stage, x, y).items():
             alone[k] += v
         dist.barrier()  # start the step together
-        tl = Timeline(origin=origin)  # one clock for every rank: the parent's time.monotonic()
-        t0 = time.perf_counter()
-        with observe.watching(tl):
-            step()
-        step_s.append(time.perf_counter() - t0)
+        # one clock for every rank: the parent's time.monotonic(); on a GPU, spans wait for the device
+        tl = Timeline(origin=origin, cuda_sync=where.type == "cuda")
+        step_s.append(_timed(where, _watched, tl, step)[1])
         steps.append(tl.events)
     return {"alone": {k: statistics.median(v) for k, v in alone.items()}, "steps": steps, "step_s": step_s}
+
+
+def _watched(tl: Timeline, step: Callable[[], object]) -> None:
+    """``step()`` while ``tl`` records the spans the executor announces."""
+    with observe.watching(tl):
+        step()
 
 
 def measure_pipeline(name: str, size: str, m: int, p: int = 2, reps: int = 5, timeout_s: float = 300) -> dict:
@@ -179,7 +202,7 @@ def _late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float, rep
     buf, a, out = torch.ones(nbytes // 4, device=where), torch.randn(128, 128, device=where), []
     for i in range(reps + 1):  # the first is a warm-up
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the compute's own clock: it runs for a wall-clock time
         sender = dist.get_rank() == 0
         work = dist.isend(buf, 1, tag=i) if sender else dist.irecv(buf, 0, tag=i) if posted_early else None
         while time.perf_counter() - t0 < (sender_busy_s if sender else receiver_busy_s):
@@ -187,10 +210,12 @@ def _late_message(nbytes: int, sender_busy_s: float, receiver_busy_s: float, rep
         if sender:
             work.wait()
             continue
-        t1 = time.perf_counter()
-        work = work if posted_early else dist.irecv(buf, 0, tag=i)
-        work.wait()
-        out.append(time.perf_counter() - t1)
+
+        def receive(work=work, tag=i):
+            (work if posted_early else dist.irecv(buf, 0, tag=tag)).wait()
+        # from the end of the compute to the message: on a GPU, events on the compute stream (a sync of
+        # the whole device first would also wait for a receive posted early)
+        out += timed_runs(receive, reps=1, warmup=0, device=where, cuda_events=True)
     return out[1:]
 
 

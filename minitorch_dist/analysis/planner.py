@@ -209,6 +209,13 @@ class Plan:
 def check_config(c: Config, model: ModelSpec, cluster: Cluster,
                  assumptions: Assumptions = Assumptions()) -> None:
     """Raise ValueError naming every rule ``c`` breaks for ``model`` on ``cluster`` (and the fix)."""
+    errors = _shape_errors(c, model, cluster, assumptions) + _option_errors(c, model, assumptions)
+    if errors:
+        raise ValueError(f"invalid configuration {c}: " + "; ".join(errors))
+
+
+def _shape_errors(c: Config, model: ModelSpec, cluster: Cluster, assumptions: Assumptions) -> list[str]:
+    """The rules of :func:`check_config` on the grid's sizes: what each degree must divide."""
     errors = []
     if min(c.tp, c.pp, c.dp, c.micro_batch, c.microbatches) < 1:
         errors.append("tp, pp, dp, micro_batch and microbatches must all be >= 1")
@@ -227,6 +234,12 @@ def check_config(c: Config, model: ModelSpec, cluster: Cluster,
     if c.dp >= 1 and c.micro_batch >= 1 and c.dp * c.micro_batch * c.microbatches != model.global_batch:
         errors.append(f"dp*micro_batch*microbatches = {c.dp * c.micro_batch * c.microbatches} != global "
                       f"batch {model.global_batch}")
+    return errors
+
+
+def _option_errors(c: Config, model: ModelSpec, assumptions: Assumptions) -> list[str]:
+    """The rules of :func:`check_config` on the techniques: ZeRO, recomputation, SP, the schedule."""
+    errors = []
     if c.zero not in (0, 1, 2, 3):
         errors.append(f"zero must be 0, 1, 2 or 3, got {c.zero!r}")
     if c.recompute not in costmodel.RECOMPUTE:
@@ -235,8 +248,7 @@ def check_config(c: Config, model: ModelSpec, cluster: Cluster,
         errors.append(f"sequence parallelism needs seq {model.seq} divisible by tp={c.tp}")
     if assumptions.schedule == "interleaved" and c.pp > 1 and c.microbatches % c.pp:
         errors.append(f"the interleaved schedule needs microbatches {c.microbatches} divisible by pp={c.pp}")
-    if errors:
-        raise ValueError(f"invalid configuration {c}: " + "; ".join(errors))
+    return errors
 
 
 def _divisors(n: int) -> list[int]:

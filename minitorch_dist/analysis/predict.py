@@ -15,6 +15,10 @@
 The prediction never sees the measurement; ``ratio`` = predicted / measured says how good it was, and
 ``breakdown`` says where the predicted time goes (compute, communication, the part of it left exposed,
 the framework's fixed costs).
+
+The technique's name is resolved once, at the entry (:func:`predict`, :func:`tour_row`, the command
+line), into its :class:`.techniques.Technique` record, checked against the world and the size before any
+rank starts; the record, not the name, is what the ranks and the measurement receive.
 """
 from __future__ import annotations
 
@@ -23,36 +27,46 @@ import json
 import os
 import statistics
 import sys
+from typing import TYPE_CHECKING
 
 from .. import costmodel
 from ..runtime import observe
 from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 
+if TYPE_CHECKING:
+    from .techniques import Technique
+
 __all__ = ["record_traces", "predict_step", "predict", "notebook_profile", "plot_predicted_vs_measured",
            "tour_row", "format_prediction", "summary_table", "add_arguments", "main"]
 
 
-def _record_rank(technique: str, size: str, seed: int):
+def _record_rank(tech: Technique, size: str, seed: int):
     import torch.distributed as dist
 
     from . import techniques as T
 
-    pipeline = technique.startswith("pp-")  # its F, B, W actions are marked in the record
-    spec = T.make_step(technique, size, dist.get_world_size(), seed=seed)
+    spec = T.make_step(tech, size, dist.get_world_size(), seed=seed)
     spec.step()  # warm-up: the optimizer's state, the buffers, the first-call work
-    with WorkloadRecorder() as rec, observe.watching(rec) if pipeline else contextlib.nullcontext():
+    # a pipeline's F, B, W actions are marked in the record
+    with WorkloadRecorder() as rec, observe.watching(rec) if tech.marks_actions else contextlib.nullcontext():
         spec.step()
     return portable(rec.items), spec.config
 
 
-def record_traces(technique: str, size: str, world: int, seed: int = 0, timeout_s: float = 300) -> tuple:
-    """``({rank: recorded items}, config)`` of one step of ``technique`` on ``world`` ranks."""
-    from ..runtime.launch import launch
+def record_traces(technique: Technique | str, size: str, world: int, seed: int = 0,
+                  timeout_s: float = 300) -> tuple:
+    """``({rank: recorded items}, config)`` of one step of ``technique`` (a name or its record) on
+    ``world`` ranks."""
     from . import techniques as T
 
-    T.check(technique, world)
-    out = launch(_record_rank, world, technique, size, seed, timeout_s=timeout_s)
+    return _record_traces(T.resolve(technique, world, size), size, world, seed, timeout_s)
+
+
+def _record_traces(tech: Technique, size: str, world: int, seed: int = 0, timeout_s: float = 300) -> tuple:
+    from ..runtime.launch import launch
+
+    out = launch(_record_rank, world, tech, size, seed, timeout_s=timeout_s)
     return {r: items for r, (items, _) in enumerate(out)}, out[0][1]
 
 
@@ -61,18 +75,27 @@ def predict_step(traces: dict, profile) -> dict:
     return costmodel.replay_step(traces, load_profile(profile))
 
 
-def predict(technique: str, world: int, size: str = "tiny", profile=None, measure: bool = False,
+def predict(technique: Technique | str, world: int, size: str = "tiny", profile=None, measure: bool = False,
             reps: int = 7, seed: int = 0) -> dict:
-    """Predict (and with ``measure`` time) one step; the result of ``predict --json``."""
+    """Predict (and with ``measure`` time) one step of ``technique`` (a name or its record); the result of
+    ``predict --json``."""
     from . import techniques as T
 
-    T.check(technique, world, size)  # the technique and the world first: they need no profile
+    tech = T.resolve(technique, world, size)  # the technique and the world first: they need no profile
+    return _predict(tech, world, size, profile, measure, reps, seed)
+
+
+def _predict(tech: Technique, world: int, size: str, profile, measure: bool, reps: int,
+             seed: int = 0) -> dict:
+    """:func:`predict` of a resolved technique."""
+    from . import techniques as T
+
     prof = load_profile(profile)
-    traces, config = record_traces(technique, size, world, seed)
+    traces, config = _record_traces(tech, size, world, seed)
     res = predict_step(traces, prof)
     slowdown = _slowdown(prof, world) if measure else None
-    measured = T.measure(technique, size, world, reps=reps)["median_s"] if measure else None
-    return {"technique": technique, "world_size": world, "size": size, "config": config,
+    measured = T.measure(tech, size, world, reps=reps)["median_s"] if measure else None
+    return {"technique": tech.name, "world_size": world, "size": size, "config": config,
             "profile": prof.name, "device": prof.device, "predicted_s": res["step_s"], "measured_s": measured,
             "ratio": res["step_s"] / measured if measured else None, "machine_vs_calibration": slowdown,
             "breakdown": {k: res[k] for k in ("compute_s", "comm_s", "exposed_comm_s", "overhead_s")},
@@ -91,9 +114,9 @@ def _slowdown(profile, world: int):
 
 
 def notebook_profile(techniques, sizes=("tiny",), world: int = 2, quick: bool = False):
-    """A profile calibrated now for a notebook or the tour (kernel table of ``techniques`` only, a few
-    seconds; ``quick``: fewer points, for a smoke run), kept in memory: the user's own profile is not
-    overwritten."""
+    """A profile calibrated now for a notebook or the tour (kernel table of ``techniques``, names or
+    records, only: a few seconds; ``quick``: fewer points, for a smoke run), kept in memory: the user's
+    own profile is not overwritten."""
     from .calibrate import calibrate
 
     profile, _ = calibrate(world, out=False, sizes=tuple(sizes), techniques=tuple(techniques), quick=quick)
@@ -127,7 +150,8 @@ def plot_predicted_vs_measured(rows, ax=None, title: str = "predicted vs measure
     return ax
 
 
-def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, size: str = "tiny") -> dict:
+def tour_row(chapter: str, technique: Technique | str, smoke: bool = False, world: int = 2,
+             size: str = "tiny") -> dict:
     """The tour's "predicted vs measured step" row of a chapter: ``technique`` on ``world`` ranks (the tiny
     GPT in a smoke run, else ``size``). Calibration and measurement run back to back: the machine is
     calibrated for this row (a quick calibration, with its technique's ops: seconds, so every row can
@@ -138,20 +162,21 @@ def tour_row(chapter: str, technique: str, smoke: bool = False, world: int = 2, 
     (25%; a smoke run's few steps: 2x), and ``note`` shows how much slower the machine was when it
     measured than when it calibrated -- on a machine busy with other work a ratio outside its band is
     that, not a failed experiment, and the tour's exit status depends on its exactness rows alone."""
+    from . import techniques as T
     from .calibrate import reference_step_seconds
-    from .techniques import measure
 
     size = "tiny" if smoke else size
-    profile = notebook_profile((technique,), (size,), world, quick=True)  # seconds: one per row
-    traces, _ = record_traces(technique, size, world)
+    tech = T.resolve(technique, world, size)  # once: the calibration, the record and the clock take it
+    profile = notebook_profile((tech,), (size,), world, quick=True)  # seconds: one per row
+    traces, _ = _record_traces(tech, size, world)
     predicted = predict_step(traces, profile)["step_s"]
     slowdown = reference_step_seconds(world, quick=smoke) / profile.reference_step_s
-    measured = measure(technique, size, world, reps=5 if smoke else 15)["median_s"]
+    measured = T.measure(tech, size, world, reps=5 if smoke else 15)["median_s"]
     ratio = predicted / measured
     band = 1.0 if smoke else 0.25
     ok = 1 / (1 + band) <= ratio <= 1 + band if smoke else abs(ratio - 1) <= band
     within = "smoke: within 2x" if smoke else "within 25%"
-    what = f"predicted vs measured {technique} step, {size}, {world} ranks (s), {within}"
+    what = f"predicted vs measured {tech.name} step, {size}, {world} ranks (s), {within}"
     return {"chapter": chapter, "experiment": what, "theory": predicted, "measured": measured, "ok": ok,
             "timing": True, "note": _slowdown_note(ratio, slowdown, ok)}
 
@@ -197,8 +222,9 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the result (a list with 'all') as JSON")
 
 
-def _runs(args) -> list[tuple[str, str]]:
-    from .techniques import SIZES, TECHNIQUES, check
+def _runs(args) -> list[tuple[Technique, str]]:
+    """``(record, size)`` of each step the command line asks for, resolved and checked once."""
+    from .techniques import SIZES, TECHNIQUES, resolve
 
     techniques = TECHNIQUES if args.technique == "all" else (args.technique,)
     sizes = SIZES if args.size == "all" else (args.size,)
@@ -206,12 +232,11 @@ def _runs(args) -> list[tuple[str, str]]:
     for size in sizes:
         for t in techniques:
             try:
-                check(t, args.world, size)
+                runs.append((resolve(t, args.world, size), size))
             except ValueError:
                 if len(techniques) == 1:
                     raise
-                continue  # with "all": the techniques this world cannot run are left out
-            runs.append((t, size))
+                # with "all": the techniques this world cannot run are left out
     return runs
 
 
@@ -236,7 +261,7 @@ def main(args) -> int:
     """``python -m minitorch_dist predict``."""
     try:
         runs = _runs(args)
-        results = [predict(t, args.world, size, args.profile, args.measure, args.reps) for t, size in runs]
+        results = [_predict(t, args.world, size, args.profile, args.measure, args.reps) for t, size in runs]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,8 +14,8 @@ Sizes. ``"tiny"`` is ``GPTConfig.tiny()`` (0.11 M parameters) on a global batch 
 sequences of 128 tokens: the same 1024 tokens a step, about ten times the FLOPs. Both split over 2
 and 4 ranks on every axis (heads, width, vocabulary, sequence; layers for "10x").
 
-How each technique splits the world of n ranks (``step_config`` writes it down, ``check`` refuses
-what cannot be split, with the fix, before any rank starts):
+How each technique (a :class:`Technique` record: :func:`resolve` finds it by name, once) splits the world
+of n ranks (``step_config`` writes it down, ``resolve`` refuses what cannot be split, with the fix):
 
     ddp, zero1, zero2, zero3, ep    data parallel: n shards of the batch (ep: experts over the n ranks,
                                     n_experts the smallest multiple of n that is >= 4)
@@ -32,6 +32,7 @@ import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -53,15 +54,12 @@ from ..runtime.timing import timed_runs
 from ..sparsity.expert_parallel import expert_parallel, sync_replicated_grads
 from ..sparsity.moe_gpt import MoEGPT, MoEGPTConfig
 
-__all__ = ["TECHNIQUES", "SIZES", "GLOBAL_BATCH", "LR", "StepSpec", "model_config", "grid_3d", "step_config",
-           "check", "make_step", "time_steps", "measure"]
+__all__ = ["TECHNIQUES", "TECHNIQUE", "Technique", "SIZES", "GLOBAL_BATCH", "LR", "StepSpec", "model_config",
+           "grid_3d", "resolve", "step_config", "check", "make_step", "time_steps", "measure"]
 
-TECHNIQUES = ("ddp", "zero1", "zero2", "zero3", "tp", "sp", "pp-gpipe", "pp-1f1b", "pp-zbh1", "ep", "3d")
 SIZES = ("tiny", "10x")
 GLOBAL_BATCH = {"tiny": 16, "10x": 8}  # sequences of block_size tokens per step
 LR = 1e-3
-_SCHEDULES = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-zbh1": "zb-h1"}  # as pipeline.SCHEDULES spells them
-_MULTI_RANK = ("tp", "sp", *_SCHEDULES, "ep", "3d")  # they split the model: one rank has nothing to split
 
 
 @dataclass
@@ -79,6 +77,29 @@ class StepSpec:
     step: Callable[[], float | None]
     config: dict
     model: nn.Module
+
+
+def _whole_gpt(conf: dict) -> nn.Module:
+    return GPT(model_config(conf["size"]))
+
+
+_unshown = partial(dataclasses.field, repr=False)  # a function: its address says nothing in a repr
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One technique, resolved once from its name (:func:`resolve`): what the registry, the predictor and
+    the calibration need to know of it, so that none of them tests its name."""
+
+    name: str
+    builder: Callable[[dict, int, torch.device], StepSpec] = _unshown()  # (conf, seed, device) -> its step
+    degrees: Callable[[int], tuple[int, int, int]] = _unshown()  # world -> (dp, tp, pp)
+    schedule: str | None = None  # the pipeline schedule its step runs, as pipeline.SCHEDULES spells it
+    multi_rank: bool = False  # it splits the model: one rank has nothing to split
+    marks_actions: bool = False  # one pipeline stage a rank: a recorded step marks each F, B, W action
+    splits_sequence: bool = False  # the tokens of a sequence are split over the tp ranks
+    settings: Callable[[int], dict] | None = _unshown(default=None)  # world -> config entries of its own
+    whole_model: Callable[[dict], nn.Module] = _unshown(default=_whole_gpt)  # conf -> all ranks' parameters
 
 
 def model_config(size: str) -> GPTConfig:
@@ -108,28 +129,61 @@ def _check_size(size) -> None:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
 
 
-def _degrees(technique: str, world: int) -> tuple[int, int, int]:
-    if technique in ("tp", "sp"):
-        return 1, world, 1
-    if technique in _SCHEDULES:
-        return 1, 1, world
-    if technique == "3d":
-        return grid_3d(world)
-    return world, 1, 1
+def _on_axis(world: int, axis: int) -> tuple[int, int, int]:
+    return tuple(world if a == axis else 1 for a in range(3))  # (dp, tp, pp): all ranks on one axis
 
 
-def step_config(technique: str, size: str, world: int) -> dict:
+_DP, _TP, _PP = (partial(_on_axis, axis=a) for a in range(3))
+
+
+def _experts(world: int) -> dict:
+    return {"n_experts": -(-4 // world) * world, "moe_every": 2}  # the smallest multiple of world >= 4
+
+
+def _zero_stage_1(world: int) -> dict:
+    return {"zero_stage": 1}
+
+
+def resolve(technique: Technique | str, world: int | None = None, size: str | None = None) -> Technique:
+    """The record of ``technique``, one of :data:`TECHNIQUES` (a record passes through, not looked up
+    again); with ``world``, checked to run on ``world`` ranks at ``size`` (None: every size). Raises
+    ``ValueError`` naming the fix. Needs no process group: call it once, before launching."""
+    tech = technique
+    if not isinstance(tech, Technique):
+        if tech not in TECHNIQUES:
+            raise ValueError(f"unknown technique {tech!r}; choose one of {', '.join(TECHNIQUES)}")
+        tech = TECHNIQUE[tech]
+    if size is not None:
+        _check_size(size)
+    if world is not None:
+        for s in SIZES if size is None else (size,):
+            _config(tech, s, world)
+    return tech
+
+
+def check(technique: Technique | str, world: int, size: str | None = None) -> Technique:
+    """:func:`resolve` with the world required: its record, or ``ValueError`` naming the fix."""
+    return resolve(technique, world, size)
+
+
+def step_config(technique: Technique | str, size: str, world: int) -> dict:
     """How ``technique`` splits ``size``'s model and batch over ``world`` ranks, as plain data (no
-    process group needed); raises ``ValueError`` naming the fix when it cannot (see :func:`check`)."""
-    check(technique, world, size)
-    return _config(technique, size, world)
+    process group needed); raises ``ValueError`` naming the fix when it cannot (see :func:`resolve`)."""
+    return _config(resolve(technique), size, world)
 
 
-def _config(technique: str, size: str, world: int) -> dict:
-    cfg, batch = model_config(size), GLOBAL_BATCH[size]
-    dp, tp, pp = _degrees(technique, world)
+def _config(tech: Technique, size: str, world: int) -> dict:
+    cfg, batch = model_config(size), GLOBAL_BATCH[size]  # the size first, then the world
+    cores = os.cpu_count() or 1
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 4 * cores:
+        raise ValueError(f"world must be an int from 1 to {4 * cores} (4 ranks per core of this machine's "
+                         f"{cores}), got {world!r}; choose a world in that range")
+    if world == 1 and tech.multi_rank:
+        raise ValueError(f"{tech.name!r} splits the model over ranks and needs world >= 2: use world=2, "
+                         f"or 'ddp' to time one process")
+    dp, tp, pp = tech.degrees(world)
     m = 1 if pp == 1 else (2 * pp if (batch // dp) % (2 * pp) == 0 else pp)
-    where = f"{technique!r} on {world} ranks, size {size!r}"
+    where = f"{tech.name!r} on {world} ranks, size {size!r}"
     try:
         check_model(cfg, tp, pp)  # heads, width, MLP width, vocabulary over tp; layers over pp
     except ValueError as e:
@@ -137,37 +191,17 @@ def _config(technique: str, size: str, world: int) -> dict:
     if batch % dp or (batch // dp) % m:
         raise ValueError(f"{where}: the global batch of {batch} sequences must split into dp={dp} shards of "
                          f"m={m} microbatches; choose a world whose data-parallel degree divides {batch}")
-    if technique == "sp" and cfg.block_size % tp:
+    if tech.splits_sequence and cfg.block_size % tp:
         raise ValueError(f"{where}: sequence parallelism splits the {cfg.block_size} tokens of a sequence "
                          f"over tp={tp} ranks; choose a world that divides {cfg.block_size}")
-    out = dict(technique=technique, size=size, world=world, model=dataclasses.asdict(cfg), global_batch=batch,
+    out = dict(technique=tech.name, size=size, world=world, model=dataclasses.asdict(cfg), global_batch=batch,
                seq_len=cfg.block_size, dp=dp, tp=tp, pp=pp, microbatches=m, rows_per_rank=batch // dp,
                rows_per_microbatch=batch // dp // m, optimizer=f"AdamW(lr={LR})", dtype="float32")
-    if technique in _SCHEDULES:
-        out["schedule"] = _SCHEDULES[technique]
-    if technique == "ep":
-        out.update(n_experts=-(-4 // world) * world, moe_every=2)
-    if technique == "3d":
-        out.update(schedule="1f1b", zero_stage=1)
+    if tech.schedule is not None:
+        out["schedule"] = tech.schedule
+    if tech.settings is not None:
+        out.update(tech.settings(world))
     return out
-
-
-def check(technique: str, world: int, size: str | None = None) -> None:
-    """Raise ``ValueError`` naming the fix unless ``technique`` runs on ``world`` ranks at ``size``
-    (None: at every size). Needs no process group: call it before launching."""
-    if technique not in TECHNIQUES:
-        raise ValueError(f"unknown technique {technique!r}; choose one of {', '.join(TECHNIQUES)}")
-    if size is not None:
-        _check_size(size)
-    cores = os.cpu_count() or 1
-    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 4 * cores:
-        raise ValueError(f"world must be an int from 1 to {4 * cores} (4 ranks per core of this machine's "
-                         f"{cores}), got {world!r}; choose a world in that range")
-    if world == 1 and technique in _MULTI_RANK:
-        raise ValueError(f"{technique!r} splits the model over ranks and needs world >= 2: use world=2, "
-                         f"or 'ddp' to time one process")
-    for s in SIZES if size is None else (size,):
-        _config(technique, s, world)
 
 
 # --- the steps ----------------------------------------------------------------------------------
@@ -188,16 +222,16 @@ def _batch(conf: dict, shard: int, shards: int, dev):
     return corpus.batch(0, conf["global_batch"], conf["seq_len"], rank=shard, world_size=shards, device=dev)
 
 
-def _data_parallel(technique: str, conf: dict, seed: int, dev) -> StepSpec:
-    """ddp, zero1, zero2 (module wrappers) and zero3 (fully_shard: a unit per block, then the root)."""
+def _data_parallel(conf: dict, seed: int, dev, *, stage: int) -> StepSpec:
+    """ZeRO ``stage`` 0 (ddp), 1, 2 (module wrappers) or 3 (fully_shard: a unit per block, then the root)."""
     model = _dense(model_config(conf["size"]), seed, dev)
     x, y = _batch(conf, dist.get_rank(), conf["world"], dev)
-    if technique == "ddp":
+    if stage == 0:
         wrapped = DistributedDataParallel(model)
         opt = _adamw(model.parameters())
         zero_grad, update = opt.zero_grad, opt.step
-    elif technique in ("zero1", "zero2"):
-        wrapped = ZeroDataParallel(model, _adamw, stage=int(technique[-1]))
+    elif stage in (1, 2):
+        wrapped = ZeroDataParallel(model, _adamw, stage=stage)
         zero_grad, update = wrapped.zero_grad, wrapped.step
     else:
         for block in model.blocks:
@@ -216,10 +250,10 @@ def _data_parallel(technique: str, conf: dict, seed: int, dev) -> StepSpec:
     return StepSpec(step, conf, wrapped)
 
 
-def _tensor_parallel(technique: str, conf: dict, seed: int, dev) -> StepSpec:
-    """tp (Megatron's layers) and sp (plus sequence parallelism): the world is the TP group."""
+def _tensor_parallel(conf: dict, seed: int, dev, *, sequence: bool) -> StepSpec:
+    """tp (Megatron's layers) and sp (``sequence``: plus sequence parallelism): the world is the TP group."""
     dense = _dense(model_config(conf["size"]), seed, dev)
-    model = parallelize_gpt(dense) if technique == "tp" else parallelize_gpt_sp(dense)
+    model = parallelize_gpt_sp(dense) if sequence else parallelize_gpt(dense)
     del dense
     opt = _adamw(model.parameters())
     x, y = _batch(conf, 0, 1, dev)  # every rank of the TP group sees the whole batch
@@ -228,7 +262,7 @@ def _tensor_parallel(technique: str, conf: dict, seed: int, dev) -> StepSpec:
         opt.zero_grad()
         _, loss = model(x, y)
         loss.backward()
-        if technique == "sp":  # LayerNorms, row biases, wpe: partial sums over the sequence slices
+        if sequence:  # LayerNorms, row biases, wpe: partial sums over the sequence slices
             allreduce_sequence_parallel_grads(model)
         opt.step()
         return loss.item()
@@ -254,14 +288,14 @@ def _pipeline(conf: dict, seed: int, dev) -> StepSpec:
     return StepSpec(step, conf, holder)
 
 
-def _moe_config(conf: dict) -> MoEGPTConfig:
-    return MoEGPTConfig(**conf["model"], n_experts=conf["n_experts"], moe_every=conf["moe_every"])
+def _moe_gpt(conf: dict) -> MoEGPT:
+    return MoEGPT(MoEGPTConfig(**conf["model"], n_experts=conf["n_experts"], moe_every=conf["moe_every"]))
 
 
 def _expert_parallel(conf: dict, seed: int, dev) -> StepSpec:
     """ep: the MoE GPT, experts sharded over the ranks, the rest data parallel (each rank its rows)."""
     torch.manual_seed(seed)
-    model = expert_parallel(MoEGPT(_moe_config(conf)).to(dev))
+    model = expert_parallel(_moe_gpt(conf).to(dev))
     opt = _adamw(model.parameters())
     n = conf["world"]
     x, y = _batch(conf, dist.get_rank(), n, dev)
@@ -291,29 +325,37 @@ def _three_d(conf: dict, seed: int, dev) -> StepSpec:
     return StepSpec(step, conf, model.zero)
 
 
-def make_step(technique: str, size: str, world: int | None = None, seed: int = 0) -> StepSpec:
-    """Build this rank's step of ``technique`` at ``size``; call it on every rank of an initialised
-    process group of ``world`` ranks (None: the group's size). ``seed`` draws the weights."""
+#: Every technique's record, by name, in the course's order; :func:`resolve` is the one lookup.
+TECHNIQUE: dict[str, Technique] = {t.name: t for t in (
+    Technique("ddp", partial(_data_parallel, stage=0), _DP),
+    Technique("zero1", partial(_data_parallel, stage=1), _DP),
+    Technique("zero2", partial(_data_parallel, stage=2), _DP),
+    Technique("zero3", partial(_data_parallel, stage=3), _DP),
+    Technique("tp", partial(_tensor_parallel, sequence=False), _TP, multi_rank=True),
+    Technique("sp", partial(_tensor_parallel, sequence=True), _TP, multi_rank=True, splits_sequence=True),
+    Technique("pp-gpipe", _pipeline, _PP, "gpipe", multi_rank=True, marks_actions=True),
+    Technique("pp-1f1b", _pipeline, _PP, "1f1b", multi_rank=True, marks_actions=True),
+    Technique("pp-zbh1", _pipeline, _PP, "zb-h1", multi_rank=True, marks_actions=True),
+    Technique("ep", _expert_parallel, _DP, multi_rank=True, settings=_experts, whole_model=_moe_gpt),
+    Technique("3d", _three_d, grid_3d, schedule="1f1b", multi_rank=True, settings=_zero_stage_1),
+)}
+TECHNIQUES = tuple(TECHNIQUE)
+
+
+def make_step(technique: Technique | str, size: str, world: int | None = None, seed: int = 0) -> StepSpec:
+    """Build this rank's step of ``technique`` (a name or its record) at ``size``, on every rank of an
+    initialised process group of ``world`` ranks (None: the group's size); ``seed`` draws the weights."""
     require_process_group("make_step")
     n = dist.get_world_size()
     world = n if world is None else world
     if world != n:
         raise ValueError(f"make_step(world={world}) but the process group has {n} ranks; "
                          f"pass world={n}, or launch {world} ranks")
-    conf = step_config(technique, size, world)
-    dev = rank_device()
-    if technique in _SCHEDULES:
-        spec = _pipeline(conf, seed, dev)
-    elif technique in ("tp", "sp"):
-        spec = _tensor_parallel(technique, conf, seed, dev)
-    elif technique == "ep":
-        spec = _expert_parallel(conf, seed, dev)
-    elif technique == "3d":
-        spec = _three_d(conf, seed, dev)
-    else:
-        spec = _data_parallel(technique, conf, seed, dev)
+    tech = resolve(technique)
+    conf = step_config(tech, size, world)
+    spec = tech.builder(conf, seed, rank_device())
     with torch.device("meta"):  # the whole model's parameters (ep: every expert), shapes only
-        whole = MoEGPT(_moe_config(conf)) if technique == "ep" else GPT(model_config(size))
+        whole = tech.whole_model(conf)
     conf["n_params"] = whole.num_params()
     conf["local_params"] = sum(p.numel() for p in spec.model.parameters())
     return spec
@@ -334,19 +376,19 @@ def time_steps(spec: StepSpec, reps: int, warmup: int = 1) -> list[float]:
     return slowest.tolist()
 
 
-def _timed(technique: str, size: str, reps: int, warmup: int) -> dict:
-    spec = make_step(technique, size)
+def _timed(tech: Technique, size: str, reps: int, warmup: int) -> dict:
+    spec = make_step(tech, size)
     return {"times_s": time_steps(spec, reps, warmup), "config": spec.config}
 
 
-def measure(technique: str, size: str, world: int, reps: int = 5, warmup: int = 2,
+def measure(technique: Technique | str, size: str, world: int, reps: int = 5, warmup: int = 2,
             timeout_s: float = 300) -> dict:
-    """Launch ``world`` ranks and time ``reps`` steps of ``technique`` at ``size`` after ``warmup``
-    untimed ones (one intra-op thread per CPU rank, as ``launch`` sets). Returns ``{"median_s",
+    """Launch ``world`` ranks and time ``reps`` steps of ``technique`` (name or record) at ``size`` after
+    ``warmup`` untimed ones (one intra-op thread per CPU rank, as ``launch`` sets). Returns ``{"median_s",
     "times_s" (per step, the slowest rank's), "config"}`` (rank 0's :attr:`StepSpec.config`)."""
-    check(technique, world, size)
+    tech = resolve(technique, world, size)
     for name, v, low in (("reps", reps, 1), ("warmup", warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-    res = launch(_timed, world, technique, size, reps, warmup, timeout_s=timeout_s)[0]
+    res = launch(_timed, world, tech, size, reps, warmup, timeout_s=timeout_s)[0]
     return {"median_s": statistics.median(res["times_s"]), "times_s": res["times_s"], "config": res["config"]}

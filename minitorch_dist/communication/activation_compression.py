@@ -83,7 +83,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (flat.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The bool tensor of ``shape`` that :func:`pack_bits` turned into ``packed``."""
     n = math.prod(shape)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)

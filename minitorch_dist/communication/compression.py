@@ -37,7 +37,9 @@ PowerSGD's P and Q (linear in M). :func:`train_compressed` runs it in a small DP
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,13 +71,13 @@ class Compressor:
     the input). ``key`` names the tensor for compressors with per-tensor state (error memory,
     warm start). ``payload_nbytes(shape)`` predicts ``Payload.nbytes`` from the shape alone."""
 
-    def compress(self, tensor: torch.Tensor, key=0) -> Payload:
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         raise NotImplementedError
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
 
-    def payload_nbytes(self, shape) -> int:
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         raise NotImplementedError
 
 
@@ -91,22 +93,22 @@ def _k(ratio, numel):
 class ErrorFeedback(Compressor):
     """Compress ``g + e`` and remember the residual ``e <- g + e - D(C(g + e))`` per ``key``."""
 
-    def __init__(self, compressor: Compressor):
+    def __init__(self, compressor: Compressor) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"ErrorFeedback wraps a Compressor, got {type(compressor).__name__}")
         self.inner = compressor
-        self.error = {}  # key -> residual, float32 like the gradient
+        self.error: dict[Hashable, torch.Tensor] = {}  # key -> residual, float32 like the gradient
 
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         corrected = tensor + self.error[key] if key in self.error else tensor.clone()
         payload = self.inner.compress(corrected, key)
         self.error[key] = corrected - self.inner.decompress(payload)
         return payload
 
-    def decompress(self, payload):
+    def decompress(self, payload: Payload) -> torch.Tensor:
         return self.inner.decompress(payload)
 
-    def payload_nbytes(self, shape):
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         return self.inner.payload_nbytes(shape)
 
     def __repr__(self):
@@ -116,22 +118,22 @@ class ErrorFeedback(Compressor):
 class TopK(Compressor):
     """The k = ceil(ratio * d) coordinates of largest magnitude: float32 values + int32 indices."""
 
-    def __init__(self, ratio: float):
+    def __init__(self, ratio: float) -> None:
         _check_ratio(ratio)
         self.ratio = ratio
 
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         flat = tensor.detach().reshape(-1)
         idx = flat.abs().topk(_k(self.ratio, flat.numel()), sorted=False).indices
         return Payload({"values": flat[idx].float(), "indices": idx.to(torch.int32)}, tensor.shape,
                        tensor.dtype)
 
-    def decompress(self, p):
+    def decompress(self, p: Payload) -> torch.Tensor:
         out = torch.zeros(math.prod(p.shape), dtype=p.dtype, device=p.tensors["values"].device)
         out[p.tensors["indices"].long()] = p.tensors["values"].to(p.dtype)
         return out.view(p.shape)
 
-    def payload_nbytes(self, shape):
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         return 8 * _k(self.ratio, math.prod(shape))
 
     def __repr__(self):
@@ -142,12 +144,12 @@ class RandomK(Compressor):
     """k random coordinates. Every rank draws them from the same generator (``seed``, advanced on
     each call), so only the values travel; decompressing rank j's payload uses rank i's indices."""
 
-    def __init__(self, ratio: float, seed: int = 0):
+    def __init__(self, ratio: float, seed: int = 0) -> None:
         _check_ratio(ratio)
         self.ratio, self.seed = ratio, seed
-        self._gen = None
+        self._gen: torch.Generator | None = None
 
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         if self._gen is None:
             self._gen = torch.Generator().manual_seed(self.seed)
         flat = tensor.detach().reshape(-1)
@@ -155,12 +157,12 @@ class RandomK(Compressor):
         idx = torch.randperm(flat.numel(), generator=self._gen)[:k].to(flat.device)
         return Payload({"values": flat[idx].float()}, tensor.shape, tensor.dtype, {"indices": idx})
 
-    def decompress(self, p):
+    def decompress(self, p: Payload) -> torch.Tensor:
         out = torch.zeros(math.prod(p.shape), dtype=p.dtype, device=p.tensors["values"].device)
         out[p.meta["indices"]] = p.tensors["values"].to(p.dtype)
         return out.view(p.shape)
 
-    def payload_nbytes(self, shape):
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         return 4 * _k(self.ratio, math.prod(shape))
 
     def __repr__(self):
@@ -170,16 +172,16 @@ class RandomK(Compressor):
 class Sign(Compressor):
     """1 bit per coordinate (sign, 0 counts as +) and one float32 scale, mean |g|."""
 
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         flat = tensor.detach().reshape(-1)
         scale = flat.abs().mean().float().reshape(1)
         return Payload({"bits": pack_bits(flat >= 0), "scale": scale}, tensor.shape, tensor.dtype)
 
-    def decompress(self, p):
+    def decompress(self, p: Payload) -> torch.Tensor:
         sign = unpack_bits(p.tensors["bits"], (math.prod(p.shape),)).to(p.dtype) * 2 - 1
         return (sign * p.tensors["scale"].to(p.dtype)).view(p.shape)
 
-    def payload_nbytes(self, shape):
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         return math.ceil(math.prod(shape) / 8) + 4
 
     def __repr__(self):
@@ -193,14 +195,14 @@ class QSGD(Compressor):
     independent across ranks so that averaging n payloads also averages the rounding noise.
     """
 
-    def __init__(self, levels: int, seed: int = 0):
+    def __init__(self, levels: int, seed: int = 0) -> None:
         if not (isinstance(levels, int) and 1 <= levels <= 127):
             raise ValueError("levels must be an int in [1, 127] "
                              f"(signed levels travel as int8), got {levels!r}")
         self.s, self.seed = levels, seed
-        self._gen = None
+        self._gen: torch.Generator | None = None
 
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         if self._gen is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
             self._gen = torch.Generator().manual_seed(self.seed * 1_000_003 + rank)
@@ -212,11 +214,11 @@ class QSGD(Compressor):
         level = (low + up) * flat.sign()
         return Payload({"levels": level.to(torch.int8), "norm": norm.reshape(1)}, tensor.shape, tensor.dtype)
 
-    def decompress(self, p):
+    def decompress(self, p: Payload) -> torch.Tensor:
         g = p.tensors["levels"].float() * (p.tensors["norm"] / self.s)
         return g.to(p.dtype).view(p.shape)
 
-    def payload_nbytes(self, shape):
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         return math.prod(shape) + 4
 
     def __repr__(self):
@@ -226,16 +228,16 @@ class QSGD(Compressor):
 class FP16(Compressor):
     """Half precision: 2 bytes per coordinate. Summable, so :func:`compressed_allreduce` all-reduces it."""
 
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         return Payload({"half": tensor.detach().half()}, tensor.shape, tensor.dtype)
 
-    def decompress(self, p):
+    def decompress(self, p: Payload) -> torch.Tensor:
         return p.tensors["half"].to(p.dtype).view(p.shape)
 
-    def payload_nbytes(self, shape):
+    def payload_nbytes(self, shape: Sequence[int]) -> int:
         return 2 * math.prod(shape)
 
-    def reduce(self, grads, group=None):
+    def reduce(self, grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
         # Divide before summing (as torch's fp16_compress_hook does), so the sum cannot overflow.
         n = dist.get_world_size(group)
         buf = torch.cat([g.detach().reshape(-1) for g in grads]).div_(n).half()
@@ -249,7 +251,8 @@ class FP16(Compressor):
         return "FP16()"
 
 
-def compressed_allreduce(grads, compressor, group=None):
+def compressed_allreduce(grads: Iterable[torch.Tensor], compressor: Compressor | None,
+                         group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Replace each tensor in ``grads`` (same list on every rank) by the average over ranks of
     the decompressed payloads. ``compressor=None``: plain all-reduce mean (the reference).
 
@@ -283,14 +286,15 @@ def compressed_allreduce(grads, compressor, group=None):
                 gathered[name] = out.view(n, *t.shape)
             total = sum(compressor.decompress(replace(p, tensors={k: v[j] for k, v in gathered.items()}))
                         for j in range(n))
-            g.copy_(total / n)
+            g.copy_(total / n)  # type: ignore[arg-type]  # a sum of n >= 1 tensors is a tensor
     return grads
 
 
 # --- a small data-parallel task to train on --------------------------------------------------
 
 
-def regression_task(seed=0, d_in=32, d_hidden=32, d_out=8, noise=0.01):
+def regression_task(seed: int = 0, d_in: int = 32, d_hidden: int = 32, d_out: int = 8, noise: float = 0.01
+                    ) -> tuple[torch.nn.Sequential, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
     """A teacher ``y = x W* + noise`` and a two-layer linear student (two matrices, two biases:
     PowerSGD compresses the matrices and sends the biases as they are). The loss floor is noise**2."""
     g = torch.Generator().manual_seed(seed)
@@ -309,7 +313,8 @@ def regression_task(seed=0, d_in=32, d_hidden=32, d_out=8, noise=0.01):
     return model, batch
 
 
-def train_on_rank(compressor, steps, lr, batch, seed, eval_size):
+def train_on_rank(compressor: Compressor | None, steps: int, lr: float, batch: int, seed: int,
+                  eval_size: int) -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
     model, data = regression_task(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -320,7 +325,7 @@ def train_on_rank(compressor, steps, lr, batch, seed, eval_size):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         with comm.meter() as m:
-            compressed_allreduce([p.grad for p in model.parameters()], compressor)
+            compressed_allreduce([p.grad for p in model.parameters()], compressor)  # type: ignore[misc]  # backward set every .grad
         per_step.append(m.summary())
         losses.append(loss.item())
         opt.step()
@@ -331,7 +336,8 @@ def train_on_rank(compressor, steps, lr, batch, seed, eval_size):
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def train_compressed(compressor, n=2, steps=100, lr=0.1, batch=64, seed=0, eval_size=1024):
+def train_compressed(compressor: Compressor | None, n: int = 2, steps: int = 100, lr: float = 0.1,
+                     batch: int = 64, seed: int = 0, eval_size: int = 1024) -> list[dict[str, Any]]:
     """Data-parallel SGD on :func:`regression_task` across ``n`` ranks, gradients reduced by
     :func:`compressed_allreduce` (``compressor=None``: exact all-reduce). Returns per-rank dicts:
     ``losses``, ``final_loss`` (held-out MSE), ``comm`` (each step's meter summary), ``params``."""

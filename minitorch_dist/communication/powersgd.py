@@ -38,6 +38,7 @@ list, in any order, is accepted.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -73,7 +74,8 @@ class PowerSGD(Compressor):
     """
 
     def __init__(self, rank: int = 1, start_iter: int = 2, min_compression_rate: float = 2,
-                 warm_start: bool = True, error_feedback: bool = True, seed: int = 0, epsilon: float = 0.0):
+                 warm_start: bool = True, error_feedback: bool = True, seed: int = 0,
+                 epsilon: float = 0.0) -> None:
         if not (isinstance(rank, int) and rank >= 1):
             raise ValueError(f"rank must be a positive int, got {rank!r}")
         if start_iter < 0:
@@ -82,10 +84,11 @@ class PowerSGD(Compressor):
         self.warm_start, self.error_feedback, self.epsilon = warm_start, error_feedback, epsilon
         self.seed, self.rng = seed, np.random.RandomState(seed)
         self.iter = 0
-        self.error = {}  # index -> residual of a compressed matrix
-        self.qs = None  # warm-start Qs, one per compressed matrix
-        self._local_q = {}
-        self._shapes = None  # the gradients' shapes at the first compressed step (only with memory)
+        self.error: dict[int, torch.Tensor] = {}  # index -> residual of a compressed matrix
+        self.qs: list[torch.Tensor] | None = None  # warm-start Qs, one per compressed matrix
+        self._local_q: dict[Hashable, torch.Tensor] = {}
+        # the gradients' shapes at the first compressed step (only with memory)
+        self._shapes: list[tuple[int, ...]] | None = None
 
     @property
     def has_memory(self) -> bool:
@@ -101,14 +104,14 @@ class PowerSGD(Compressor):
     def _r(self, shape):
         return min(shape[0], int(np.prod(shape[1:])), self.rank)
 
-    def compresses(self, shape) -> bool:
+    def compresses(self, shape: Sequence[int]) -> bool:
         """Is a tensor of this shape sent as P, Q (torch's ``_should_compress``)?"""
         if len(shape) < 2:
             return False
         n, m = shape[0], int(np.prod(shape[1:]))
         return (n + m) * self._r(shape) * self.min_rate < n * m
 
-    def payload_nbytes(self, shape, itemsize=4) -> int:
+    def payload_nbytes(self, shape: Sequence[int], itemsize: int = 4) -> int:
         """Bytes one rank all-reduces for one tensor: (n + m) r if compressed, else n m."""
         if not self.compresses(shape):
             return int(np.prod(shape)) * itemsize
@@ -131,7 +134,8 @@ class PowerSGD(Compressor):
         return qs
 
     @torch.no_grad()
-    def reduce(self, grads, group=None):
+    def reduce(self, grads: Iterable[torch.Tensor],
+               group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
         """Replace each gradient by the rank-r PowerSGD estimate of the mean over ranks."""
         grads = list(grads)
         n_ranks = dist.get_world_size(group)
@@ -145,14 +149,7 @@ class PowerSGD(Compressor):
         small = [i for i, g in enumerate(grads) if not self.compresses(g.shape)]
         if self.has_memory:
             self._check_same_list([tuple(g.shape) for g in grads])
-        ms = []
-        for i in big:
-            mat = grads[i].view(grads[i].shape[0], -1)
-            if self.error_feedback:
-                if i in self.error:
-                    mat += self.error[i]
-                self.error[i] = mat.clone()  # becomes (M + e) - M^ below
-            ms.append(mat)
+        ms = self._matrices(grads, big)
         if not self.warm_start or self.qs is None:
             self.qs = self._random_qs(ms)
         else:
@@ -164,23 +161,41 @@ class PowerSGD(Compressor):
             comm.all_reduce(buf, group=group)
             _unflatten(buf.div_(n_ranks), [grads[i] for i in small])
         if ms:
-            ps = [m @ q for m, q in zip(ms, self.qs)]
-            p_buf = torch.cat([p.reshape(-1) for p in ps])
-            comm.all_reduce(p_buf, group=group)  # sum: P = (sum_k M_k) Q
-            _unflatten(p_buf, ps)
-            for p in ps:
-                orthogonalise(p.unsqueeze(0), self.epsilon)
-            qs = [m.t() @ p for m, p in zip(ms, ps)]
-            q_buf = torch.cat([q.reshape(-1) for q in qs])
-            comm.all_reduce(q_buf, group=group)
-            _unflatten(q_buf.div_(n_ranks), qs)
-            for i, m, p, q in zip(big, ms, ps, qs):
-                m.copy_(p @ q.t())
-                if self.error_feedback:
-                    self.error[i] -= m
-            self.qs = qs
+            self._power_step(ms, big, group, n_ranks)
         self.iter += 1
         return grads
+
+    def _matrices(self, grads: list, big: list[int]) -> list:
+        """The compressed gradients as (rows, rest) views, each plus its error memory (error feedback)."""
+        ms = []
+        for i in big:
+            mat = grads[i].view(grads[i].shape[0], -1)
+            if self.error_feedback:
+                if i in self.error:
+                    mat += self.error[i]
+                self.error[i] = mat.clone()  # becomes (M + e) - M^ below
+            ms.append(mat)
+        return ms
+
+    def _power_step(self, ms: list, big: list[int], group: dist.ProcessGroup | None, n_ranks: int) -> None:
+        """One power iteration over ranks: all-reduce P = M Q, orthogonalise, all-reduce Q = M^T P,
+        and write M^ = P Q^T into the gradients (in place)."""
+        assert self.qs is not None  # drawn or warm-started by reduce() first
+        ps = [m @ q for m, q in zip(ms, self.qs)]
+        p_buf = torch.cat([p.reshape(-1) for p in ps])
+        comm.all_reduce(p_buf, group=group)  # sum: P = (sum_k M_k) Q
+        _unflatten(p_buf, ps)
+        for p in ps:
+            orthogonalise(p.unsqueeze(0), self.epsilon)
+        qs = [m.t() @ p for m, p in zip(ms, ps)]
+        q_buf = torch.cat([q.reshape(-1) for q in qs])
+        comm.all_reduce(q_buf, group=group)
+        _unflatten(q_buf.div_(n_ranks), qs)
+        for i, m, p, q in zip(big, ms, ps, qs):
+            m.copy_(p @ q.t())
+            if self.error_feedback:
+                self.error[i] -= m
+        self.qs = qs
 
     def _check_same_list(self, shapes) -> None:
         if self._shapes is not None and shapes != self._shapes:
@@ -193,7 +208,7 @@ class PowerSGD(Compressor):
         self._shapes = shapes
 
     # single-process view: one power-iteration step on one tensor
-    def compress(self, tensor, key=0):
+    def compress(self, tensor: torch.Tensor, key: Hashable = 0) -> Payload:
         # at least float32 (a 16-bit gradient is compressed in fp32); a float64 one stays float64
         dtype = torch.promote_types(tensor.dtype, torch.float32)
         mat = tensor.detach().reshape(tensor.shape[0], -1).to(dtype)  # (rows, the rest flattened)
@@ -208,7 +223,7 @@ class PowerSGD(Compressor):
         self._local_q[key] = q
         return Payload({"P": p, "Q": q}, tensor.shape, tensor.dtype)
 
-    def decompress(self, payload):
+    def decompress(self, payload: Payload) -> torch.Tensor:
         return (payload.tensors["P"] @ payload.tensors["Q"].t()).to(payload.dtype).view(payload.shape)
 
     def __repr__(self):

@@ -26,6 +26,10 @@ def bucket_assignment(param_bytes, cap_bytes, first_cap_bytes=None, keys=None) -
 
     (torch's ``_compute_bucket_assignment_by_size`` closes a bucket *after* it reaches the cap,
     so its buckets overshoot by up to one parameter, and keeps one open bucket per dtype.)
+    ZeRO stage 2 cuts its buckets by another rule,
+    :func:`~minitorch_dist.memory.zero.partition.bucket_ranges`: equal element ranges of the flat
+    buffer, multiples of the world size that cut through parameters, because a reduce-scatter hands
+    each rank one n-th of every bucket; an all-reduce needs no such cut, so here parameters stay whole.
     Returns ``[[i, ...], ...]``, indices into ``param_bytes``, in bucket order.
     """
     if cap_bytes <= 0:

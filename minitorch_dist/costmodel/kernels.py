@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..runtime.dtypes import short_name
+
 
 class DeviceSpec(NamedTuple):
     """Datasheet peaks of one accelerator. ``peak_flops`` maps a dtype name ("fp32" = non-tensor
@@ -66,7 +68,6 @@ DEVICES: dict[str, DeviceSpec] = {
         "NVIDIA H200 datasheet, H200 SXM column"),
 }
 _DEVICE_ALIASES = {"a100": "a100-sxm-80gb", "h100": "h100-sxm", "h200": "h200-sxm"}
-_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 
 
 def device_spec(device) -> DeviceSpec:
@@ -83,8 +84,9 @@ def device_spec(device) -> DeviceSpec:
 
 
 def _peak(spec: DeviceSpec, dtype) -> float:
-    key = str(dtype).removeprefix("torch.").lower()
-    key = _DTYPE_ALIASES.get(key, key)
+    """``spec``'s peak for ``dtype``: a torch dtype or any name of one (short names via
+    :func:`~minitorch_dist.runtime.dtypes.short_name`), or a key of ``peak_flops`` ("tf32", "fp8")."""
+    key = short_name(dtype, default=str(dtype).removeprefix("torch.").lower())
     if key not in spec.peak_flops:
         raise ValueError(f"{spec.name} has no peak for dtype {dtype!r}; it lists {sorted(spec.peak_flops)}")
     return spec.peak_flops[key]

@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..runtime.dtypes import short_name
+
 
 class NumberFormat(NamedTuple):
     exponent_bits: int
@@ -56,15 +58,13 @@ FORMATS = {
     "fp8_e4m3": NumberFormat(4, 3, False, "float8_e4m3fn"),
     "fp8_e5m2": NumberFormat(5, 2, True, "float8_e5m2"),
 }
-_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-            "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2"}
 
 
 def format_name(name) -> str:
     """The canonical name (a key of :data:`FORMATS`) of ``name``: one of its keys, a torch dtype,
-    or a torch dtype's name (``"bfloat16"``, ``torch.float8_e4m3fn``)."""
-    key = str(name).removeprefix("torch.")
-    key = _ALIASES.get(key, key)
+    or a torch dtype's name (``"bfloat16"``, ``torch.float8_e4m3fn``): any spelling that
+    :func:`~minitorch_dist.runtime.dtypes.short_name` reads."""
+    key = short_name(name, default=str(name).removeprefix("torch."))
     if key not in FORMATS:
         raise ValueError(f"unknown number format {name!r}; expected one of {sorted(FORMATS)} "
                          f"or a torch dtype among {sorted(f.torch_name for f in FORMATS.values())}")

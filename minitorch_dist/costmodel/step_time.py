@@ -168,28 +168,41 @@ def _advance(r, net) -> bool:
     elif kind == "Mark":
         r.spans.append((item.name, item.edge, r.clock))
     elif kind == "Wait":
-        posted = r.items[item.ref]
-        if posted.async_op and posted.op == "recv":  # a receive posted earlier: wait for its message
-            if not _receive(r, posted, net):
-                return False
-        elif posted.async_op:  # a blocking call has already ended where it stood
-            if item.ref not in r.done_at:
-                r.flush()
-                if item.ref not in r.done_at:
-                    return False  # its collective still waits for another rank
-            _wait_until(r, r.done_at[item.ref])
+        if not _wait(r, item, net):
+            return False
     elif item.op == "send":
         _send(r, item, net)
     elif item.op == "recv":
-        if r.i not in r.asked:
-            r.asked.add(r.i)
-            net.posted[(item.peer, r.rank)].append(r.clock)
-        if not item.async_op and not _receive(r, item, net):
-            return False  # a posted receive (irecv) waits where its work is waited on
+        if not _post_receive(r, item, net):
+            return False
     elif not _collective(r, item, net):
         r.flush()
         return False
     r.i += 1
+    return True
+
+
+def _wait(r, item, net) -> bool:
+    """``work.wait()`` of an earlier asynchronous call; False while it cannot end yet."""
+    posted = r.items[item.ref]
+    if posted.async_op and posted.op == "recv":  # a receive posted earlier: wait for its message
+        return _receive(r, posted, net)
+    if posted.async_op:  # a blocking call has already ended where it stood
+        if item.ref not in r.done_at:
+            r.flush()
+            if item.ref not in r.done_at:
+                return False  # its collective still waits for another rank
+        _wait_until(r, r.done_at[item.ref])
+    return True
+
+
+def _post_receive(r, item, net) -> bool:
+    """A receive: posted now (once); a blocking one also waits for its message (False until it came)."""
+    if r.i not in r.asked:
+        r.asked.add(r.i)
+        net.posted[(item.peer, r.rank)].append(r.clock)
+    if not item.async_op and not _receive(r, item, net):
+        return False  # a posted receive (irecv) waits where its work is waited on
     return True
 
 
@@ -233,7 +246,7 @@ def _send(r, c, net) -> None:
         net.n_sent[(r.rank, c.peer)] += 1
         busy = r.i + 1 < len(r.items) and type(r.items[r.i + 1]).__name__ == "Op"  # it computes next
         posted = net.posted[(r.rank, c.peer)]
-        ready = lambda: len(posted) > k and posted[k] <= launch  # noqa: E731 -- the receiver is waiting
+        ready = lambda: len(posted) > k and posted[k] <= launch  # the receiver is waiting
 
         def delivered(at, index=index):
             if busy and not ready():  # sent before compute, asked for later: no sooner than that
@@ -263,7 +276,7 @@ def _collective(r, c, net) -> bool:
         _wait_until(r, max(a for a, _ in arrived.values()) + t)
     else:
         r.comm += t
-        share = lambda at, key=key: _share_done(net, key, r.rank, at, members, t)  # noqa: E731
+        share = lambda at, key=key: _share_done(net, key, r.rank, at, members, t)
         r.flights.append(_Flight(r.clock, t, share))
     net.seen[(r.rank, group)] += 1
     return True

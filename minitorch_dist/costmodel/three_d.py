@@ -50,7 +50,7 @@ def pipeline_stage_params(cfg, tp: int = 1, pp: int = 1) -> list[int]:
     if cfg.n_layer % pp:
         raise ValueError(f"n_layer {cfg.n_layer} is not divisible by pp={pp}; choose pp among the divisors "
                          f"of {cfg.n_layer}")
-    count = lambda **kw: tensor_parallel_params_per_rank(_variant(cfg, **kw), tp)  # noqa: E731
+    count = lambda **kw: tensor_parallel_params_per_rank(_variant(cfg, **kw), tp)
     if pp == 1:
         return [count()]
     ln_f = count(n_layer=0, vocab_size=0, block_size=0)

@@ -110,8 +110,9 @@ def gpu_sweep(seqs=(1024, 2048, 4096, 8192), head_dims=(64, 128), batch: int = 4
             row = {"seq": s, "head_dim": d}
             for name, fn in impls.items():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    fwd = time_ms(lambda fn=fn: fn(q, k, v))
-                    both = time_ms(lambda fn=fn: torch.autograd.backward(fn(q, k, v), do))
+                    fwd = time_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+                    both = time_ms(lambda fn=fn, q=q, k=k, v=v, do=do:
+                                   torch.autograd.backward(fn(q, k, v), do))
                 row[name] = {"forward_TFLOPs": fwd_flops / fwd / 1e9,
                              "fwd_bwd_TFLOPs": (fwd_flops + bwd_flops) / both / 1e9}
             rows.append(row)

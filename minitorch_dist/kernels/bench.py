@@ -115,7 +115,7 @@ def measure(kernel: str, M: int, N: int, dtype=torch.float32,
             torch._dynamo.reset()
             fn = torch.compile(fn, dynamic=False)
         fn(*inputs)  # compile / autotune outside the timed runs
-        row[name] = gbps(nbytes, time_ms(lambda: fn(*inputs)))
+        row[name] = gbps(nbytes, time_ms(lambda fn=fn: fn(*inputs)))
     row["copy"] = copy_bandwidth(M, N, dtype)
     return row
 

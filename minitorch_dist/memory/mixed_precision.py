@@ -62,6 +62,8 @@ fp32 gradient copy made inside ``step`` is a transient freed before it returns.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +91,7 @@ class DynamicLossScaler:
     _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True):
+                 growth_interval: int = 2000, enabled: bool = True) -> None:
         if not (init_scale > 0 and init_scale < float("inf")):
             raise ValueError(f"init_scale must be a finite positive number, got {init_scale!r}")
         if not growth_factor > 1.0:
@@ -106,8 +108,8 @@ class DynamicLossScaler:
         self.growth_interval = growth_interval
         self._scale = torch.tensor(float(init_scale), dtype=torch.float32)
         self._growth_tracker = 0  # consecutive clean steps since the last change of S
-        self._found_inf = {}  # id(optimizer) (or "grads") -> bool, this iteration
-        self._stage = {}  # id(optimizer) -> ready / unscaled / stepped
+        self._found_inf: dict[int | str, bool] = {}  # id(optimizer) (or "grads") -> bool, this iteration
+        self._stage: dict[int | str, str] = {}  # id(optimizer) -> ready / unscaled / stepped
         self.steps = 0
         self.skipped_steps = 0
 
@@ -119,7 +121,7 @@ class DynamicLossScaler:
         self._scale = self._scale.to(loss.device)
         return loss * self._scale.to(loss.dtype)
 
-    def unscale_(self, optimizer_or_grads) -> bool:
+    def unscale_(self, optimizer_or_grads: torch.optim.Optimizer | Iterable[torch.Tensor | None]) -> bool:
         """Multiply the gradients by 1/S in place and return whether any was inf or NaN.
 
         Takes an optimizer (the gradients it will apply: :func:`grads_to_step`) or a list of
@@ -137,7 +139,7 @@ class DynamicLossScaler:
         if not self.enabled:
             return False
         if isinstance(optimizer_or_grads, torch.optim.Optimizer):
-            key = id(optimizer_or_grads)
+            key: int | str = id(optimizer_or_grads)
             stage = self._stage.get(key, self._READY)
             if stage == self._UNSCALED:
                 raise RuntimeError("unscale_() has already been called on this optimizer since the last "
@@ -162,7 +164,7 @@ class DynamicLossScaler:
         self._found_inf[key] = bool(found) or self._found_inf.get(key, False)
         return self._found_inf[key]
 
-    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """``unscale_`` (unless done), then ``optimizer.step()`` unless a gradient was inf/NaN.
 
         Returns ``optimizer.step``'s return value, or None for a skipped step.
@@ -248,7 +250,7 @@ def grads_to_step(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor],
       backward (DDP), where every rank holds the same gradient and reaches the same verdict alone.
     """
     if callable(getattr(optimizer, "grads_to_step", None)):
-        grads, group = optimizer.grads_to_step()
+        grads, group = optimizer.grads_to_step()  # type: ignore[attr-defined]  # a method, checked just above
         return [g for g in grads if g is not None], [group]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return [p.grad for p in params if p.grad is not None], shard_groups(params)

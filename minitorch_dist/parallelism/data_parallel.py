@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,13 +51,13 @@ __all__ = ["NaiveDataParallel", "Bucket", "DistributedDataParallel"]
 MiB = 2**20  # torch's bucket_cap_mb is in MiB (distributed.py: _MB_TO_BYTES = 1024 * 1024)
 
 
-def _require_member(what: str, group) -> None:
+def _require_member(what: str, group: dist.ProcessGroup | None) -> None:
     require_process_group(what)
     if dist.get_rank(group) < 0:
         raise ValueError(f"this rank is not a member of `group`; only the group's ranks may call {what}")
 
 
-def _broadcast_state(module: nn.Module, group, who: str) -> None:
+def _broadcast_state(module: nn.Module, group: dist.ProcessGroup | None, who: str) -> None:
     """Make every replica rank 0's: check that every rank built the same shapes (a broadcast would
     reshape another model's tensors of equal sizes silently), then broadcast each parameter (a tied one
     once) and buffer."""
@@ -83,14 +85,14 @@ class NaiveDataParallel(nn.Module):
     code on batches of the same shape), otherwise the ranks issue different collectives and hang.
     """
 
-    def __init__(self, module: nn.Module, group=None):
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         _require_member("NaiveDataParallel", group)
         self.module, self.group = module, group
         self.world_size = dist.get_world_size(group)
         _broadcast_state(module, group, "NaiveDataParallel")
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def average_gradients(self) -> None:
@@ -154,7 +156,7 @@ class Bucket:
             torch.mul(p.grad, scale, out=view)
         self._ready.add(id(p))
 
-    def launch(self, group):
+    def launch(self, group: dist.ProcessGroup | None) -> Any:
         """Start the all-reduce (SUM) of the flat buffer; returns its work handle."""
         self.work = comm.all_reduce(self.flat, group=group, async_op=True)
         return self.work
@@ -232,7 +234,7 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
-                 group=None, find_unused_parameters: bool = False):
+                 group: dist.ProcessGroup | None = None, find_unused_parameters: bool = False) -> None:
         super().__init__()
         for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -265,7 +267,7 @@ class DistributedDataParallel(nn.Module):
 
     # --- the public surface ------------------------------------------------------------------
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_this_backward = self.require_backward_grad_sync
         out = self.module(*args, **kwargs)
         if observe.watched() and self._sync_this_backward and torch.is_grad_enabled():
@@ -275,7 +277,7 @@ class DistributedDataParallel(nn.Module):
         return out
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward of forwards run inside the block does no communication (gradient accumulation)."""
         before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
@@ -308,7 +310,7 @@ class DistributedDataParallel(nn.Module):
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket = self._bucket_of[id(p)]
-        if bucket.has_grad(p) or p.grad.is_sparse:
+        if bucket.has_grad(p) or (p.grad is not None and p.grad.is_sparse):  # set: a post-accumulate hook
             twice, name = bucket.has_grad(p), bucket.name_of(p)
             self._reset()
             raise RuntimeError(
@@ -354,9 +356,10 @@ class DistributedDataParallel(nn.Module):
                 for i, b in enumerate(self._buckets[:self._next]):  # all of them, after the launch above
                     b.wait()
                     observe.mark("wait", "ddp", bucket=i)
-            for k, (b, p) in enumerate((b, p) for b in self._buckets for p in b.params):
+            pairs = [(b, p) for b in self._buckets for p in b.params]  # the order of the used bitmap
+            for k, (bucket, param) in enumerate(pairs):
                 if used is None or used[k]:  # no rank produced a gradient: leave .grad as it is (None)
-                    b.copy_out(p)
+                    bucket.copy_out(param)
         finally:
             self._reset()
 

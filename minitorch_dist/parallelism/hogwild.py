@@ -101,8 +101,8 @@ def _least_squares(idx, val, b, d, tol=1e-12) -> torch.Tensor:
     """argmin_x ‖Ax − b‖² by conjugate gradients on AᵀA x = Aᵀb, in float64, with A applied
     through its hyperedges (A v = Σ_k val·v[idx]; Aᵀ r scatters back) so A is never dense."""
     val, flat = val.double(), idx.flatten()  # idx, val: (N, Ω); flat: (N·Ω,)
-    A = lambda v: (val * v[idx]).sum(1)  # noqa: E731  (d,) -> (N,)
-    At = lambda r: torch.zeros(d, dtype=torch.float64).index_add_(  # noqa: E731  (N,) -> (d,)
+    A = lambda v: (val * v[idx]).sum(1)  # (d,) -> (N,)
+    At = lambda r: torch.zeros(d, dtype=torch.float64).index_add_(  # (N,) -> (d,)
         0, flat, (val * r[:, None]).flatten())
     x = torch.zeros(d, dtype=torch.float64)
     r = At(b.double())
@@ -207,7 +207,7 @@ def _worker(rank, n_procs, problem, x, version, stats, snaps, cfg, lock, barrier
                                        dtype=torch.float64)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None  # the traceback went to the parent through `errors`
 
 
 def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.5,

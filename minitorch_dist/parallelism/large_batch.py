@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -124,7 +125,7 @@ class LARS(_Layerwise):
                                       trust_coefficient=trust_coefficient, eps=eps),
                          exclude_from_adaptation, _one_dim)
 
-    def _update(self, p, g, state, group, adapt):
+    def _update(self, p, g, state, group: dict[str, Any], adapt):
         ratio, step = torch.ones((), device=p.device, dtype=p.dtype), g
         if adapt:
             wd, eta = group["weight_decay"], group["trust_coefficient"]
@@ -183,7 +184,7 @@ class LAMB(_Layerwise):
                                       bias_correction=bias_correction, clamp_trust=clamp_trust),
                          exclude_from_adaptation, _nothing)
 
-    def _update(self, p, g, state, group, adapt):
+    def _update(self, p, g, state, group: dict[str, Any], adapt):
         (b1, b2), clamp = group["betas"], group["clamp_trust"]
         if "step" not in state:  # the same names as torch.optim.AdamW's state
             state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))

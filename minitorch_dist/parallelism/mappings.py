@@ -47,7 +47,8 @@ __all__ = ["size_and_rank", "divide", "heads_per_rank", "refuse_dropout", "all_r
            "seq_to_heads", "heads_to_seq", "AllToAll", "all_to_all"]
 
 
-def size_and_rank(group=None, what: str = "tensor parallelism") -> tuple[int, int]:
+def size_and_rank(group: dist.ProcessGroup | None = None,
+                  what: str = "tensor parallelism") -> tuple[int, int]:
     """(t, this rank's index) in ``group``; a clear error naming ``what`` outside a process group."""
     require_process_group(what)
     return dist.get_world_size(group), dist.get_rank(group)
@@ -87,7 +88,7 @@ def _tokens_per_rank(seq: int, t: int) -> int:
 # --- f and g: tensor parallelism's all-reduce pair ------------------------------------------------
 
 
-def all_reduce_copy(x, group=None, op=dist.ReduceOp.SUM):
+def all_reduce_copy(x, group: dist.ProcessGroup | None = None, op=dist.ReduceOp.SUM):
     """A new tensor: ``x`` all-reduced with ``op`` over ``group`` (raw, no autograd). The collective
     is in place, so it runs on a copy: autograd must not see its input change."""
     out = x.contiguous().clone()
@@ -99,7 +100,7 @@ class _CopyToTP(torch.autograd.Function):
     """f: identity forward; all-reduce of dL/dX backward (each rank's column slice saw the whole X)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return x.view_as(x)
 
@@ -112,7 +113,7 @@ class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward (Y = sum_i Y_i); identity backward (dL/dY_i = dL/dY)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         return all_reduce_copy(x, group)
 
     @staticmethod
@@ -120,12 +121,12 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tp(x, group=None):
+def copy_to_tp(x, group: dist.ProcessGroup | None = None):
     """f (Megatron's ``copy_to_tensor_parallel_region``): identity forward, all-reduce backward."""
     return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x, group=None):
+def reduce_from_tp(x, group: dist.ProcessGroup | None = None):
     """g (Megatron's ``reduce_from_tensor_parallel_region``): all-reduce forward, identity backward."""
     return _ReduceFromTP.apply(x, group)
 
@@ -133,7 +134,7 @@ def reduce_from_tp(x, group=None):
 # --- the last dim: gather and split ----------------------------------------------------------------
 
 
-def _gather_along_last_dim(x, group):
+def _gather_along_last_dim(x, group: dist.ProcessGroup | None):
     """[x_0, ..., x_{t-1}] concatenated along the last dim (all_gather_into_tensor stacks on dim 0)."""
     t, _ = size_and_rank(group)
     out = torch.empty((t * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -141,7 +142,7 @@ def _gather_along_last_dim(x, group):
     return torch.cat(out.chunk(t, dim=0), dim=-1)
 
 
-def _split_along_last_dim(x, group):
+def _split_along_last_dim(x, group: dist.ProcessGroup | None):
     t, r = size_and_rank(group)
     n = divide(x.size(-1), t, "last dimension")
     return x[..., r * n:(r + 1) * n].contiguous()
@@ -151,7 +152,7 @@ class _GatherFromTP(torch.autograd.Function):
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return _gather_along_last_dim(x, group)
 
@@ -164,7 +165,7 @@ class _ScatterToTP(torch.autograd.Function):
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return _split_along_last_dim(x, group)
 
@@ -173,12 +174,12 @@ class _ScatterToTP(torch.autograd.Function):
         return _gather_along_last_dim(grad, ctx.group), None
 
 
-def gather_from_tp(x, group=None):
+def gather_from_tp(x, group: dist.ProcessGroup | None = None):
     """[x_1 ... x_t] along the last dim (e.g. the full logits from their vocabulary shards)."""
     return _GatherFromTP.apply(x, group)
 
 
-def scatter_to_tp(x, group=None):
+def scatter_to_tp(x, group: dist.ProcessGroup | None = None):
     """This rank's slice of the last dim; the gradient is all-gathered."""
     return _ScatterToTP.apply(x, group)
 
@@ -186,7 +187,7 @@ def scatter_to_tp(x, group=None):
 # --- the sequence dim: sequence parallelism's g and ḡ ----------------------------------------------
 
 
-def gather_along_seq(x, group=None):
+def gather_along_seq(x, group: dist.ProcessGroup | None = None):
     """(b, s/t, h) slices -> (b, s, h), rank r's slice at positions [r·s/t, (r+1)·s/t) (raw, no
     autograd). all_gather_into_tensor stacks along dim 0, so the sequence is moved first and back
     (Megatron keeps activations as (s, b, h) to skip these copies; our GPT is batch-first)."""
@@ -197,7 +198,7 @@ def gather_along_seq(x, group=None):
     return out.transpose(0, 1).contiguous()
 
 
-def reduce_scatter_along_seq(x, group=None):
+def reduce_scatter_along_seq(x, group: dist.ProcessGroup | None = None):
     """(b, s, h) partial sums -> this rank's (b, s/t, h) slice of their sum over the group (raw)."""
     t, _ = size_and_rank(group, "sequence parallelism")
     inp = x.transpose(0, 1).contiguous()
@@ -207,7 +208,7 @@ def reduce_scatter_along_seq(x, group=None):
     return out.transpose(0, 1).contiguous()
 
 
-def _split_along_seq(x, group):
+def _split_along_seq(x, group: dist.ProcessGroup | None):
     t, r = size_and_rank(group, "sequence parallelism")
     n = divide(x.size(1), t, "sequence length")
     return x[:, r * n:(r + 1) * n].contiguous()
@@ -217,7 +218,7 @@ class _GatherFromSequence(torch.autograd.Function):
     """g: all-gather along s forward; reduce-scatter of dL/dY backward (each rank used all of Y)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return gather_along_seq(x, group)
 
@@ -230,7 +231,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     """ḡ: reduce-scatter along s forward; all-gather of dL/dW^s backward (dL/dW_i = dL/dW)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return reduce_scatter_along_seq(x, group)
 
@@ -243,7 +244,7 @@ class _ScatterToSequence(torch.autograd.Function):
     """This rank's s/t positions forward; all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return _split_along_seq(x, group)
 
@@ -252,17 +253,17 @@ class _ScatterToSequence(torch.autograd.Function):
         return gather_along_seq(grad, ctx.group), None
 
 
-def gather_from_sequence(x, group=None):
+def gather_from_sequence(x, group: dist.ProcessGroup | None = None):
     """g: (b, s/t, h) -> (b, s, h) by all-gather; backward reduce-scatter."""
     return _GatherFromSequence.apply(x, group)
 
 
-def reduce_scatter_to_sequence(x, group=None):
+def reduce_scatter_to_sequence(x, group: dist.ProcessGroup | None = None):
     """ḡ: (b, s, h) partial sums -> (b, s/t, h) slice of the sum; backward all-gather."""
     return _ReduceScatterToSequence.apply(x, group)
 
 
-def scatter_to_sequence(x, group=None):
+def scatter_to_sequence(x, group: dist.ProcessGroup | None = None):
     """This rank's (b, s/t, h) positions of a replicated (b, s, h); backward all-gather."""
     return _ScatterToSequence.apply(x, group)
 
@@ -270,11 +271,11 @@ def scatter_to_sequence(x, group=None):
 # --- the heads: DeepSpeed-Ulysses's all-to-all pair ------------------------------------------------
 
 
-def _ulysses_size(group) -> int:
+def _ulysses_size(group: dist.ProcessGroup | None) -> int:
     return size_and_rank(group, "Ulysses sequence parallelism")[0]
 
 
-def _seq_to_heads(x, group):
+def _seq_to_heads(x, group: dist.ProcessGroup | None):
     """(B, n, S/t, d) sequence shard -> (B, n/t, S, d) head shard, by one all_to_all_single."""
     t = _ulysses_size(group)
     B, n, s, d = x.shape
@@ -287,7 +288,7 @@ def _seq_to_heads(x, group):
     return out.permute(1, 2, 0, 3, 4).reshape(B, per, t * s, d)
 
 
-def _heads_to_seq(y, group):
+def _heads_to_seq(y, group: dist.ProcessGroup | None):
     """(B, n/t, S, d) head shard -> (B, n, S/t, d) sequence shard: the inverse all-to-all."""
     t = _ulysses_size(group)
     B, per, S, d = y.shape
@@ -304,7 +305,7 @@ class _SeqToHeads(torch.autograd.Function):
     """Forward: sequence-sharded -> head-sharded. Backward: the inverse all-to-all of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: dist.ProcessGroup | None):
         ctx.group = group
         return _seq_to_heads(x, group)
 
@@ -317,7 +318,7 @@ class _HeadsToSeq(torch.autograd.Function):
     """Forward: head-sharded -> sequence-sharded. Backward: the inverse all-to-all of the gradient."""
 
     @staticmethod
-    def forward(ctx, y, group):
+    def forward(ctx, y, group: dist.ProcessGroup | None):
         ctx.group = group
         return _heads_to_seq(y, group)
 
@@ -331,7 +332,7 @@ def _check_4d(x, name):
         raise ValueError(f"{name} must be (batch, n_head, seq_shard, head_dim), got shape {tuple(x.shape)}")
 
 
-def seq_to_heads(x, group=None):
+def seq_to_heads(x, group: dist.ProcessGroup | None = None):
     """(B, n_head, S/t, d), this rank's tokens of all heads -> (B, n_head/t, S, d), all tokens of
     this rank's heads (heads [r·n_head/t, (r+1)·n_head/t)). One all-to-all forward, one backward."""
     _check_4d(x, "x")
@@ -339,7 +340,7 @@ def seq_to_heads(x, group=None):
     return _SeqToHeads.apply(x, group)
 
 
-def heads_to_seq(y, group=None):
+def heads_to_seq(y, group: dist.ProcessGroup | None = None):
     """(B, n_head/t, S, d) -> (B, n_head, S/t, d): the inverse of :func:`seq_to_heads`."""
     _check_4d(y, "y")
     _tokens_per_rank(y.size(2), _ulysses_size(group))
@@ -349,7 +350,7 @@ def heads_to_seq(y, group=None):
 # --- rows to their owners: expert parallelism's all-to-all with uneven splits ----------------------
 
 
-def _all_to_all_rows(x, out_splits, in_splits, group):
+def _all_to_all_rows(x, out_splits, in_splits, group: dist.ProcessGroup | None):
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     comm.all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -360,7 +361,7 @@ class AllToAll(torch.autograd.Function):
     (``out_splits`` and ``in_splits`` swapped) of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, x, out_splits, in_splits, group: dist.ProcessGroup | None):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return _all_to_all_rows(x, out_splits, in_splits, group)
 
@@ -370,7 +371,7 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all_rows(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_to_all(x, out_splits, in_splits, group=None):
+def all_to_all(x, out_splits, in_splits, group: dist.ProcessGroup | None = None):
     """Rows ``[Σ in_splits[:j], +in_splits[j])`` of x go to rank j; ``out_splits[i]`` rows arrive from
     rank i. Backward: the same all-to-all of the gradient with the splits swapped."""
     return AllToAll.apply(x, list(out_splits), list(in_splits), group)

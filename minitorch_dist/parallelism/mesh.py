@@ -184,14 +184,14 @@ class ParallelGroups:
     grid: RankGrid
     rank: int
     coords: Coords
-    dp_group: object
-    tp_group: object
-    pp_group: object
-    embedding_group: object = None
+    dp_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    embedding_group: dist.ProcessGroup | None = None
     ranks: dict = field(default_factory=dict)  # axis ("dp", "tp", "pp", "embedding") -> global ranks
     mesh: object = None
 
-    def group(self, axis: str):
+    def group(self, axis: str) -> dist.ProcessGroup | None:
         return {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group,
                 "embedding": self.embedding_group}[axis]
 

@@ -27,7 +27,7 @@ from ..runtime.launch import device
 __all__ = ["broadcast_from_first_rank", "first_rank"]
 
 
-def first_rank(group=None) -> int:
+def first_rank(group: dist.ProcessGroup | None = None) -> int:
     """Global rank of ``group``'s rank 0 (0 for the default group)."""
     return 0 if group is None else dist.get_global_rank(group, 0)
 
@@ -43,7 +43,7 @@ def _staged(t: torch.Tensor, backend: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def broadcast_from_first_rank(module: nn.Module, group=None) -> nn.Module:
+def broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Overwrite, in place, every parameter (a tied one once) and buffer of ``module`` with the values
     on the first rank of ``group``, and return ``module``. Every rank of the group must call it on a
     module of the same structure; on a group of one rank it does nothing."""

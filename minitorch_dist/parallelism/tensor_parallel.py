@@ -36,8 +36,11 @@ tensor-parallel version. ``broadcast_weights=False`` skips that when the caller 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -54,6 +57,11 @@ from .mappings import (
 from .replicas import broadcast_from_first_rank
 from .tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
+if TYPE_CHECKING:
+    from typing import Self  # typing's since 3.11; annotations are never evaluated here
+
+    from ..models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+
 # --- layers ------------------------------------------------------------------------------------
 
 
@@ -64,11 +72,12 @@ class ColumnParallelLinear(nn.Module):
     a row-parallel layer (Megatron's MLP and attention never gather).
     """
 
-    def __init__(self, in_features, out_features, bias=True, gather_output=False, group=None, *,
-                 device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group: dist.ProcessGroup | None = None, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         t, _ = size_and_rank(group)
-        like = {"device": device, "dtype": dtype}
+        like: dict[str, Any] = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.weight = nn.Parameter(torch.empty(divide(out_features, t, "out_features"), in_features, **like))
@@ -76,8 +85,9 @@ class ColumnParallelLinear(nn.Module):
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group=None, gather_output=False, rows=None, *,
-                   broadcast_weights=True):
+    def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None,
+                   gather_output: bool = False, rows: torch.Tensor | None = None, *,
+                   broadcast_weights: bool = True) -> Self:
         """This rank's shard of ``linear`` (first made the group's first rank's, unless
         ``broadcast_weights=False``): rows ``rows`` (default: the r-th contiguous block)."""
         t, r = size_and_rank(group)
@@ -98,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
                 m.bias.copy_(linear.bias[rows])
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
@@ -107,11 +117,12 @@ class RowParallelLinear(nn.Module):
     """Y = g(X_i A_i^T) + b with this rank's in_features/t columns of the weight; b replicated
     (added once, after the sum). ``input_is_parallel=False`` first takes X_i from a full X."""
 
-    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True, group=None, *,
-                 device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group: dist.ProcessGroup | None = None, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         t, _ = size_and_rank(group)
-        like = {"device": device, "dtype": dtype}
+        like: dict[str, Any] = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
         self.weight = nn.Parameter(torch.empty(out_features, divide(in_features, t, "in_features"), **like))
@@ -119,7 +130,8 @@ class RowParallelLinear(nn.Module):
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group=None, input_is_parallel=True, *, broadcast_weights=True):
+    def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None,
+                   input_is_parallel: bool = True, *, broadcast_weights: bool = True) -> Self:
         """This rank's columns of ``linear`` (first made the group's first rank's, unless
         ``broadcast_weights=False``); the bias whole."""
         t, r = size_and_rank(group)
@@ -135,7 +147,7 @@ class RowParallelLinear(nn.Module):
                 m.bias.copy_(linear.bias)
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
@@ -147,7 +159,8 @@ class ParallelMLP(nn.Module):
     One f (backward all-reduce) and one g (forward all-reduce); names as in the dense ``MLP``.
     ``mlp`` is first made the group's first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, mlp: nn.Module, group=None, *, broadcast_weights=True):
+    def __init__(self, mlp: MLP, group: dist.ProcessGroup | None = None, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         divide(mlp.c_fc.out_features, size_and_rank(group)[0], "MLP hidden width (mlp_ratio * n_embd)")
         if broadcast_weights:
@@ -157,7 +170,7 @@ class ParallelMLP(nn.Module):
         self.c_proj = RowParallelLinear.from_dense(mlp.c_proj, group, broadcast_weights=False)
         self.dropout = mlp.dropout
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
@@ -175,7 +188,8 @@ class ParallelAttention(nn.Module):
     q|k|v) is column-parallel per head; c_proj is row-parallel over the heads' outputs.
     ``attn`` is first made the group's first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, attn: nn.Module, group=None, *, broadcast_weights=True):
+    def __init__(self, attn: CausalSelfAttention, group: dist.ProcessGroup | None = None, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         t, r = size_and_rank(group)
         n_head = attn.c_attn.in_features // attn.head_dim
@@ -188,7 +202,7 @@ class ParallelAttention(nn.Module):
         self.c_proj = RowParallelLinear.from_dense(attn.c_proj, group, broadcast_weights=False)
         self.resid_dropout = attn.resid_dropout
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         q, k, v = (u.view(B, T, -1, self.head_dim).transpose(1, 2) for u in (q, k, v))
@@ -210,7 +224,8 @@ class TensorParallelGPT(nn.Module):
     ``dense`` is first made the group's first rank's (``broadcast_weights=False``: already is).
     """
 
-    def __init__(self, dense, group=None, *, broadcast_weights=True):
+    def __init__(self, dense: GPT, group: dist.ProcessGroup | None = None, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         cfg = dense.cfg
         t, _ = size_and_rank(group)
@@ -225,6 +240,7 @@ class TensorParallelGPT(nn.Module):
         # copies: the dense model stays as it was; replicated pieces keep their full weights
         self.wpe, self.drop, self.ln_f = (copy.deepcopy(m) for m in (dense.wpe, dense.drop, dense.ln_f))
         self.blocks = copy.deepcopy(dense.blocks)
+        block: Any  # a copied dense Block, until its attention and MLP are swapped
         for block in self.blocks:  # attention and MLP swapped for their TP versions, the rest replicated
             block.attn = ParallelAttention(block.attn, group, broadcast_weights=False)
             block.mlp = ParallelMLP(block.mlp, group, broadcast_weights=False)
@@ -233,7 +249,8 @@ class TensorParallelGPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = idx.size(1)
         h = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
         for block in self.blocks:
@@ -241,12 +258,13 @@ class TensorParallelGPT(nn.Module):
         logits = self.lm_head(self.ln_f(h))  # (B, T, V/t): this rank's vocabulary shard
         return logits, None if targets is None else self.loss_fn(logits, targets)
 
-    def loss_fn(self, logits, targets):
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy from the vocabulary-sharded logits, without gathering them."""
         return vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def parallelize_gpt(model, group=None, *, broadcast_weights=True) -> TensorParallelGPT:
+def parallelize_gpt(model: GPT, group: dist.ProcessGroup | None = None, *,
+                    broadcast_weights: bool = True) -> TensorParallelGPT:
     """Turn a dense ``GPT`` into its tensor-parallel version with the same weights: each rank keeps
     its slice. Like DDP, ``model``'s parameters are first overwritten with those of the group's first
     rank (one broadcast per tensor; otherwise ``model`` is left unchanged), so ranks that built it
@@ -254,7 +272,7 @@ def parallelize_gpt(model, group=None, *, broadcast_weights=True) -> TensorParal
     return TensorParallelGPT(model, group, broadcast_weights=broadcast_weights)
 
 
-def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
+def shard_dense_tensors(tensors: dict, cfg: GPTConfig, group: dist.ProcessGroup | None = None) -> dict:
     """This rank's shards of per-parameter dense tensors (weights, gradients, Adam moments), keyed
     by the dense GPT's parameter names, in ``TensorParallelGPT``'s layout: loaded into a dense GPT
     as its weights, which :func:`parallelize_gpt` then splits. Compare a TP model against a dense
@@ -264,7 +282,7 @@ def shard_dense_tensors(tensors: dict, cfg, group=None) -> dict:
     return shard_through(GPT(cfg), tensors, lambda m: parallelize_gpt(m, group, broadcast_weights=False))
 
 
-def shard_through(holder, tensors: dict, parallelize) -> dict:
+def shard_through(holder: nn.Module, tensors: dict, parallelize: Callable[[Any], nn.Module]) -> dict:
     """Load ``tensors`` (dense, keyed by ``holder``'s parameter names) into ``holder`` as its weights and
     return what ``parallelize(holder)`` keeps on this rank, by name: the TP layout of any tensor, written
     once, in the parallelizer itself. ``parallelize`` must not broadcast: the tensors are this rank's own

@@ -46,8 +46,10 @@ reduce-scatter, and the RMSNorms run on the slice: their gains get partial gradi
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -71,6 +73,9 @@ from .sequence_parallel.megatron_sp import (
 )
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_through
 from .tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from ..models.llama import Llama, LlamaAttention, LlamaBlock, LlamaConfig, SwiGLU
 
 __all__ = ["kv_layout", "kv_heads_of_rank", "ParallelGQAAttention", "ParallelSwiGLU", "ParallelLlamaBlock",
            "TensorParallelLlama", "parallelize_llama", "shard_dense_llama_tensors"]
@@ -119,7 +124,7 @@ class _SumKVReplicas(torch.autograd.Function):
     the ranks holding a copy of it (one all-reduce over the group of a buffer of every kv head's rows)."""
 
     @staticmethod
-    def forward(ctx, w_k, w_v, head, n_kv_head, group):
+    def forward(ctx, w_k, w_v, head, n_kv_head, group: dist.ProcessGroup | None):
         ctx.head, ctx.n_kv_head, ctx.group = head, n_kv_head, group
         return w_k.view_as(w_k), w_v.view_as(w_v)
 
@@ -134,7 +139,7 @@ class _SumKVReplicas(torch.autograd.Function):
 # --- the two regions' edges, with or without sequence parallelism ------------------------------------
 
 
-def _column(x, weights, group, sequence_parallel, regather):
+def _column(x, weights, group: dist.ProcessGroup | None, sequence_parallel, regather):
     """(f(x) W_1ᵀ, ..., f(x) W_nᵀ): several column-parallel weights reading the same input behind one
     f (with SP: one all-gather g of the slice, ``regather`` as :mod:`.sequence_parallel.megatron_sp`)."""
     if sequence_parallel and regather:
@@ -143,7 +148,7 @@ def _column(x, weights, group, sequence_parallel, regather):
     return tuple(F.linear(x, w) for w in weights)
 
 
-def _row(y, weight, group, sequence_parallel):
+def _row(y, weight, group: dist.ProcessGroup | None, sequence_parallel):
     """g(y W_rᵀ): all-reduce of the partial products (with SP: reduce-scatter ḡ onto the slice)."""
     partial = F.linear(y, weight)
     return reduce_scatter_to_sequence(partial, group) if sequence_parallel else reduce_from_tp(partial, group)
@@ -157,7 +162,9 @@ class ParallelGQAAttention(nn.Module):
     docstring); o_proj row-parallel. ``attn`` is first made the group's first rank's
     (``broadcast_weights=False``: already is). Input and output: (b, s, h), or (b, s/t, h) with SP."""
 
-    def __init__(self, attn, group=None, *, sequence_parallel=False, regather=True, broadcast_weights=True):
+    def __init__(self, attn: LlamaAttention, group: dist.ProcessGroup | None = None, *,
+                 sequence_parallel: bool = False, regather: bool = True,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         t, r = size_and_rank(group)
         d = attn.head_dim
@@ -173,14 +180,14 @@ class ParallelGQAAttention(nn.Module):
         self.k_proj, self.v_proj = _rows_of(attn.k_proj, rows), _rows_of(attn.v_proj, rows)
         self.o_proj = RowParallelLinear.from_dense(attn.o_proj, group, broadcast_weights=False)
 
-    def kv_weights(self):
+    def kv_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_k, W_v) as the forward uses them: replicated copies go through the replica gradient sum."""
         w_k, w_v = self.k_proj.weight, self.v_proj.weight
         if self.kv_layout == "replicated":
             return _SumKVReplicas.apply(w_k, w_v, self.kv_heads.start, self.n_kv_head, self.group)
         return w_k, w_v
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = _column(x, [self.q_proj.weight, *self.kv_weights()], self.group, self.sequence_parallel,
                           self.regather)  # (b, s, ·): the whole sequence, this rank's heads
         q, k, v = (split_heads(u, self.head_dim) for u in (q, k, v))
@@ -193,7 +200,9 @@ class ParallelSwiGLU(nn.Module):
     """SwiGLU with gate_proj and up_proj column-parallel (f/t columns each, one fused GEMM) and
     down_proj row-parallel: SiLU(gate) ∘ up is elementwise, so it runs on the slice."""
 
-    def __init__(self, mlp, group=None, *, sequence_parallel=False, regather=True, broadcast_weights=True):
+    def __init__(self, mlp: SwiGLU, group: dist.ProcessGroup | None = None, *,
+                 sequence_parallel: bool = False, regather: bool = True,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         divide(mlp.gate_proj.out_features, size_and_rank(group)[0], "ffn_hidden")
         if broadcast_weights:
@@ -203,7 +212,7 @@ class ParallelSwiGLU(nn.Module):
         self.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, group, broadcast_weights=False)
         self.down_proj = RowParallelLinear.from_dense(mlp.down_proj, group, broadcast_weights=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = [self.gate_proj.weight, self.up_proj.weight]
         gate, up = _column(x, weights, self.group, self.sequence_parallel, self.regather)
         return _row(F.silu(gate) * up, self.down_proj.weight, self.group, self.sequence_parallel)
@@ -213,7 +222,9 @@ class ParallelLlamaBlock(nn.Module):
     """x + attn(ln_1(x)), x + mlp(ln_2(x)) with the parallel layers; the RMSNorms replicated (TP) or on
     the sequence slice and flagged for the gradient all-reduce (SP)."""
 
-    def __init__(self, block, group=None, *, sequence_parallel=False, regather=True, broadcast_weights=True):
+    def __init__(self, block: LlamaBlock, group: dist.ProcessGroup | None = None, *,
+                 sequence_parallel: bool = False, regather: bool = True,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         if broadcast_weights:
             broadcast_from_first_rank(block, group)
@@ -224,7 +235,7 @@ class ParallelLlamaBlock(nn.Module):
         self.attn = ParallelGQAAttention(block.attn, group, **kw)
         self.mlp = ParallelSwiGLU(block.mlp, group, **kw)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -239,12 +250,15 @@ class TensorParallelLlama(nn.Module):
     after backward (the RMSNorm gains hold partial gradients until then). ``dense`` is first made the
     group's first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, dense, group=None, *, sequence_parallel=False, regather=True, broadcast_weights=True):
+    def __init__(self, dense: Llama, group: dist.ProcessGroup | None = None, *,
+                 sequence_parallel: bool = False, regather: bool = True,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         cfg = dense.cfg
         t, _ = size_and_rank(group)
         kv_layout(cfg.n_head, cfg.n_kv_head, t)
         divide(cfg.vocab_size, t, "vocab_size")
+        assert cfg.ffn_hidden is not None  # LlamaConfig.__post_init__ sets it
         divide(cfg.ffn_hidden, t, "ffn_hidden")
         self.cfg, self.group, self.sequence_parallel = cfg, group, sequence_parallel
         if broadcast_weights:  # once, for the whole model: every rank slices the same dense weights
@@ -252,8 +266,10 @@ class TensorParallelLlama(nn.Module):
         emb = SequenceParallelEmbedding if sequence_parallel else VocabParallelEmbedding
         self.wte = emb.from_dense(dense.wte, group, broadcast_weights=False)
         kw = dict(sequence_parallel=sequence_parallel, regather=regather, broadcast_weights=False)
-        self.blocks = nn.ModuleList(ParallelLlamaBlock(b, group, **kw) for b in dense.blocks)
+        self.blocks = nn.ModuleList(ParallelLlamaBlock(b, group, **kw)  # type: ignore[arg-type]  # LlamaBlocks
+                                    for b in dense.blocks)
         self.ln_f = copy.deepcopy(dense.ln_f)
+        self.lm_head: ColumnParallelLinear
         if sequence_parallel:
             mark_sequence_parallel(self.ln_f)
             self.lm_head = SequenceParallelColumnLinear.from_dense(dense.lm_head, group, regather=regather,
@@ -263,13 +279,14 @@ class TensorParallelLlama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def embed(self, idx):
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(b, s) token ids -> (b, s, h), or this rank's (b, s/t, h) slice with SP."""
         if self.sequence_parallel:
             divide(idx.size(1), size_and_rank(self.group)[0], "sequence length")
         return self.wte(idx)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.embed(idx)
         for block in self.blocks:
             h = block(h)
@@ -277,8 +294,9 @@ class TensorParallelLlama(nn.Module):
         return logits, None if targets is None else vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def parallelize_llama(model, group=None, *, sequence_parallel=False, regather=True,
-                      broadcast_weights=True) -> TensorParallelLlama:
+def parallelize_llama(model: Llama, group: dist.ProcessGroup | None = None, *,
+                      sequence_parallel: bool = False, regather: bool = True,
+                      broadcast_weights: bool = True) -> TensorParallelLlama:
     """A dense ``Llama`` as tensor parallelism (and, with ``sequence_parallel``, Megatron sequence
     parallelism) over ``group``, with the group's first rank's weights (broadcast into ``model`` first,
     as DDP does; otherwise ``model`` is unchanged)."""
@@ -286,7 +304,8 @@ def parallelize_llama(model, group=None, *, sequence_parallel=False, regather=Tr
                                broadcast_weights=broadcast_weights)
 
 
-def shard_dense_llama_tensors(tensors: dict, cfg, group=None) -> dict:
+def shard_dense_llama_tensors(tensors: dict, cfg: LlamaConfig,
+                              group: dist.ProcessGroup | None = None) -> dict:
     """This rank's shards of per-parameter dense tensors (weights, gradients), keyed by the dense Llama's
     names, in ``TensorParallelLlama``'s layout (a replicated kv head: its rows of the dense tensor)."""
     from ..models.llama import Llama

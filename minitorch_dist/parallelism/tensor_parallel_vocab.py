@@ -9,6 +9,8 @@ Built on the g operator and the all-reduce of :mod:`.mappings`; ``TensorParallel
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,6 +20,9 @@ from ..models.init import record_cut
 from .mappings import all_reduce_copy, divide, reduce_from_tp, size_and_rank
 from .replicas import broadcast_from_first_rank
 
+if TYPE_CHECKING:
+    from typing import Self  # typing's since 3.11; annotations are never evaluated here
+
 IGNORE_INDEX = -100  # F.cross_entropy's default: positions with this target add nothing to the loss
 
 
@@ -25,7 +30,8 @@ class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r·V/t, (r+1)·V/t) of the table. A token outside them looks up zeros, so
     E[idx] = g(sum_r E_r[idx]): one all-reduce of b·s·h forward, nothing backward."""
 
-    def __init__(self, num_embeddings, embedding_dim, group=None, *, device=None, dtype=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup | None = None, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         t, r = size_and_rank(group)
         n = divide(num_embeddings, t, "vocab_size")
@@ -35,7 +41,8 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight, 0.0, 0.02)
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, group=None, *, broadcast_weights=True):
+    def from_dense(cls, emb: nn.Embedding, group: dist.ProcessGroup | None = None, *,
+                   broadcast_weights: bool = True) -> Self:
         """This rank's rows of ``emb`` (first made the group's first rank's, unless
         ``broadcast_weights=False``)."""
         w = emb.weight
@@ -47,7 +54,7 @@ class VocabParallelEmbedding(nn.Module):
             m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
         return m
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -70,7 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group, ignore_index):
+    def forward(ctx, logits, target, vocab_start, group: dist.ProcessGroup | None, ignore_index):
         n_local = logits.size(-1)
         zmax = all_reduce_copy(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
         z = logits - zmax.unsqueeze(-1)
@@ -92,7 +99,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (g * grad.unsqueeze(-1)).masked_fill(~kept.unsqueeze(-1), 0.0), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local, target, group=None, ignore_index: int = IGNORE_INDEX):
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor,
+                                 group: dist.ProcessGroup | None = None,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean cross-entropy over the positions whose target is not ``ignore_index``, from this rank's
     vocabulary shard of the logits (..., V/t) and the full targets (...). Equals F.cross_entropy
     (mean reduction, the same ``ignore_index``) on the gathered logits, value and gradient: NaN

@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,13 +63,13 @@ from torch.overrides import TorchFunctionMode
 from ..memory.checkpointing import checkpoint as _checkpoint
 from ..memory.zero import ZeroDataParallel
 from ..models.data import MarkovCorpus
-from ..models.gpt import GPT
+from ..models.gpt import GPT, GPTConfig
 from ..models.init import materialize, rebind
 from ..models.llama import Llama, LlamaConfig
 from ..runtime import comm, require_process_group
 from ..runtime.launch import device as rank_device
 from .mappings import divide
-from .mesh import Coords, RankGrid, check_model, init_groups
+from .mesh import Coords, ParallelGroups, RankGrid, check_model, init_groups
 from .pipeline import GPTStage, make_schedule, run_schedule, split_gpt
 from .pipeline.executor import sync_tied_embedding
 from .replicas import broadcast_from_first_rank
@@ -88,13 +90,13 @@ __all__ = ["Stage3D", "Model3D", "Result3D", "train_3d", "merge_full_params", "g
 RECOMPUTE = ("none", "selective", "full")
 
 
-def dense_class(cfg):
+def dense_class(cfg: GPTConfig | LlamaConfig) -> type[nn.Module]:
     """The dense model a config describes: the course GPT, or the Llama-shaped model for a ``LlamaConfig``
     (the same layout — ``wte``, ``blocks``, ``ln_f``, ``lm_head`` —, rotary positions instead of ``wpe``)."""
     return Llama if isinstance(cfg, LlamaConfig) else GPT
 
 
-def _slice_tp(dense, group, sequence_parallel: bool):
+def _slice_tp(dense, group: dist.ProcessGroup | None, sequence_parallel: bool):
     """ch04's tensor-parallel model of ``dense`` over ``group`` (with ch05's sequence parallelism)."""
     if isinstance(dense, Llama):
         return parallelize_llama(dense, group, sequence_parallel=sequence_parallel, broadcast_weights=False)
@@ -102,7 +104,7 @@ def _slice_tp(dense, group, sequence_parallel: bool):
     return slicer(dense, group, broadcast_weights=False)
 
 
-def _shard_dense(tensors: dict, cfg, group) -> dict:
+def _shard_dense(tensors: dict, cfg, group: dist.ProcessGroup | None) -> dict:
     """This rank's TP shards of per-parameter dense tensors, in the layout :func:`_slice_tp` gives."""
     if isinstance(cfg, LlamaConfig):
         return shard_dense_llama_tensors(tensors, cfg, group)
@@ -122,7 +124,7 @@ class _SelectiveAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def recompute_of(checkpoint=False, recompute=None) -> str:
+def recompute_of(checkpoint: bool = False, recompute: str | None = None) -> str:
     """``recompute`` ("none", "selective" or "full") when given, else "full" with ``checkpoint``."""
     mode = ("full" if checkpoint else "none") if recompute is None else recompute
     if mode not in RECOMPUTE:
@@ -141,35 +143,36 @@ class Stage3D(GPTStage):
     parallel one and the message to the next stage is t times smaller (Korthikanti et al. 2022 §4.2.3:
     the scatter/gather of Narayanan et al. §4.1 comes for free)."""
 
-    def __init__(self, model, index, n_stages, layers, vocab_group=None, recompute=False,
-                 sequence_parallel=False):
+    def __init__(self, model: GPT, index: int, n_stages: int, layers: range,
+                 vocab_group: dist.ProcessGroup | None = None, recompute: bool | str = False,
+                 sequence_parallel: bool = False) -> None:
         super().__init__(model, index, n_stages, layers)
         self.vocab_group = vocab_group
-        self.recompute = {True: "full", False: "none"}.get(recompute, recompute)
+        self.recompute = ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
         self.sequence_parallel = sequence_parallel and vocab_group is not None
 
-    def boundary_shape(self, rows, seq):
+    def boundary_shape(self, rows: int, seq: int) -> tuple:
         """(rows, seq, n_embd), or (rows, seq/t, n_embd) with sequence parallelism."""
         if not self.sequence_parallel:
             return super().boundary_shape(rows, seq)
         return (rows, divide(seq, dist.get_world_size(self.vocab_group), "sequence length"), self.cfg.n_embd)
 
-    def forward(self, x, targets=None):
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first and not hasattr(self, "wpe"):  # rotary positions (Llama): the token embedding only,
             h = self.wte(x)  # whose sequence-parallel form scatters the (b, s/t, h) slice itself
         else:
-            embed = SequenceParallelGPT.embed if self.sequence_parallel else GPT.embed
+            embed: Any = SequenceParallelGPT.embed if self.sequence_parallel else GPT.embed  # on our modules
             h = embed(self, x) if self.is_first else x  # (b, s, h), or (b, s/t, h) with sequence parallelism
         with _SelectiveAttention() if self.recompute == "selective" else contextlib.nullcontext():
             for block in self.blocks.values():
                 h = _checkpoint(block, h) if self.recompute == "full" else block(h)
         if not self.is_last:
             return h
-        logits = GPT.head(self, h)
+        logits = GPT.head(self, h)  # type: ignore[arg-type]  # GPT's code on the modules the stage shares
         if targets is None:
             return logits
         if self.vocab_group is None:
-            return GPT.loss_fn(self, logits, targets)
+            return GPT.loss_fn(self, logits, targets)  # type: ignore[arg-type]  # as above
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_group)
 
 
@@ -180,7 +183,7 @@ def _check_batch(batch, dp, microbatches):
                          f"dp·m = {dp * microbatches}")
 
 
-def zero_stage_of(zero1=False, zero_stage=None) -> int:
+def zero_stage_of(zero1: bool = False, zero_stage: int | None = None) -> int:
     """The ZeRO stage: ``zero_stage`` (0, 1 or 2) when given, else 1 with ``zero1`` and 0 without."""
     stage = (1 if zero1 else 0) if zero_stage is None else zero_stage
     if stage == 3:
@@ -217,9 +220,13 @@ class Model3D:
     :func:`..models.init.materialize` with ``seed`` (the dense model is never whole anywhere).
     """
 
-    def __init__(self, cfg, groups, microbatches, schedule="1f1b", virtual_stages=1, zero1=False,
-                 checkpoint=False, optimizer=None, lr=0.1, seed=0, device=None, materialize_on=None,
-                 zero_stage=None, recompute=None, sequence_parallel=False):
+    def __init__(self, cfg: GPTConfig | LlamaConfig, groups: ParallelGroups, microbatches: int,
+                 schedule: str = "1f1b", virtual_stages: int = 1, zero1: bool = False,
+                 checkpoint: bool = False, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                 lr: float = 0.1, seed: int = 0,
+                 device: torch.device | str | None = None, materialize_on: torch.device | str | None = None,
+                 zero_stage: int | None = None, recompute: str | None = None,
+                 sequence_parallel: bool = False) -> None:
         grid = groups.grid
         stage = zero_stage_of(zero1, zero_stage)
         recompute = recompute_of(checkpoint, recompute)
@@ -237,11 +244,12 @@ class Model3D:
             dense = dense_class(cfg)(cfg)  # on meta: shapes only, never a whole model's values
         dense = broadcast_from_first_rank(dense)  # every TP, PP and DP copy is rank 0's
         self.sequence_parallel = sequence_parallel and grid.tp > 1  # over t = 1 it is the dense model
-        tp_model = _slice_tp(dense, groups.tp_group, self.sequence_parallel) if grid.tp > 1 else dense
-        self.model = tp_model.to(where)
+        tp_model: Any = _slice_tp(dense, groups.tp_group, self.sequence_parallel) if grid.tp > 1 else dense
+        self.model = tp_model.to(where)  # GPT or Llama, or its TP (and SP) form: one layout
         vocab_group = groups.tp_group if grid.tp > 1 else None
         cut = split_gpt(self.model, grid.pp * virtual_stages)  # ch03's rule for which blocks go where
-        self.stages, memo = {}, {}  # memo: a tensor two of this rank's stages share stays one
+        self.stages: dict[int, Stage3D] = {}
+        memo: dict = {}  # a tensor two of this rank's stages share stays one
         for c in range(virtual_stages):  # chunk c of this rank is virtual stage c·p + (its pp coordinate)
             s = cut[self.schedule.virtual_stage(groups.coords.pp, c)]
             layers = [int(k) for k in s.blocks]
@@ -254,10 +262,10 @@ class Model3D:
         self.zero = ZeroDataParallel(nn.ModuleDict({str(c): s for c, s in self.stages.items()}), factory,
                                      stage=stage, group=groups.dp_group)
 
-    def parameters(self):
+    def parameters(self) -> list[nn.Parameter]:
         return list(self.zero.module.parameters())
 
-    def step(self, x, y):
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float | None, dict[str, list]]:
         """One optimizer step on this DP shard ``(x, y)``. Returns (loss or None, comm events by phase):
         the loss is the shard's mean on the last stage's ranks. Phases: "pipeline", "embedding",
         "sequence" (sequence parallelism: the LayerNorm / bias / wpe partial gradients summed over the
@@ -320,9 +328,12 @@ class Result3D:
     microbatch_rows: int = 0
 
 
-def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", zero1=False, checkpoint=False,
-             lr=0.1, seed=0, optimizer=None, virtual_stages=1, data=None, order="tp-dp-pp",
-             use_device_mesh=False, zero_stage=None, recompute=None, sequence_parallel=False) -> Result3D:
+def train_3d(cfg: GPTConfig | LlamaConfig, dp: int, tp: int, pp: int, steps: int, batch: int, seq: int,
+             microbatches: int, schedule: str = "1f1b", zero1: bool = False, checkpoint: bool = False,
+             lr: float = 0.1, seed: int = 0, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+             virtual_stages: int = 1, data: MarkovCorpus | None = None, order: str = "tp-dp-pp",
+             use_device_mesh: bool = False, zero_stage: int | None = None, recompute: str | None = None,
+             sequence_parallel: bool = False) -> Result3D:
     """``steps`` optimizer steps of the GPT ``cfg`` (or of the Llama-shaped model, for a ``LlamaConfig``) on
     d x t x p ranks; run it with
     ``launch(train_3d, dp*tp*pp, cfg, dp, tp, pp, steps, batch, seq, microbatches, ...)``.
@@ -359,13 +370,13 @@ def train_3d(cfg, dp, tp, pp, steps, batch, seq, microbatches, schedule="1f1b", 
 # --- the single-process view ---------------------------------------------------------------------
 
 
-def global_losses(results) -> list[float]:
+def global_losses(results: Iterable[Result3D]) -> list[float]:
     """Loss of each step over the global batch: the mean of the DP shards' losses (last stage, tp 0)."""
     shards = [r.losses for r in results if r.coords.tp == 0 and r.losses[0] is not None]
     return [sum(step) / len(shards) for step in zip(*shards)]
 
 
-def merge_full_params(results, cfg) -> tuple[dict, float]:
+def merge_full_params(results: Iterable[Result3D], cfg: GPTConfig | LlamaConfig) -> tuple[dict, float]:
     """The dense parameters (the single-process model's names and shapes) from every rank's pieces,
     and the largest difference between two copies of one element (replicas must agree: 0)."""
     with torch.device("meta"):
@@ -387,7 +398,9 @@ def merge_full_params(results, cfg) -> tuple[dict, float]:
     return {k: v.view(shapes[k]) for k, v in full.items()}, spread  # (numel,) -> the dense shape
 
 
-def reference_run(cfg, steps, batch, seq, lr=0.1, seed=0, optimizer=None, data=None):
+def reference_run(cfg: GPTConfig | LlamaConfig, steps: int, batch: int, seq: int, lr: float = 0.1,
+                  seed: int = 0, optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                  data: MarkovCorpus | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process run :func:`train_3d` must equal: ``models.train.train_steps`` for
     ``steps + 1`` steps (its last step computes a loss and gradient but no update), so the weights
     have taken ``steps`` updates. Returns (``steps`` losses, {name: weight})."""
@@ -401,7 +414,7 @@ def reference_run(cfg, steps, batch, seq, lr=0.1, seed=0, optimizer=None, data=N
     return run.losses[:steps], {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def local_param_count(cfg, tp, pp, stage, virtual_stages=1) -> int:
+def local_param_count(cfg: GPTConfig, tp: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
     """Parameters one rank holds at pipeline position ``stage`` (chunks ``c·p + stage``), counted
     from the dense model: a tensor that Megatron shards (q|k|v, fc and their biases, the two output
     projections' weights, the word embedding) counts 1/t, the rest whole; the tied word embedding

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
 import sys
 import threading
@@ -37,10 +38,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..runtime.timing import sync
 from .layouts import Shard, world
 from .placement import Placement
 from .storage import FORMAT, CheckpointError, SaveLock, begin_save, commit, wait_for_manifests, write_rank
@@ -93,7 +96,7 @@ def flatten(state: dict, prefix: str = "") -> tuple[dict, dict, dict]:
     return tensors, plain, objects
 
 
-def set_plain(state: dict, key: str, value) -> None:
+def set_plain(state: dict, key: str, value: Any) -> None:
     """Replace the plain value at dotted ``key`` (the dict's own keys may contain dots)."""
     node, rest = state, key
     while rest not in node:
@@ -210,7 +213,7 @@ def _plan(tensors: dict, lead: dict) -> tuple[dict, dict, int, int]:
     r, n = world()
     mine = [(k, s.placement.key(), s.local.numel() * s.local.element_size())
             for k, s in sorted(tensors.items())]
-    plans = [(mine, lead)]
+    plans: list[Any] = [(mine, lead)]
     if n > 1:
         plans = [None] * n
         dist.all_gather_object(plans, (mine, lead))  # also a barrier: rank 0 has made the staging folder
@@ -222,8 +225,9 @@ def _plan(tensors: dict, lead: dict) -> tuple[dict, dict, int, int]:
 
 
 def _metadata(manifests: list[dict], plain: dict, objects: dict, n: int, save_id: str) -> dict:
-    meta = {"format": FORMAT, "version": 1, "world_size": n, "saved_at": time.time(), "save_id": save_id,
-            "tensors": {}, "plain": plain, "objects": objects, "files": {}}
+    meta: dict[str, Any] = {"format": FORMAT, "version": 1, "world_size": n, "saved_at": time.time(),
+                            "save_id": save_id, "tensors": {}, "plain": plain, "objects": objects,
+                            "files": {}}
     for m in manifests:
         meta["files"][m["file"]] = {"sha256": m["sha256"], "bytes": m["bytes"]}
         for key, piece in m["pieces"].items():
@@ -253,8 +257,8 @@ def _begin(path: Path, timeout_s: float) -> tuple[SaveLock | None, dict]:
 
 def _stage_all(mine: dict, handle: SaveHandle, t0: float, t1: float) -> dict:
     staged = {k: _stage(s.local) for k, s in mine.items()}
-    if any(t.is_pinned() for t in staged.values()):
-        torch.cuda.synchronize()
+    for device in {s.local.device for s in mine.values() if s.local.device.type == "cuda"}:
+        sync(device)  # the non-blocking copies from it into pinned memory have landed
     handle.seconds.update(plan=t1 - t0, stage=time.perf_counter() - t1)
     handle.bytes_written = sum(t.numel() * t.element_size() for t in staged.values())
     return staged
@@ -298,7 +302,7 @@ def _write(job: dict, path: Path, handle: SaveHandle, timeout_s: float) -> None:
             meta = _metadata(manifests, job["plain"], job["shared"], job["n"], folder.name.rsplit("-", 1)[-1])
             commit(folder, path, meta, manifests)
             handle.seconds["commit"] = time.perf_counter() - t0
-    except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+    except BaseException as e:  # surfaced by wait()
         if job["r"] == 0:
             shutil.rmtree(folder, ignore_errors=True)
         why = f"saving {path} failed on rank {job['r']}: {type(e).__name__}: {e}"
@@ -308,7 +312,7 @@ def _write(job: dict, path: Path, handle: SaveHandle, timeout_s: float) -> None:
             job["lock"].release()
 
 
-def async_save(state: dict, path, timeout_s: float = 300) -> SaveHandle:
+def async_save(state: dict, path: str | os.PathLike, timeout_s: float = 300) -> SaveHandle:
     """Start saving ``state`` to the folder ``path`` (every rank calls it): plan and copy to host memory
     now, write in a background thread. The training loop goes on; call ``wait()`` before relying on the
     checkpoint (the next save waits for this one, and so does the end of the process, or of the process
@@ -327,7 +331,7 @@ def async_save(state: dict, path, timeout_s: float = 300) -> SaveHandle:
     return handle
 
 
-def save(state: dict, path, timeout_s: float = 300) -> SaveHandle:
+def save(state: dict, path: str | os.PathLike, timeout_s: float = 300) -> SaveHandle:
     """Save ``state`` (see the module docstring) to the folder ``path``; every rank calls it, and it
     returns once the whole checkpoint is on disk on every rank. An existing checkpoint at ``path`` is
     replaced only when the new one is complete; another save of the same ``path`` (another process)

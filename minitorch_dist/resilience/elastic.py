@@ -100,7 +100,7 @@ def train_with_checkpoints(layout: str, cfg, batch: int, seq: int, steps: int, e
     for step in range(start, steps):
         between = None
         if fail is not None and fail.rank == r and fail.step == step:
-            between = lambda: _die(log, attempt, r, step)  # noqa: E731 - the injected fault
+            between = lambda step=step: _die(log, attempt, r, step)  # the injected fault
         loss = trainer.step(step, between=between)
         if r == 0:
             _log(log, event="step", attempt=attempt, world_size=n, step=step, loss=loss, t=time.time())

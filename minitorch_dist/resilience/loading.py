@@ -23,9 +23,11 @@ them; elsewhere they are listed in the report as not restored. A DCP checkpoint 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,9 @@ from .layouts import world
 from .placement import Placement
 from .reading import RankFiles
 from .storage import CheckpointError
+
+if TYPE_CHECKING:
+    from .dcp import DCPCheckpoint
 
 __all__ = ["load", "LoadReport", "SavedCheckpoint", "open_checkpoint", "read_dense"]
 
@@ -55,7 +60,7 @@ class LoadReport:
 class SavedCheckpoint:
     """A checkpoint written by :func:`.checkpoint.save`, read piece by piece."""
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.files = RankFiles.open(self.path)  # the metadata and the files of one save, opened together
         self.meta = self.files.meta
@@ -91,7 +96,7 @@ class SavedCheckpoint:
                                   f"saved piece; the checkpoint is incomplete")
         return dense[want], True
 
-    def per_rank(self, key: str, rank: int):
+    def per_rank(self, key: str, rank: int) -> Any:
         return self.files.get(f"rank{rank:05d}.pt")["per_rank"][key]
 
     def close(self) -> None:
@@ -99,7 +104,7 @@ class SavedCheckpoint:
         self.files.close()
 
 
-def open_checkpoint(path):
+def open_checkpoint(path: str | os.PathLike) -> SavedCheckpoint | DCPCheckpoint:
     """A reader for ``path``: ours (``metadata.json``), or PyTorch DCP's (``.metadata``)."""
     path = Path(path)
     if (path / ".metadata").exists() and not (path / "metadata.json").exists():
@@ -115,7 +120,7 @@ def _asked_by_anyone(names: set, source) -> set:
     r, n = world()
     if n == 1:
         return set(names)
-    everyone = [None] * n
+    everyone: list[Any] = [None] * n
     dist.all_gather_object(everyone, (sorted(names), getattr(source, "save_id", None)))
     if len({save for _, save in everyone}) > 1:
         raise CheckpointError(f"the ranks opened different saves of {source.path}: another save of it "
@@ -158,7 +163,7 @@ def _restore_objects(objects: dict, source, report: LoadReport, strict: bool) ->
             obj.restore(saved["value"])
 
 
-def load(state: dict, path, strict: bool = True) -> LoadReport:
+def load(state: dict, path: str | os.PathLike, strict: bool = True) -> LoadReport:
     """Fill ``state`` in place from the checkpoint at ``path`` (every rank calls it). Tensors are
     copied into the state's own (live) tensors, cast to their dtype; plain values (the step, the data
     position) replace the state's; objects (optimizer hyperparameters, RNG states) are restored.
@@ -197,7 +202,7 @@ def _load_from(source, state: dict, strict: bool) -> LoadReport:
     return report
 
 
-def read_dense(path) -> dict[str, torch.Tensor]:
+def read_dense(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (ours or DCP's) as the single-process model would hold it:
     ``{dotted name: dense tensor}``, in one process. How a notebook inspects a checkpoint, and how
     two checkpoints of the same state are compared."""

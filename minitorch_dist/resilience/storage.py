@@ -236,7 +236,7 @@ def write_rank(folder: Path, r: int, tensors: dict, per_rank: dict, pieces: dict
                     "pieces": pieces, "per_rank": sorted(per_rank)}
         t2 = time.perf_counter()
         _write_json(folder / f"rank{r:05d}.json", manifest)
-    except Exception as e:  # noqa: BLE001 - reported below with the file it was writing
+    except Exception as e:  # reported below with the file it was writing
         err = _failed(e, target, r)
         for leftover in (target, folder / f"rank{r:05d}.json.tmp"):
             leftover.unlink(missing_ok=True)  # give the space back at once

@@ -31,7 +31,7 @@ ALIASES: dict[str, str] = {
 _SHORT = {d: k for k, d in DTYPES.items()}
 
 
-def short_name(dtype, default: str | None = None) -> str:
+def short_name(dtype: torch.dtype | str, default: str | None = None) -> str:
     """The short name (a key of :data:`DTYPES`) of a torch dtype or of any name of one:
     ``torch.bfloat16``, ``"torch.bfloat16"``, ``"bfloat16"`` and ``"bf16"`` all give ``"bf16"``.
     For a dtype the table lacks: ``default``, or a ValueError naming the known ones when None."""
@@ -46,12 +46,12 @@ def short_name(dtype, default: str | None = None) -> str:
     raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} or {sorted(ALIASES)}")
 
 
-def to_dtype(name) -> torch.dtype:
+def to_dtype(name: torch.dtype | str) -> torch.dtype:
     """The torch dtype of ``name`` (any spelling :func:`short_name` reads, or a torch dtype)."""
     return name if isinstance(name, torch.dtype) else DTYPES[short_name(name)]
 
 
-def torch_name(dtype) -> str:
+def torch_name(dtype: torch.dtype | str) -> str:
     """Torch's own name of ``dtype`` without its module: ``"bfloat16"`` for ``torch.bfloat16`` (or
     ``"bf16"``); any torch dtype, in the table or not (``torch.int64``: ``"int64"``)."""
     dtype = dtype if isinstance(dtype, torch.dtype) else to_dtype(dtype)

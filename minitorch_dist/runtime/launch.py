@@ -157,7 +157,7 @@ def _run_fn(r: int, job: dict) -> tuple:
         dist.destroy_process_group()
         kind = type(result)
         return "ok", cloudpickle.dumps(result), f"{kind.__module__}.{kind.__qualname__}"
-    except BaseException:  # noqa: BLE001 - anything a rank raises goes back to the caller
+    except BaseException:  # anything a rank raises goes back to the caller
         return "error", traceback.format_exc(), ""
 
 
@@ -329,7 +329,7 @@ def _receive(r: int, procs: list[mp.process.BaseProcess], conns: list[mp.connect
         return kind, data
     try:
         return "ok", cloudpickle.loads(data)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is reported with its context
+    except Exception as e:  # any unpickling failure is reported with its context
         return "error", (f"rank {r} returned a {type_name}, but it could not be unpickled in the caller:\n"
                          f"{type(e).__name__}: {e}\nReturn plain values (tensors, numbers, lists, "
                          f"dicts), or define the result's class where the caller can import it.")

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 @dataclass
@@ -86,13 +89,12 @@ class Timeline:
     def now(self) -> float:
         """Seconds since the origin."""
         if self.cuda_sync:
-            import torch
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
+            from .timing import sync  # imported here: this module does not need torch otherwise
+            sync()  # the current CUDA device, if this process has used CUDA
         return self.clock() - self.origin
 
     @contextlib.contextmanager
-    def span(self, name: str, category: str | None = None, **meta):
+    def span(self, name: str, category: str | None = None, **meta: Any) -> Iterator[Event]:
         """Record the block as one event; spans may nest. Yields the ``Event`` (add to its meta)."""
         ev = Event(self.rank, name, category, self.now(), float("nan"), dict(meta), self._depth)
         self.events.append(ev)  # appended at entry, so ``events`` stays in start order
@@ -103,14 +105,15 @@ class Timeline:
             self._depth -= 1
             ev.t_end = self.now()
 
-    def mark(self, name: str, category: str | None = None, **meta) -> Event:
+    def mark(self, name: str, category: str | None = None, **meta: Any) -> Event:
         """Record an instant (e.g. "all-reduce of bucket 3 launched")."""
         t = self.now()
         ev = Event(self.rank, name, category, t, t, dict(meta), self._depth)
         self.events.append(ev)
         return ev
 
-    def add(self, name: str, t_start: float, t_end: float, category: str | None = None, **meta) -> Event:
+    def add(self, name: str, t_start: float, t_end: float, category: str | None = None,
+            **meta: Any) -> Event:
         """Record a span whose times are known rather than measured (a simulator, a replay)."""
         if t_end < t_start:
             raise ValueError(f"span {name!r} ends ({t_end}) before it starts ({t_start})")
@@ -133,7 +136,7 @@ class Timeline:
     def on_end(self, ev: Event) -> None:
         ev.t_end = self.now()
 
-    def align(self, group=None) -> float:
+    def align(self, group: dist.ProcessGroup | None = None) -> float:
         """Make this instant time zero on every rank: a barrier, then a new origin.
 
         Collective: every rank of ``group`` must call it. Without an initialised process group it
@@ -178,7 +181,7 @@ def _window(events: list[Event], window: tuple[float, float] | None) -> tuple[fl
     return window
 
 
-def busy_fraction(events, rank: int, window: tuple[float, float] | None = None,
+def busy_fraction(events: Timeline | Iterable[Any], rank: int, window: tuple[float, float] | None = None,
                   categories: Iterable[str] | None = None) -> float:
     """Fraction of ``window`` during which ``rank`` runs at least one span.
 
@@ -191,7 +194,7 @@ def busy_fraction(events, rank: int, window: tuple[float, float] | None = None,
     keep = set(categories) if categories is not None else None
     spans = sorted((max(e.t_start, lo), min(e.t_end, hi)) for e in events
                    if e.rank == rank and e.duration > 0 and (keep is None or e.category in keep))
-    busy, cur_s, cur_e = 0.0, None, None
+    busy, cur_s, cur_e = 0.0, 0.0, None  # cur_s is read only once cur_e is set
     for s, e in spans:  # sweep: merge overlapping intervals, add each merged run once
         if e <= s:
             continue
@@ -205,7 +208,8 @@ def busy_fraction(events, rank: int, window: tuple[float, float] | None = None,
     return busy / (hi - lo)
 
 
-def bubble_fraction(events, ranks: Iterable[int] | None = None, window: tuple[float, float] | None = None,
+def bubble_fraction(events: Timeline | Iterable[Any], ranks: Iterable[int] | None = None,
+                    window: tuple[float, float] | None = None,
                     categories: Iterable[str] | None = None) -> float:
     """Idle device-time over total device-time: ``1 - mean_r busy_fraction(r)``.
 
@@ -220,22 +224,23 @@ def bubble_fraction(events, ranks: Iterable[int] | None = None, window: tuple[fl
     return 1.0 - sum(busy) / len(busy)
 
 
-def _rank_of(e) -> Any:
+def _rank_of(e: Event) -> Any:
     return e.rank
 
 
 class _RowOf:
     """``row[event]`` -> the row index of an event (so the drawing code reads ``row[e]``-like)."""
 
-    def __init__(self, index, key):
+    def __init__(self, index: dict[Any, int], key: Callable[[Event], Any]) -> None:
         self.index, self.key = index, key
 
-    def __getitem__(self, e):
+    def __getitem__(self, e: Event) -> int:
         return self.index[self.key(e)]
 
 
-def plot_gantt(events, ax=None, colors: dict[str, Any] | None = None, title: str | None = None,
-               labels: bool = True, min_label_frac: float = 0.03, row_of=None):
+def plot_gantt(events: Timeline | Iterable[Any], ax: Any = None, colors: dict[str, Any] | None = None,
+               title: str | None = None, labels: bool = True, min_label_frac: float = 0.03,
+               row_of: Callable[[Event], Any] | None = None) -> Any:
     """Draw one row per rank (rank 0 on top) and one bar per span, x in milliseconds.
 
     ``row_of(event)`` picks a span's row instead of its rank, e.g.
@@ -260,7 +265,7 @@ def plot_gantt(events, ax=None, colors: dict[str, Any] | None = None, title: str
     ranks = sorted({row_key(e) for e in events})
     index = {r: i for i, r in enumerate(ranks)}
     row = _RowOf(index, row_key)
-    key = lambda e: e.category if e.category is not None else e.name  # noqa: E731
+    key = lambda e: e.category if e.category is not None else e.name
     palette = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]  # tab10 is a ListedColormap
     cmap = dict(colors or {})
     for k in sorted({key(e) for e in events} - set(cmap)):

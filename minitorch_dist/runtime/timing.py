@@ -19,20 +19,24 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 
 __all__ = ["sync", "timed_runs", "seconds", "cache_flusher"]
 
+#: Where work runs: a ``torch.device``, its name, a tensor (its device), or None (see :func:`sync`).
+DeviceLike: TypeAlias = torch.device | str | torch.Tensor | None
 
-def _device(device) -> torch.device | None:
+
+def _device(device: DeviceLike) -> torch.device | None:
     """``device`` as a ``torch.device`` (a tensor stands for its own device); None stays None."""
     if device is None or isinstance(device, torch.device):
         return device
     return device.device if isinstance(device, torch.Tensor) else torch.device(device)
 
 
-def sync(device=None) -> None:
+def sync(device: DeviceLike = None) -> None:
     """Wait until ``device`` has done the work queued on it, so that a clock read next sees it done.
 
     ``device``: a ``torch.device``, its name, or a tensor (its device). None: the current CUDA
@@ -47,7 +51,7 @@ def sync(device=None) -> None:
         torch.cuda.synchronize(dev)
 
 
-def timed_runs(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device=None,
+def timed_runs(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device: DeviceLike = None,
                before: Callable[[], object] | None = None, cuda_events: bool = False) -> list[float]:
     """Seconds of each of ``reps`` runs of ``fn()``, after ``warmup`` untimed runs.
 
@@ -78,7 +82,8 @@ def timed_runs(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device=
     return times
 
 
-def _event_runs(fn, reps: int, dev: torch.device, before) -> list[float]:
+def _event_runs(fn: Callable[[], object], reps: int, dev: torch.device,
+                before: Callable[[], object] | None) -> list[float]:
     """Seconds of each run between two CUDA events on ``dev``'s current stream (work ``before``
     queued runs ahead of the first event, so it is not timed)."""
     times = []
@@ -95,14 +100,14 @@ def _event_runs(fn, reps: int, dev: torch.device, before) -> list[float]:
     return times
 
 
-def seconds(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device=None,
+def seconds(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device: DeviceLike = None,
             before: Callable[[], object] | None = None, cuda_events: bool = False,
             reduce: Callable[[list[float]], float] = statistics.median) -> float:
     """``reduce`` (the median unless told) of :func:`timed_runs`' seconds: one number for ``fn``."""
     return reduce(timed_runs(fn, reps, warmup, device=device, before=before, cuda_events=cuda_events))
 
 
-def cache_flusher(device, nbytes: int = 256 * 2 ** 20) -> Callable[[], object]:
+def cache_flusher(device: torch.device | str, nbytes: int = 256 * 2 ** 20) -> Callable[[], object]:
     """A function that overwrites ``nbytes`` on ``device`` (more than a GPU's L2 cache holds): passed
     as ``before=``, it makes every timed run read its inputs from memory, as a kernel in a real step
     does (``triton.testing.do_bench`` flushes the same way)."""

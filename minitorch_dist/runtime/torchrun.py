@@ -184,12 +184,12 @@ class _Watcher(threading.Thread):
                     self._stop_process(_decide(self.store, self.me, self.n), "a peer failed")
             except _StoreGone as e:
                 _leave_quietly(self.me, str(e))
-            except Exception:  # noqa: BLE001 - a slow store: keep the deadline
+            except Exception:  # a slow store: keep the deadline
                 pass
             if time.monotonic() >= self.deadline and self._take_over():
                 try:
                     err = _timeout(self.store, self.n, self.timeout_s)
-                except Exception:  # noqa: BLE001 - no store: report this rank only
+                except Exception:  # no store: report this rank only
                     err = LaunchTimeout(self.timeout_s, {self.me: comm.last_op()}, set())
                 self._stop_process(err, "the deadline passed")
 
@@ -247,7 +247,7 @@ def _run_and_agree(fn: Callable[..., Any], args: tuple, store: _Store, watcher: 
     me, n, timeout_s = watcher.me, watcher.n, watcher.timeout_s
     try:
         payload = cloudpickle.dumps(fn(*args))
-    except BaseException:  # noqa: BLE001 - any error of fn is reported to every rank
+    except BaseException:  # any error of fn is reported to every rank
         _state["failed"] = True
         if not watcher.enter_exchange():
             time.sleep(3600)  # the watcher is ending this process

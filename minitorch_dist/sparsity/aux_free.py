@@ -169,7 +169,8 @@ def aux_free_routers(model: nn.Module) -> list[AuxFreeRouter]:
     return [m for m in model.modules() if isinstance(m, AuxFreeRouter)]
 
 
-def update_expert_biases(model: nn.Module, group=None, sync: bool | None = None) -> list[torch.Tensor]:
+def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None,
+                         sync: bool | None = None) -> list[torch.Tensor]:
     """End of a training step: update the bias of every :class:`AuxFreeRouter` in ``model`` from the
     step's load, and return those loads (one [E] tensor per router).
 

@@ -37,6 +37,7 @@ the first dispatch and the last combine stay exposed, instead of D + Cb.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..runtime import comm, observe
 
@@ -48,13 +49,13 @@ class PendingAllToAll:
     """One all-to-all in flight: its work and send buffer (forward); the reverse all-to-all's work and
     output (backward); its ``name`` (the wait announces the span "wait {name}")."""
 
-    def __init__(self, out_splits, in_splits, group, name="all-to-all"):
+    def __init__(self, out_splits, in_splits, group: dist.ProcessGroup | None, name="all-to-all"):
         self.out_splits, self.in_splits, self.group = list(out_splits), list(in_splits), group
         self.name = name
         self.work = self.send = self.bwd_work = self.bwd_send = self.bwd_out = None
 
 
-def _launch(x, out_splits, in_splits, group):
+def _launch(x, out_splits, in_splits, group: dist.ProcessGroup | None):
     send = x.contiguous()
     out = send.new_empty((sum(out_splits), *send.shape[1:]))
     return out, send, comm.all_to_all(out, send, out_splits, in_splits, group=group, async_op=True)
@@ -91,7 +92,7 @@ class _Wait(torch.autograd.Function):
         return grad, None  # a placeholder: _Start.backward returns the gradient that came back
 
 
-def all_to_all_start(x: torch.Tensor, out_splits, in_splits, group=None,
+def all_to_all_start(x: torch.Tensor, out_splits, in_splits, group: dist.ProcessGroup | None = None,
                      name: str = "all-to-all") -> tuple[torch.Tensor, PendingAllToAll]:
     """Launch ``all_to_all_single`` of x's rows (``in_splits[j]`` rows to rank j, ``out_splits[i]``
     from rank i) without waiting. Returns (the output buffer, not to be read yet, and the handle):
@@ -138,7 +139,8 @@ def _chunk_rows(block_sizes: list[int], parts: list[list[int]], device) -> list[
 
 
 def chunked_expert_exchange(run, packed: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                            per_src_expert: torch.Tensor, group=None, chunks: int = 2) -> torch.Tensor:
+                            per_src_expert: torch.Tensor, group: dist.ProcessGroup | None = None,
+                            chunks: int = 2) -> torch.Tensor:
     """Dispatch ``packed`` [A, h] (rows grouped by destination rank, ``send_counts[j]`` to rank j), run
     the local experts, and bring the outputs home, in ``chunks`` pipelined pieces (module docstring).
 

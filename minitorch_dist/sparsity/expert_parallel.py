@@ -41,6 +41,7 @@ ranks that built the model under different seeds still train one model.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..parallelism.mappings import AllToAll, all_to_all, size_and_rank
@@ -74,7 +75,8 @@ class ExpertParallelMoE(nn.Module):
     The forward announces its spans through :mod:`runtime.observe` (module docstring).
     """
 
-    def __init__(self, layer: MoELayer, group=None, *, broadcast_weights=True, chunks: int = 1):
+    def __init__(self, layer: MoELayer, group: dist.ProcessGroup | None = None, *,
+                 broadcast_weights: bool = True, chunks: int = 1) -> None:
         super().__init__()
         if not isinstance(layer, MoELayer):
             raise ValueError(f"ExpertParallelMoE wraps an MoELayer, got {type(layer).__name__}")
@@ -95,8 +97,8 @@ class ExpertParallelMoE(nn.Module):
         self.chunks = chunks
 
     @classmethod
-    def from_dense(cls, layer: MoELayer, group=None, *, broadcast_weights=True,
-                   chunks: int = 1) -> ExpertParallelMoE:
+    def from_dense(cls, layer: MoELayer, group: dist.ProcessGroup | None = None, *,
+                   broadcast_weights: bool = True, chunks: int = 1) -> ExpertParallelMoE:
         """The same as ``ExpertParallelMoE(layer, group)``: this rank's shard of a dense layer."""
         return cls(layer, group, broadcast_weights=broadcast_weights, chunks=chunks)
 
@@ -148,7 +150,8 @@ class ExpertParallelMoE(nn.Module):
                 f"on rank {self.rank} of {self.n}" + (f", {self.chunks} chunks" if self.chunks > 1 else ""))
 
 
-def expert_parallel(model: nn.Module, group=None, *, broadcast_weights=True, chunks: int = 1) -> nn.Module:
+def expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, *,
+                    broadcast_weights: bool = True, chunks: int = 1) -> nn.Module:
     """Replace every :class:`~.moe.MoELayer` inside ``model`` by its :class:`ExpertParallelMoE`, in place.
     The whole ``model`` (the replicated parameters too) is first made the group's first rank's, once
     (``broadcast_weights=False`` when it already is). A model without MoE layers is left alone.
@@ -177,7 +180,7 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if id(p) not in sharded]
 
 
-def sync_replicated_grads(module: nn.Module, group=None) -> None:
+def sync_replicated_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Sum the replicated parameters' gradients over the ranks: one all-reduce of one flat buffer
     (a missing gradient counts as zero, so every rank sends the same shapes)."""
     params = replicated_parameters(module)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..models.gpt import GPT, GPTConfig, init_gpt2_
 from .aux_free import update_expert_biases
@@ -109,7 +110,7 @@ class MoEGPT(GPT):
         self.aux_loss = sum(layer.aux_loss for layer in self.moe_layers())
         return logits, (None if lm_loss is None else lm_loss + self.aux_loss)
 
-    def update_expert_biases(self, group=None) -> list[torch.Tensor]:
+    def update_expert_biases(self, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
         """After an optimizer step: the aux-free routers' bias update from the step's loads (summed over
         ``group`` when parallel); returns those loads. A no-op (``[]``) for other routers."""
         return update_expert_biases(self, group)

@@ -48,7 +48,7 @@ class Launches:
         if n not in self._runs:
             try:
                 self._runs[n] = launch(self.fn, n, *self.args, **self.kw)
-            except Exception as e:  # noqa: BLE001 - handed to every test that reads this launch
+            except Exception as e:  # handed to every test that reads this launch
                 self._runs[n] = e
         got = self._runs[n]
         if isinstance(got, Exception):

@@ -69,7 +69,7 @@ def test_recursive_doubling_all_gather_matches_all_gather_into_tensor(ex, n):
     for r, (got, expected, *_) in enumerate(results):
         assert isinstance(got, torch.Tensor), f"rank {r} returned {type(got).__name__}, not a tensor"
         assert got.shape == expected.shape == (3 * n, 5), f"rank {r}: shape {tuple(got.shape)}"
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}")
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -78,7 +78,7 @@ def test_recursive_doubling_all_gather_sends_log2n_messages_of_n_minus_1_over_n_
     results = launch(_all_gather_on_ranks, n, ex.recursive_doubling_all_gather, (7,), torch.int64,
                      timeout_s=TIMEOUT_S)
     for r, (got, expected, calls, sends, block) in enumerate(results):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"rank {r}: {m}")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}")
         assert set(calls) <= {"send", "recv"}, \
             f"rank {r} ran {dict(calls)}: build it from point-to-point sends and receives only"
         assert calls.get("send") == steps and calls.get("recv") == steps, \

@@ -27,7 +27,7 @@ import time
 import cloudpickle
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (DDP imports it when built: 2-6 s in every rank; once here, forked ranks inherit it)
+import torch._dynamo  # DDP imports it when built: 2-6 s in every rank; once here, forked ranks inherit it
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -408,7 +408,7 @@ def _bucketed(install):
     probe = {"meter": None, "seen": []}
     model[0].weight.register_hook(lambda g: probe["seen"].append(len(probe["meter"].events)))
     first_grads, steps = None, []
-    for step in range(STEPS_4):
+    for _ in range(STEPS_4):
         probe["seen"] = []
         with comm.meter() as m:
             probe["meter"] = m

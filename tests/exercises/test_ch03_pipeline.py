@@ -346,7 +346,7 @@ def _torch_1f1b(m):
     p, r = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(SEED)
     stage = split_gpt(GPT(CFG), p)[r]
-    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))  # noqa: E731
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
     sched = pp.Schedule1F1B(pp.PipelineStage(stage, r, p, torch.device("cpu")), m, loss_fn=loss_fn)
     x, y = _batch()
     sched.step(*([x] if r == 0 else []), target=y if r == p - 1 else None)

@@ -91,11 +91,12 @@ def test_flatten_and_partition_matches_cat_and_chunk(ex, kind, n):
         what = f"{kind} ({sum(t.numel() for t in tensors)} elements), n={n}, rank {rank}"
         assert flat.dim() == 1 and flat.dtype == tensors[0].dtype, \
             f"{what}: flat must be 1-D of the tensors' dtype, got shape {tuple(flat.shape)}, {flat.dtype}"
-        torch.testing.assert_close(flat, ref_flat, rtol=0, atol=0, msg=lambda m: f"{what}, flat buffer: {m}")
+        torch.testing.assert_close(flat, ref_flat, rtol=0, atol=0,
+                                   msg=lambda m, what=what: f"{what}, flat buffer: {m}")
         assert shard.shape == (s,), \
             f"{what}: shard has shape {tuple(shard.shape)}; expected ({s},), ceil(numel/n)"
         torch.testing.assert_close(shard, ref_shards[rank], rtol=0, atol=0,
-                                   msg=lambda m: f"{what}, shard: {m}")
+                                   msg=lambda m, what=what: f"{what}, shard: {m}")
 
 
 @pytest.mark.parametrize("kind", list(SHAPES))
@@ -164,7 +165,7 @@ def test_unflatten_round_trip(ex, kind, n):
     assert len(back) == len(tensors), f"unflatten returned {len(back)} tensors; expected {len(tensors)}"
     for i, (t, b) in enumerate(zip(tensors, back)):
         assert b.shape == t.shape, f"tensor {i}: shape {tuple(b.shape)}, expected {tuple(t.shape)}"
-        torch.testing.assert_close(b, t, rtol=0, atol=0, msg=lambda m: f"n={n}, tensor {i}: {m}")
+        torch.testing.assert_close(b, t, rtol=0, atol=0, msg=lambda m, i=i: f"n={n}, tensor {i}: {m}")
 
 
 def test_unflatten_returns_views_into_flat(ex):
@@ -176,7 +177,7 @@ def test_unflatten_returns_views_into_flat(ex):
     for i, (t, v) in enumerate(zip(tensors, views)):
         expected = torch.arange(offset, offset + t.numel(), dtype=flat.dtype).reshape(t.shape)
         torch.testing.assert_close(v, expected, rtol=0, atol=0,
-                                   msg=lambda m: f"tensor {i} of another buffer: {m}")
+                                   msg=lambda m, i=i: f"tensor {i} of another buffer: {m}")
         offset += t.numel()
     other.mul_(-1)  # an in-place write to the buffer (an all-gather, say) must show in every tensor
     assert all(torch.all(v <= 0) for v in views), \
@@ -343,7 +344,7 @@ def _zero3(ex):
     dense = _z3_dense()
     model = torch.nn.Sequential(ex.Zero3Unit(dense[0]), ex.Zero3Unit(dense[1]))
     units = list(model)
-    gathered = lambda: [u.full.untyped_storage().nbytes() for u in units]  # noqa: E731
+    gathered = lambda: [u.full.untyped_storage().nbytes() for u in units]
     seen, calls = [], [0, 0]  # what is gathered while unit 1 computes; forwards run per unit
     dense[1].register_forward_pre_hook(lambda *_: seen.append(gathered()))
     for i in (0, 1):

@@ -382,11 +382,11 @@ def test_SelectiveAttention_gradcheck(ex, causal):
 def _attention_f32_bound(q, k, v, grad_out, causal=True):
     """Elementwise bounds on |out|, |dq|, |dk|, |dv| of two float32 computations of attention apart:
     twice the first-order componentwise bound of one (the module docstring's account), in float64."""
-    u, g = roundoff(torch.float32), (lambda m: gamma(m, torch.float32))  # noqa: E731
+    u, g = roundoff(torch.float32), (lambda m: gamma(m, torch.float32))
     q, k, v, do = (t.detach().double() for t in (q, k, v, grad_out))
     n, d, dv = k.shape[-2], q.shape[-1], v.shape[-1]
     c = d ** -0.5
-    T = lambda t: t.transpose(-2, -1)  # noqa: E731
+    T = lambda t: t.transpose(-2, -1)
     s = c * q @ T(k)
     allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
     allowed = allowed.tril() if causal else allowed
@@ -561,7 +561,7 @@ def wrapped(ex):
             out[n, k, last] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
             with float64():
                 out[n, k, last, "float64"] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
-        except Exception as e:  # noqa: BLE001  (raised again by each test that needs it)
+        except Exception as e:  # raised again by each test that needs it
             out[n, k, last] = out[n, k, last, "float64"] = e
     return out
 

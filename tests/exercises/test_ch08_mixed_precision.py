@@ -342,7 +342,7 @@ def test_train_with_loss_scaling_learns_what_fp32_learns_from_tiny_gradients(ex,
     steps, mult = 40, 1e-4
     data = MarkovCorpus(32, seed=0)
     batches = [data.batch(s, TB, TT) for s in range(steps)]
-    small = lambda m, x, y: _xent(m, x, y) * mult  # noqa: E731
+    small = lambda m, x, y: _xent(m, x, y) * mult
     torch.manual_seed(0)
     model = GPT(TINY)
     ref = copy.deepcopy(model)
@@ -354,7 +354,7 @@ def test_train_with_loss_scaling_learns_what_fp32_learns_from_tiny_gradients(ex,
         opt.step()
         fp32.append(loss.item())
     fp32 = torch.tensor(fp32) / mult
-    drop = lambda curve: (curve[0] - curve[-10:].mean()).item()  # noqa: E731
+    drop = lambda curve: (curve[0] - curve[-10:].mean()).item()
     assert drop(fp32) > 0.25, "sanity: fp32 learns"
     scaler = ex.LossScaler()
     scaled = ex.train_with_loss_scaling(model, batches, _adamw, scaler, torch.float16, loss_fn=small)

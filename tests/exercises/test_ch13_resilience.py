@@ -97,7 +97,7 @@ def test_scatter_gather_pieces_reshards_between_layouts(ex, src):
             want = cut(d).reshape(-1)
             what = f"saved as {src}, loaded as {dst} rank {r}"
             assert torch.is_tensor(got) and got.dim() == 1, f"{what}: expected a 1-D tensor, got {got!r}"
-            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, what=what: f"{what}: {m}")
 
 
 def test_scatter_gather_pieces_any_order_duplicates_and_replicas(ex):

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import matplotlib
 
 matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 __all__ = ["FIGURES", "figure", "render_svg", "same_drawing", "RESOLUTION", "STYLE"]
 

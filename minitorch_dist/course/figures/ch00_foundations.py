@@ -102,7 +102,7 @@ def bytes_per_param():
               ("fp32", "adamw", "fp32, AdamW"), ("mixed", "adamw", "mixed, AdamW")]
     parts = (("weights", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer", "#55A868"))
     fig, ax = plt.subplots(figsize=(6.2, 2.8))
-    for i, (precision, opt, label) in enumerate(combos):
+    for i, (precision, opt, _label) in enumerate(combos):
         b = costmodel.model_state_bytes(1, precision=precision, optimizer=opt)
         left = 0
         for part, color in parts:

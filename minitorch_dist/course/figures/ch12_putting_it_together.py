@@ -58,7 +58,7 @@ def zero_pipeline():
     rows = _zero_variants()
     fig, (mem, wire) = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
     ys = range(len(rows))[::-1]
-    for y, (name, z, states, sent) in zip(ys, rows):
+    for y, (_name, z, states, sent) in zip(ys, rows):
         mem.barh(y, states / 1e9, color=GROUP_COLORS[z])
         mem.text(states / 1e9 + 0.5, y, f"{states / 1e9:.1f}", va="center", fontsize=8)
         wire.barh(y, sent / 1e9, color=GROUP_COLORS[z])
@@ -88,7 +88,7 @@ def step_parts():
              ("optimizer", "optimizer"))
     colours = ("#4C72B0", "#8172B3", "#DD8452", "#937860", "#bbbbbb", "#C44E52", "#55A868")
     fig, ax = plt.subplots(figsize=(8, 2.8))
-    for y, (name, c, a) in enumerate(configs[::-1]):
+    for y, (_name, c, a) in enumerate(configs[::-1]):
         plan, left = P.evaluate(c, model, cluster, a), 0.0
         for (key, label), colour in zip(parts, colours):
             ax.barh(y, plan.time[key], left=left, color=colour, label=label if y == 0 else None)

@@ -39,7 +39,7 @@ def _loss_gap(steps: int) -> float:
     """Max |loss| difference between fp32 AdamW and the fp16 trainer on the same tiny GPT and batches."""
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
     data = MarkovCorpus(32, seed=0)
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=3e-3)
     torch.manual_seed(0)
     model = GPT(cfg)
     trainer = MixedPrecisionTrainer(model, adamw, torch.float16)

@@ -65,6 +65,9 @@ Memory per rank (fp32, AdamW): parameters 4Ψ_pad/n_s, gradients 4Ψ_pad/n_s, op
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -97,11 +100,14 @@ class ShardingState:
                 m.fsdp_unit.name, m.fsdp_unit.state = name or "root", self
         self.units = [m.fsdp_unit for _, m in claimed if getattr(m, "fsdp_unit", None) is not None]
         first = self.units[0] if self.units else None
+        self.group: dist.ProcessGroup | None
+        self.replicate_group: dist.ProcessGroup | None
         self.group, self.replicate_group = (first.group, first.replicate_group) if first else (None, None)
         self.replicated = [p for p in root.parameters() if getattr(p, "fsdp_shard", None) is None]
         self._sync_replicated()
-        self.order = {"forward": [], "backward": []}  # this pass
-        self.last = {"forward": [], "backward": []}  # the pass before: what prefetch follows
+        self.order: dict[str, list[FlatUnit]] = {"forward": [], "backward": []}  # this pass
+        # the pass before: what prefetch follows
+        self.last: dict[str, list[FlatUnit]] = {"forward": [], "backward": []}
         self.depth, self.callback_queued = 0, False
 
     # --- order and prefetch ---------------------------------------------------------------------
@@ -182,10 +188,12 @@ def _cast(tree, dtype):
 class FSDPModule:
     """Put in front of a sharded module's class by :func:`fully_shard`: its forward runs the unit."""
 
-    def forward(self, *args, **kwargs):
+    fsdp_unit: FlatUnit | None  # None: a root whose submodules took every parameter
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         unit = self.fsdp_unit
         if unit is None:
-            return super().forward(*args, **kwargs)
+            return super().forward(*args, **kwargs)  # type: ignore[misc]  # the module's own class comes next
         if unit.state is None:
             raise RuntimeError(f"{type(self).__name__} was sharded but its root was not found: call the "
                                f"model (module(...)), not module.forward(...), so the root can be found")
@@ -208,10 +216,10 @@ class FSDPModule:
 
     def full_state_dict(self) -> dict:
         """``{name: full tensor}`` of the unsharded weights (a collective: every rank calls it)."""
-        return full_state_dict(self)
+        return full_state_dict(self)  # type: ignore[arg-type]  # mixed into an nn.Module subclass
 
 
-def _pre_forward(module: nn.Module, _args) -> None:
+def _pre_forward(module: Any, _args: Any) -> None:  # Any: a marked module carries ``fsdp_state``
     """Forward pre-hook of each module ``fully_shard`` or ``replicate`` marked (FSDP2's root
     pre-forward): the first to run becomes the root (lazy initialisation); the root opens a pass."""
     if module.fsdp_state is None:
@@ -220,12 +228,12 @@ def _pre_forward(module: nn.Module, _args) -> None:
         module.fsdp_state.begin_pass()
 
 
-def _post_forward(module: nn.Module, _args, _output) -> None:
+def _post_forward(module: Any, _args: Any, _output: Any) -> None:
     if module.fsdp_state.root is module:
         module.fsdp_state.end_pass()
 
 
-def _mark(module: nn.Module) -> None:
+def _mark(module: Any) -> None:  # Any: an nn.Module, given the attribute ``fsdp_state``
     """Hooks that find the root at the first forward; ``fsdp_state`` None until a root claims it."""
     module.fsdp_state = None
     module.register_forward_pre_hook(_pre_forward, prepend=True)
@@ -254,7 +262,8 @@ def _slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
     return out
 
 
-def _check(module, group, replicate_group, mp_policy, reshard_after_forward) -> None:
+def _check(module: nn.Module, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
+           mp_policy: MixedPrecisionPolicy | None, reshard_after_forward: bool) -> None:
     require_process_group("fully_shard")
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -272,8 +281,9 @@ def _check(module, group, replicate_group, mp_policy, reshard_after_forward) -> 
         raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
 
 
-def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None, replicate_group=None,
+def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
+                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                replicate_group: dist.ProcessGroup | None = None,
                 prefetch: bool = True, fp8_all_gather: bool | str = False) -> nn.Module:
     """Make ``module`` one FSDP unit (ZeRO-3) over ``group``; return it, now an :class:`FSDPModule`.
 
@@ -301,10 +311,10 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
         if fp8 is not None:
             enable_fp8_all_gather(unit, fp8)
         for _, _, p in slots:
-            p.fsdp_taken = True  # a tied copy of it elsewhere may not join another unit
+            p.fsdp_taken = True  # type: ignore[attr-defined]  # a tied copy of it elsewhere may not join another unit
     cls = type(module)
     module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.fsdp_unit = unit
+    module.fsdp_unit = unit  # type: ignore[assignment]  # a plain attribute, not a submodule
     _mark(module)
     return module
 
@@ -326,12 +336,12 @@ def sharded_units(module: nn.Module) -> list[FlatUnit]:
     return [m.fsdp_unit for m in module.modules() if isinstance(m, FSDPModule) and m.fsdp_unit is not None]
 
 
-def shard_groups(params) -> list:
+def shard_groups(params: Iterable[torch.Tensor]) -> list[dist.ProcessGroup | None]:
     """The groups (None: the default one) any of ``params`` is sharded over, each once; [] for none.
     Their ranks hold different pieces of one gradient, so "an inf or NaN: skip the step" must be agreed
     over them (:class:`..mixed_precision.DynamicLossScaler`); under hybrid sharding the shard group
     suffices, the replicas of a shard holding the same all-reduced gradient."""
-    tags = [p.fsdp_shard for p in params if getattr(p, "fsdp_shard", None) is not None]
+    tags = [t for t in (getattr(p, "fsdp_shard", None) for p in params) if t is not None]
     return list({id(t.group): t.group for t in tags}.values())
 
 
@@ -356,7 +366,7 @@ def full_state_dict(module: nn.Module) -> dict:
     return {k: full[id(p)] if id(p) in full else p.detach().clone() for k, p in module.named_parameters()}
 
 
-def hybrid_groups(shard_size: int):
+def hybrid_groups(shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's ``(group, replicate_group)`` on a 2-D grid of ranks: rows of ``shard_size``
     consecutive ranks shard, columns replicate. n = 4, shard_size = 2: shard {0,1} {2,3}; replicate
     {0,2} {1,3}. ``dist.new_group`` is collective, so every rank creates every group, in one order.

@@ -76,7 +76,7 @@ class ShardTag:
 
     __slots__ = ("group",)
 
-    def __init__(self, group):
+    def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
 
     def __reduce__(self):
@@ -223,7 +223,10 @@ class FlatUnit:
     on the wire, and no gradient), and a unit may mix dtypes.
     """
 
-    def __init__(self, slots, group, replicate_group, mp_policy, reshard_after_forward):
+    prefetch: bool  # set by fsdp.fully_shard: issue the next unit's all-gather before computing
+
+    def __init__(self, slots, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
+                 mp_policy, reshard_after_forward):
         self.name, self.state = "?", None  # set when its root is found (see fsdp.ShardingState)
         self.group, self.replicate_group = group, replicate_group
         self.reshard_after_forward = reshard_after_forward

@@ -37,7 +37,10 @@ __all__ = ["FlatPartition", "bucket_ranges"]
 def bucket_ranges(padded_numel: int, n: int, cap_elements: int | None) -> list[tuple[int, int]]:
     """``[lo, hi)`` pieces of a flat buffer of ``padded_numel`` (a multiple of n), each about
     ``cap_elements`` long and a multiple of n, so every bucket holds ``(hi-lo)/n`` elements of each
-    rank; ``cap_elements=None``: one bucket."""
+    rank; ``cap_elements=None``: one bucket. Not DDP's rule
+    (:func:`~minitorch_dist.costmodel.data_parallel.bucket_assignment`, which packs whole parameters
+    up to the cap): a reduce-scatter hands each rank one n-th of a bucket, so here every bucket is
+    a multiple of n elements (all of one length but the last), and its edge may cut a parameter."""
     if padded_numel % n:
         raise ValueError(f"the padded flat buffer ({padded_numel}) must be a multiple of n = {n}")
     size = padded_numel if cap_elements is None else n * max(1, math.ceil(cap_elements / n))
@@ -57,7 +60,7 @@ class FlatPartition:
     (each parameter's ``(start, end)`` in the shard), ``n``, ``rank``, ``group``, ``replicate``.
     """
 
-    def __init__(self, params, group=None, replicate: bool = False):
+    def __init__(self, params, group: dist.ProcessGroup | None = None, replicate: bool = False):
         self.group, self.replicate = group, replicate
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.flat = FlatParams(params, self.n)

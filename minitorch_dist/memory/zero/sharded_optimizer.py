@@ -48,6 +48,9 @@ dtype). ``offload="cpu"|"disk"`` steps the shard with :class:`.offload.Offloaded
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,8 +113,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Every rank of ``group`` builds it, steps it and saves it together: those are collectives.
     """
 
-    def __init__(self, params, optimizer_cls, *, stage: int = 1, group=None,
-                 bucket_cap_mb: float | None = 1.0, offload: str | None = None, offload_dir=None, **defaults):
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                 optimizer_cls: Callable[..., torch.optim.Optimizer], *, stage: int = 1,
+                 group: dist.ProcessGroup | None = None, bucket_cap_mb: float | None = 1.0,
+                 offload: str | None = None, offload_dir: str | os.PathLike | None = None,
+                 **defaults: Any) -> None:
         _check_arguments(stage, optimizer_cls, offload, bucket_cap_mb)
         require_process_group("ShardedOptimizer")
         self._built = False
@@ -128,7 +134,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if offload is None:
             self.optim = self._local_optimizer(part.shard, optimizer_cls, defaults)
         else:
-            build = lambda ps: self._local_optimizer(ps[0], optimizer_cls, defaults)  # noqa: E731
+            build = lambda ps: self._local_optimizer(ps[0], optimizer_cls, defaults)
             self.offloaded = OffloadedOptimizer(part.shard, build, where=offload, directory=offload_dir)
             self.optim = self.offloaded.optimizer
         self.state = self.optim.state  # this rank's shard of the state, keyed by its pieces
@@ -138,6 +144,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     mine.setdefault(k, v)
         self._index = {id(p): i for i, p in enumerate(flat)}
         trained = [p for p in flat if p.requires_grad]
+        self.flat_grad: torch.Tensor | None
         if stage < 2:  # gradients are gathered into one flat buffer (DDP's gradient_as_bucket_view)
             self.flat_grad = part.flat.empty()
             self._grad_views = part.flat.views(self.flat_grad)
@@ -183,7 +190,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _into_flat_grad(self, p: torch.Tensor) -> None:
         """A gradient arrived: keep it in the flat gradient buffer, as a view (nothing if it is one)."""
         v = self._grad_views[self._index[id(p)]]
-        if not same_memory(p.grad, v):
+        if p.grad is not None and not same_memory(p.grad, v):  # set: a post-accumulate hook
             v.copy_(p.grad)  # autograd made a fresh gradient (p.grad was None): it starts the sum
             p.grad = v
 
@@ -194,6 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             elif not same_memory(p.grad, v):
                 v.copy_(p.grad)  # set by hand, not by backward
                 p.grad = v
+        assert self.flat_grad is not None  # stages 0 and 1 always have one
         self.partition.shard.grad = self.partition.reduce(self.flat_grad)
 
     # --- gradients: stage 2, bucket by bucket during backward (§5.2) -------------------------------
@@ -206,10 +214,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                          for lo, hi in self.buckets]
         self._wait_for = [sum(i in waits for i in ms) for ms in self._members]
         self._buckets_of = [[b for b, ms in enumerate(self._members) if i in ms] for i in range(len(spans))]
+        self._in_flight: tuple[int, torch.Tensor, torch.Tensor, Any] | None  # bucket, chunk, sent, work
         self._in_backward, self._in_flight, self._paused = False, None, False
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Stage 2: inside the block backward reduces nothing; gradients accumulate in each ``.grad``
         (DDP's ``no_sync``: several microbatches, one reduction). :meth:`reduce_accumulated` then
         reduce-scatters them once. Stages 0 and 1 reduce in :meth:`step` anyway: nothing to pause."""
@@ -321,7 +330,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return values_or(mask.bool(), list(local))  # a dry run agrees on nothing: this rank's flags stand in
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self,  # type: ignore[override]  # torch.optim.Optimizer's two overloads, as one signature
+             closure: Callable[[], float] | None = None) -> float | None:
         """Agree on the tensors with a gradient, reduce (stages 0/1), update this rank's pieces of
         those, all-gather (stages 1/2). Without a gradient on any rank nothing happens at all."""
         loss = None
@@ -340,6 +350,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for mine, local in zip(self.param_groups, self.optim.param_groups):  # an LR scheduler edits ours
             local.update(_options(mine))
         if self.offloaded is not None:
+            assert self.partition.shard.grad is not None  # reduced above (stages 0, 1) or checked (2)
             self.offloaded.step(self.partition.shard.grad)
         else:
             self.optim.step()

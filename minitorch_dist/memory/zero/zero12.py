@@ -49,11 +49,17 @@ every step, an all-reduce of one byte per tensor: which tensors got a gradient o
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ...runtime import comm, require_process_group
+from .flat import FlatParams
+from .offload import OffloadedOptimizer
 from .partition import bucket_ranges
 from .sharded_optimizer import STAGES, ShardedOptimizer
 
@@ -84,8 +90,9 @@ class ZeroDataParallel(nn.Module):
     and optimizer state.
     """
 
-    def __init__(self, model: nn.Module, optimizer_factory, stage: int, group=None,
-                 offload: str | None = None, offload_dir=None, bucket_cap_mb: float | None = 1.0):
+    def __init__(self, model: nn.Module, optimizer_factory: Callable[..., torch.optim.Optimizer], stage: int,
+                 group: dist.ProcessGroup | None = None, offload: str | None = None,
+                 offload_dir: str | os.PathLike | None = None, bucket_cap_mb: float | None = 1.0) -> None:
         super().__init__()
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES} here, got {stage!r} "
@@ -106,7 +113,7 @@ class ZeroDataParallel(nn.Module):
                 comm.broadcast(b.data, src, group=group)
 
     @property
-    def flat(self):
+    def flat(self) -> FlatParams:
         return self.sharded.partition.flat
 
     @property
@@ -126,10 +133,10 @@ class ZeroDataParallel(nn.Module):
         return self.sharded.buckets
 
     @property
-    def offloaded(self):
+    def offloaded(self) -> OffloadedOptimizer | None:
         return self.sharded.offloaded
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def step(self) -> None:

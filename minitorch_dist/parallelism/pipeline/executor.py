@@ -42,7 +42,9 @@ matches it whatever order the ranks post in (NCCL ignores tags and matches in is
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,7 @@ from torch import nn
 from ...models.gpt import GPT
 from ...runtime import comm, observe, require_process_group
 from ...runtime.devices import item_or_nan
+from .actions import Schedule
 from .messages import Messages
 from .zero_bubble import LinearTap, b_params, backward_input, backward_weights
 
@@ -78,7 +81,7 @@ class GPTStage(nn.Module):
         self.cfg, self.index, self.n_stages = model.cfg, index, n_stages
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         own = all(hasattr(type(model), f) for f in ("embed", "head", "loss_fn"))
-        self._model_class = type(model) if own else GPT  # whose embed / head / loss_fn the stage runs
+        self._model_class: Any = type(model) if own else GPT  # whose embed / head / loss_fn the stage runs
         if self.is_first:
             self.wte = model.wte
             if hasattr(model, "wpe"):  # learned positions (GPT); a rotary model has none
@@ -121,7 +124,7 @@ def split_gpt(model: GPT, n_stages: int) -> list[GPTStage]:
     return [GPTStage(model, i, n_stages, range(s, s + k)) for i, (s, k) in enumerate(zip(starts, sizes))]
 
 
-def local_stages(model: GPT, schedule, rank: int | None = None) -> dict[int, GPTStage]:
+def local_stages(model: GPT, schedule: Schedule, rank: int | None = None) -> dict[int, GPTStage]:
     """``{chunk: stage}`` of ``rank`` (default: this rank) for ``schedule``: virtual stages ``c*p + rank``.
 
     Every rank builds the whole (tiny) model and keeps its stages; a real system builds only its
@@ -149,7 +152,7 @@ class PipelineResult:
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _embedding_group(ranks: tuple[int, int]):
+def _embedding_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """The 2-rank group of the first and last stage; created once per world (only its members call this)."""
     mine = _groups.setdefault(dist.group.WORLD, {})
     if ranks not in mine:
@@ -157,7 +160,8 @@ def _embedding_group(ranks: tuple[int, int]):
     return mine[ranks]
 
 
-def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None, embedding_group=None) -> bool:
+def sync_tied_embedding(stages: Mapping[int, Any], schedule: Schedule, group: dist.ProcessGroup | None = None,
+                        embedding_group: dist.ProcessGroup | None = None) -> bool:
     """Sum the word-embedding gradient of the first stage (``wte``) and of the last (``lm_head``).
 
     With ``tie_embeddings`` one matrix E is both ``wte`` (stage 0) and ``lm_head`` (last stage), so
@@ -165,6 +169,7 @@ def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None, embed
     only its part in its copy of E; one all-reduce among the two ranks gives both the full sum, and
     since both copies started equal they stay equal after the same update. Returns whether it ran.
 
+    ``stages``: ``{chunk: stage}`` (:func:`local_stages`, or any stages with ``cfg``, ``wte``, ``lm_head``).
     ``group``: the pipeline's process group (stage r = its rank r; default: the world).
     ``embedding_group``: the group of the first and last stage when the caller made one (3D: the
     mesh's embedding group); default: made here, once, by those two ranks.
@@ -190,7 +195,7 @@ def sync_tied_embedding(stages: dict[int, GPTStage], schedule, group=None, embed
 # --- the executor ------------------------------------------------------------------------------------
 
 
-def _check(schedule, stages, x, y, group):
+def _check(schedule, stages, x, y, group: dist.ProcessGroup | None):
     require_process_group("run_schedule")
     n = dist.get_world_size(group)
     if n != schedule.p:
@@ -223,7 +228,7 @@ class _Runner:
     layers.
     """
 
-    def __init__(self, schedule, stages, x, y, group):
+    def __init__(self, schedule, stages, x, y, group: dist.ProcessGroup | None):
         self.schedule, self.stages = schedule, stages
         self.rank, self.n_vs, self.m = dist.get_rank(group), schedule.p * schedule.v, schedule.m
         param = next(next(iter(stages.values())).parameters())
@@ -235,7 +240,8 @@ class _Runner:
         self.b_params = {c: b_params(s) for c, s in stages.items()} if self.split else {}
         self.b_ids = {c: {id(q) for q in ps} for c, ps in self.b_params.items()}
         self.state: dict = {}
-        self.losses, self.actions = [], []
+        self.losses: list[float] = []
+        self.actions: list[str] = []
         self.unit = 1 / schedule.v  # a chunk's share of a microbatch, in the stash's count
 
     def run(self, a) -> None:
@@ -275,7 +281,7 @@ class _Runner:
         observe.count("stash", self.unit, mb=a.mb, chunk=a.chunk)  # kept until this chunk's backward
         with observe.span(name, a.kind, mb=a.mb, chunk=a.chunk):
             st = self.state[(a.mb, a.chunk)] = {"x": None if vs == 0 else inp, "taps": []}  # taps: split B/W
-            if (a.mb, a.chunk) in self.split:
+            if self.taps is not None and (a.mb, a.chunk) in self.split:  # split: taps exist
                 self.taps.active = st["taps"]
             if vs == self.n_vs - 1:
                 loss = self.stages[a.chunk](inp, self.ys[a.mb])
@@ -330,8 +336,8 @@ class _Runner:
             actions=self.actions)
 
 
-def run_schedule(schedule, stages: dict[int, nn.Module], x: torch.Tensor, y: torch.Tensor,
-                 group=None, sync_tied: bool = True) -> PipelineResult:
+def run_schedule(schedule: Schedule, stages: Mapping[int, nn.Module], x: torch.Tensor, y: torch.Tensor,
+                 group: dist.ProcessGroup | None = None, sync_tied: bool = True) -> PipelineResult:
     """Run this rank's actions of ``schedule`` for one step on the global batch ``(x, y)``.
 
     ``stages`` maps chunk -> module (:func:`local_stages`). Every rank passes the same global batch;

@@ -24,7 +24,7 @@ class Messages:
     for the sender's communication thread to get a core after the receiver asks (chapter 03, "a send
     posted during compute")."""
 
-    def __init__(self, schedule, group, shape, like: torch.Tensor):
+    def __init__(self, schedule, group: dist.ProcessGroup | None, shape, like: torch.Tensor):
         self.schedule, self.group, self.shape, self.like = schedule, group, shape, like
         self.n_vs = schedule.p * schedule.v
         self.pending: list = []  # (work, tensor): the tensor must outlive its send

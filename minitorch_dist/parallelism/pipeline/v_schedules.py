@@ -78,6 +78,23 @@ class _Order:
     def done(self, kind: str, chunk: int) -> int:
         return self.count[kind, chunk]
 
+    def backward(self, chunk: int, split: bool) -> None:
+        """B of ``chunk``; ``split``: the input gradient now, its W queued for later (DualPipeV)."""
+        a = self.run("B", chunk)
+        if split:
+            self.pending_w.append(Action("W", a.mb, chunk))
+
+    def weights(self) -> None:
+        """The oldest queued W, if any."""
+        if self.pending_w:
+            self.acts.append(self.pending_w.popleft())
+
+    def pair(self, f_chunk: int) -> None:
+        """F of one chunk overlapped with the whole B of the other (DualPipeV's F&B)."""
+        self.pairs.append(len(self.acts))
+        self.run("F", f_chunk)
+        self.backward(1 - f_chunk, split=False)
+
 
 def _zbv_rank(p: int, m: int, r: int) -> tuple[Action, ...]:
     """Rank r's ZB-V list (chunk 0 = virtual stage r, chunk 1 = virtual stage 2p-1-r)."""
@@ -126,48 +143,33 @@ def zb_v(p: int, m: int) -> Schedule:
 def _dualpipev_rank(p: int, m: int, r: int) -> tuple[tuple[Action, ...], tuple[int, ...]]:
     """Rank r's DualPipeV list and the positions of its overlapped F&B pairs."""
     o = _Order()
-
-    def backward(chunk: int, split: bool) -> None:  # split: input gradient now, W queued for later
-        a = o.run("B", chunk)
-        if split:
-            o.pending_w.append(Action("W", a.mb, chunk))
-
-    def weights() -> None:  # the oldest queued W, if any
-        if o.pending_w:
-            o.acts.append(o.pending_w.popleft())
-
-    def pair(f_chunk: int) -> None:  # F of one chunk overlapped with the whole B of the other
-        o.pairs.append(len(o.acts))
-        o.run("F", f_chunk)
-        backward(1 - f_chunk, split=False)
-
     o.steps("F0 " * (2 * (p - r - 1)))  # 1: forwards down the V
     o.steps("F0 F1 " * (r + 1))  # 2: both chunks
     for _ in range(p - r - 1):  # 3: zero bubble: B, its W, the next F
-        backward(1, split=True)
-        weights()
+        o.backward(1, split=True)
+        o.weights()
         o.run("F", 1)
     for i in range(m - 2 * p + r + 1):  # 4: the main step, overlapped pairs
         if i == 0 and r == p - 1:  # the bottom of the V: run the first two apart (less bubble)
             o.run("F", 0)
-            backward(1, split=False)
+            o.backward(1, split=False)
         else:
-            pair(0)
-        pair(1)
+            o.pair(0)
+        o.pair(1)
     for _ in range(p - r - 1):  # 5: B of chunk 1, then a pair
-        backward(1, split=False)
-        pair(1)
+        o.backward(1, split=False)
+        o.pair(1)
     zb = False
     for i in range(r + 1):  # 6: both backwards; the second half split (zero bubble)
         zb = zb or (i == (r + 1) // 2 and r % 2 == 1)
-        backward(1, split=zb)
+        o.backward(1, split=zb)
         zb = zb or (i == (r + 1) // 2 and r % 2 == 0)
-        backward(0, split=zb)
+        o.backward(0, split=zb)
     for _ in range(p - r - 1):  # 7: a queued W, then B of chunk 0
-        weights()
-        backward(0, split=True)
+        o.weights()
+        o.backward(0, split=True)
     for _ in range(r + 1):  # 8: the remaining W
-        weights()
+        o.weights()
     return tuple(o.acts), tuple(o.pairs)
 
 

@@ -44,8 +44,11 @@ every rank slices the same dense weights whatever seed it built them under.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -70,6 +73,11 @@ from ..tensor_parallel import (
 )
 from ..tensor_parallel_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
+if TYPE_CHECKING:
+    from typing import Self  # typing's since 3.11; annotations are never evaluated here
+
+    from ...models.gpt import GPT, MLP, Block, CausalSelfAttention
+
 SP_ATTR = "sequence_parallel"  # set on parameters whose gradient is a per-slice partial sum
 
 
@@ -80,7 +88,7 @@ class _GatheredLinear(torch.autograd.Function):
     Llama's q, k, v (and gate, up) pass three (two): one all-gather for all of them."""
 
     @staticmethod
-    def forward(ctx, x, group, n, *params):  # params: n weights, then n biases (or None)
+    def forward(ctx, x, group: dist.ProcessGroup | None, n, *params):  # params: n weights, n biases (or None)
         weights, biases = params[:n], params[n:]
         ctx.group, ctx.has_bias = group, [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
@@ -102,7 +110,9 @@ class _GatheredLinear(torch.autograd.Function):
         return (dx, None, None, *dws, *dbs)
 
 
-def gathered_linear(x, weights, biases=None, group=None) -> tuple:
+def gathered_linear(x: torch.Tensor, weights: Iterable[torch.Tensor],
+                    biases: Iterable[torch.Tensor | None] | None = None,
+                    group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
     """(Z^(1), ..., Z^(n)), Z^(j) = g(Y^s) A_j^T + b_j, from this rank's slice Y^s, storing only the slice
     (``regather=True``): the functional form of :class:`SequenceParallelColumnLinear` for several column
     weights that read one input (the Llama's q|k|v and gate|up: :mod:`..tensor_parallel_llama`)."""
@@ -129,13 +139,16 @@ class SequenceParallelColumnLinear(ColumnParallelLinear):
     regather = True
 
     @classmethod
-    def from_dense(cls, linear, group=None, rows=None, regather=True, *, broadcast_weights=True):
+    def from_dense(cls,  # type: ignore[override]  # regather, not gather_output: the output stays sharded
+                   linear: nn.Linear, group: dist.ProcessGroup | None = None,
+                   rows: torch.Tensor | None = None, regather: bool = True, *,
+                   broadcast_weights: bool = True) -> Self:
         m = super().from_dense(linear, group, gather_output=False, rows=rows,
                                broadcast_weights=broadcast_weights)
         m.regather = regather
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.regather:
             return gathered_linear(x, [self.weight], [self.bias], self.group)[0]
         return F.linear(gather_from_sequence(x, self.group), self.weight, self.bias)
@@ -146,13 +159,15 @@ class SequenceParallelRowLinear(RowParallelLinear):
     once, on the slice, so its gradient is partial (flagged for the all-reduce)."""
 
     @classmethod
-    def from_dense(cls, linear, group=None, *, broadcast_weights=True):
+    def from_dense(cls,  # type: ignore[override]  # no input_is_parallel: the input is always the slice
+                   linear: nn.Linear, group: dist.ProcessGroup | None = None, *,
+                   broadcast_weights: bool = True) -> Self:
         m = super().from_dense(linear, group, input_is_parallel=True, broadcast_weights=broadcast_weights)
         if m.bias is not None:
             setattr(m.bias, SP_ATTR, True)
         return m
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_scatter_to_sequence(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -161,7 +176,8 @@ class SequenceParallelAttention(ParallelAttention):
     """Chapter 04's attention (n_head/t heads per rank) between g and ḡ: (b, s/t, h) -> (b, s/t, h).
     Attention itself sees the whole sequence (after g) for this rank's heads."""
 
-    def __init__(self, attn, group=None, regather=True, *, broadcast_weights=True):
+    def __init__(self, attn: CausalSelfAttention, group: dist.ProcessGroup | None = None,
+                 regather: bool = True, *, broadcast_weights: bool = True) -> None:
         # checks n_head % t, broadcasts attn, keeps head_dim / dropout / resid_dropout
         super().__init__(attn, group, broadcast_weights=broadcast_weights)
         t, r = size_and_rank(group, "sequence parallelism")
@@ -170,7 +186,7 @@ class SequenceParallelAttention(ParallelAttention):
                                                               regather=regather, broadcast_weights=False)
         self.c_proj = SequenceParallelRowLinear.from_dense(attn.c_proj, group, broadcast_weights=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # (b, s, 3h/t): the full sequence, this rank's heads
         B, T, _ = qkv.shape
         q, k, v = (u.view(B, T, -1, self.head_dim).transpose(1, 2) for u in qkv.chunk(3, dim=-1))
@@ -182,7 +198,8 @@ class SequenceParallelAttention(ParallelAttention):
 class SequenceParallelMLP(ParallelMLP):
     """Chapter 04's MLP between g and ḡ (§4.2.2, Fig. 6): GeLU on the (b, s, 4h/t) column slice."""
 
-    def __init__(self, mlp, group=None, regather=True, *, broadcast_weights=True):
+    def __init__(self, mlp: MLP, group: dist.ProcessGroup | None = None, regather: bool = True, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__(mlp, group, broadcast_weights=broadcast_weights)
         self.c_fc = SequenceParallelColumnLinear.from_dense(mlp.c_fc, group, regather=regather,
                                                             broadcast_weights=False)
@@ -200,7 +217,8 @@ class SequenceParallelBlock(nn.Module):
     :func:`allreduce_sequence_parallel_grads`. ``block`` is first made the group's first rank's
     (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, block, group=None, regather=True, *, broadcast_weights=True):
+    def __init__(self, block: Block, group: dist.ProcessGroup | None = None, regather: bool = True, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         _refuse_dropout(block.attn.dropout)
         size_and_rank(group, "sequence parallelism")
@@ -211,29 +229,29 @@ class SequenceParallelBlock(nn.Module):
         self.attn = SequenceParallelAttention(block.attn, group, regather, broadcast_weights=False)
         self.mlp = SequenceParallelMLP(block.mlp, group, regather, broadcast_weights=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
-def sequence_parallel_block(block, group=None, regather=True, *, broadcast_weights=True
-                            ) -> SequenceParallelBlock:
+def sequence_parallel_block(block: Block, group: dist.ProcessGroup | None = None, regather: bool = True, *,
+                            broadcast_weights: bool = True) -> SequenceParallelBlock:
     """This rank's sequence-parallel copy of a dense ``Block``: the weights of the group's first rank
     (broadcast into ``block`` first, as DDP does; otherwise ``block`` is unchanged). Input and output
     are this rank's (b, s/t, h) slice (:func:`scatter_to_sequence` makes one)."""
     return SequenceParallelBlock(block, group, regather, broadcast_weights=broadcast_weights)
 
 
-def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
+def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Sum over the group the gradients of the parameters flagged ``sequence_parallel`` (their
     inputs were sequence slices, so each rank holds a partial sum): one coalesced all-reduce."""
-    params = [p for p in module.parameters() if getattr(p, SP_ATTR, False) and p.grad is not None]
-    if not params:
+    grads = [p.grad for p in module.parameters() if getattr(p, SP_ATTR, False) and p.grad is not None]
+    if not grads:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, group=group)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p.grad))
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 # --- the whole GPT ---------------------------------------------------------------------------------
@@ -243,7 +261,7 @@ class SequenceParallelEmbedding(VocabParallelEmbedding):
     """Vocab-parallel lookup whose g (all-reduce) becomes ḡ: each rank's partial lookups are
     reduce-scattered straight onto the sequence slice (Megatron does the same)."""
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -260,7 +278,8 @@ class SequenceParallelGPT(nn.Module):
     biases, wpe and ln_f hold partial gradients until then). ``dense`` is first made the group's
     first rank's (``broadcast_weights=False``: already is)."""
 
-    def __init__(self, dense, group=None, regather=True, *, broadcast_weights=True):
+    def __init__(self, dense: GPT, group: dist.ProcessGroup | None = None, regather: bool = True, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         cfg = dense.cfg
         t, _ = size_and_rank(group, "sequence parallelism")
@@ -272,14 +291,15 @@ class SequenceParallelGPT(nn.Module):
             broadcast_from_first_rank(dense, group)
         self.wte = SequenceParallelEmbedding.from_dense(dense.wte, group, broadcast_weights=False)
         self.wpe, self.ln_f = (mark_sequence_parallel(copy.deepcopy(m)) for m in (dense.wpe, dense.ln_f))
-        self.blocks = nn.ModuleList(SequenceParallelBlock(b, group, regather, broadcast_weights=False)
+        self.blocks = nn.ModuleList(SequenceParallelBlock(b, group, regather,  # type: ignore[arg-type]  # Blocks
+                                                          broadcast_weights=False)
                                     for b in dense.blocks)
         self.lm_head = SequenceParallelColumnLinear.from_dense(dense.lm_head, group, regather=regather,
                                                                broadcast_weights=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def embed(self, idx):
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(b, s) token ids -> (b, s/t, h): this rank's slice of token + position embeddings,
         ḡ(wte_r[idx]) + wpe[r·s/t : (r+1)·s/t]. Uses only ``wte`` and ``wpe``, so a pipeline stage
         holding those two modules calls it as ``SequenceParallelGPT.embed(stage, idx)``."""
@@ -287,7 +307,8 @@ class SequenceParallelGPT(nn.Module):
         n = divide(idx.size(1), t, "sequence length")
         return self.wte(idx) + self.wpe(torch.arange(r * n, (r + 1) * n, device=idx.device))
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.embed(idx)  # (b, s/t, h)
         for block in self.blocks:
             h = block(h)
@@ -295,7 +316,8 @@ class SequenceParallelGPT(nn.Module):
         return logits, None if targets is None else vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def parallelize_gpt_sp(model, group=None, regather=True, *, broadcast_weights=True) -> SequenceParallelGPT:
+def parallelize_gpt_sp(model: GPT, group: dist.ProcessGroup | None = None, regather: bool = True, *,
+                       broadcast_weights: bool = True) -> SequenceParallelGPT:
     """A dense ``GPT`` as TP + SP with the same weights: the group's first rank's, broadcast into
     ``model`` first (as DDP does; otherwise ``model`` is unchanged). The loss ignores targets equal
     to -100, as the dense GPT's ``F.cross_entropy`` does."""

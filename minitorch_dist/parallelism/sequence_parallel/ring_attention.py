@@ -57,6 +57,9 @@ five matmuls); a :class:`analysis.observers.Recorder` sums them (its ``totals``)
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -91,7 +94,8 @@ def _block_math(q):
     return tiled_attention_forward, tiled_attention_backward
 
 
-def attention_block(q, k, v, causal=False, scale=None):
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of query block q (..., Sq, d) to one key block k, v (..., Sk, d): ``(out, lse)``.
 
     ``s = q k^T · scale``, masked above the diagonal when ``causal`` (query i sees key j iff j <= i);
@@ -106,7 +110,8 @@ def attention_block(q, k, v, causal=False, scale=None):
     return out, lse.to(out.dtype)
 
 
-def merge_attention(out_a, lse_a, out_b, lse_b):
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine the attention of the same queries to two disjoint key sets: ``(out, lse)``.
 
     ``lse = logaddexp(lse_a, lse_b)``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``.
@@ -120,7 +125,9 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return w_a * out_a + w_b * out_b, lse
 
 
-def attention_block_backward(q, k, v, causal, scale, dout, lse, delta):
+def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                             dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block, recomputed FlashAttention-style: ``(dq, dk, dv)``.
 
     ``lse`` is the *final* log-sum-exp of each query row over all keys and ``delta = rowsum(dO ∘ O)``
@@ -166,7 +173,8 @@ def _check_divisible(n, t, layout):
     return n // parts
 
 
-def shard_sequence(x, t: int, rank: int, dim: int = -2, layout: str = "contiguous"):
+def shard_sequence(x: torch.Tensor, t: int, rank: int, dim: int = -2,
+                   layout: str = "contiguous") -> torch.Tensor:
     """Rank ``rank``'s part of the full sequence ``x`` along ``dim`` under ``layout``."""
     _check_layout(layout)
     _check_divisible(x.shape[dim], t, layout)
@@ -174,31 +182,32 @@ def shard_sequence(x, t: int, rank: int, dim: int = -2, layout: str = "contiguou
     return torch.cat([parts[c] for c in sequence_chunks(rank, t, layout)], dim)
 
 
-def unshard_sequence(shards, dim: int = -2, layout: str = "contiguous"):
+def unshard_sequence(shards: Sequence[torch.Tensor], dim: int = -2,
+                     layout: str = "contiguous") -> torch.Tensor:
     """The full sequence from the list of every rank's shard (rank order): inverse of shard_sequence."""
     _check_layout(layout)
     t = len(shards)
-    chunks = [None] * (t if layout == "contiguous" else 2 * t)
+    chunks: list[Any] = [None] * (t if layout == "contiguous" else 2 * t)  # every one filled below
     for r, s in enumerate(shards):
         for c, piece in zip(sequence_chunks(r, t, layout), s.chunk(len(sequence_chunks(r, t, layout)), dim)):
             chunks[c] = piece
     return torch.cat(chunks, dim)
 
 
-def zigzag_shard(x, t, rank, dim=-2):
+def zigzag_shard(x: torch.Tensor, t: int, rank: int, dim: int = -2) -> torch.Tensor:
     """Chunks ``rank`` and ``2t-1-rank`` of ``x`` cut into 2t along ``dim``, concatenated."""
     return shard_sequence(x, t, rank, dim, "zigzag")
 
 
-def zigzag_unshard(shards, dim=-2):
+def zigzag_unshard(shards: Sequence[torch.Tensor], dim: int = -2) -> torch.Tensor:
     return unshard_sequence(shards, dim, "zigzag")
 
 
-def contiguous_shard(x, t, rank, dim=-2):
+def contiguous_shard(x: torch.Tensor, t: int, rank: int, dim: int = -2) -> torch.Tensor:
     return shard_sequence(x, t, rank, dim, "contiguous")
 
 
-def contiguous_unshard(shards, dim=-2):
+def contiguous_unshard(shards: Sequence[torch.Tensor], dim: int = -2) -> torch.Tensor:
     return unshard_sequence(shards, dim, "contiguous")
 
 
@@ -207,7 +216,8 @@ def sequence_positions(seq_len: int, t: int, rank: int, layout: str = "contiguou
     return shard_sequence(torch.arange(seq_len), t, rank, 0, layout)
 
 
-def block_plan(r, j, t, s_local, causal, layout):
+def block_plan(r: int, j: int, t: int, s_local: int, causal: bool,
+               layout: str) -> list[tuple[slice, slice, bool]]:
     """(query slice, key slice, diagonal?) pieces of rank r's queries against rank j's keys.
 
     Non-causal: the whole block. Causal: per (query chunk a, key chunk b) in global chunk order,
@@ -228,7 +238,7 @@ def block_plan(r, j, t, s_local, causal, layout):
 # --- the ring ---------------------------------------------------------------------------------------------
 
 
-def _ring_peers(group):
+def _ring_peers(group: dist.ProcessGroup | None):
     """(t, this rank's index in the ring, global rank of the next, of the previous)."""
     require_process_group("ring attention")
     t, r = dist.get_world_size(group), dist.get_rank(group)
@@ -236,7 +246,7 @@ def _ring_peers(group):
     return t, r, glob((r + 1) % t), glob((r - 1) % t)
 
 
-def _pass_on(tensors, nxt, prv, group):
+def _pass_on(tensors, nxt, prv, group: dist.ProcessGroup | None):
     """Send ``tensors`` to the next rank, receive same-shaped ones from the previous: (received, works)."""
     received = [torch.empty_like(x) for x in tensors]
     ops = [dist.P2POp(dist.isend, x, nxt, group) for x in tensors]
@@ -253,7 +263,8 @@ class RingAttention(torch.autograd.Function):
     """softmax(q k^T · scale [+ causal mask]) v over the whole sequence, with q, k, v sharded by rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                causal: bool, layout: str, scale: float) -> torch.Tensor:
         t, r, nxt, prv = _ring_peers(group)
         acc = _acc_dtype(q.dtype)
         B, h, n, d = q.shape
@@ -312,7 +323,9 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, causal=False, layout="contiguous", scale=None):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None,
+                   causal: bool = False, layout: str = "contiguous",
+                   scale: float | None = None) -> torch.Tensor:
     """Exact attention of this rank's shard of the sequence to the whole sequence, over a ring.
 
     q: this rank's shard, (B, n_head, S/t, head_dim), cut from the full sequence by

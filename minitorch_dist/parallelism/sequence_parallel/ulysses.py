@@ -46,8 +46,10 @@ every other region crossing (re-exported here).
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -55,6 +57,10 @@ from ...models.llama import causal_attention, split_heads
 from ...runtime import comm
 from ..mappings import heads_per_rank, heads_to_seq, refuse_dropout, seq_to_heads, size_and_rank
 from ..replicas import broadcast_from_first_rank
+
+if TYPE_CHECKING:
+    from ...models.gpt import CausalSelfAttention
+    from ...models.llama import LlamaAttention
 
 __all__ = ["seq_to_heads", "heads_to_seq", "ulysses_attention", "check_ulysses_degree", "UlyssesAttention",
            "UlyssesGQAAttention"]
@@ -81,7 +87,8 @@ def check_ulysses_degree(n_head: int, n_kv_head: int, t: int) -> None:
 # --- attention on sequence shards ------------------------------------------------------------------
 
 
-def ulysses_attention(q, k, v, group=None, causal=False):
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      group: dist.ProcessGroup | None = None, causal: bool = False) -> torch.Tensor:
     """Attention of the full sequence from sequence shards (Jacobs et al. 2023, §3, Fig. 2).
 
     q, k, v: (B, n_head, S/t, d), this rank's S/t consecutive tokens (rank order = sequence
@@ -124,8 +131,8 @@ class UlyssesAttention(nn.Module):
     ranks that built the dense layer under different seeds still compute one layer.
     """
 
-    def __init__(self, c_attn: nn.Linear, c_proj: nn.Linear, head_dim: int, group=None, *,
-                 broadcast_weights=True):
+    def __init__(self, c_attn: nn.Linear, c_proj: nn.Linear, head_dim: int,
+                 group: dist.ProcessGroup | None = None, *, broadcast_weights: bool = True) -> None:
         super().__init__()
         t, _ = size_and_rank(group, "Ulysses sequence parallelism")
         self.n_head = c_attn.in_features // head_dim
@@ -136,21 +143,22 @@ class UlyssesAttention(nn.Module):
             broadcast_from_first_rank(self, group)
 
     @classmethod
-    def from_dense(cls, attn: nn.Module, group=None, *, broadcast_weights=True) -> UlyssesAttention:
+    def from_dense(cls, attn: CausalSelfAttention, group: dist.ProcessGroup | None = None, *,
+                   broadcast_weights: bool = True) -> UlyssesAttention:
         """Copies of ``attn``'s projections (``attn`` itself is left unchanged), the first rank's."""
         refuse_dropout(getattr(attn, "dropout", 0.0), "attention dropout on head shards would draw "
                                                        "different masks from the dense layer's")
         return cls(copy.deepcopy(attn.c_attn), copy.deepcopy(attn.c_proj), attn.head_dim, group,
                    broadcast_weights=broadcast_weights)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, s, _ = x.shape  # s = S/t local tokens
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         q, k, v = (u.view(B, s, self.n_head, self.head_dim).transpose(1, 2) for u in (q, k, v))
         y = ulysses_attention(q, k, v, self.group, causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, s, -1))
 
-    def allreduce_gradients(self):
+    def allreduce_gradients(self) -> None:
         """Sum the replicated weights' gradients over the sequence-parallel group (in place)."""
         for p in self.parameters():
             if p.grad is not None:
@@ -168,7 +176,10 @@ class UlyssesGQAAttention(nn.Module):
     (:func:`check_ulysses_degree`); :meth:`allreduce_gradients` sums the replicas' weight gradients.
     """
 
-    def __init__(self, attn: nn.Module, group=None, *, broadcast_weights=True):
+    q_proj: nn.Linear; k_proj: nn.Linear; v_proj: nn.Linear; o_proj: nn.Linear  # copies, set in __init__
+
+    def __init__(self, attn: LlamaAttention, group: dist.ProcessGroup | None = None, *,
+                 broadcast_weights: bool = True) -> None:
         super().__init__()
         t, _ = size_and_rank(group, "Ulysses sequence parallelism")
         self.head_dim, self.rope_theta, self.group = attn.head_dim, attn.rope_theta, group
@@ -180,14 +191,14 @@ class UlyssesGQAAttention(nn.Module):
         if broadcast_weights:
             broadcast_from_first_rank(self, group)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (split_heads(p(x), self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
         qh, kh, vh = (seq_to_heads(u, self.group) for u in (q, k, v))  # (B, heads/t, S, d)
         positions = torch.arange(qh.size(2), device=x.device)  # the whole sequence, in order
         y = heads_to_seq(causal_attention(qh, kh, vh, positions, self.rope_theta), self.group)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
-    def allreduce_gradients(self):
+    def allreduce_gradients(self) -> None:
         """Sum the replicated weights' gradients over the sequence-parallel group (in place)."""
         for p in self.parameters():
             if p.grad is not None:
