@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import costmodel
+from ..memory.zero.flat import FlatParams
 from ..runtime import comm, observe, require_process_group
 from ..runtime.devices import values_or
 from ..runtime.replica_shapes import check_same_shapes
@@ -113,23 +114,21 @@ class Bucket:
     """One gradient bucket (Li et al. 2020 §3.2.2): a few parameters' gradients packed into one flat
     buffer, so one all-reduce (one latency) carries them all.
 
-    ``flat`` has ``sum(p.numel())`` elements; parameter k owns the slice after the first k, viewed
-    in its own shape. Per backward: :meth:`add_grad` copies each fresh gradient into its slice
-    (scaled), :attr:`complete` says every slice is filled, :meth:`launch` starts the asynchronous
-    all-reduce of ``flat``, :meth:`wait` waits for it and :meth:`copy_out` writes a slice back into
-    its ``param.grad``; :meth:`reset` starts the next backward.
+    ``flat`` has ``sum(p.numel())`` elements, laid out by ``layout`` (the flat buffer of chapter 06,
+    :class:`~minitorch_dist.memory.zero.flat.FlatParams`, with ``n = 1``: no padding): parameter k
+    owns the slice after the first k, viewed in its own shape. Per backward: :meth:`add_grad` copies
+    each fresh gradient into its slice (scaled), :attr:`complete` says every slice is filled,
+    :meth:`launch` starts the asynchronous all-reduce of ``flat``, :meth:`wait` waits for it and
+    :meth:`copy_out` writes a slice back into its ``param.grad``; :meth:`reset` starts the next backward.
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter]):
         self.names, self.params = list(names), list(params)
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
-                                device=self.params[0].device)  # (sum of numel,)
-        self._views, self._names, offset = {}, {}, 0
-        for p, name in zip(self.params, self.names):
-            self._views[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)  # (numel,) -> p.shape
-            self._names[id(p)] = name
-            offset += p.numel()
+        self.layout = FlatParams(self.params, n=1)
+        self.flat = self.layout.empty()  # (sum of numel,), zeros
+        self._views = {id(p): v for p, v in zip(self.params, self.layout.views(self.flat))}
+        self._names = {id(p): name for p, name in zip(self.params, self.names)}
         self.reset()
 
     def reset(self) -> None:

@@ -101,11 +101,10 @@ class FlatPart:
         self.gathered_from = None  # the shard's version counter when ``full`` was gathered from it
 
     def _pieces(self):
-        """Per tensor: (its offset a in the shard, b), and where in the tensor: [a - o, b - o)."""
-        lo, hi = shard_range(self.flat.numel, self.unit.n, self.unit.rank)
-        for off, k in zip(self.flat.offsets, self.flat.numels):
-            a, b = min(max(off, lo), hi), min(max(off + k, lo), hi)
-            yield a - lo, b - lo, a - off, b - off
+        """Per tensor: its piece's ``[a, b)`` in the shard, and where in the tensor: ``[u, v)``."""
+        lo, _ = shard_range(self.flat.numel, self.unit.n, self.unit.rank)
+        for i, (a, b) in enumerate(self.flat.spans(lo, 1, self.flat.shard_numel)):
+            yield a, b, self.flat.element_of(i, a, lo), self.flat.element_of(i, b, lo)
 
     def element_ranges(self) -> list[tuple[int, int]]:
         """Per tensor, the ``[u, v)`` of its flattened elements this rank keeps (empty: ``u == v``):
@@ -125,14 +124,14 @@ class FlatPart:
         self.full.untyped_storage().resize_(0)
 
     @torch.no_grad()
-    def materialize(self, device, piece) -> None:
-        """A shard built on ``meta`` made real on ``device``: ``piece(self, i)`` gives tensor i's values
+    def materialize(self, device, values_of) -> None:
+        """A shard built on ``meta`` made real on ``device``: ``values_of(self, i)`` gives tensor i's values
         (its own shape, e.g. from :func:`..models.init.materialize`); only this rank's elements are kept.
         The sharded parameters are new tensors, views of the new shard."""
         shard = torch.zeros(self.flat.shard_numel, dtype=self.dtype, device=device)  # padding stays 0
         for i, (a, b, u, v) in enumerate(self._pieces()):
             if b > a:
-                shard[a:b].copy_(piece(self, i).reshape(-1)[u:v])
+                shard[a:b].copy_(values_of(self, i).reshape(-1)[u:v])
         self._adopt(shard, [p.requires_grad for p in self.sharded])
 
     def _take_shard(self, params) -> torch.Tensor:
@@ -170,10 +169,8 @@ class FlatPart:
 
     def leaves(self) -> list[nn.Parameter]:
         """A leaf per tensor, a shaped view of ``full`` (one ``split``: its backward is one ``cat``)."""
-        flat = self.flat
-        pieces = self.full.split([*flat.numels, flat.padding] if flat.padding else flat.numels)
-        return [nn.Parameter(t.view(shape), requires_grad=p.requires_grad)
-                for t, shape, p in zip(pieces, flat.shapes, self.sharded)]
+        return [nn.Parameter(v, requires_grad=p.requires_grad)
+                for v, p in zip(self.flat.split_views(self.full), self.sharded)]
 
     def reduce_grads(self, leaves) -> None:
         """Average the leaves' gradients over every data-parallel rank into the sharded ``.grad``s.
@@ -186,11 +183,9 @@ class FlatPart:
         grads = [leaf.grad for leaf in leaves]
         flags = torch.tensor([g is not None for g in grads], dtype=self.reduce_dtype,
                              device=self.shard.device)
-        pieces = [g.reshape(-1) if g is not None else self.full.new_zeros(k)
-                  for g, k in zip(grads, self.flat.numels)]
-        flat = torch.cat([*pieces, self.full.new_zeros(self.flat.padding)]).to(self.reduce_dtype)
+        flat_grad = self.flat.flatten(grads, out=self.flat.empty(self.reduce_dtype, self.shard.device))
         S, F = self.flat.shard_numel, flags.numel()
-        send = torch.cat([flat.view(n, S), flags.expand(n, F)], dim=1)  # (n, S + F)
+        send = torch.cat([flat_grad.view(n, S), flags.expand(n, F)], dim=1)  # (n, S + F)
         got = send.new_empty(S + F)
         comm.reduce_scatter(got, send.view(-1), group=u.group)
         world = n
@@ -203,11 +198,10 @@ class FlatPart:
 
     def _accumulate(self, shard_grad: torch.Tensor, counts: list) -> None:
         """Each sharded tensor with a gradient on some rank gets its piece of ``shard_grad``."""
-        lo, hi = shard_range(self.flat.numel, self.unit.n, self.unit.rank)
-        for p, off, k, count in zip(self.sharded, self.flat.offsets, self.flat.numels, counts):
+        for p, (a, b, _, _), count in zip(self.sharded, self._pieces(), counts):
             if count == 0 or not p.requires_grad:
                 continue  # no rank computed a gradient: leave .grad as it is (None after zero_grad)
-            g = shard_grad[min(max(off, lo), hi) - lo:min(max(off + k, lo), hi) - lo]
+            g = shard_grad[a:b]
             if p.grad is None:
                 p.grad = g
             else:
@@ -249,14 +243,14 @@ class FlatUnit:
     def is_meta(self) -> bool:
         return not all(has_values(part.shard) for part in self.parts)  # built on meta: not materialised yet
 
-    def materialize(self, device, piece) -> None:
+    def materialize(self, device, values_of) -> None:
         """Deferred initialisation (ch12): each part's meta shard made real on ``device`` (see
         :meth:`FlatPart.materialize`), the new sharded parameters put on the modules. Call it before
         the first forward (the root's replicated parameters are found then)."""
         if self.state is not None:
             raise RuntimeError("materialize an FSDP unit before its first forward")
         for part in self.parts:
-            part.materialize(device, piece)
+            part.materialize(device, values_of)
         self.sharded = [p for part in self.parts for p in part.sharded]
         self.unbind()
         self.handle = self.parts[0].shard.new_empty(0).requires_grad_()
@@ -332,28 +326,28 @@ class UnitCall:
 
     def __init__(self, unit, forward, args, kwargs):
         self.unit, self.forward = unit, forward
-        self.leaves, self.spec = tree_flatten((args, kwargs))
-        self.slots = [i for i, x in enumerate(self.leaves) if torch.is_tensor(x)]
-        self.out_leaves, self.out_spec, self.out_slots = None, None, None
+        self.items, self.spec = tree_flatten((args, kwargs))  # the pytree's items, tensors or not
+        self.tensor_at = [i for i, x in enumerate(self.items) if torch.is_tensor(x)]
+        self.out_items, self.out_spec, self.out_tensor_at = None, None, None
 
     def tensors(self):
-        return [self.leaves[i] for i in self.slots]
+        return [self.items[i] for i in self.tensor_at]
 
     def run(self, tensors):
-        leaves = list(self.leaves)
-        for i, t in zip(self.slots, tensors):
-            leaves[i] = t
-        args, kwargs = tree_unflatten(leaves, self.spec)
+        items = list(self.items)
+        for i, t in zip(self.tensor_at, tensors):
+            items[i] = t
+        args, kwargs = tree_unflatten(items, self.spec)
         out = self.forward(*args, **kwargs)
-        self.out_leaves, self.out_spec = tree_flatten(out)
-        self.out_slots = [i for i, x in enumerate(self.out_leaves) if torch.is_tensor(x)]
-        return [self.out_leaves[i] for i in self.out_slots]
+        self.out_items, self.out_spec = tree_flatten(out)
+        self.out_tensor_at = [i for i, x in enumerate(self.out_items) if torch.is_tensor(x)]
+        return [self.out_items[i] for i in self.out_tensor_at]
 
     def output(self, tensors):
-        leaves = list(self.out_leaves)
-        for i, t in zip(self.out_slots, tensors):
-            leaves[i] = t
-        return tree_unflatten(leaves, self.out_spec)
+        items = list(self.out_items)
+        for i, t in zip(self.out_tensor_at, tensors):
+            items[i] = t
+        return tree_unflatten(items, self.out_spec)
 
 
 class UnitFunction(torch.autograd.Function):

@@ -8,7 +8,7 @@ among them (Rajbhandari et al. 2020, §5.1 P_os and §5.2 P_g partition "the opt
 so that every replica starts equal. Rank r owns the *interleaved* elements ``r, r+n, r+2n, ...``:
 the strided view ``flat_param[r::n]`` of S elements, its ``shard``. Interleaving is what lets
 stage 2 reduce-scatter the gradient bucket by bucket: reduce-scatter hands rank r chunk r of its
-input, so every bucket must hold a piece of every rank's part, and with interleaving bucket
+input, so every bucket must hold some of every rank's part, and with interleaving bucket
 ``[lo, hi)`` holds ``(hi-lo)/n`` elements of each rank -- its part is the contiguous slice
 ``shard[lo/n : hi/n]``. On the wire a flat-order buffer goes rank-major, ``g.view(-1, n).t()``
 (row r = rank r's elements), and an all-gathered one is transposed back into place.
@@ -35,7 +35,7 @@ __all__ = ["FlatPartition", "bucket_ranges"]
 
 
 def bucket_ranges(padded_numel: int, n: int, cap_elements: int | None) -> list[tuple[int, int]]:
-    """``[lo, hi)`` pieces of a flat buffer of ``padded_numel`` (a multiple of n), each about
+    """``[lo, hi)`` buckets of a flat buffer of ``padded_numel`` (a multiple of n), each about
     ``cap_elements`` long and a multiple of n, so every bucket holds ``(hi-lo)/n`` elements of each
     rank; ``cap_elements=None``: one bucket. Not DDP's rule
     (:func:`~minitorch_dist.costmodel.data_parallel.bucket_assignment`, which packs whole parameters
@@ -50,11 +50,11 @@ def bucket_ranges(padded_numel: int, n: int, cap_elements: int | None) -> list[t
 class FlatPartition:
     """``params`` moved into one flat buffer (rank 0's values), partitioned over ``group``.
 
-    >>> part = FlatPartition(params, group)       # every p.data is now a view of part.flat_param
-    >>> part.shard                                # nn.Parameter, flat_param[rank::n] (S elements)
-    >>> part.pieces(part.shard)                   # one nn.Parameter per tensor: its elements in the shard
-    >>> part.reduce(flat_grad)                    # this rank's averaged gradient (a view of flat_grad)
-    >>> part.all_gather(buckets)                  # every rank's updated elements back into flat_param
+    >>> partition = FlatPartition(params, group)  # every p.data is now a view of partition.flat_param
+    >>> partition.shard                           # nn.Parameter, flat_param[rank::n] (S elements)
+    >>> partition.pieces(partition.shard)         # one nn.Parameter per tensor: its elements in the shard
+    >>> partition.reduce(flat_grad)               # this rank's averaged gradient (a view of flat_grad)
+    >>> partition.all_gather(buckets)             # every rank's updated elements back into flat_param
 
     Attributes: ``flat`` (the :class:`FlatParams` layout), ``flat_param``, ``shard``, ``spans``
     (each parameter's ``(start, end)`` in the shard), ``n``, ``rank``, ``group``, ``replicate``.
@@ -74,9 +74,7 @@ class FlatPartition:
         self._stride, self._first = (1, 0) if replicate else (self.n, self.rank)
         own = self.flat_param if replicate else self.flat_param[self.rank::self.n]
         self.shard = nn.Parameter(own)  # an alias of those elements (same storage), not a copy
-        first, stride = self._first, self._stride
-        self.spans = [(-(-(a - first) // stride), -(-(a + k - first) // stride))
-                      for a, k in zip(self.flat.offsets, self.flat.numels)]
+        self.spans = self.flat.spans(self._first, self._stride, own.numel())
 
     def pieces(self, shard: torch.Tensor) -> list[nn.Parameter]:
         """One parameter per tensor: its elements in ``shard`` (this rank's shard, or a copy of it
@@ -88,7 +86,7 @@ class FlatPartition:
         """Where piece i sits in parameter i, flattened: ``(start, step, count)``, its elements being
         ``p.reshape(-1)[start::step][:count]`` (step n when sharded, 1 when replicated)."""
         a, z = self.spans[i]
-        start = self._first + a * self._stride - self.flat.offsets[i]
+        start = self.flat.element_of(i, a, self._first, self._stride)
         return (start if z > a else 0), self._stride, z - a
 
     def own_elements(self, i: int, full: torch.Tensor) -> torch.Tensor:
@@ -97,7 +95,7 @@ class FlatPartition:
         return full.reshape(-1)[start::step][:count]
 
     def rank_major(self, g: torch.Tensor) -> torch.Tensor:
-        """A flat-order piece of the buffer as reduce-scatter wants it: row r = rank r's elements."""
+        """A flat-order stretch of the buffer as reduce-scatter wants it: row r = rank r's elements."""
         return g.view(-1, self.n).t().reshape(-1)  # a copy: the transpose is not contiguous
 
     def reduce(self, flat_grad: torch.Tensor) -> torch.Tensor:

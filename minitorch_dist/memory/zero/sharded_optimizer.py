@@ -206,8 +206,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # --- gradients: stage 2, bucket by bucket during backward (§5.2) -------------------------------
     def _plan_buckets(self, trained) -> None:
-        flat = self.partition.flat
-        spans = [(o, o + k) for o, k in zip(flat.offsets, flat.numels)]
+        spans = self.partition.flat.spans()  # each tensor's [start, end) in the flat buffer
         waits = {self._index[id(p)] for p in trained}  # a frozen tensor never produces a gradient
         # which tensors each bucket waits for, and the buckets of each tensor (ascending)
         self._members = [[i for i, (a, z) in enumerate(spans) if a < hi and lo < z]
@@ -270,12 +269,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         lo, hi = self.buckets[b]
         flat = self.partition.flat
         g = self.partition.flat_param.new_zeros(hi - lo)  # zeros: padding, tensors without a gradient
+        spans = flat.spans(lo, 1, hi - lo)  # each tensor's [a, z) in the bucket
         for i in self._members[b]:
-            p, off = flat.params[i], flat.offsets[i]
+            p, (a, z) = flat.params[i], spans[i]
             if p.grad is None:
                 continue
-            a, z = max(lo, off), min(hi, off + flat.numels[i])
-            g[a - lo:z - lo].copy_(p.grad.reshape(-1)[a - off:z - off])
+            g[a:z].copy_(p.grad.reshape(-1)[flat.element_of(i, a, lo):flat.element_of(i, z, lo)])
             if b == self._buckets_of[i][0]:  # its lowest bucket goes last: the gradient is no longer needed
                 p.grad = None
         send = self.partition.rank_major(g)

@@ -22,8 +22,8 @@ gradient are per tensor, as in one process (see :mod:`.sharded_optimizer`).
 
 **Why interleaved: buckets.** Stage 2 cuts the flat buffer into buckets of about ``bucket_cap_mb``
 (each a multiple of n long) and reduce-scatters each bucket as soon as backward has produced all of
-its gradients (§5.2). Reduce-scatter hands rank r chunk r of its input, so a bucket must contain a
-piece of *every* rank's partition: interleaving puts ``m = len/n`` elements of every rank in every
+its gradients (§5.2). Reduce-scatter hands rank r chunk r of its input, so a bucket must contain
+some of *every* rank's partition: interleaving puts ``m = len/n`` elements of every rank in every
 bucket, and rank r's part of bucket ``[lo, hi)`` is the contiguous slice ``shard[lo/n : hi/n]``.
 The bucket goes on the wire rank-major, ``g.view(m, n).t()``; the all-gather after the step comes
 back rank-major and is transposed into place. Autograd produces gradients roughly in reverse
@@ -105,8 +105,8 @@ class ZeroDataParallel(nn.Module):
         self.sharded = ShardedOptimizer(params, optimizer_factory, stage=stage, group=group,
                                         bucket_cap_mb=bucket_cap_mb, offload=offload, offload_dir=offload_dir)
         self.optimizer = self.sharded if offload is None else None
-        part = self.sharded.partition
-        self.world_size, self.rank = part.n, part.rank
+        partition = self.sharded.partition
+        self.world_size, self.rank = partition.n, partition.rank
         src = 0 if group is None else dist.get_global_rank(group, 0)
         with torch.no_grad():  # the parameters were broadcast by the partition; the buffers here
             for b in model.buffers():
