@@ -104,7 +104,8 @@ def estimate(args) -> int:
              "yes" if b <= args.gpu_mem_gb * 1e9 else "no"]
             for s, b in rows]
     print(format_table(body,
-                       ["stage", "partitions", "bytes/param", "per device", f"fits {args.gpu_mem_gb:g} GB"]))
+                       ["stage", "partitions", "bytes/param", "per device", f"fits {args.gpu_mem_gb:g} GB"],
+                       align="llrrl"))
     return 0
 
 

@@ -128,6 +128,11 @@ def test_sparse_converges_like_serial(sparse, serial, n_procs, locked):
     assert r["updates"] == EPOCHS * sparse.n_examples
     assert max(r["per_process"]) - min(r["per_process"]) <= EPOCHS
     assert r["updates_per_s"] > 0 and r["loss_curve"][-1] < 0.05 * r["loss_curve"][0]
+    # the epochs' clock: process 0's epoch ends in order, within the run, the run within the launch
+    t = r["curve_t"]
+    assert len(t) == EPOCHS + 1 and t[0] == 0 and all(a < b for a, b in zip(t, t[1:]))
+    assert t[-1] <= r["wall_s"] <= r["launch_s"]
+    assert r["updates_per_s"] == pytest.approx(r["updates"] / r["wall_s"], rel=1e-12)
 
 
 def test_dense_converges_and_lock_removes_stale_reads(dense):

@@ -192,6 +192,10 @@ def test_reaches_stated_loss_on_the_convex_problem(runs, key):
     assert r["loss"] <= r["loss_opt"] + TARGET, (key, r["loss"], r["loss_opt"])
     for wl in r["workers"]:
         assert len(wl["time"]) == CLOCKS + 1 and wl["time"] == sorted(wl["time"])
+        assert len(wl["wait"]) == CLOCKS + 1 and all(0 <= w <= t for w, t in zip(wl["wait"], wl["time"]))
+    for srv in r["servers"]:  # each push stamped when it was applied, in the order applied
+        times = [p["time"] for p in srv["pushes"]]
+        assert len(times) == W * CLOCKS and times == sorted(times) and times[-1] <= r["run_s"]
 
 
 def test_shutdown_returns_server_logs_and_leaves_no_process(runs):

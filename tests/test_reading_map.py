@@ -85,17 +85,6 @@ ENTRIES = [
 MEASUREMENT = re.compile(r"perf_counter|time\.monotonic|\bTimeline\b|\btimeline\b|order_log|"
                          r"_t_launch|_t_done|_record_spans|\bMemoryMeter\b")
 
-# Ranges that still time themselves, and why. Chapter 02's subject is staleness measured as the
-# workers run: each process stamps its own pushes and updates, which the parent reads after it ends.
-STILL_MEASURING = {
-    "parallelism/parameter_server.py": "each push is stamped with its time (SSP's staleness record); the "
-                                       "workers are processes, so the stamps travel back as results",
-    "parallelism/hogwild.py": "each worker stamps its start and end in the shared statistics array",
-    "resilience/checkpoint.py": "a save's handle keeps its phases' seconds (plan, stage, write, commit), "
-                                "which chapter 13's stall measurement reads",
-}
-
-
 def _docstring_lines(path: Path) -> set[int]:
     """Lines of every docstring in ``path`` (prose may name a Timeline; code may not use one)."""
     out: set[int] = set()
@@ -152,11 +141,7 @@ def test_readme_reading_map_is_the_code():
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e[3] + ":" + e[4] for e in ENTRIES])
 def test_the_technique_reads_without_measurement_code(entry):
     *_, rel, first, last = entry
-    found = measurement_lines(PKG / rel, *lines_of(PKG / rel, first, last))
-    if rel in STILL_MEASURING:
-        assert found, f"{rel} no longer measures: remove it from STILL_MEASURING"
-    else:
-        assert found == []
+    assert measurement_lines(PKG / rel, *lines_of(PKG / rel, first, last)) == []
 
 
 def test_the_rules_catch_measurement_code_and_a_stale_name(tmp_path, monkeypatch):

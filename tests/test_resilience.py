@@ -60,8 +60,11 @@ from minitorch_dist.resilience import (
 )
 from minitorch_dist.resilience.elastic import Failure, latest_checkpoint, run_elastic
 from minitorch_dist.resilience.placement import runs
+from minitorch_dist.resilience.stall import measure_stalls, save_phases
 from minitorch_dist.resilience.trainers import Trainer, adamw, parse_layout
+from minitorch_dist.runtime import observe
 from minitorch_dist.runtime.launch import RankError, launch
+from minitorch_dist.runtime.timeline import Event, Timeline
 
 from _support import adam_bound, case, close, float64, model_bound, run_cases
 
@@ -396,13 +399,36 @@ def test_async_save_holds_the_values_of_its_call_and_a_fresh_optimizer_stays_fre
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    handle = async_save(state_dict(model, opt, step=1), tmp_path / "a")
-    with torch.no_grad():
-        model.weight.add_(1.0)  # the next step, while the save writes
-    handle.wait()
+    with observe.watching(Timeline()) as heard:
+        handle = async_save(state_dict(model, opt, step=1), tmp_path / "a")
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the next step, while the save writes
+        handle.wait()
     saved = read_dense(tmp_path / "a")
     torch.testing.assert_close(saved["model.weight"], before["weight"], atol=0, rtol=0)
-    assert handle.stage_s >= 0 and handle.bytes_written > 0
+    held = [*model.parameters(), *opt.state[model.weight].values(), *opt.state[model.bias].values()]
+    nbytes = sum(t.numel() * t.element_size() for t in held)
+    assert handle.bytes_written == nbytes  # the parameters, both moments and the step counts
+    phases = save_phases(heard.events)  # the caller's phases, then the writing thread's
+    assert [list(p) for p in phases] == [["plan", "stage", "write", "hash", "commit"]]
+    assert all(s >= 0 for s in phases[0].values())
+
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_measured_stalls_time_every_step_and_every_save_phase(tmp_path, mode):
+    out = launch(measure_stalls, 2, "ddp", CFG, B, T, 4, 2, str(tmp_path), mode)
+    for rank, r in enumerate(out):
+        assert r["rank"] == rank and r["saved"] == [1, 3] and len(r["times"]) == 4
+        want = ["plan", "stage", "write", "hash"] + (["commit"] if rank == 0 else [])
+        assert [sorted(p) for p in r["phases"]] == [sorted(want)] * 2
+        assert r["bytes_per_save"] > 0
+
+def test_save_phases_group_the_spans_by_save():
+    spans = (("plan", 0), ("stage", 1), ("write", 2), ("plan", 3), ("write", 4), ("write", 5))
+    ev = [Event(0, n, "checkpoint", t, t + 0.5) for n, t in spans]
+    ev.append(Event(0, "F", "pipeline", 1.2, 9))  # not a checkpoint's span: not counted
+    assert save_phases(ev) == [{"plan": 0.5, "stage": 0.5, "write": 0.5}, {"plan": 0.5, "write": 1.0}]
 
 
 def test_rng_states_return_at_the_same_world_size_only(tmp_path):

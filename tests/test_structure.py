@@ -271,10 +271,22 @@ def test_long_module_rule_catches_a_long_module_and_a_stale_entry(tmp_path):
         "fakepkg/b.py is in LONG_MODULES but has 1 lines: remove the entry"]
 
 
+def unlayered(root: Path, layers=LAYERS) -> list[str]:
+    """Subpackages and top-level modules of ``root`` that no layer names (each must have a place)."""
+    named = {n for names in layers for n in names}
+    found = {p.name for p in root.iterdir() if (p / "__init__.py").exists() or p.suffix == ".py"}
+    return sorted(found - {"__init__.py"} - {n + ".py" for n in named} - named)
+
+
 def test_every_package_has_a_layer():
-    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() or p.suffix == ".py"}
-    named = {n for names in LAYERS for n in names}
-    assert packages - {"__init__.py"} - {n + ".py" for n in named} - named == set()
+    assert unlayered(ROOT) == []
+
+
+def test_layer_rule_catches_a_package_with_no_layer(tmp_path):
+    root = _fake(tmp_path, {"runtime/comm.py": "x = 1\n", "plugins/extra.py": "y = 2\n", "cli.py": "z = 3\n",
+                            "__main__.py": "w = 4\n", "data/notes.txt": "not a package\n"})
+    (root / "data" / "__init__.py").unlink()  # a plain folder holds no code to place
+    assert unlayered(root) == ["cli.py", "plugins"]
 
 
 # A process group is what every parallel wrapper takes, and its type is the API: annotated

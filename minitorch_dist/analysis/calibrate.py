@@ -461,12 +461,10 @@ def format_profile(p: MachineProfile, details: dict | None = None) -> str:
     for op in COLLECTIVES:
         a, b = p.alpha_beta(op)
         rows.append([op, f"{a * 1e6:.1f}", f"{1 / b / 1e9 if b > 0 else float('inf'):.2f}"])
-    for i in (1, 2):  # numbers to the right: their decimal points line up
-        width = max(len(r[i]) for r in rows)
-        rows = [[*r[:i], r[i].rjust(width), *r[i + 1:]] for r in rows]
     lines = [f"profile {p.name!r} ({p.kind}): {p.device}", f"  {p.hardware}" if p.hardware else "",
              f"  collectives on {p.world_size} ranks (ring model: steps·α + bus bytes·β)",
-             *("  " + line for line in format_table(rows, ["op", "α (µs)", "1/β (GB/s)"]).splitlines())]
+             *("  " + line for line in  # numbers to the right: their decimal points line up
+               format_table(rows, ["op", "α (µs)", "1/β (GB/s)"], align="lrr").splitlines())]
     peak = ", ".join(f"{k} {v / 1e12:.3g} TF/s" for k, v in p.peak_flops.items() if v)
     big_flops, big_s = p.matmul["fp32"][-1]
     lines += [f"  peak: {peak}", f"  largest GEMM of the table: {big_flops / big_s / 1e9:.1f} GF/s fp32",

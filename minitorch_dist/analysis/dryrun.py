@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import costmodel
 from ..costmodel import llama as llama_cost
+from ..runtime.tables import format_table
 from .dryrun_llama import check_llama_grid, llama_predicted
 from .meta_memory import MetaMemoryMeter
 from .planner_presets import get_gpu, get_model
@@ -342,13 +343,11 @@ def format_result(res: dict) -> str:
              f"(coords {res['coords']}); ZeRO-{c['zero']}, {c['dtype']}, {c['schedule']}, "
              f"m={c['microbatches']} x b={c['micro_batch_size']}, recompute {c['recompute']}"
              + (", sequence parallel" if c["sequence_parallel"] else ""), "",
-             f"{'memory':<18}{'measured':>12}{'predicted':>12}"]
-    for k in MEMORY_KEYS:
-        lines.append(f"{k:<18}{_gb(meas['memory_bytes'][k]):>12}{_gb(pred['memory_bytes'][k]):>12}")
-    lines += ["", f"{'wire bytes':<18}{'calls':>8}{'measured':>12}{'predicted':>12}"]
-    for k in COMM_OPS:
-        lines.append(f"{k:<18}{meas['comm_calls'][k]:>8}{_gb(meas['comm_bytes'][k]):>12}"
-                     f"{_gb(pred['comm_bytes'][k]):>12}")
+             format_table([[k, _gb(meas["memory_bytes"][k]), _gb(pred["memory_bytes"][k])]
+                           for k in MEMORY_KEYS], ["memory", "measured", "predicted"], align="lrr"), "",
+             format_table([[k, meas["comm_calls"][k], _gb(meas["comm_bytes"][k]), _gb(pred["comm_bytes"][k])]
+                           for k in COMM_OPS], ["wire bytes", "calls", "measured", "predicted"],
+                          align="lrrr")]
     verdict = "fits" if res["fits"] else f"does NOT fit (largest: {res['largest']})"
     peak = _gb(meas["memory_bytes"]["peak"])
     lines += ["", f"{c['gpu']}: {res['gpu_memory_bytes'] / 1e9:.0f} GB; peak {peak}: {verdict}",

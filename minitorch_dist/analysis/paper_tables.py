@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .. import costmodel
+from ..runtime.tables import format_table
 from .meta_memory import MetaMemoryMeter
 
 __all__ = ["ZERO_MODELS", "ZERO_DPS", "ZERO_STAGES", "REP_HIDDEN", "KORTHIKANTI_SETTINGS", "GPT3_LAYER",
@@ -321,9 +322,7 @@ def main(argv=None) -> int:
         print(f"error: {which!r}: choose zero, korthikanti or narayanan", file=sys.stderr)
         return 2
     if which == "narayanan":
-        for r in narayanan_table1_measured(timeout=3600):
-            print(f"{r['params_billion']:>7g}B  d={r['dp']:<3} t={r['tp']} p={r['pp']:<3} peak "
-                  f"{r['peak'] / 1e9:6.1f} GB of {r['capacity'] / 1e9:.0f}: {'fits' if r['fits'] else 'NO'}")
+        print(_format_narayanan(narayanan_table1_measured(timeout=3600)))
         return 0
     print(_format_zero(zero_table1_measured()) if which == "zero" else
           _format_korthikanti(korthikanti_table2_measured()))
@@ -331,20 +330,23 @@ def main(argv=None) -> int:
 
 
 def _format_zero(table: dict) -> str:
-    lines = [f"{'N_d':>5} {'Psi':>8} " + " ".join(f"{'stage ' + str(s) + ' GB':>14}" for s in ZERO_STAGES)]
-    for dp, row in table.items():
-        for psi, cells in row.items():
-            gb = " ".join(f"{cells[s] / 1e9:>14.4g}" for s in ZERO_STAGES)
-            lines.append(f"{dp:>5} {psi / 1e9:>7g}B {gb}")
-    return "\n".join(lines)
+    rows = [[dp, f"{psi / 1e9:g}B", *(f"{cells[s] / 1e9:.4g}" for s in ZERO_STAGES)]
+            for dp, row in table.items() for psi, cells in row.items()]
+    return format_table(rows, ["N_d", "Psi", *(f"stage {s} GB" for s in ZERO_STAGES)],
+                        align="r" * (2 + len(ZERO_STAGES)))
 
 
 def _format_korthikanti(table: dict) -> str:
     keys = ("measured", "dropout", "total", "formula")
-    lines = [f"{'setting':<17}" + "".join(f"{k + ' MB':>14}" for k in keys)]
-    for setting, r in table.items():
-        lines.append(f"{setting:<17}" + "".join(f"{r[k] / 1e6:>14.1f}" for k in keys))
-    return "\n".join(lines)
+    rows = [[setting, *(f"{r[k] / 1e6:.1f}" for k in keys)] for setting, r in table.items()]
+    return format_table(rows, ["setting", *(k + " MB" for k in keys)], align="l" + "r" * len(keys))
+
+
+def _format_narayanan(results: list) -> str:
+    rows = [[f"{r['params_billion']:g}B", r["dp"], r["tp"], r["pp"], f"{r['peak'] / 1e9:.1f}",
+             f"{r['capacity'] / 1e9:.0f}", "fits" if r["fits"] else "NO"] for r in results]
+    return format_table(rows, ["params", "d", "t", "p", "peak GB", "GPU GB", "fits"], align="rrrrrrl")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -457,7 +457,8 @@ def format_plans(plans: list[Plan], top_k: int = 10) -> str:
                      f"{p.step_time:#.4g}", *(f"{p.time[k] / p.step_time:.0%}" for k in parts),
                      f"{p.mfu:.1%}", f"{p.tflops_per_gpu:.0f}"])
     return format_table(rows, ["#", "tp", "pp", "dp", "b", "m", "zero", "recompute", "GB/GPU", "step s",
-                               "gemm", "elem", "tp", "pp", "bubble", "dp", "opt", "MFU", "TFLOP/s"])
+                               "gemm", "elem", "tp", "pp", "bubble", "dp", "opt", "MFU", "TFLOP/s"],
+                        align="r" * 7 + "l" + "r" * 11)
 
 
 # --- what runs here ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from .. import costmodel
 from ..runtime import observe
+from ..runtime.tables import format_table
 from .profiles import load_profile
 from .workload import WorkloadRecorder, portable
 
@@ -242,14 +243,14 @@ def _runs(args) -> list[tuple[Technique, str]]:
 
 def summary_table(results: list) -> str:
     """One line per result: predicted, measured, their ratio."""
-    lines = [f"{'technique':<10}{'size':<6}{'predicted ms':>14}{'measured ms':>13}{'ratio':>8}"
-             f"{'machine vs calibration':>24}"]
+    rows = []
     for r in results:
-        meas = f"{r['measured_s'] * 1e3:13.2f}" if r["measured_s"] else f"{'-':>13}"
-        ratio = f"{r['ratio']:8.3f}" if r["ratio"] else f"{'-':>8}"
         slow = r.get("machine_vs_calibration")
-        slow = f"{slow:23.2f}x" if slow else f"{'-':>24}"
-        lines.append(f"{r['technique']:<10}{r['size']:<6}{r['predicted_s'] * 1e3:14.2f}{meas}{ratio}{slow}")
+        rows.append([r["technique"], r["size"], f"{r['predicted_s'] * 1e3:.2f}",
+                     f"{r['measured_s'] * 1e3:.2f}" if r["measured_s"] else "-",
+                     f"{r['ratio']:.3f}" if r["ratio"] else "-", f"{slow:.2f}x" if slow else "-"])
+    lines = [format_table(rows, ["technique", "size", "predicted ms", "measured ms", "ratio",
+                                 "machine vs calibration"], align="llrrrr")]
     ratios = sorted(r["ratio"] for r in results if r["ratio"])
     if len(ratios) > 1:
         lines.append(f"ratios {ratios[0]:.2f} to {ratios[-1]:.2f}, median {statistics.median(ratios):.2f}; "

@@ -164,8 +164,8 @@ def main(argv=None) -> int:
     columns = ("eager", "torch", "compile", "triton", "copy")
     for k, rows in results["kernels"].items():
         print(f"{k} on {results['gpu']} ({results['dtype']}, M={results['M']}), GB/s:")
-        print(format_table([[f"{r['N']:>5}", *(f"{r[c]:>7.0f}" for c in columns)] for r in rows],
-                           ["N", *columns]))
+        print(format_table([[r["N"], *(f"{r[c]:.0f}" for c in columns)] for r in rows],
+                           ["N", *columns], align="r" * (1 + len(columns))))
         print(f"  triton / copy at N={results['at_largest_n'][k]['N']}: "
               f"{results['at_largest_n'][k]['fraction_of_copy']}")
     print(f"wrote {args.out}")

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from ..runtime import observe
+
 
 class HogwildError(RuntimeError):
     """A HOGWILD! worker process raised, died, or the run passed its timeout."""
@@ -177,37 +179,62 @@ def _worker(rank, n_procs, problem, x, version, stats, snaps, cfg, lock, barrier
         rows = list(zip(problem.idx, problem.val, problem.b.tolist()))
         track, updates, stale_updates, stale_coords = cfg["track_conflicts"], 0, 0, 0
         barrier.wait(timeout=60)
-        stats[rank, 4] = time.perf_counter()
         for epoch, order in enumerate(orders):
-            step = cfg["lr"] * cfg["decay"] ** epoch
-            for i in order:
-                e, a, b = rows[i]
-                if lock is not None:
-                    lock.acquire()
-                if track:
-                    seen = version[e]  # index_select: a copy of the stamps at read time
-                r = float(torch.dot(x[e], a)) - b  # read x_e, G_e = r·a_e
-                if track:
-                    n_stale = int((version[e] != seen).sum())
-                    stale_coords += n_stale
-                    stale_updates += n_stale > 0
-                    version.index_add_(0, e, torch.ones_like(seen))
-                x.index_add_(0, e, a, alpha=-step * r)  # x_v -= γ G_v for v in e, in place
-                if lock is not None:
-                    lock.release()
-                updates += 1
-                if cfg["fail_rank"] == rank:
-                    raise RuntimeError(f"injected failure in process {rank} after {updates} update")
-            if rank == 0:  # the loss curve: process 0 snapshots the shared x after each epoch
-                snaps[epoch + 1] = x
-                stats[0, 6 + epoch] = time.perf_counter()
-        stats[rank, 5] = time.perf_counter()
+            with observe.span("epoch", "hogwild", rank=rank, epoch=epoch):
+                step = cfg["lr"] * cfg["decay"] ** epoch
+                for i in order:
+                    e, a, b = rows[i]
+                    if lock is not None:
+                        lock.acquire()
+                    if track:
+                        seen = version[e]  # index_select: a copy of the stamps at read time
+                    r = float(torch.dot(x[e], a)) - b  # read x_e, G_e = r·a_e
+                    if track:
+                        n_stale = int((version[e] != seen).sum())
+                        stale_coords += n_stale
+                        stale_updates += n_stale > 0
+                        version.index_add_(0, e, torch.ones_like(seen))
+                    x.index_add_(0, e, a, alpha=-step * r)  # x_v -= γ G_v for v in e, in place
+                    if lock is not None:
+                        lock.release()
+                    updates += 1
+                    if cfg["fail_rank"] == rank:
+                        raise RuntimeError(f"injected failure in process {rank} after {updates} update")
+                if rank == 0:  # the loss curve: process 0 snapshots the shared x after each epoch
+                    snaps[epoch + 1] = x
         coords_read = updates * problem.idx.shape[1]
         stats[rank, :4] = torch.tensor([updates, stale_updates, stale_coords, coords_read],
                                        dtype=torch.float64)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None  # the traceback went to the parent through `errors`
+
+
+class _EpochClock:
+    """Observer, in each worker process: writes when its epochs start and end into its row of the
+    shared ``stats`` (column 4: the first epoch's start, 5: the last epoch's end; on process 0,
+    column 6 + e: the end of epoch e), on one clock every process of this host shares."""
+
+    def __init__(self, stats: torch.Tensor, rank: int):
+        self.stats, self.rank = stats, rank
+
+    def on_begin(self, name, category, meta):
+        if category == "hogwild" and meta["epoch"] == 0:
+            self.stats[self.rank, 4] = time.perf_counter()
+        return meta if category == "hogwild" else None
+
+    def on_end(self, meta) -> None:
+        if meta is not None:
+            t = time.perf_counter()
+            self.stats[self.rank, 5] = t
+            if self.rank == 0:
+                self.stats[0, 6 + meta["epoch"]] = t
+
+
+def _timed_worker(rank, n_procs, problem, x, version, stats, *args):
+    """A worker process: :func:`_worker`, its epochs timed by :class:`_EpochClock`."""
+    with observe.watching(_EpochClock(stats, rank)):
+        _worker(rank, n_procs, problem, x, version, stats, *args)
 
 
 def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.5,
@@ -254,7 +281,7 @@ def run_hogwild(problem: Problem, n_procs: int, epochs: int = 10, lr: float = 0.
 def _run_processes(ctx, n_procs, problem, shared, cfg, lock, t0, timeout_s) -> None:
     """Start the ``n_procs`` workers on the shared tensors, wait for them, and never leave one behind."""
     barrier, errors = ctx.Barrier(n_procs), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, name=f"hogwild-{r}", daemon=True,
+    procs = [ctx.Process(target=_timed_worker, name=f"hogwild-{r}", daemon=True,
                          args=(r, n_procs, problem, shared["x"], shared["version"], shared["stats"],
                                shared["snaps"], cfg, lock, barrier, errors)) for r in range(n_procs)]
     try:

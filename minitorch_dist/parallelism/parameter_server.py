@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import comm
+from ..runtime import comm, observe
 from ..runtime.launch import launch
 
 PUSH, PULL, DONE = 0, 1, 2
@@ -162,8 +162,8 @@ class _Shard:
     """One server's keys ``[lo, hi)`` and its bookkeeping: the workers' clocks as seen here, the
     pulls not yet admitted, the replies still being sent, and the log of applied pushes."""
 
-    def __init__(self, cfg: PSConfig, problem: LeastSquares, t0: float):
-        self.cfg, self.t0, self.k = cfg, t0, dist.get_rank()
+    def __init__(self, cfg: PSConfig, problem: LeastSquares):
+        self.cfg, self.k = cfg, dist.get_rank()
         self.lo, self.hi = key_ranges(problem.n_params, cfg.n_servers)[self.k]
         self.x = torch.zeros(self.hi - self.lo)  # (hi - lo,) this server's keys, initialised at 0
         self.done = [0] * cfg.n_workers         # pushes received per worker = its clock as seen here
@@ -179,8 +179,8 @@ class _Shard:
         if c != self.done[w]:
             raise RuntimeError(f"server {self.k}: worker {w} pushed clock {c}, expected {self.done[w]}")
         self.done[w] += 1
-        self.pushes.append(dict(worker=w, clock=c, staleness=c - m_pulled, delay=self.version - v_pulled,
-                                time=time.monotonic() - self.t0))
+        observe.mark("push", "ps", server=self.k, worker=w, clock=c)
+        self.pushes.append(dict(worker=w, clock=c, staleness=c - m_pulled, delay=self.version - v_pulled))
         self.events.append(("push", w, c))
         if cfg.mode == "bsp":  # wait for all W gradients of clock c, apply their mean
             self.bsp_sum += grad
@@ -220,9 +220,9 @@ class _Shard:
                     staleness=[p["staleness"] for p in self.pushes], delay=[p["delay"] for p in self.pushes])
 
 
-def _server(cfg: PSConfig, problem: LeastSquares, t0: float) -> dict:
+def _server(cfg: PSConfig, problem: LeastSquares) -> dict:
     """Serve requests until every worker said DONE: push, pull or done, each after a header."""
-    shard = _Shard(cfg, problem, t0)
+    shard = _Shard(cfg, problem)
     hdr, grad = torch.zeros(_HDR, dtype=torch.int64), torch.empty_like(shard.x)
     finished = set()
     while len(finished) < cfg.n_workers:
@@ -265,16 +265,15 @@ def _pull(cfg, ranges, w, c):
     return torch.cat(vals), [(int(h[0]), int(h[1])) for h in hdrs]  # n_servers x (hi - lo,) -> (n_params,)
 
 
-def _worker(cfg: PSConfig, problem: LeastSquares, t0: float) -> dict:
+def _worker(cfg: PSConfig, problem: LeastSquares) -> dict:
     r = dist.get_rank()
     w = r - cfg.n_servers
     ranges = key_ranges(problem.n_params, cfg.n_servers)
-    log = dict(role="worker", worker=w, rank=r, clock=[], time=[], loss=[], wait=[])
+    log = dict(role="worker", worker=w, rank=r, clock=[], loss=[])
     for c in range(cfg.clocks + 1):       # the last pull (clock T) only logs the final loss
-        t_ask = time.monotonic()
-        x, snap = _pull(cfg, ranges, w, c)
-        now = time.monotonic()
-        log["clock"].append(c), log["time"].append(now - t0), log["wait"].append(now - t_ask)
+        with observe.span("pull", "ps", worker=w, clock=c):
+            x, snap = _pull(cfg, ranges, w, c)
+        log["clock"].append(c)
         log["loss"].append(problem.loss(x))
         if c == cfg.clocks:
             break
@@ -293,13 +292,44 @@ def _worker(cfg: PSConfig, problem: LeastSquares, t0: float) -> dict:
     return log
 
 
+class _Clock:
+    """Observer on one rank: when each of its pulls was asked and answered, when each push reached
+    it; seconds since the common start (CLOCK_MONOTONIC is shared by the processes of one host)."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.pulls: list[tuple[float, float]] = []  # (asked, answered) per pull, in order
+        self.pushes: list[float] = []               # applied at, per push, in order
+
+    def on_begin(self, name, category, meta):
+        return time.monotonic() - self.t0 if (category, name) == ("ps", "pull") else None
+
+    def on_end(self, asked) -> None:
+        if asked is not None:
+            self.pulls.append((asked, time.monotonic() - self.t0))
+
+    def on_mark(self, name, category, meta) -> None:
+        if (category, name) == ("ps", "push"):
+            self.pushes.append(time.monotonic() - self.t0)
+
+    def stamp(self, out: dict) -> dict:
+        """A worker's log gains ``time`` (each pull answered) and ``wait`` (seconds blocked in it); a
+        server's pushes gain ``time`` (applied)."""
+        if out["role"] == "worker":
+            out["time"] = [answered for _, answered in self.pulls]
+            out["wait"] = [answered - asked for asked, answered in self.pulls]
+        else:
+            for push, t in zip(out["pushes"], self.pushes, strict=True):
+                push["time"] = t
+        return out
+
+
 def _ps_main(cfg: PSConfig, problem_kwargs: dict):
     problem = LeastSquares(**problem_kwargs)
-    dist.barrier()                        # a common start: CLOCK_MONOTONIC is shared on one host
-    t0 = time.monotonic()
-    if dist.get_rank() < cfg.n_servers:
-        return _server(cfg, problem, t0)
-    return _worker(cfg, problem, t0)
+    dist.barrier()                        # a common start
+    with observe.watching(_Clock()) as clock:
+        out = _server(cfg, problem) if dist.get_rank() < cfg.n_servers else _worker(cfg, problem)
+    return clock.stamp(out)
 
 
 # --- the public runner ------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..runtime import observe
 from ..runtime.timing import sync
 from .layouts import Shard, world
 from .placement import Placement
@@ -137,23 +138,18 @@ def _stage(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SaveHandle:
     """A save under way: ``wait()`` returns once this rank's part (on rank 0: the whole checkpoint) is
-    on disk, or raises what went wrong. ``seconds``: where this rank's time went, by phase — "plan"
-    (list and swap the pieces), "stage" (copy them to host memory; together the time the caller is
-    held by an asynchronous save), "write" (``torch.save`` and ``fsync``), "hash" (SHA-256 of the
-    file), "commit" (rank 0: wait for every rank, write the metadata, rename). ``bytes_written``:
-    the bytes of the tensors this rank wrote."""
+    on disk, or raises what went wrong. ``bytes_written``: the bytes of the tensors this rank wrote.
+
+    Where the time goes is announced (:mod:`..runtime.observe`, category "checkpoint"), phase by phase:
+    "plan" (list and swap the pieces), "stage" (copy them to host memory; together the time the caller
+    is held by an asynchronous save), "write" (``torch.save`` and ``fsync``), "hash" (SHA-256 of the
+    file), "commit" (rank 0: wait for every rank, write the metadata, rename); :mod:`.stall` listens."""
 
     path: Path
     bytes_written: int = 0
-    seconds: dict = field(default_factory=dict)
     _thread: threading.Thread | None = None
     _error: list = field(default_factory=list)
     _group_hook: weakref.finalize | None = None  # waits for this save if the process group ends first
-
-    @property
-    def stage_s(self) -> float:
-        """How long the caller was held before the writing could start (plan + stage)."""
-        return self.seconds.get("plan", 0.0) + self.seconds.get("stage", 0.0)
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -255,39 +251,48 @@ def _begin(path: Path, timeout_s: float) -> tuple[SaveLock | None, dict]:
         return None, {"error": str(e) if isinstance(e, CheckpointError) else f"cannot save to {path}: {e}"}
 
 
-def _stage_all(mine: dict, handle: SaveHandle, t0: float, t1: float) -> dict:
+def _stage_all(mine: dict, handle: SaveHandle) -> dict:
     staged = {k: _stage(s.local) for k, s in mine.items()}
     for device in {s.local.device for s in mine.values() if s.local.device.type == "cuda"}:
         sync(device)  # the non-blocking copies from it into pinned memory have landed
-    handle.seconds.update(plan=t1 - t0, stage=time.perf_counter() - t1)
     handle.bytes_written = sum(t.numel() * t.element_size() for t in staged.values())
     return staged
 
 
 def _prepare(state: dict, path: Path, handle: SaveHandle, timeout_s: float) -> dict:
     """Plan and stage (in the caller): what the writing thread needs, copied out of the live state."""
-    t0 = time.perf_counter()
-    tensors, plain, objects = flatten(state)
-    for shard in [s for s in tensors.values() if s.fresh]:
-        shard.if_missing()  # optimizer state made only to be loaded into: not saved, and gone again
-    tensors = {k: s for k, s in tensors.items() if not s.fresh}
-    lock, lead = _begin(path, timeout_s)
+    with observe.span("plan", "checkpoint", path=str(path)):
+        tensors, plain, objects = flatten(state)
+        for shard in [s for s in tensors.values() if s.fresh]:
+            shard.if_missing()  # optimizer state made only to be loaded into: not saved, and gone again
+        tensors = {k: s for k, s in tensors.items() if not s.fresh}
+        lock, lead = _begin(path, timeout_s)
+        try:
+            mine, lead, r, n = _plan(tensors, lead)
+        except BaseException:
+            _abandon(lock, path, lead)
+            raise
     try:
-        mine, lead, r, n = _plan(tensors, lead)
-        staged = _stage_all(mine, handle, t0, time.perf_counter())
+        with observe.span("stage", "checkpoint", path=str(path)):
+            staged = _stage_all(mine, handle)
         pieces = {k: {"placement": s.placement.to_json(), "dtype": str(s.local.dtype).removeprefix("torch."),
                       "shape": list(s.local.shape)} for k, s in mine.items()}
         per_rank = {k: o.to_saved() for k, o in objects.items() if o.per_rank}
         shared = json.loads(json.dumps({k: {"per_rank": False, "value": o.to_saved()} if not o.per_rank
                                         else {"per_rank": True} for k, o in objects.items()}))
     except BaseException:
-        if lock is not None:  # rank 0: the save ends here, before any writing
-            shutil.rmtree(path.parent / lead["staging"], ignore_errors=True)
-            lock.release()
+        _abandon(lock, path, lead)
         raise
     return {"r": r, "n": n, "folder": path.parent / lead["staging"], "lock": lock, "staged": staged,
             "pieces": pieces, "per_rank": per_rank, "shared": shared,
             "plain": json.loads(json.dumps(plain))}  # the values now, not after the loop moves on
+
+
+def _abandon(lock: SaveLock | None, path: Path, lead: dict) -> None:
+    """Rank 0 (the one holding the lock): the save ends here, before any writing."""
+    if lock is not None:
+        shutil.rmtree(path.parent / lead["staging"], ignore_errors=True)
+        lock.release()
 
 
 def _write(job: dict, path: Path, handle: SaveHandle, timeout_s: float) -> None:
@@ -295,13 +300,13 @@ def _write(job: dict, path: Path, handle: SaveHandle, timeout_s: float) -> None:
     the thread). A failure on rank 0 removes the staging folder: the previous checkpoint stays."""
     folder = job["folder"]
     try:
-        handle.seconds.update(write_rank(folder, job["r"], job["staged"], job["per_rank"], job["pieces"]))
+        write_rank(folder, job["r"], job["staged"], job["per_rank"], job["pieces"])
         if job["r"] == 0:
-            t0 = time.perf_counter()
-            manifests = wait_for_manifests(folder, job["n"], timeout_s)
-            meta = _metadata(manifests, job["plain"], job["shared"], job["n"], folder.name.rsplit("-", 1)[-1])
-            commit(folder, path, meta, manifests)
-            handle.seconds["commit"] = time.perf_counter() - t0
+            with observe.span("commit", "checkpoint", path=str(path)):
+                manifests = wait_for_manifests(folder, job["n"], timeout_s)
+                save_id = folder.name.rsplit("-", 1)[-1]
+                meta = _metadata(manifests, job["plain"], job["shared"], job["n"], save_id)
+                commit(folder, path, meta, manifests)
     except BaseException as e:  # surfaced by wait()
         if job["r"] == 0:
             shutil.rmtree(folder, ignore_errors=True)

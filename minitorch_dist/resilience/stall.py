@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..runtime import observe
+from ..runtime.timeline import Timeline
 from .checkpoint import async_save, save
 from .layouts import world
 from .storage import sha256
 from .trainers import Trainer
 
-__all__ = ["storage_profile", "measure_stalls"]
+__all__ = ["storage_profile", "save_phases", "measure_stalls"]
 
 
 def _best(fn, reps: int = 3) -> float:
@@ -61,29 +63,42 @@ def storage_profile(folder=None, nbytes: int = 32 * 2 ** 20) -> dict:
             "hash_bytes_per_s": nbytes / hash_s}
 
 
+def save_phases(events) -> list[dict]:
+    """Each save's seconds by phase, in the order of the saves, from the checkpoint spans a
+    :class:`..runtime.timeline.Timeline` heard (category "checkpoint": "plan", "stage", "write", "hash",
+    "commit"). A save begins with its "plan"; the spans after it are its own until the next "plan",
+    because a process never has two saves under way (the next one waits for the last)."""
+    saves: list[dict] = []
+    for ev in sorted((e for e in events if e.category == "checkpoint"), key=lambda e: e.t_start):
+        if ev.name == "plan" or not saves:
+            saves.append({})
+        saves[-1][ev.name] = saves[-1].get(ev.name, 0.0) + ev.duration
+    return saves
+
+
 def measure_stalls(layout: str, cfg, batch: int, seq: int, steps: int, every: int, root: str,
                    mode: str) -> dict:
     """Run on every rank: ``steps`` steps of ``layout``, saving every ``every`` (``mode``: "none", "sync"
     or "async") under ``root``. Returns this rank's step times (s), the steps that saved, the bytes it
-    wrote per save, and each save's seconds by phase (``SaveHandle.seconds``)."""
+    wrote per save, and each save's seconds by phase (:func:`save_phases`)."""
     if mode not in ("none", "sync", "async"):
         raise ValueError(f"mode {mode!r}: choose 'none', 'sync' or 'async'")
     trainer = Trainer(layout, cfg, batch, seq)
-    times, saved, written, phases = [], [], 0, []
+    times, saved, written = [], [], 0
     handle = None
-    for step in range(steps):
-        t0 = time.perf_counter()
-        trainer.step(step)
-        if mode != "none" and (step + 1) % every == 0:
-            path, state = Path(root) / f"{mode}_{step + 1:06d}", trainer.state(step=step + 1)
-            handle = save(state, path) if mode == "sync" else async_save(state, path)
-            saved.append(step)
-            written += handle.bytes_written
-            phases.append(handle.seconds)  # filled in by the thread as it writes (async)
-        times.append(time.perf_counter() - t0)
-    if handle is not None:
-        handle.wait()
+    with observe.watching(Timeline(clock=time.perf_counter)) as timeline:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            trainer.step(step)
+            if mode != "none" and (step + 1) % every == 0:
+                path, state = Path(root) / f"{mode}_{step + 1:06d}", trainer.state(step=step + 1)
+                handle = save(state, path) if mode == "sync" else async_save(state, path)
+                saved.append(step)
+                written += handle.bytes_written
+            times.append(time.perf_counter() - t0)
+        if handle is not None:
+            handle.wait()  # the last save's phases are all heard
     if world()[1] > 1:
         dist.barrier()
-    return {"rank": world()[0], "times": times, "saved": saved, "phases": [dict(p) for p in phases],
+    return {"rank": world()[0], "times": times, "saved": saved, "phases": save_phases(timeline.events),
             "bytes_per_save": written / max(len(saved), 1)}

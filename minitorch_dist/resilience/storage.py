@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import observe
+
 __all__ = ["CheckpointError", "FORMAT", "VERSION", "METADATA", "rank_file", "lock_file", "staging_dirs",
            "SaveLock", "begin_save", "write_rank", "wait_for_manifests", "commit", "sha256", "sha256_of"]
 
@@ -212,16 +214,15 @@ def _failed(e: BaseException, file: Path, r: int) -> CheckpointError:
     return CheckpointError(f"rank {r} could not write {file}: {type(e).__name__}: {e}")
 
 
-def write_rank(folder: Path, r: int, tensors: dict, per_rank: dict, pieces: dict) -> dict:
+def write_rank(folder: Path, r: int, tensors: dict, per_rank: dict, pieces: dict) -> None:
     """Rank r's file (``tensors``: key -> staged tensor; ``per_rank``: key -> its own values) and then
-    its manifest (``pieces``: key -> {placement, dtype, shape}); returns the seconds spent writing
-    (``torch.save`` and ``fsync``) and hashing. A failed write deletes the file, leaves a note that rank 0
-    reads (:func:`wait_for_manifests`) and raises :class:`CheckpointError`."""
+    its manifest (``pieces``: key -> {placement, dtype, shape}); announces the spans "write"
+    (``torch.save`` and ``fsync``) and "hash" (category "checkpoint"). A failed write deletes the file,
+    leaves a note that rank 0 reads (:func:`wait_for_manifests`) and raises :class:`CheckpointError`."""
     name = rank_file(r)
     target = folder / name
-    t0 = time.perf_counter()
     try:
-        with open(target, "wb") as f:
+        with observe.span("write", "checkpoint", file=str(target)), open(target, "wb") as f:
             out = _Recorded(f)
             try:
                 torch.save({"tensors": tensors, "per_rank": per_rank}, out)
@@ -229,12 +230,10 @@ def write_rank(folder: Path, r: int, tensors: dict, per_rank: dict, pieces: dict
                 raise (out.error or e) from e
             f.flush()
             os.fsync(f.fileno())
-        t1 = time.perf_counter()
-        with open(target, "rb") as f:
+        with observe.span("hash", "checkpoint", file=str(target)), open(target, "rb") as f:
             digest = sha256_of(f)
         manifest = {"rank": r, "file": name, "sha256": digest, "bytes": target.stat().st_size,
                     "pieces": pieces, "per_rank": sorted(per_rank)}
-        t2 = time.perf_counter()
         _write_json(folder / f"rank{r:05d}.json", manifest)
     except Exception as e:  # reported below with the file it was writing
         err = _failed(e, target, r)
@@ -245,7 +244,6 @@ def write_rank(folder: Path, r: int, tensors: dict, per_rank: dict, pieces: dict
         except OSError:
             pass  # the folder is gone, or not even a note fits: rank 0 runs into its timeout
         raise err from e
-    return {"write": t1 - t0, "hash": t2 - t1}
 
 
 def wait_for_manifests(folder: Path, n: int, timeout_s: float) -> list[dict]:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .busbw import bus_bytes
+from .tables import format_table
 
 ReduceOp = dist.ReduceOp
 
@@ -91,10 +92,9 @@ class CommMeter:
         }
 
     def table(self) -> str:
-        rows = [f"{'op':<16}{'calls':>7}{'bytes':>14}{'wire bytes':>14}"]
-        for op, s in self.summary().items():
-            rows.append(f"{op:<16}{s['calls']:>7}{s['bytes']:>14,}{s['wire_bytes']:>14,.0f}")
-        return "\n".join(rows)
+        rows = [[op, s["calls"], f"{s['bytes']:,}", f"{s['wire_bytes']:,.0f}"]
+                for op, s in self.summary().items()]
+        return format_table(rows, ["op", "calls", "bytes", "wire bytes"], align="lrrr")
 
 
 # Meters active in this process (nested `with meter()` blocks all see each call), and the
