@@ -47,6 +47,7 @@ test-fast: $(STAMP)                  ## lint, then library and exercises only, w
 	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow and serial" tests $(NO_SOLUTIONS)
 
 lab: $(STAMP)                        ## JupyterLab on the notebooks
+	$(if $(wildcard solutions),,@echo "The cells that answer a *Predict first* prompt have no output here: write your prediction, then run them.")
 	$(BIN)/jupyter lab notebooks/
 
 notebooks: $(STAMP)                  ## re-execute every notebook in place at full size, saving outputs
@@ -57,8 +58,9 @@ notebooks: $(STAMP)                  ## re-execute every notebook in place at fu
 exercises: $(STAMP)                  ## regenerate exercises/ from solutions/ (a filled-in stub is kept; FORCE=1 replaces it)
 	$(BIN)/python -m minitorch_dist.course.exercises generate $(if $(FORCE),--force,)
 
-check-exercises: $(STAMP)            ## instructors and CI: exercises/ is exactly what solutions/ generates
+check-exercises: $(STAMP)            ## instructors and CI: exercises/ is what solutions/ generates; the tests reject every mutant
 	$(BIN)/python -m minitorch_dist.course.exercises check
+	$(BIN)/python -m minitorch_dist.course.mutants
 
 grade: $(STAMP)                      ## grade the exercise stubs (what a student hands in); CH=ch03 for one chapter
 	$(BIN)/python -m minitorch_dist grade --impl exercises $(if $(CH),--chapter $(CH),)

@@ -8,6 +8,7 @@ in turn, to show the check can fail).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 from minitorch_dist.course import exercises as ex
 from minitorch_dist.course import grade, registry, tour
 from minitorch_dist.course.registry import CHAPTERS, PROSE_SECTIONS, REPO_ROOT, Chapter
+from minitorch_dist.course.student_repo import prediction_answers
 
 # --- the checks -------------------------------------------------------------------------------
 
@@ -36,9 +38,13 @@ def prose_problems(ch: Chapter) -> list[str]:
             if not any(kw.lower() in h for h in headings)]
 
 
-def notebook_problems(ch: Chapter) -> list[str]:
+def notebook_problems(ch: Chapter, student_copy: bool = False) -> list[str]:
+    """A notebook committed run, with its outputs (in a student's copy, but for the cells that answer a
+    prediction prompt, cleared there)."""
     nb, where = json.loads(ch.notebook.read_text()), ch.rel(ch.notebook)
-    code = [c for c in nb.get("cells", []) if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    cleared = set(prediction_answers(nb)) if student_copy else set()
+    code = [c for i, c in enumerate(nb.get("cells", []))
+            if c["cell_type"] == "code" and "".join(c["source"]).strip() and i not in cleared]
     problems = [f"{where}: code cell {i} was not executed (run `make notebooks`)"
                 for i, c in enumerate(code) if c.get("execution_count") is None]
     if not any(c.get("outputs") for c in code):
@@ -167,7 +173,8 @@ def chapter_problems(ch: Chapter, student_copy: bool = False, instructor: bool =
     problems = [f"{name} missing: {ch.rel(path)}" for name, path in files.items() if not path.exists()]
     if problems:
         return problems
-    problems = prose_problems(ch) + notebook_problems(ch) + marker_problems(ch) + textbook_problems(ch)
+    problems = prose_problems(ch) + notebook_problems(ch, student_copy) + marker_problems(ch)
+    problems += textbook_problems(ch)
     problems += exercise_kind_problems(ch)
     return problems if student_copy else problems + stub_problems(ch, instructor)
 
@@ -628,6 +635,23 @@ def test_grade_chapter_end_to_end(fake):
     assert "score: 1/4 exercises passed (exercises); 1 failed, 1 todo, 1 blocked" in text
 
 
+def test_grade_runs_the_held_out_tests_in_their_own_column(fake):
+    fake.hidden_tests.parent.mkdir(parents=True)
+    fake.hidden_tests.write_text(EXERCISE_TESTS.split("def test_double():")[0] + textwrap.dedent('''\
+        def test_double_large():
+            assert mod.double(10 ** 6) == 2 * 10 ** 6
+        '''))
+    fake.exercises.write_text(ex.stub_text(fake).replace(  # right on the visible cases, wrong beyond them
+        'raise NotImplementedError("exercise: double — see chapters/98_fake.md")',
+        "return x + x if abs(x) < 100 else 0"))
+    rows = {r.exercise: r for r in grade.grade_chapter(fake, "exercises", timeout=60)}
+    assert (rows["double"].status, rows["double"].held_out) == ("passed", "failed")
+    assert rows["triple"].held_out == "no tests"
+    text = grade.report(list(rows.values()), "exercises")
+    assert "held-out" in text.splitlines()[0] and "held-out tests: 0/1 exercises passed" in text
+    assert "held-out" not in grade.report([dataclasses.replace(r, held_out="") for r in rows.values()], "x")
+
+
 def test_grade_chapter_timeout_kills_the_tests(fake, monkeypatch):
     monkeypatch.setenv("FAKE_SLOW", "1")
     rows = grade.grade_chapter(fake, "solutions", timeout=4)
@@ -704,6 +728,22 @@ def test_tour_with_nothing_to_run(capsys):
 # --- a student's copy of the course -------------------------------------------------------------------
 
 
+def test_a_prediction_prompts_answer_is_cleared_and_no_longer_compared():
+    from minitorch_dist.course.student_repo import clear_predictions
+
+    out = [{"output_type": "stream", "name": "stdout", "text": ["42\n"]}]
+    code = lambda src: {"cell_type": "code", "execution_count": 3, "metadata": {}, "outputs": list(out),
+                        "source": src}
+    md = lambda src: {"cell_type": "markdown", "metadata": {}, "source": src}
+    nb = {"cells": [md(["## 1\n", "*Predict first:* how many bytes?"]),
+                    code(["# NBVAL_CHECK_OUTPUT\n", "print(42)"]), code(["print(43)"]),
+                    md(["## 2, no prompt"]), code(["print(44)"])]}
+    assert clear_predictions(nb) == 2
+    first, second, _, kept = nb["cells"][1:]
+    assert first["outputs"] == [] and first["execution_count"] is None and first["source"] == ["print(42)"]
+    assert second["outputs"] == [] and kept["outputs"] == out and kept["execution_count"] == 3
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_student_copy_has_no_solutions_and_tests_the_stubs(tmp_path):
@@ -712,6 +752,16 @@ def test_a_student_copy_has_no_solutions_and_tests_the_stubs(tmp_path):
     dest = tmp_path / "course"
     copied = make_student_repo(dest)
     assert not any(f.startswith("solutions/") for f in copied) and not (dest / "solutions").exists()
+    assert not any(f.startswith("tests/exercises_hidden/") for f in copied)
+    hidden = Path("tests") / "exercises_hidden"
+    assert (REPO_ROOT / hidden).is_dir() and not (dest / hidden).exists()
+    for nb in sorted((dest / "notebooks").glob("[0-9]*.ipynb")):  # no answer under a prediction prompt
+        cells = json.loads(nb.read_text())["cells"]
+        prompts = [i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and "Predict first" in
+                   "".join(c["source"])]
+        assert prompts, f"{nb.name}: no prediction prompt found"
+        for i in prompts:
+            assert cells[i + 1]["cell_type"] == "code" and cells[i + 1]["outputs"] == [], nb.name
     assert (dest / "exercises" / "ch13_resilience.py").read_text() == CHAPTERS[13].exercises.read_text()
     env = dict(os.environ, PYTHONPATH=str(dest), MTD_SMOKE="1")
     env.pop("MTD_IMPL", None)

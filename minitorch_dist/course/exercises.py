@@ -312,7 +312,8 @@ def load(chapter_key, impl: str | None = None, *, reload: bool = False) -> Modul
         fix = "run `make exercises`" if impl == "exercises" and ch.solutions.exists() else \
             f"chapter {ch.tag} has no worked solutions yet"
         raise FileNotFoundError(f"{ch.rel(path)} does not exist; {fix}")
-    name = f"mtd_{impl}_{ch.stem}"
+    mutant = _mutant_of(ch) if impl == "solutions" else None
+    name = f"mtd_{impl}_{ch.stem}" + (f"__{mutant.stem}" if mutant else "")
     old = sys.modules.get(name)
     if old is not None and not reload and getattr(old, "__file__", None) == str(path):
         return old
@@ -321,6 +322,10 @@ def load(chapter_key, impl: str | None = None, *, reload: bool = False) -> Modul
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+        if mutant is not None:  # its definitions replace the solutions' (course.mutants)
+            doc = module.__doc__
+            exec(compile(mutant.read_text(encoding="utf-8"), str(mutant), "exec"), module.__dict__)
+            module.__doc__ = doc
     except BaseException:
         sys.modules.pop(name, None)
         raise
@@ -331,6 +336,14 @@ def load(chapter_key, impl: str | None = None, *, reload: bool = False) -> Modul
     except (ImportError, AttributeError, ValueError):  # old cloudpickle: fork-started ranks still work
         pass
     return module
+
+
+def _mutant_of(ch: Chapter) -> Path | None:
+    """``$MTD_MUTANT`` when it names one of ``ch``'s mutants (``solutions/mutants/<stem>/x.py``)."""
+    given = os.environ.get("MTD_MUTANT")
+    path = Path(given).resolve() if given else None
+    return path if path is not None and path.parent == (ch.solutions.parent / "mutants" / ch.stem).resolve() \
+        else None
 
 
 def _show(path: Path) -> str:

@@ -19,9 +19,13 @@ none is reported under its own name. Each exercise gets one status:
 A test that ends pytest itself (``os._exit``, a crash) is "failed", naming the exit code; the
 tests it kept from running are "failed" as not run.
 
+**Held-out tests.** Where an instructor keeps tests a student does not see,
+``tests/exercises_hidden/test_chNN_x.py`` (``make student-repo`` leaves that folder out), they run
+too, in a session of their own, and each exercise's status on them fills a "held-out" column.
+
 The command exits 0 whenever grading ran, whatever the results (the report *is* the result);
-``--strict`` exits 1 if any exercise is not passed, except ``blocked`` ones, which this machine
-cannot run.
+``--strict`` exits 1 if any exercise is not passed (on its tests or the held-out ones), except
+``blocked`` ones, which this machine cannot run.
 
 **Nothing outlives a chapter's run**, whatever ends it or the grader (a timeout, Ctrl-C, SIGTERM,
 SIGHUP, even SIGKILL): see `minitorch_dist.course.grade_run`. Stopped by a signal, the grader kills
@@ -65,6 +69,7 @@ class Row:
     tests: str = ""  # "3 passed, 1 blocked"
     detail: str = ""
     kind: str = ""  # build / derive / measure, from the exercise's docstring
+    held_out: str = ""  # the status on the instructor's held-out tests, when there are any
 
 
 def exercise_for(test_name: str, exercises: list[str]) -> str | None:
@@ -126,16 +131,25 @@ def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float 
     if not ch.exercise_tests.exists():
         return [Row(ch.tag, ex, "missing", detail=f"no {ch.rel(ch.exercise_tests)}")
                 for ex in exercises or ["(all)"]]
-    outcome, results, output = run_pytest(ch.exercise_tests, impl, timeout, ch.root)
+    rows = _graded(ch, ch.exercise_tests, exercises, impl, timeout, verbose)
+    if ch.hidden_tests.exists():  # an instructor's held-out tests: their own column
+        held = {r.exercise: r.status for r in _graded(ch, ch.hidden_tests, exercises, impl, timeout, verbose)}
+        rows = [dataclasses.replace(r, held_out=held.get(r.exercise, "no tests")) for r in rows]
+    return [dataclasses.replace(r, kind=kinds.get(r.exercise) or "") for r in rows]
+
+
+def _graded(ch: registry.Chapter, tests: Path, exercises: list[str], impl: str, timeout: float,
+            verbose: bool) -> list[Row]:
+    """One run of the test file ``tests`` against ``impl``, folded into a row per exercise."""
+    outcome, results, output = run_pytest(tests, impl, timeout, ch.root)
     if verbose or outcome == "error":
         print(output, file=sys.stderr)
     if outcome == "timeout":
-        rows = _timeout_rows(ch.tag, exercises, results, timeout)
-    elif outcome == "error":
-        rows = [Row(ch.tag, "(all)", "failed", detail=_first_line(output))]
-    else:  # "ok", or "crashed": the test that ended pytest and those it kept from running failed
-        rows = _summarize(ch.tag, exercises, results, ch.gpu_only_exercises)
-    return [dataclasses.replace(r, kind=kinds.get(r.exercise) or "") for r in rows]
+        return _timeout_rows(ch.tag, exercises, results, timeout)
+    if outcome == "error":
+        return [Row(ch.tag, "(all)", "failed", detail=_first_line(output))]
+    # "ok", or "crashed": the test that ended pytest and those it kept from running failed
+    return _summarize(ch.tag, exercises, results, ch.gpu_only_exercises)
 
 
 def _timeout_rows(tag: str, exercises: list[str], results: list[TestResult], timeout: float) -> list[Row]:
@@ -160,11 +174,18 @@ def _timeout_rows(tag: str, exercises: list[str], results: list[TestResult], tim
 
 def report(rows: list[Row], impl: str) -> str:
     """The table and the score line."""
-    cells = [[r.chapter, r.exercise, r.kind, r.status, r.tests, r.detail] for r in rows]
-    table = format_table(cells, ["chapter", "exercise", "kind", "status", "tests", "detail"])
+    held = any(r.held_out for r in rows)  # the column only where an instructor has held-out tests
+    cells = [[r.chapter, r.exercise, r.kind, r.status, *([r.held_out or "-"] if held else []), r.tests,
+              r.detail] for r in rows]
+    table = format_table(cells, ["chapter", "exercise", "kind", "status", *(["held-out"] if held else []),
+                                 "tests", "detail"])
     counts = {s: sum(r.status == s for r in rows) for s in _ORDER}
     rest = ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "passed")
     score = f"score: {counts['passed']}/{len(rows)} exercises passed ({impl})" + (f"; {rest}" if rest else "")
+    if held:
+        graded = [r for r in rows if r.held_out not in ("", "no tests")]
+        passed = sum(r.held_out == "passed" for r in graded)
+        score += f"\nheld-out tests: {passed}/{len(graded)} exercises passed"
     return f"{table}\n\n{score}"
 
 
@@ -188,7 +209,8 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=_seconds, default=120,
                    help="seconds per chapter before its tests, and every process they started, are killed")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 if any exercise is not passed (blocked excepted)")
+                   help="exit 1 if any exercise is not passed, on its tests or the held-out ones (blocked "
+                        "excepted)")
     p.add_argument("--root", type=Path,
                    help="grade another course tree laid out like this checkout (ROOT/solutions, "
                         "ROOT/exercises, ROOT/tests/exercises); its tests run in ROOT "
@@ -239,5 +261,6 @@ def main(args) -> int:
                   f"killed", file=sys.stderr, flush=True)
         return stop.exit_status
     print(report(rows, args.impl))
-    bad = [r for r in rows if r.status not in ("passed", "blocked")]
+    bad = [r for r in rows if r.status not in ("passed", "blocked")
+           or r.held_out not in ("", "passed", "blocked", "no tests")]
     return 1 if args.strict and bad else 0

@@ -93,6 +93,11 @@ class Chapter:
         return self.root / "tests" / "exercises" / f"test_{self.stem}.py"
 
     @property
+    def hidden_tests(self) -> Path:
+        """An instructor's held-out exercise tests (optional; not in a student's copy)."""
+        return self.root / "tests" / "exercises_hidden" / f"test_{self.stem}.py"
+
+    @property
     def library_tests(self) -> tuple[Path, ...]:
         return tuple(self.root / "tests" / f"test_{m.rsplit('.', 1)[-1]}.py" for m in self.modules)
 

@@ -486,6 +486,68 @@ def test_install_bucketed_gradient_hooks_one_async_all_reduce_per_bucket_during_
                 f"first layer; expected {len(want) - 1}: launch each bucket as soon as it is complete"
 
 
+# Gradients in another order on every other rank. Two branches of equal size, which rank r runs in an
+# order that depends on r: autograd runs the branch created last first, so the odd ranks complete bucket 1
+# (branch a) before bucket 0 (branch b). Buckets launched as they complete would still pair up (equal
+# sizes) and each rank would average the wrong tensors together, silently. tanh(a(x)) * b(x): the two
+# branches' gradients differ, so a swap shows.
+BRANCH_CAP = (IN * OUT + OUT) * ELEM  # one branch (weight and bias) per bucket: two buckets
+
+
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(IN, OUT), nn.Linear(IN, OUT)
+
+    def forward(self, x, flip: bool = False):
+        if flip:
+            yb = self.b(x)
+            ya = self.a(x)
+        else:
+            ya = self.a(x)
+            yb = self.b(x)
+        return torch.tanh(ya) * yb
+
+
+def _branches_on_ranks(install):
+    with float64():
+        r, n = dist.get_rank(), dist.get_world_size()
+        x, y = _global_batch(n * ROWS)
+        x, y = x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]
+        model = _Branches()
+        arrived = []  # the order this rank's gradients arrive in (the premise of the test)
+        for i, p in enumerate(model.parameters()):
+            p.register_hook(lambda g, i=i: arrived.append(i))
+        install(model, BRANCH_CAP, None)
+        grads = []
+        for _ in range(2):  # twice: the second backward must start afresh
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(model(x, flip=r % 2 == 1), y).backward()
+            grads.append([q.grad.clone() for q in model.parameters()])
+        return {"grads": grads, "arrived": arrived[:4]}
+
+
+@pytest.fixture(scope="module")
+def branches(ex, launches):
+    return launches(_branches_on_ranks, ex.install_bucketed_gradient_hooks, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_bucketed_gradient_hooks_when_the_gradient_order_differs_by_rank(branches, n):
+    with float64():
+        model = _Branches()
+        x, y = _global_batch(n * ROWS)
+        F.mse_loss(model(x), y).backward()
+        ref = [q.grad for q in model.parameters()]
+    res = branches(n)
+    assert res[0]["arrived"] != res[1]["arrived"], "the test's premise: ranks 0 and 1 see other orders"
+    for r, got in enumerate(res):
+        for k, grads in enumerate(got["grads"]):
+            _assert_grads(grads, ref, f"rank {r} of {n} (its branches in {'b, a' if r % 2 else 'a, b'} "
+                                      f"order), backward {k}: launch the buckets in bucket order")
+
+
 # --- 5. predict_and_meter_ddp_traffic -----------------------------------------------------------------
 
 K_MICRO, MICRO_SEQS, CAP_MB, FIRST_MB = 3, 2, 0.1, 0.02  # caps of 104,857 and 20,971 bytes

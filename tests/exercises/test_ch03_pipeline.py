@@ -28,11 +28,13 @@ the tensor compared (under 1e-9 of it). A lost or doubled microbatch moves a gra
 """
 import functools
 import random
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from minitorch_dist import costmodel
 from minitorch_dist.costmodel import pipeline as v_costs
@@ -324,18 +326,46 @@ def _stage_grads(stage):
     return {k: q.grad.clone() for k, q in stage.named_parameters() if q.grad is not None}
 
 
+class _StashProbe(nn.Module):
+    """The stage, watched: at each forward, how many earlier microbatches does the executor still hold
+    (their boundary tensor alive: the stage's output, or on the last rank its received input), and how
+    many of those has backward already passed? After B i nothing of microbatch i is needed: a correct
+    executor holds at most the one a local variable still names until its next action."""
+
+    def __init__(self, stage: nn.Module, last: bool):
+        super().__init__()
+        self.stage, self.last = stage, last
+        self.refs: list = []
+        self.done: list[bool] = []
+        self.alive: list[int] = []  # at each forward: earlier microbatches still held
+        self.held: list[int] = []   # ... of which backward already ran
+
+    def forward(self, x, *rest):
+        live = [j for j, ref in enumerate(self.refs) if ref() is not None]
+        self.alive.append(len(live))
+        self.held.append(sum(self.done[j] for j in live))
+        j = len(self.refs)
+        out = self.stage(x, *rest)
+        self.refs.append(weakref.ref(x if self.last else out))
+        self.done.append(False)
+        out.register_hook(lambda g: self.done.__setitem__(j, True))
+        return out
+
+
 def _student_step(fn, actions, m):
-    """This rank's stage of a fresh GPT, the student's executor on it; losses, gradients, sends counted."""
+    """This rank's stage of a fresh GPT, the student's executor on it; losses, gradients, sends counted,
+    the microbatches it holds watched."""
     from minitorch_dist.parallelism.pipeline.executor import split_gpt
     p, r = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(SEED)
     stage = split_gpt(GPT(CFG), p)[r]
+    probe = _StashProbe(stage, last=r == p - 1)
     x, y = _batch()
     with comm.meter() as meter:
-        losses = fn(stage, actions, list(x.chunk(m)), list(y.chunk(m)), stage.boundary_shape(ROWS // m, SEQ))
+        losses = fn(probe, actions, list(x.chunk(m)), list(y.chunk(m)), stage.boundary_shape(ROWS // m, SEQ))
     sends = [(e.op, e.nbytes) for e in meter.events if e.op != "recv"]
     return {"losses": list(losses), "grads": _stage_grads(stage), "sends": sends,
-            "names": [k for k, _ in stage.named_parameters()]}
+            "names": [k for k, _ in stage.named_parameters()], "alive": probe.alive, "held": probe.held}
 
 
 def _torch_1f1b(m):
@@ -421,6 +451,22 @@ def test_run_stage_actions_sends_activations_and_gradients_point_to_point(execut
         want = m * ((r < p - 1) + (r > 0))  # activations forward unless last, gradients back unless first
         assert len(sends) == want, f"rank {r}: {len(sends)} sends, expected {want}"
         assert all(nbytes == act for _, nbytes in sends), f"rank {r}: every message is one activation"
+
+
+@pytest.mark.parametrize("p, name, m", EXECUTOR_CASES)
+def test_run_stage_actions_drops_each_microbatch_after_its_backward(executor_runs, p, name, m):
+    """1F1B's point is its memory: rank r holds at most min(p − r, m) microbatches, GPipe all m."""
+    for r, out in enumerate(executor_runs(p)):
+        got = out[name, m]
+        assert len(got["alive"]) == m, f"rank {r}: the stage ran {len(got['alive'])} forwards, expected {m}"
+        assert max(got["held"]) <= 1, \
+            f"rank {r}, {name}: at its forwards it still held {got['held']} microbatches whose backward " \
+            "had run; drop what F i kept once B i is done"
+        bound = min(p - r, m) if name == "1f1b" else m
+        assert max(got["alive"]) <= bound, \
+            f"rank {r}, {name}: held {max(got['alive'])} microbatches at once; the schedule needs {bound}"
+    if name == "gpipe":  # the probe sees a stash: GPipe holds every microbatch before its first backward
+        assert max(executor_runs(p)[0][name, m]["alive"]) == m - 1
 
 
 def test_run_stage_actions_rejects_bad_input(executor_runs):

@@ -231,6 +231,30 @@ def _zero2(ex):
             "after_remove": {"events": len(m.events), "grads_kept": all(p.grad is not None for p in params)}}
 
 
+class _HeadFirst(torch.nn.Module):
+    """The same network with its head registered before its body: the first-registered parameters'
+    gradients now come *first* in backward, and the body's last."""
+
+    def __init__(self):
+        super().__init__()
+        dense = _model()
+        self.head, self.body = dense[2], dense[0]
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _zero2_head_first(ex):
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = _HeadFirst()
+    grad_shard, _ = ex.zero2_reduce_scatter_hook(list(model.parameters()))
+    rows = slice(r * GLOBAL_B // n, (r + 1) * GLOBAL_B // n)
+    x, y = _batch(0)
+    with comm.meter() as m:
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+    return {"shard": grad_shard.clone(), "ops": [e.op for e in m.events]}
+
+
 def _in_float64(fn):
     def run(*args):
         with float64():
@@ -241,7 +265,9 @@ def _in_float64(fn):
 def _all_on_ranks(impl):
     # each rank imports the chapter by its path (a module object cannot be pickled)
     ex = load("ch06", impl)
-    return run_cases({"zero2": lambda: _in_float64(_zero2)(ex), "zero3": lambda: _in_float64(_zero3)(ex),
+    return run_cases({"zero2": lambda: _in_float64(_zero2)(ex),
+                      "zero2_head_first": lambda: _in_float64(_zero2_head_first)(ex),
+                      "zero3": lambda: _in_float64(_zero3)(ex),
                       "fsdp2": _in_float64(_zero3_fsdp2), "measure": lambda: _measure(ex)})
 
 
@@ -284,6 +310,21 @@ def test_zero2_reduce_scatter_hook_keeps_shard_of_average_gradient(ranks, n):
                 f"rank {r} of {n}: grad_shard has shape {tuple(shard.shape)}; expected ({ref.numel()},)"
             close(shard, ref, _grad_bound(ref), f"rank {r} of {n}, backward {step + 1}: the shard is not "
                                                  "this rank's slice of the gradient averaged over ranks")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero2_reduce_scatter_hook_when_the_first_registered_parameter_is_used_last(ranks, n):
+    """The last gradient of a backward is not the first-registered parameter's in general: count them."""
+    with float64():
+        model = _HeadFirst()
+        x, y = _batch(0)
+        F.mse_loss(model(x), y).backward()
+        _, shards, _ = _reference_flat([p.grad for p in model.parameters()], n)
+    for r, res in enumerate(_results(ranks, n, "zero2_head_first")):
+        assert res["ops"] == ["reduce_scatter"], f"rank {r} of {n}: collectives {res['ops']}"
+        close(res["shard"], shards[r], _grad_bound(shards[r]),
+              f"rank {r} of {n}, head registered before body: reduce-scatter once the *last* gradient of "
+              "the backward has arrived, whichever parameter it belongs to")
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -1,0 +1,56 @@
+"""Wrong: returns the scaled losses, loss / m, instead of each microbatch's own loss.
+
+The gradients are right; the losses a training loop prints are m times too small.
+"""
+import torch
+import torch.distributed as dist
+
+from minitorch_dist.runtime import comm
+
+
+def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[float]:
+    parsed = [_parse_action(a) for a in actions]
+    inputs, targets = list(inputs), list(targets)
+    if not inputs or len(inputs) != len(targets):
+        raise ValueError(f"need one target per input microbatch, got {len(inputs)} inputs and "
+                         f"{len(targets)} targets")
+    m = len(inputs)
+    bad = sorted({i for _, i in parsed if not 0 <= i < m})
+    if bad:
+        raise ValueError(f"actions name microbatches {bad}, outside 0..{m - 1}")
+    if not dist.is_initialized():
+        raise RuntimeError("run_stage_actions runs on ranks: call it inside launch(fn, p)")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == p - 1
+    kept, sends, losses = {}, [], []
+    for kind, i in parsed:
+        if kind == "F":
+            if first:
+                x = inputs[i]
+            else:
+                x = torch.empty(boundary_shape)
+                comm.recv(x, rank - 1)
+                x.requires_grad_(True)
+            if last:
+                loss = stage(x, targets[i])
+                y = loss / m
+                losses.append(y.item())
+            else:
+                y = stage(x)
+                out = y.detach().contiguous()
+                sends.append((comm.isend(out, rank + 1), out))
+            kept[i] = (x, y)
+        else:
+            x, y = kept.pop(i)
+            if last:
+                y.backward()
+            else:
+                g = torch.empty(boundary_shape)
+                comm.recv(g, rank + 1)
+                torch.autograd.backward(y, g)
+            if not first:
+                dx = x.grad.contiguous()
+                sends.append((comm.isend(dx, rank - 1), dx))
+    for work, _ in sends:
+        work.wait()
+    return losses
