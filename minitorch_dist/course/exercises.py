@@ -181,9 +181,10 @@ def stub_is_edited(text: str) -> bool:
 
 
 def kind_of(node) -> str | None:
-    """``build`` / ``derive`` / ``measure`` from the first line of an exercise's docstring ("Kind: build")."""
+    """``build`` / ``derive`` / ``measure`` from the first line of an exercise's docstring ("Kind: build",
+    maybe followed by its time, "Kind: build · about 60 minutes": :mod:`.statements`)."""
     doc = (ast.get_docstring(node) or "").strip().splitlines()
-    m = re.fullmatch(r"Kind:\s*(\w+)\.?", doc[0].strip()) if doc else None
+    m = re.match(r"Kind:\s*(\w+)\b", doc[0].strip()) if doc else None
     return m.group(1).lower() if m else None
 
 
@@ -200,6 +201,11 @@ def _raises_exercise(node) -> bool:
 def chapter_exercises(chapter) -> dict[str, str | None]:
     """``{exercise: kind}`` of a chapter, in file order: from its solutions (the regions' holders), or,
     in a student's copy without ``solutions/``, from its stubs (the defs that raise the stub's error)."""
+    return {name: kind_of(node) for name, node in exercise_nodes(chapter).items()}
+
+
+def exercise_nodes(chapter) -> dict[str, ast.FunctionDef | ast.ClassDef]:
+    """``{exercise: its def or class}`` of a chapter, in file order (see :func:`chapter_exercises`)."""
     ch = registry.chapter(chapter)
     if ch.solutions.exists():
         tree, names = ast.parse(ch.solutions.read_text()), exercise_names(ch)
@@ -210,7 +216,7 @@ def chapter_exercises(chapter) -> dict[str, str | None]:
     else:
         return {}
     nodes = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    return {name: kind_of(nodes[name]) for name in names}
+    return {name: nodes[name] for name in names}
 
 
 def exercise_names_in(source: str, origin: str = "<source>") -> list[str]:
