@@ -239,12 +239,21 @@ def _kill(run: _Run) -> None:
     os.waitpid(run.pid, 0)
 
 
+def _warm_up() -> None:
+    """Import once, here, what every run imports (pytest, torch, its compiler front end that DDP and the
+    optimizers load, the library), so each fork starts with it loaded instead of paying seconds for it."""
+    import importlib
+
+    for name in ("pytest", "torch", "torch.distributed", "torch._dynamo", "minitorch_dist",
+                 "minitorch_dist.parallelism", "minitorch_dist.memory", "minitorch_dist.models"):
+        importlib.import_module(name)
+
+
 def run_all(todo: list[tuple[registry.Chapter, Mutant]], jobs: int = 2, timeout: float = 300,
             progress=None) -> list[Verdict]:
     """Run each mutant's tests, ``jobs`` at a time, each in a fork of this process; a run past ``timeout``
     seconds is killed with every process it started. Nothing is left running, whatever ends this."""
-    import pytest  # noqa: F401  - imported once here, so each fork starts with it (and torch) loaded
-    import torch  # noqa: F401
+    _warm_up()
 
     queue, running, out = list(todo), [], []
     try:
