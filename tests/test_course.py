@@ -728,6 +728,12 @@ def test_tour_with_nothing_to_run(capsys):
 # --- a student's copy of the course -------------------------------------------------------------------
 
 
+def test_test_files_have_distinct_names():
+    """pytest imports a test file by its name: two of one name in two folders break one session."""
+    names = [p.name for p in (REPO_ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
 def test_a_prediction_prompts_answer_is_cleared_and_no_longer_compared():
     from minitorch_dist.course.student_repo import clear_predictions
 

@@ -20,8 +20,8 @@ A test that ends pytest itself (``os._exit``, a crash) is "failed", naming the e
 tests it kept from running are "failed" as not run.
 
 **Held-out tests.** Where an instructor keeps tests a student does not see,
-``tests/exercises_hidden/test_chNN_x.py`` (``make student-repo`` leaves that folder out), they run
-too, in a session of their own, and each exercise's status on them fills a "held-out" column.
+``tests/exercises_hidden/test_chNN_x_held_out.py`` (``make student-repo`` leaves that folder out), they
+run too, in a session of their own, and each exercise's status on them fills a "held-out" column.
 
 The command exits 0 whenever grading ran, whatever the results (the report *is* the result);
 ``--strict`` exits 1 if any exercise is not passed (on its tests or the held-out ones), except
@@ -54,6 +54,7 @@ from .grade_run import (
     run_pytest,
     stop_on_signals,
 )
+from .statements import chapter_statements
 
 __all__ = ["RUN_MARKER", "GraderStopped", "Row", "TestResult", "exercise_for", "grade_chapter", "kill_run",
            "main", "parse_junit", "report", "run_processes", "run_pytest", "summarize"]
@@ -70,6 +71,7 @@ class Row:
     detail: str = ""
     kind: str = ""  # build / derive / measure, from the exercise's docstring
     held_out: str = ""  # the status on the instructor's held-out tests, when there are any
+    minutes: int | None = None  # the time the exercise states (course.statements)
 
 
 def exercise_for(test_name: str, exercises: list[str]) -> str | None:
@@ -125,6 +127,7 @@ def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float 
     """Grade one chapter: run its exercise tests against `impl` and fold them into rows."""
     try:
         kinds = chapter_exercises(ch)
+        minutes = {name: s.minutes for name, s in chapter_statements(ch).items()}
     except MarkerError as e:
         return [Row(ch.tag, "(solutions)", "failed", detail=_first_line(e))]
     exercises = list(kinds)
@@ -135,7 +138,8 @@ def grade_chapter(ch: registry.Chapter, impl: str = "exercises", timeout: float 
     if ch.hidden_tests.exists():  # an instructor's held-out tests: their own column
         held = {r.exercise: r.status for r in _graded(ch, ch.hidden_tests, exercises, impl, timeout, verbose)}
         rows = [dataclasses.replace(r, held_out=held.get(r.exercise, "no tests")) for r in rows]
-    return [dataclasses.replace(r, kind=kinds.get(r.exercise) or "") for r in rows]
+    return [dataclasses.replace(r, kind=kinds.get(r.exercise) or "", minutes=minutes.get(r.exercise))
+            for r in rows]
 
 
 def _graded(ch: registry.Chapter, tests: Path, exercises: list[str], impl: str, timeout: float,
@@ -175,10 +179,11 @@ def _timeout_rows(tag: str, exercises: list[str], results: list[TestResult], tim
 def report(rows: list[Row], impl: str) -> str:
     """The table and the score line."""
     held = any(r.held_out for r in rows)  # the column only where an instructor has held-out tests
-    cells = [[r.chapter, r.exercise, r.kind, r.status, *([r.held_out or "-"] if held else []), r.tests,
-              r.detail] for r in rows]
-    table = format_table(cells, ["chapter", "exercise", "kind", "status", *(["held-out"] if held else []),
-                                 "tests", "detail"])
+    cells = [[r.chapter, r.exercise, r.kind, "" if r.minutes is None else r.minutes, r.status,
+              *([r.held_out or "-"] if held else []), r.tests, r.detail] for r in rows]
+    header = ["chapter", "exercise", "kind", "min", "status", *(["held-out"] if held else []), "tests",
+              "detail"]
+    table = format_table(cells, header, align="lllr" + "l" * (len(header) - 4))
     counts = {s: sum(r.status == s for r in rows) for s in _ORDER}
     rest = ", ".join(f"{n} {s}" for s, n in counts.items() if n and s != "passed")
     score = f"score: {counts['passed']}/{len(rows)} exercises passed ({impl})" + (f"; {rest}" if rest else "")

@@ -94,8 +94,9 @@ class Chapter:
 
     @property
     def hidden_tests(self) -> Path:
-        """An instructor's held-out exercise tests (optional; not in a student's copy)."""
-        return self.root / "tests" / "exercises_hidden" / f"test_{self.stem}.py"
+        """An instructor's held-out exercise tests (optional; not in a student's copy). Its own file name:
+        two test files of one name in two folders cannot be collected in one session."""
+        return self.root / "tests" / "exercises_hidden" / f"test_{self.stem}_held_out.py"
 
     @property
     def library_tests(self) -> tuple[Path, ...]:
