@@ -146,7 +146,14 @@ def test_a_looping_exercise_is_killed_at_the_timeout_with_its_ranks(course):
 def test_a_finished_run_leaves_no_stray_process(course, monkeypatch):
     """After a run that ends on its own, what it left behind (here: the orphaned helper of a stub
     that returns) is swept by the run's tag; the grader itself survives."""
-    stub = LOOPING_STUB.replace("    while True:\n        time.sleep(0.05)\n", "    return x\n")
+    # the stub returns once its orphan has started (on a busy machine the run could end before that, and
+    # the sweep would then find no orphan to prove it sweeps)
+    stub = LOOPING_STUB.replace("    while True:\n        time.sleep(0.05)\n",
+                                "    deadline = time.monotonic() + 60\n"
+                                "    while not os.path.exists(os.path.join(FLAGS, 'orphan')) and "
+                                "time.monotonic() < deadline:\n"
+                                "        time.sleep(0.05)\n"
+                                "    return x\n")
     assert stub != LOOPING_STUB
     (course / "exercises" / "ch00_foundations.py").write_text(stub)
     monkeypatch.setenv("GRADE_TEST_FLAGS", str(course / "flags"))
