@@ -58,9 +58,10 @@ notebooks: $(STAMP)                  ## re-execute every notebook in place at fu
 exercises: $(STAMP)                  ## regenerate exercises/ from solutions/ (a filled-in stub is kept; FORCE=1 replaces it)
 	$(BIN)/python -m minitorch_dist.course.exercises generate $(if $(FORCE),--force,)
 
-check-exercises: $(STAMP)            ## instructors and CI: exercises/ is what solutions/ generates; the tests reject every mutant
+check-exercises: $(STAMP)            ## instructors and CI: stubs in sync, every exercise states kind/time/reference, every mutant rejected
 	$(BIN)/python -m minitorch_dist.course.exercises check
-	$(BIN)/python -m minitorch_dist.course.mutants
+	$(BIN)/python -m minitorch_dist.course.statements
+	$(BIN)/python -m minitorch_dist.course.mutants --strict
 
 grade: $(STAMP)                      ## grade the exercise stubs (what a student hands in); CH=ch03 for one chapter
 	$(BIN)/python -m minitorch_dist grade --impl exercises $(if $(CH),--chapter $(CH),)

@@ -1,7 +1,8 @@
 # generated from solutions/ch04_tensor_parallel.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 65a02ab3aa9df21f of the text below (once you change it, `make exercises` leaves it alone)
-"""Chapter 04 exercises: tensor parallelism — a row-parallel matmul, Megatron's MLP, a vocab-parallel loss,
-SUMMA, GQA heads, and a layer's traffic predicted then counted.
+# fingerprint 9ca403f5240de31c of the text below (once you change it, `make exercises` leaves it alone)
+"""Chapter 04 exercises: tensor parallelism — a row-parallel matmul that scatters its output along the
+sequence, Megatron's MLP on an uneven split, a label-smoothed vocab-parallel loss, SUMMA, GQA heads, and
+a layer's traffic predicted then counted.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -11,24 +12,20 @@ then run). Check your work: ``python -m minitorch_dist grade --chapter ch04``.
 Every function here runs inside ranks (start it with ``minitorch_dist.launch(fn, t)``) and
 talks through ``minitorch_dist.runtime.comm``, whose meter the tests read.
 
-1. :class:`RowParallelMatmul`: ``Y = X W`` with W split along its rows (its input dimension)
-   over t ranks; one all-reduce in forward, none in backward (Shoeybi et al. 2019, "Megatron-LM:
-   Training Multi-Billion Parameter Language Models Using Model Parallelism", §3, Fig. 3a: the
-   second GEMM of the MLP, and the ``g`` operator).
-2. :class:`MegatronMLP`: the whole tensor-parallel MLP, ``GeLU(X A) B`` with A split by columns
-   and B by rows, and Megatron's two conjugate operators ``f`` and ``g`` written as autograd
-   Functions (§3, Fig. 3a): one all-reduce forward, one backward.
-3. :func:`vocab_sharded_cross_entropy`: the cross-entropy of logits split along the vocabulary,
-   communicating b*s numbers instead of b*s*V (Megatron-LM §3, last paragraphs: "we fuse the
-   output of the parallel GEMM with the cross-entropy loss").
-4. :func:`summa_matmul`: 2D tensor parallelism, ``C = A B`` on a q x q grid of ranks with
-   broadcasts along rows and columns (van de Geijn & Watts 1997, "SUMMA: Scalable Universal
-   Matrix Multiplication Algorithm"; used for transformers by Xu et al. 2021, "An Efficient 2D
-   Method for Training Super-Large Deep Learning Models", Optimus, §3).
+1. :class:`RowScatterMatmul`: ``Y = X W + b`` with W split along its rows over t ranks and Y
+   left split along the sequence: one reduce-scatter forward, one all-gather backward (Shoeybi et
+   al. 2019, "Megatron-LM", §3, Fig. 3a; Korthikanti et al. 2022, "Reducing Activation
+   Recomputation in Large Transformer Models", §4.2.2, Fig. 6: the ḡ operator).
+2. :class:`UnevenMLP`: the tensor-parallel MLP, ``GeLU(X A) B`` with A split by columns and
+   B by rows, Megatron's f and g as autograd Functions, on an MLP width t need not divide (§3,
+   Fig. 3a).
+3. :func:`vocab_sharded_smoothed_ce`: the label-smoothed cross-entropy of logits split
+   along the vocabulary, communicating a few numbers per row instead of b*s*V (Megatron-LM §3;
+   Szegedy et al. 2016, "Rethinking the Inception Architecture", §7, for the smoothing).
+4. :func:`summa_matmul`: 2D tensor parallelism, ``C = A B`` on a q x q grid of ranks (van de Geijn
+   & Watts 1997, "SUMMA"; Xu et al. 2021, "Optimus", §3).
 5. :func:`gqa_head_shard`: which query and key/value heads one rank of t holds for grouped-query
-   attention (Ainslie et al. 2023, "GQA"): kv heads split when t divides ``n_kv_head``, replicated
-   when ``n_kv_head`` divides t (chapter 04, "Tensor parallelism with grouped-query attention").
-   Plain arithmetic: no ranks needed.
+   attention (Ainslie et al. 2023, "GQA"). Plain arithmetic: no ranks needed.
 6. :func:`tp_layer_traffic`: predict a tensor-parallel transformer layer's all-reduces and wire
    bytes with the cost model (Narayanan et al. 2021, §3.2), then count them with the comm meter.
 """
@@ -51,106 +48,98 @@ def _require_dist(name: str) -> None:
                            "minitorch_dist.launch(fn, t)")
 
 
-# --- 1. the row-parallel matmul ----------------------------------------------------------
+# --- 1. the row-parallel matmul, its output scattered along the sequence ------------------------
 
 
-class RowParallelMatmul(torch.autograd.Function):
-    """Kind: build
+class RowScatterMatmul(torch.autograd.Function):
+    """Kind: build · about 60 minutes
 
-    ``Y = X W + b`` with X split along its columns and W along its rows over the t ranks.
+    ``Y = X W + b`` with X split along its columns and W along its rows over the t ranks of
+    ``group``, and Y left *split along the sequence*: rank r gets only its s/t positions of Y.
 
-    Convention (the paper's, not ``nn.Linear``'s): ``W`` has shape ``(k, n)``, input features by
-    output features, and ``Y = X @ W``. Split the k input features into t equal slices; rank r
-    holds
+    Megatron's row-parallel GEMM (Shoeybi et al. 2019, §3, Fig. 3a) all-reduces its full-sized
+    partial products, so every rank ends with all of Y. Sequence parallelism (Korthikanti et al.
+    2022, §4.2.2, Fig. 6) keeps only what the next, position-wise ops need: an all-reduce is a
+    reduce-scatter followed by an all-gather, and the all-gather can wait until the next
+    column-parallel layer. Build that operator, ḡ fused with the matmul, forward and backward.
 
-    - ``x_r = X[..., r*k/t : (r+1)*k/t]``, shape ``(..., k/t)`` — in Megatron's MLP this is the
-      output of the column-parallel first GEMM, already split this way, so no scatter is needed;
-    - ``w_r = W[r*k/t : (r+1)*k/t, :]``, shape ``(k/t, n)``;
-    - ``bias``, shape ``(n,)`` or None, the *same* full bias on every rank.
+    **Interface.** The paper's convention: ``W`` is ``(k, n)`` and activations are sequence-first,
+    ``(s, b, ·)`` (Megatron's layout). Rank r holds ``x_r = X[..., r·k/t:(r+1)·k/t]``, shape
+    ``(s, b, k/t)``; ``w_r = W[r·k/t:(r+1)·k/t, :]``, shape ``(k/t, n)``; ``bias`` (``(n,)`` or None),
+    the same full bias on every rank. Forward returns ``Y[r·s/t:(r+1)·s/t]``, shape ``(s/t, b, n)``,
+    bias included. Backward receives this rank's ``(s/t, b, n)`` slice of dY and returns one
+    gradient per input of forward (``x_r, w_r, bias, group``, None where there is none): x_r's and
+    w_r's exactly as the dense layer's slices, and for the bias the part from this rank's positions
+    (a replicated parameter under sequence parallelism gets its ranks' parts summed later, by its
+    optimizer's all-reduce; not here). Call it through :func:`row_scatter_matmul`.
 
-    Block matrix multiplication gives ``X W = sum_r x_r w_r``: each rank computes a full-sized
-    partial product, and one all-reduce sums them (Megatron's ``g``: all-reduce in forward,
-    identity in backward). The bias is added once, *after* the sum (added before, it would be
-    counted t times).
+    **What the tests check**, at t = 2 and 4: the output and every gradient against the dense layer
+    and its autograd slices (float32, derived bounds), with and without bias; x_r left unchanged;
+    and through the meter, exactly one ``comm.reduce_scatter`` of the full partial product forward
+    and one ``comm.all_gather`` of dY backward, nothing else.
 
-    Backward needs no communication: with ``dY`` the (full, replicated) gradient of Y,
-
-        grad x_r = dY w_r^T            (this rank's slice of dX = dY W^T)
-        grad w_r = x_r^T dY            (this rank's rows of dW = X^T dY; leading dims flattened)
-        grad b   = dY summed over all leading dims
-
-    **Your task:** write ``forward`` (save what backward needs with ``ctx.save_for_backward``,
-    one ``comm.all_reduce`` on the partial product) and ``backward`` (return one gradient per
-    input of forward: ``x_r, w_r, bias, group``, None where there is none). Call it through
-    :func:`row_parallel_linear` (``Function.apply`` takes no keyword arguments).
+    Reference: ``minitorch_dist/parallelism/mappings.py`` (``reduce_scatter_to_sequence`` is the
+    operator alone; the library's ``RowParallelLinear`` all-reduces instead).
     """
 
     @staticmethod
     def forward(ctx, x_r, w_r, bias, group):
-        raise NotImplementedError("exercise: RowParallelMatmul.forward — see chapters/04_tensor_parallel.md")
+        raise NotImplementedError("exercise: RowScatterMatmul.forward — see chapters/04_tensor_parallel.md")
 
     @staticmethod
-    def backward(ctx, grad_y):
-        raise NotImplementedError("exercise: RowParallelMatmul.backward — see chapters/04_tensor_parallel.md")
+    def backward(ctx, grad_out):
+        raise NotImplementedError("exercise: RowScatterMatmul.backward — see chapters/04_tensor_parallel.md")
 
 
-def row_parallel_linear(x_r: torch.Tensor, w_r: torch.Tensor, bias: torch.Tensor | None = None,
-                        group=None) -> torch.Tensor:
-    """``X W + b`` from this rank's slices (see :class:`RowParallelMatmul`), differentiable."""
-    _require_dist("row_parallel_linear")
+def row_scatter_matmul(x_r: torch.Tensor, w_r: torch.Tensor, bias: torch.Tensor | None = None,
+                         group=None) -> torch.Tensor:
+    """This rank's s/t positions of ``X W + b`` from its slices (see :class:`RowScatterMatmul`)."""
+    _require_dist("row_scatter_matmul")
     if w_r.dim() != 2:
         raise ValueError("w_r must be 2-D (k/t input features, n output features), got shape "
                          f"{tuple(w_r.shape)}")
-    if x_r.shape[-1] != w_r.shape[0]:
-        raise ValueError(f"x_r has {x_r.shape[-1]} columns but w_r has {w_r.shape[0]} rows: rank r must hold "
-                         "the same slice r*k/t:(r+1)*k/t of X's columns and of W's rows")
+    if x_r.dim() != 3 or x_r.shape[-1] != w_r.shape[0]:
+        raise ValueError(f"x_r must be (s, b, k/t) with k/t = {w_r.shape[0]} (w_r's rows), got shape "
+                         f"{tuple(x_r.shape)}: rank r holds the same slice of X's columns and of W's rows")
+    t = dist.get_world_size(group)
+    if x_r.shape[0] % t:
+        raise ValueError(f"the sequence length {x_r.shape[0]} is not divisible by t={t}: each rank keeps "
+                         f"s/t positions; pad the sequence to a multiple of {t}")
     if bias is not None and tuple(bias.shape) != (w_r.shape[1],):
         raise ValueError(f"bias must have shape ({w_r.shape[1]},), one per output feature, got "
                          f"{tuple(bias.shape)}")
-    return RowParallelMatmul.apply(x_r, w_r, bias, group)
+    return RowScatterMatmul.apply(x_r, w_r, bias, group)
 
 
-# --- 2. Megatron's MLP: column-parallel, GeLU, row-parallel, with f and g ---------------------------
+# --- 2. Megatron's MLP on an uneven split ---------------------------------------------------------
 
 
-class MegatronMLP(nn.Module):
-    """Kind: build
+class UnevenMLP(nn.Module):
+    """Kind: build · about 60 minutes
 
-    The MLP ``Y = GeLU(X A + a) B + b`` of a transformer layer, split over the t ranks of ``group``
-    as Megatron-LM does it (Shoeybi et al. 2019, §3, Fig. 3a): A by *columns*, B by *rows*.
+    The MLP ``Y = GeLU(X A + a) B + b`` of a transformer layer split over the t ranks of ``group`` as
+    Megatron-LM does it (Shoeybi et al. 2019, §3, Fig. 3a): A by *columns*, B by *rows*, with
+    Megatron's conjugate operators ``f`` (before A) and ``g`` (after B) written as autograd
+    Functions. Unlike Megatron, the MLP width f need not be a multiple of t.
 
-    Built from a dense MLP (``minitorch_dist.models.gpt.MLP``: ``c_fc`` an ``nn.Linear(h, f)``,
-    a tanh-approximated GeLU, ``c_proj`` an ``nn.Linear(f, h)``; nn.Linear stores its weight as
-    (out, in)), rank r of t keeps, with ``rows = slice(r*f/t, (r+1)*f/t)``:
+    **Interface.** Built from a dense MLP (``minitorch_dist.models.gpt.MLP``: ``c_fc`` an
+    ``nn.Linear(h, f)``, a tanh-approximated GeLU, ``c_proj`` an ``nn.Linear(f, h)``; nn.Linear
+    stores its weight as (out, in)). Rank r of t owns a contiguous run of the f hidden units, in rank
+    order, the first ``f % t`` ranks one unit more than the others (63 units on 4 ranks: 16, 16, 16, 15).
+    It keeps four ``nn.Parameter`` s holding *copies* of the dense slices: ``w_fc`` (its units' rows
+    of c_fc.weight), ``b_fc``, ``w_proj`` (its units' columns of c_proj.weight) and ``b_proj`` (the
+    whole c_proj.bias). ``forward(x)`` takes the full input x (the same on every rank) and returns
+    the full output. ``f`` and ``g`` each take ``(tensor, group)`` and return one gradient per input
+    (None for the group).
 
-    - ``w_fc = c_fc.weight[rows]`` (f/t, h) and ``b_fc = c_fc.bias[rows]`` (f/t,): its columns of A;
-    - ``w_proj = c_proj.weight[:, rows]`` (h, f/t): its rows of B;
-    - ``b_proj = c_proj.bias`` (h,): the whole bias, the same on every rank.
+    **What the tests check**, at t = 2 and 4 on a width of 63 (uneven) in float64: the parameters'
+    shapes; the output, the input's gradient and every parameter's gradient against the dense MLP's
+    slices; on an even width, PyTorch's DTensor tensor parallelism (``ColwiseParallel`` /
+    ``RowwiseParallel``); and through the meter, one all-reduce of the (b, s, h) activation forward
+    and one backward, nothing else.
 
-    Each an ``nn.Parameter`` holding a *copy* (``.detach().clone()``) of the dense slice. Forward,
-    on the full input x (the same on every rank)::
-
-        x -> f -> GeLU(x w_fc^T + b_fc) -> (.) w_proj^T -> g -> + b_proj
-
-    GeLU is elementwise, so it runs on the rank's f/t columns with no communication, and those
-    columns are exactly the input slice the row-parallel B needs. Two operators carry all the
-    communication; write each as a ``torch.autograd.Function``:
-
-    - ``f`` (before the column-parallel A): identity forward; backward **all-reduce** of the
-      input's gradient, because x fed every rank's slice, so ``dL/dx = sum_r dL/dx_r``;
-    - ``g`` (after the row-parallel B): forward **all-reduce** (``Y = sum_r Y_r``, each rank's
-      product is a full-sized partial sum); backward identity (each Y_r enters Y with weight 1).
-
-    ``comm.all_reduce`` works in place: all-reduce a clone, never a tensor autograd has saved.
-    Add ``b_proj`` once, after g. One all-reduce of the (b, s, h) activation forward and one
-    backward, nothing else.
-
-    **Your task:** ``f.forward`` / ``f.backward``, ``g.forward`` / ``g.backward`` (return one gradient
-    per input of forward: the tensor's, then None for ``group``), the shards in ``__init__`` and
-    ``forward``. The tests compare the output and every gradient (the parameters' and the input's)
-    with the dense MLP at t = 2 and 4, and with PyTorch's DTensor tensor parallelism
-    (``parallelize_module`` with ``ColwiseParallel`` on ``c_fc`` and ``RowwiseParallel`` on
-    ``c_proj``), and count the collectives of each pass with the comm meter.
+    Reference: ``minitorch_dist/parallelism/tensor_parallel.py`` (``ParallelMLP``, which requires t to
+    divide f) and ``minitorch_dist/parallelism/mappings.py`` (f and g).
     """
 
     class f(torch.autograd.Function):
@@ -158,26 +147,26 @@ class MegatronMLP(nn.Module):
 
         @staticmethod
         def forward(ctx, x, group):
-            raise NotImplementedError("exercise: MegatronMLP.f.forward — see chapters/04_tensor_parallel.md")
+            raise NotImplementedError("exercise: UnevenMLP.f.forward — see chapters/04_tensor_parallel.md")
 
         @staticmethod
         def backward(ctx, grad):
-            raise NotImplementedError("exercise: MegatronMLP.f.backward — see chapters/04_tensor_parallel.md")
+            raise NotImplementedError("exercise: UnevenMLP.f.backward — see chapters/04_tensor_parallel.md")
 
     class g(torch.autograd.Function):
         """Megatron's g: all-reduce forward, identity backward."""
 
         @staticmethod
         def forward(ctx, y_r, group):
-            raise NotImplementedError("exercise: MegatronMLP.g.forward — see chapters/04_tensor_parallel.md")
+            raise NotImplementedError("exercise: UnevenMLP.g.forward — see chapters/04_tensor_parallel.md")
 
         @staticmethod
         def backward(ctx, grad):
-            raise NotImplementedError("exercise: MegatronMLP.g.backward — see chapters/04_tensor_parallel.md")
+            raise NotImplementedError("exercise: UnevenMLP.g.backward — see chapters/04_tensor_parallel.md")
 
     def __init__(self, mlp: nn.Module, group=None):
         super().__init__()
-        _require_dist("MegatronMLP")
+        _require_dist("UnevenMLP")
         for name in ("c_fc", "c_proj"):
             lin = getattr(mlp, name, None)
             if not isinstance(lin, nn.Linear) or lin.bias is None:
@@ -185,92 +174,94 @@ class MegatronMLP(nn.Module):
                                  f"got {lin!r}")
         t, r = dist.get_world_size(group), dist.get_rank(group)
         width = mlp.c_fc.out_features
-        if width % t:
-            raise ValueError(f"the MLP width {width} is not divisible by t={t}: each rank needs a whole "
-                             f"number of A's columns and B's rows")
+        if width < t:
+            raise ValueError(f"the MLP width {width} is smaller than t={t}: every rank needs at least one "
+                             f"hidden unit; use t <= {width}")
         if getattr(getattr(mlp, "dropout", None), "p", 0.0):
             raise ValueError("dropout must be 0: a split region needs per-rank random streams "
                              "(see the chapter)")
         self.group = group
-        raise NotImplementedError("exercise: MegatronMLP.__init__ — see chapters/04_tensor_parallel.md")
+        raise NotImplementedError("exercise: UnevenMLP.__init__ — see chapters/04_tensor_parallel.md")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("exercise: MegatronMLP.forward — see chapters/04_tensor_parallel.md")
+        raise NotImplementedError("exercise: UnevenMLP.forward — see chapters/04_tensor_parallel.md")
 
 
-# --- 3. the vocab-parallel cross-entropy --------------------------------------------------------
+# --- 3. the vocab-parallel cross-entropy, label-smoothed -------------------------------------------
 
 
-def vocab_sharded_cross_entropy(logits_r: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
-    """Kind: build
+def vocab_sharded_smoothed_ce(logits_r: torch.Tensor, targets: torch.Tensor, smoothing: float,
+                              group=None) -> torch.Tensor:
+    """Kind: build · about 45 minutes
 
-    The mean cross-entropy of logits split along the vocabulary, without gathering them.
+    The mean label-smoothed cross-entropy of logits split along the vocabulary, without gathering
+    them.
 
-    The output layer of a language model maps b*s hidden states to b*s*V logits, V ~ 50k. With
-    the output embedding split column-wise over t ranks, rank r holds the logits of its vocab
-    slice ``[r*V/t, (r+1)*V/t)``: ``logits_r`` of shape ``(..., V/t)``. All-gathering them for
-    the loss would move b*s*V numbers. Megatron (§3) instead reduces each row to a few numbers
-    first. For one row with logits z and target y,
+    The output layer of a language model maps b·s hidden states to b·s·V logits, V ~ 50k. With the
+    output embedding split column-wise over t ranks, rank r holds the logits of its vocab slice
+    ``[r·V/t, (r+1)·V/t)``. All-gathering them for the loss would move b·s·V numbers; Megatron
+    (Shoeybi et al. 2019, §3, last paragraphs) reduces each row to a few numbers first. Here the
+    target distribution is also *smoothed* (Szegedy et al. 2016, §7): weight ``1 - smoothing`` on
+    the target token plus ``smoothing`` spread uniformly over all V tokens (the target included),
+    and the loss of a row is the cross-entropy of the softmax against that distribution: what
+    ``F.cross_entropy(..., label_smoothing=smoothing)`` computes on the full logits.
 
-        loss = log sum_v exp(z_v) - z_y
-             = M + log sum_v exp(z_v - M) - z_y,      M = max_v z_v  (no overflow)
+    **Interface.** ``logits_r``, shape ``(..., V/t)``; ``targets``, shape ``logits_r.shape[:-1]``,
+    *global* vocab ids, the same on every rank; ``smoothing`` in [0, 1]; the rank index is
+    ``dist.get_rank(group)``. Return the mean over all rows, a 0-dim float32 tensor, the same on every
+    rank, computed in float32 (``.float()``), using only ``comm.all_reduce``. No gradient is asked
+    for. It must not overflow for logits in the thousands.
 
-    and every term is a reduction over v, so over the ranks:
+    **What the tests check**, at t = 2 and 4 and smoothing 0 and 0.1: the loss against
+    ``F.cross_entropy`` with ``label_smoothing`` on the full logits in float64 (a derived float32
+    bound), also with every logit shifted by 1000; targets on the slices' edges; and through the
+    meter, only all-reduces, a few numbers per row, never the logits.
 
-    - ``M``: the max over ranks of each rank's row max (all-reduce with ``comm.ReduceOp.MAX``);
-    - ``sum_v exp(z_v - M)``: the sum over ranks of each rank's partial sum (all-reduce, SUM);
-    - ``z_y``: the rank whose slice holds y contributes the logit, the others 0 (all-reduce, SUM).
-
-    Three all-reduces of b*s numbers each, whatever V. ``targets`` (shape ``logits_r.shape[:-1]``)
-    holds *global* vocab ids and is the same on every rank; the rank index r is
-    ``dist.get_rank(group)``.
-
-    **Your task:** return the mean over all rows of the loss, a 0-dim float tensor, the same on
-    every rank, using only ``comm.all_reduce``. Compute in float32 (``.float()``); no gradient
-    is asked for (the chapter's module gives this function its backward, ``softmax - onehot``
-    on the rank's own slice).
+    Reference: ``minitorch_dist/parallelism/tensor_parallel_vocab.py`` (``vocab_parallel_cross_entropy``:
+    no smoothing there).
     """
-    _require_dist("vocab_sharded_cross_entropy")
+    _require_dist("vocab_sharded_smoothed_ce")
     if tuple(targets.shape) != tuple(logits_r.shape[:-1]):
         raise ValueError(f"targets has shape {tuple(targets.shape)}; expected logits_r's without its last "
                          f"(vocab) dimension, {tuple(logits_r.shape[:-1])}")
     if targets.dtype != torch.long:
         raise ValueError(f"targets must be int64 vocab ids, got {targets.dtype}")
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"smoothing must lie in [0, 1] (0: plain cross-entropy), got {smoothing!r}")
     vocab = logits_r.shape[-1] * dist.get_world_size(group)
     if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) < vocab):
         raise ValueError(f"targets must lie in [0, {vocab}) (V/t = {logits_r.shape[-1]} per rank times "
                          f"t = {dist.get_world_size(group)} ranks), got [{int(targets.min())}, "
                          f"{int(targets.max())}]")
-    raise NotImplementedError("exercise: vocab_sharded_cross_entropy — see chapters/04_tensor_parallel.md")
+    raise NotImplementedError("exercise: vocab_sharded_smoothed_ce — see chapters/04_tensor_parallel.md")
 
 
 # --- 4. SUMMA: a 2D-parallel matmul --------------------------------------------------------------
 
 
 def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
-    """Kind: build
+    """Kind: build · about 60 minutes
 
-    This rank's block of ``C = A B`` on a q x q grid of ranks (SUMMA).
+    This rank's block of ``C = A B`` on a q x q grid of ranks, by SUMMA (van de Geijn & Watts 1997;
+    for transformers, Xu et al. 2021, "Optimus", §3).
 
-    1D tensor parallelism (exercises 1 and 2) all-reduces a full activation in every layer; on a
-    q x q grid each rank sends only along its row and its column, about 1/q of that. A, B and C
-    are cut into q x q blocks; rank ``q*i + j`` (grid row i, column j) holds ``A_ij`` and
-    ``B_ij`` and computes
+    1D tensor parallelism all-reduces a full activation in every layer; on a q x q grid each rank
+    sends only along its grid row and its grid column, about 1/q of that. A, B and C are cut into
+    q x q blocks; rank ``q·i + j`` (grid row i, column j) holds ``A_ij`` and ``B_ij`` (all A blocks one
+    shape, all B blocks another) and must end with ``C_ij = Σ_k A_ik B_kj``, each block it needs
+    arriving by a broadcast from the rank that holds it, along a grid row or a grid column.
 
-        C_ij = sum_k A_ik B_kj
+    **Interface.** Return ``C_ij`` in the blocks' dtype, using ``comm.broadcast`` with groups from
+    ``dist.new_group`` (collective over the *whole* world: every rank creates every group, in the
+    same order). ``comm.broadcast(t, src, group=g)`` takes ``src`` as a *global* rank and overwrites
+    ``t`` on the other ranks of g. The world size must be a square (scaffolded).
 
-    in q steps: at step k the owner of ``A_ik`` (rank ``q*i + k``) broadcasts it along grid row
-    i, the owner of ``B_kj`` (rank ``q*k + j``) broadcasts it along grid column j, and every rank
-    adds ``A_ik @ B_kj`` to its C block. All A blocks have one shape, all B blocks another.
+    **What the tests check**, on a 2 x 2 grid in float64: every block against the dense product
+    (``reorder_bound`` of a K-term dot product); through the meter, 2q broadcasts per rank, each
+    among q ranks, q of A's block size and q of B's.
 
-    The row and column groups come from ``dist.new_group(ranks)``. new_group is collective over
-    the *whole* world: every rank must call it for every group, its own or not, in the same
-    order, or the ranks hang. So build all q row groups, then all q column groups, on every
-    rank. ``comm.broadcast(t, src, group=g)`` takes ``src`` as a *global* rank and overwrites
-    ``t`` on the other ranks of g (receive into a fresh buffer: do not overwrite your own block).
-
-    **Your task:** return ``C_ij``, using ``comm.broadcast`` with the row and column groups
-    (2q broadcasts per rank, each among q ranks).
+    Reference: ``minitorch_dist/runtime/comm.py`` (the metered ``broadcast``; the library has no
+    SUMMA: ``parallelism/mesh.py`` shows grid groups built on every rank).
     """
     _require_dist("summa_matmul")
     world = dist.get_world_size()
@@ -288,20 +279,23 @@ def summa_matmul(a_ij: torch.Tensor, b_ij: torch.Tensor) -> torch.Tensor:
 
 
 def gqa_head_shard(n_head: int, n_kv_head: int, t: int, r: int) -> tuple[range, range, bool]:
-    """Kind: derive
+    """Kind: derive · about 25 minutes
 
     ``(query heads, kv heads, replicated)`` of rank ``r`` of ``t`` for attention with ``n_head``
-    query heads sharing ``n_kv_head`` key/value heads (query head h reads kv head h // (n_head / n_kv_head)).
+    query heads sharing ``n_kv_head`` key/value heads (Ainslie et al. 2023, "GQA"): query head h
+    reads kv head ``h // (n_head / n_kv_head)``.
 
-    Query heads are always split: rank r holds the n_head / t consecutive heads from r·n_head/t. The kv
-    heads a rank needs are those its query heads read. When t divides ``n_kv_head`` each rank holds its
-    own n_kv_head / t of them (``replicated`` False). When ``n_kv_head`` divides t, a kv head serves
-    t / n_kv_head ranks, each holding a copy (``replicated`` True: their gradients must be summed over
-    those ranks). Otherwise a rank's query heads would read part of a kv head, or kv heads other ranks
-    also split: raise ``ValueError`` naming the degrees that work (every d dividing n_head for which d
-    divides n_kv_head or n_kv_head divides d), e.g. "... use t in (1, 2, 4, 8)". t must divide n_head too.
+    Assume the query heads are split evenly, in order, rank r holding a contiguous run of
+    n_head / t of them, and that a rank holds exactly the kv heads its query heads read, each whole.
+    Derive which kv heads that is, whether a rank's kv heads are also held by other ranks
+    (``replicated``: their gradients must then be summed over those ranks), and for which t the
+    scheme works at all. For a t where it does not (a rank's query heads would read part of a kv
+    head, or t does not divide n_head), raise ``ValueError`` naming the degrees that work, e.g.
+    "... use t in (1, 2, 4, 8)".
 
-    **Your task:** return the two ranges and the flag, or raise.
+    Return the two ranges and the flag, or raise. The tests check every t on five head layouts
+    against the library's layout (``tensor_parallel_llama.kv_layout``, ``kv_heads_of_rank``), every
+    query head held once and every query head's kv head held by the same rank.
     """
     for name, v in (("n_head", n_head), ("n_kv_head", n_kv_head), ("t", t)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -318,27 +312,33 @@ def gqa_head_shard(n_head: int, n_kv_head: int, t: int, r: int) -> tuple[range, 
 
 
 def tp_layer_traffic(block: nn.Module, x: torch.Tensor, group=None) -> dict:
-    """Kind: measure
+    """Kind: measure · about 30 minutes
 
     Predict what one tensor-parallel transformer layer sends, then count it.
 
-    ``block`` is one layer of a tensor-parallel GPT on this rank (attention split by heads, the
-    MLP column-then-row, f and g around both), ``x`` its input, of shape (b, s, h), the same on
-    every rank of ``group`` (t ranks).
+    ``block`` is one layer of a tensor-parallel GPT on this rank (attention split by heads, the MLP
+    column-then-row, f and g around both), ``x`` its input, of shape (b, s, h), the same on every
+    rank of ``group`` (t ranks).
 
-    1. **Predict**, before running anything, with the cost model
-       (``minitorch_dist.costmodel``): how many all-reduces of the b·s·h activation the
+    1. **Predict**, before running anything and from the shapes alone, with the cost model
+       (``minitorch_dist.costmodel``): how many all-reduces of the b·s·h activation Megatron's
        layer runs in its forward and in its backward, and how many bytes this rank puts on the
        wire for all of them under the ring model (Narayanan et al. 2021, §3.2), with the element
        size of ``x``.
-    2. **Measure**: run the layer forward (on a detached copy of x that requires grad) inside one
-       ``comm.meter()`` and the backward of ``y.sum()`` inside another, and read the number of
-       all-reduces in each pass and the wire bytes of both together.
+    2. **Measure**: run ``block`` forward (on a detached copy of x that requires grad) and the
+       backward of ``y.sum()``, each under its own ``comm.meter()``, and read the all-reduces of each
+       pass and the wire bytes of both together.
 
     Return ``{"predicted": {"forward": n, "backward": n, "wire_bytes": bytes},
-    "measured": {"forward": n, "backward": n, "wire_bytes": bytes}}``. The tests check the
-    prediction against the formula worked by hand and the measurement against their own meter, and
-    require the two to agree: the counts exactly, the wire bytes within 0.1 %.
+    "measured": {"forward": n, "backward": n, "wire_bytes": bytes}}``.
+
+    **What the tests check**, at t = 2 and 4: the prediction against the formula worked by hand; the
+    measurement against the test's own meter of the same layer; the two against each other (counts
+    exactly, bytes within rel 1e-9); and, on a layer that sends one all-reduce more than Megatron's,
+    a prediction that stays Megatron's while the measurement sees the extra one.
+
+    Reference: ``minitorch_dist/costmodel/tensor_parallel.py`` (the counts and bytes to predict with) and
+    ``minitorch_dist/runtime/comm.py`` (the meter).
     """
     _require_dist("tp_layer_traffic")
     if x.dim() != 3:

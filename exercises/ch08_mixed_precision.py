@@ -1,5 +1,5 @@
 # generated from solutions/ch08_mixed_precision.py by `make exercises`: fill in each NotImplementedError
-# fingerprint da95af19e78b46fe of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint 314c1bc44c0f290c of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 08 exercises: mixed precision — the loss scaler and a training loop built on it, the
 updates bf16 loses, stochastic rounding, a Kahan-compensated bf16 update, fp8 tiles, delayed scaling.
 
@@ -11,8 +11,9 @@ then run). Check your work: ``python -m minitorch_dist grade --chapter ch08``.
 Nothing here needs ranks: number formats are a single-process matter.
 
 1. :func:`scaler_update`: the dynamic loss-scale rule (Micikevicius et al. 2018, "Mixed Precision
-   Training", §3.2; the rule ``torch.amp.GradScaler.update`` applies): halve the scale and skip the
-   step when a gradient overflowed, double it after ``growth_interval`` clean steps in a row.
+   Training", §3.2; the rule ``torch.amp.GradScaler.update`` applies) with a floor: halve the scale
+   (never below ``min_scale``) and skip the step when a gradient overflowed, double it after
+   ``growth_interval`` clean steps in a row.
 2. :class:`LossScaler`: the whole dynamic loss scaler, ``scale`` / ``unscale_`` / ``step`` /
    ``update`` with ``torch.amp.GradScaler``'s semantics, its rule being exercise 1.
 3. :func:`train_with_loss_scaling`: mixed-precision training (Micikevicius et al. 2018, §3.1-3.3): a
@@ -31,10 +32,10 @@ Nothing here needs ranks: number formats are a single-process matter.
    4 bytes per parameter instead of an fp32 master copy's 6.
 7. :func:`quantize_tiles_1x128`: DeepSeek-V3's fine-grained fp8 quantisation of activations
    (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.3.2): one scale per 1×128 tile, so that an
-   outlier spoils only the 128 values that share its tile.
-8. :func:`delayed_scaling_update`: Transformer Engine's delayed-scaling step for one fp8 tensor: the
-   next scale from a window of past amaxes, then the window rolled (Micikevicius et al. 2022, "FP8
-   Formats for Deep Learning", §4, per-tensor scaling; TE's ``DelayedScaling`` recipe).
+   outlier spoils only the 128 values that share its tile; optionally power-of-two scales (MX).
+8. :func:`delayed_scaling_update`: Transformer Engine's delayed-scaling step for one or many fp8
+   tensors: the next scales from windows of past amaxes, then the windows rolled (Micikevicius et
+   al. 2022, "FP8 Formats for Deep Learning", §4, per-tensor scaling; TE's ``DelayedScaling``).
 """
 from __future__ import annotations
 
@@ -74,31 +75,38 @@ def _check_factors(growth_factor: float, backoff_factor: float, growth_interval:
 
 
 def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_factor: float = 2.0,
-                  backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
-    """Kind: build
+                  backoff_factor: float = 0.5, growth_interval: int = 2000,
+                  min_scale: float = 0.0) -> tuple[float, int]:
+    """Kind: build · about 25 minutes
 
-    The loss scale and growth tracker after one step: ``(new_scale, new_growth_tracker)``.
+    The dynamic loss-scale rule: the scale and growth tracker after one step,
+    ``(new_scale, new_growth_tracker)`` (Micikevicius et al. 2018, "Mixed Precision Training", §3.2).
 
-    fp16 flushes gradients below 2^-24 to zero. Multiplying the loss by a scale ``S`` multiplies
-    every gradient by ``S`` (backward is linear), lifting small gradients into fp16's range; the
-    optimizer divides by ``S`` again in fp32 before the update (Micikevicius et al. §3.2). Too large
-    an ``S`` overflows some gradient to ``inf`` (or makes a ``NaN``) instead. Nobody knows the right
-    ``S`` in advance, and it drifts as gradients shrink through training, so it is found online:
+    Multiplying the loss by a scale S lifts small fp16 gradients into range; too large an S
+    overflows some gradient to inf or NaN instead. The right S is unknown and drifts, so it is found
+    online: a step whose gradients held an inf or a NaN (``found_inf``) shrinks S by
+    ``backoff_factor`` and restarts the count of clean steps; ``growth_interval`` clean steps in a row
+    grow S by ``growth_factor`` and restart the count; otherwise the count goes on and S stays.
 
-    - if this step's gradients held an inf or a NaN (``found_inf``): the step is skipped (the
-      optimizer does not run, the weights stay), the scale shrinks, ``S <- S * backoff_factor``,
-      and the count of clean steps starts again: ``growth_tracker <- 0``;
-    - otherwise one more clean step: ``growth_tracker + 1``. When that reaches ``growth_interval``
-      the scale grows, ``S <- S * growth_factor``, and the count restarts at 0; else the scale
-      stays and the tracker keeps the new count.
+    Unlike GradScaler, yours has a floor, ``min_scale`` (DeepSpeed's ``min_loss_scale``, Megatron's
+    ``min_scale``): a backoff never takes S below it (a scale already below it, say the initial one,
+    is not raised; it just does not shrink). A run whose loss is NaN for a reason no scale can fix
+    (bad data, a diverged model) then keeps a usable S instead of halving it towards 0 step after
+    step. ``min_scale = 0`` is GradScaler's rule.
 
-    The scale lives in fp32 (GradScaler's ``_scale`` is a one-element fp32 tensor): round every
-    new scale to fp32 with ``_fp32`` (given). A scale that would grow past fp32's largest number
-    (``_fp32`` gives ``inf``) is not grown: it stays as it was, though the tracker still restarts
-    at 0 — GradScaler's kernel does the same, so the scale can never become ``inf``.
+    Interface: ``scale`` (a float), ``growth_tracker`` (clean steps since S last changed, in
+    ``[0, growth_interval)``), ``found_inf`` (a bool or a one-element tensor), the factors and the
+    floor; returns a float and an int. The arguments are already checked.
 
-    **Your task:** return ``(new_scale, new_growth_tracker)`` (a float and an int) by the rule
-    above. The arguments are already checked.
+    Properties the tests check: the same sequence of scales and trackers as
+    ``torch.amp.GradScaler`` (and its update kernel) on scripted and random runs, for several
+    factors and intervals with ``min_scale = 0``; random runs with a floor against GradScaler's kernel
+    clamped by hand; every scale is an fp32 number (GradScaler keeps S in an fp32 tensor: round with
+    ``_fp32``, given; the floor is rounded too); S never grows into inf (the tracker still restarts);
+    an interval of 1 grows on every clean step; a backoff stops at the floor and never crosses it.
+
+    Reference: ``minitorch_dist/memory/mixed_precision.py`` (``DynamicLossScaler.update``: the same rule
+    on a tensor scale; here it is a pure function of the state).
     """
     if isinstance(found_inf, torch.Tensor):
         found_inf = bool(found_inf.item())  # GradScaler's found_inf is a one-element tensor
@@ -110,7 +118,9 @@ def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_fac
         raise ValueError("growth_tracker must be a whole number in [0, growth_interval = "
                          f"{growth_interval}), got {growth_tracker}: it counts the clean steps since the "
                          "scale last changed")
-    growth_tracker, growth_interval = int(growth_tracker), int(growth_interval)
+    if not (math.isfinite(float(min_scale)) and min_scale >= 0):
+        raise ValueError(f"min_scale must be a finite number >= 0 (0: no floor), got {min_scale}")
+    growth_tracker, growth_interval, min_scale = int(growth_tracker), int(growth_interval), float(min_scale)
     raise NotImplementedError("exercise: scaler_update — see chapters/08_mixed_precision.md")
 
 
@@ -118,43 +128,44 @@ def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_fac
 
 
 class LossScaler:
-    """Kind: build
+    """Kind: build · about 45 minutes
 
     A dynamic loss scaler with ``torch.amp.GradScaler``'s four calls (Micikevicius et al. 2018,
     §3.2), for one optimizer whose parameters hold fp32 (or bf16) gradients::
 
         scaler.scale(loss).backward()   # every gradient comes out multiplied by S
-        scaler.unscale_(optimizer)      # optional: g <- g / S now (before clipping, say), inf/NaN found?
-        scaler.step(optimizer)          # unscale_ unless done; optimizer.step() unless inf/NaN was found
-        scaler.update()                 # S and the growth tracker by the rule of exercise 1
+        scaler.unscale_(optimizer)      # optional: gradients divided by S now (before clipping, say)
+        scaler.step(optimizer)          # the optimizer's step, unless a gradient was inf or NaN
+        scaler.update()                 # the next S, by the rule of exercise 1
 
-    - ``scale(loss)``: ``loss * S``, with S as an fp32 tensor on the loss's device.
-    - ``unscale_(optimizer)``: multiply every ``.grad`` of the optimizer's parameters in place by
-      ``1 / S`` — computed as GradScaler does, in float64 and rounded once to fp32 (``_fp32(1.0 /
-      S)``) — and record (and return) whether any gradient held an inf or a NaN *before* the
-      multiplication. ``_grads_of(optimizer)`` (given) lists the gradients and refuses fp16 ones.
-    - ``step(optimizer)``: call ``unscale_`` unless it was called this iteration; then, if a
-      gradient was not finite, skip the step — the weights keep their values, ``skipped_steps``
-      grows by one — and return None; otherwise return ``optimizer.step()``.
-    - ``update()``: ``scale, growth_tracker <- scaler_update(...)`` with this iteration's
-      ``found_inf`` and the scaler's factors, then forget the iteration (the next one starts clean).
+    Interface: ``scale(loss)`` returns ``loss * S`` (S an fp32 tensor on the loss's device);
+    ``unscale_(optimizer)`` divides every ``.grad`` in place and returns whether any held an inf or a
+    NaN *before* it; ``step(optimizer)`` returns ``optimizer.step()``'s value, or None for a skipped
+    step (the weights keep their values, ``skipped_steps`` grows by one); ``update()`` moves S and
+    ``growth_tracker`` by :func:`scaler_update` (with the scaler's ``min_scale``) and starts a fresh
+    iteration. The state is
+    ``self._scale`` (a Python float, an fp32 number), ``self.growth_tracker``, ``self.skipped_steps``
+    and the per-iteration flags ``self._found_inf`` (None until checked) and ``self._stepped``; the
+    misuse checks are given, and ``_grads_of(optimizer)`` (given) lists the gradients.
 
-    The state: ``self._scale`` (a Python float, always an fp32 number), ``self.growth_tracker``,
-    ``self.skipped_steps``, and two per-iteration flags, ``self._found_inf`` (None until
-    ``unscale_`` ran this iteration, then a bool) and ``self._stepped``. The misuse checks (a second
-    ``unscale_``, a second ``step`` without ``update``, ``update`` before any check) are given.
+    Properties the tests check: bit for bit the scales, gradients, weights and skipped steps of
+    ``torch.amp.GradScaler`` on a scripted run with overflows, NaNs and clipping between ``unscale_``
+    and ``step`` (1/S is computed as GradScaler does, in float64 and rounded once to fp32); a gradient
+    is divided once however the calls are mixed; an iteration's verdict does not leak into the next;
+    misuse raises.
 
-    **Your task:** the bodies of ``scale``, ``unscale_``, ``step`` and ``update``.
+    Reference: ``minitorch_dist/memory/mixed_precision.py`` (``DynamicLossScaler``: the library's scaler,
+    keyed by optimizer with a tensor scale; yours keeps a float scale for one optimizer).
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):
+                 growth_interval: int = 2000, min_scale: float = 0.0):
         if not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
             raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
         _check_factors(float(growth_factor), float(backoff_factor), growth_interval)
         self._scale = _fp32(float(init_scale))
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self.growth_interval = int(growth_interval)
+        self.growth_interval, self.min_scale = int(growth_interval), float(min_scale)
         self.growth_tracker = 0
         self.skipped_steps = 0
         self._found_inf: bool | None = None
@@ -209,33 +220,31 @@ def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def train_with_loss_scaling(model: nn.Module, batches, make_optimizer, scaler=None,
                             dtype: torch.dtype = torch.float16, loss_fn=None) -> dict:
-    """Kind: build
+    """Kind: build · about 45 minutes
 
-    Train ``model`` in mixed precision (Micikevicius et al. 2018, §3) on ``batches``, one optimizer
-    step per ``(x, y)`` batch, and return what happened.
+    Train ``model`` in mixed precision (Micikevicius et al. 2018, §3.1-3.3) on ``batches``, one
+    optimizer step per ``(x, y)`` batch, and return what happened.
 
-    The arrangement (set up for you below): ``half`` is a copy of the model in ``dtype`` (fp16 or
-    bf16) whose LayerNorms compute in fp32; ``masters`` are fp32 copies of the *original* weights,
-    in the order of ``half.parameters()``, and ``optimizer = make_optimizer(masters)`` owns them.
-    Each step:
+    The arrangement is set up for you below: ``half``, a copy of the model in ``dtype`` (fp16 or bf16,
+    its LayerNorms computing in fp32); ``masters``, fp32 copies of the *original* weights in the order
+    of ``half.parameters()``; ``optimizer = make_optimizer(masters)``, which owns them. Forward and
+    backward run on ``half``; sums and updates happen in fp32 on the masters; the next forward sees
+    the updated masters rounded into ``half``. ``loss = loss_fn(half, x, y)`` is an fp32 scalar.
+    ``scaler`` is anything with GradScaler's calls (your :class:`LossScaler`, or
+    ``torch.amp.GradScaler("cpu")``), or None (bf16, or fp16 without loss scaling).
 
-    1. forward and backward run on ``half``: ``loss = loss_fn(half, x, y)`` (an fp32 scalar), and the
-       backward starts from ``scaler.scale(loss)`` — or from ``loss`` itself when ``scaler`` is None
-       (bf16, or fp16 shown without loss scaling);
-    2. each half gradient becomes its master's fp32 gradient (``m.grad = h.grad.float()``), and the
-       half gradient is dropped (``h.grad = None``) — sums and the update happen in fp32;
-    3. ``scaler.step(optimizer)`` then ``scaler.update()`` (or ``optimizer.step()`` without a
-       scaler): the scaler unscales the fp32 gradients, and skips the step if one is inf or NaN;
-    4. every master is rounded into its half weight (``h.copy_(m)`` under ``torch.no_grad()``), which
-       the next forward uses.
+    Return ``{"losses": [...], "applied": [...], "masters": masters, "half_model": half}``: each
+    step's unscaled loss (``loss.item()``) and whether its update was applied (always True without a
+    scaler; with one, a skipped step is the only thing that lowers the scale).
 
-    ``scaler`` is anything with GradScaler's calls: your :class:`LossScaler`, or
-    ``torch.amp.GradScaler("cpu")`` itself. A step was applied unless the scaler backed off: a skip
-    is the only thing that lowers the scale, so ``applied = scaler.get_scale() >= scale_before``.
+    Properties the tests check: the losses, applied flags, masters and half weights equal, bit for bit,
+    a reference loop driven by ``torch.amp.GradScaler`` (and by your scaler), including steps that
+    overflow; with gradients too small for fp16, the loss-scaled run learns what fp32 learns while the
+    unscaled one does not (and bf16 needs no scaler); the fp32 model is left as it was; bad input is
+    refused.
 
-    **Your task:** the loop. Return ``{"losses": [...], "applied": [...], "masters": masters,
-    "half_model": half}``: the unscaled loss of each step (``loss.item()``) and whether its update
-    was applied (always True without a scaler).
+    Reference: ``minitorch_dist/memory/mixed_precision.py`` (``MixedPrecisionTrainer``: the same
+    arrangement as a class over micro-batches; yours is one loop over batches, driven by any scaler).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -258,27 +267,31 @@ def train_with_loss_scaling(model: nn.Module, batches, make_optimizer, scaler=No
 
 
 def count_lost_bf16_updates(model: nn.Module, x, y, lr: float, loss_fn=None) -> dict:
-    """Kind: measure
+    """Kind: measure · about 30 minutes
 
-    A model kept entirely in bf16 — no fp32 master — takes one SGD step, ``w <- w - lr * g``. How
-    many of its elements does the step fail to move? Predict it from the number format, then take
-    the step and count.
+    A model kept entirely in bf16 — no fp32 master — takes one SGD step, ``w <- w - lr * g``. How many
+    of its elements does the step fail to move? Predict it from the number format, then take the step
+    and count.
 
-    - **Predict.** Forward and backward once (``loss_fn(model, x, y)``, default
-      ``fp32_cross_entropy``) to get every gradient ``g`` (bf16). The update of an element is ``u =
-      -lr * g.float()``. Among the elements with ``u != 0`` (a zero update moves nothing, lost or
-      not), count those whose update :func:`costmodel.precision.update_lost` says rounds away in
-      ``"bf16"`` (``update_lost(w, u, "bf16")`` takes tensors; give it the weights and updates as
-      float64). That needs nothing but bf16's bit layout: |u| below half the gap to w's neighbour.
-    - **Measure.** Take the step in place, as SGD does on bf16 weights: ``p.add_(p.grad, alpha=-lr)``
-      under ``torch.no_grad()``, and count, among the same elements, those whose weight is exactly
-      what it was.
+    - **Predict** from bf16's bit layout alone, with ``costmodel.precision.update_lost`` (given the
+      weights and the updates ``u = -lr * g``), which elements the step cannot move.
+    - **Measure**: take the step in place, as SGD does on bf16 weights (``p.add_(p.grad, alpha=-lr)``
+      under ``torch.no_grad()``), and count the elements whose weight is exactly what it was.
 
-    Tolerance: the two counts agree to within 0.5 % of the updated elements. They can differ by a
-    few: the real step rounds w + u twice, to fp32 and then to bf16, where the prediction rounds once.
+    Count only the elements whose update is not zero (a zero update moves nothing, lost or not).
+    ``loss_fn(model, x, y)`` (default ``fp32_cross_entropy``) gives the loss to back-propagate.
 
-    **Your task:** return ``{"predicted": int, "measured": int, "updated": int}`` (``updated``: the
-    elements with ``u != 0``), leaving ``model`` stepped and its gradients in place.
+    Return ``{"predicted": int, "measured": int, "updated": int}`` (``updated``: the elements with
+    ``u != 0``), leaving ``model`` stepped and its gradients in place.
+
+    Properties the tests check: ``updated`` and ``measured`` exactly against the test's own SGD step of
+    an identical model; ``predicted`` within 0.5 % of the updated elements of the test's own bit-level
+    count; your model's weights after the call equal the test's stepped weights (the measurement came
+    from a real step); the two counts agree to within 0.5 % of the updated elements (the real step
+    rounds w + u twice, to fp32 then bf16, the prediction once).
+
+    Reference: ``minitorch_dist/costmodel/precision.py`` (``update_lost``: the prediction; the exercise
+    adds the real step and the count).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -297,37 +310,29 @@ _LOW_BITS = 16  # bf16 is fp32 with the low 16 bits of the mantissa cut off
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Kind: build
+    """Kind: build · about 40 minutes
 
-    ``x`` (fp32) rounded to bf16, up or down at random so that the result is right on average.
+    ``x`` (fp32) rounded to bf16, up or down at random so that the result is right on average
+    (Gupta et al. 2015, "Deep Learning with Limited Numerical Precision", §3).
 
-    bf16 is the top half of an fp32: the same sign bit and 8 exponent bits, 7 of the 23 mantissa
-    bits. Every fp32 ``x`` lies between two neighbouring bf16 numbers ``lo <= x < hi`` (towards
-    zero and away from it). Round-to-nearest always picks the closer one; *stochastic rounding*
-    picks ``hi`` with probability ``(x - lo) / (hi - lo)`` and ``lo`` otherwise, so that
+    Every fp32 ``x`` lies between two neighbouring bf16 numbers ``lo <= x < hi`` (towards zero and
+    away from it). *Stochastic rounding* picks ``hi`` with probability ``(x - lo) / (hi - lo)`` and
+    ``lo`` otherwise, so ``E[round(x)] = x``: a weight whose updates are each below half its ulp
+    never moves under round-to-nearest, but moves by the updates *on average* under stochastic
+    rounding, with no fp32 copy.
 
-        E[round(x)] = lo + (x - lo) / (hi - lo) * (hi - lo) = x.
+    Interface: ``x`` a float32 tensor (any shape, on any device), ``generator`` a ``torch.Generator``
+    on x's device; returns a bf16 tensor of x's shape. Draw random numbers from ``generator`` only.
 
-    Why it matters (Gupta et al. §3): a weight ``w`` that receives updates smaller than half its
-    ulp (the gap between neighbouring bf16 numbers, ``2^-7`` at 1.0) never moves under
-    round-to-nearest — each ``w + u`` rounds back to ``w`` — but moves by ``u`` *in expectation*
-    under stochastic rounding, so the updates add up over many steps with no fp32 copy.
+    Properties the tests check: every result is one of x's two bf16 neighbours (x itself when it is
+    a bf16 number); the mean over many draws is within a few standard errors of x, for positive and
+    negative values across binades, where round-to-nearest is biased; inf, -inf, NaN, zeros and
+    values near bf16's largest come through as they should (a carry past the largest is inf); the
+    global random stream is untouched and a seeded generator reproduces the result; tiny updates to
+    a bf16 weight add up over many steps.
 
-    On the bits it is one integer addition. Read the fp32's 32 bits as an integer (``x.view(
-    torch.int32)``): the 16 low bits are exactly the position of ``x`` between ``lo`` and ``hi``,
-    in units of ``(hi - lo) / 2^16`` (within one binade fp32 numbers are evenly spaced). Add a
-    uniform random integer ``r`` in ``[0, 2^16)``: it carries into bit 16 — rounding the magnitude up
-    to ``hi`` — exactly when ``r >= 2^16 - low bits``, with probability ``low bits / 2^16``. Then
-    clear the 16 low bits (``& ~0xFFFF``, i.e. ``& -65536``) and read the result back as fp32: it
-    is a bf16 number, and ``.to(torch.bfloat16)`` is exact. The sign bit sits apart from the
-    magnitude, so negative numbers round just as well, and a carry out of the largest mantissa
-    moves into the next binade (or to ``inf`` past bf16's largest number), which is right. ``±inf``
-    come through unchanged (the 16 low bits of inf are 0, so no carry), but a NaN could become
-    inf: keep NaNs as they are.
-
-    **Your task:** return the bf16 tensor of ``x``'s shape. Draw the random bits from
-    ``generator`` only (``torch.randint(..., generator=generator, device=x.device)``), so a seeded
-    generator makes the rounding reproducible and the global random stream is untouched.
+    Reference: ``minitorch_dist/memory/mixed_precision.py`` (bf16 training there keeps an fp32 master
+    and rounds to nearest; stochastic rounding is not in the library).
     """
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -346,31 +351,28 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator) -> tor
 
 def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
                       update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kind: build
+    """Kind: build · about 35 minutes
 
-    ``weight + update`` for a bf16 weight, keeping what rounding lost in ``compensation``.
+    ``weight + update`` for a bf16 weight, keeping what rounding lost in a bf16 ``compensation``
+    (Kahan 1965, "Further Remarks on Reducing Truncation Errors"; Zamirai et al. 2020, "Revisiting
+    BFloat16 Training", §4).
 
     ``bf16(w + u)`` loses everything of ``u`` below half of ``w``'s ulp: at ``w = 1`` an update of
-    ``10^-3`` vanishes outright (the ulp is ``2^-7 ≈ 7.8e-3``), so a pure-bf16 optimizer with a
-    small learning rate stops learning. Kahan summation (Kahan 1965) keeps a second number ``c``
-    beside each weight: the part of the sum the weight could not hold, so that ``w + c`` is the
-    true running sum. Each step adds ``c`` back before adding to the weight and measures what was
-    lost this time:
+    ``10^-3`` vanishes outright, so a pure-bf16 optimizer with a small learning rate stops learning.
+    Kahan summation keeps beside each weight a second number ``c``, the part of the running sum the
+    weight could not hold, so that ``w + c`` tracks the true sum: 2 + 2 bytes per weight instead of
+    an fp32 master's 2 + 4.
 
-        y     = u + c                 the update, plus what earlier steps lost     (in fp32)
-        w'    = bf16(w + y)           the new weight                               (w + y in fp32)
-        c'    = bf16(y - (w' - w))    what this step lost: asked for y, got w' - w (in fp32)
+    Interface: returns ``(new_weight, new_compensation)``, new bf16 tensors, leaving the inputs
+    unchanged; ``update`` is fp32 and the shapes are checked. Start a weight's compensation at zero.
 
-    ``w' - w`` is exact in fp32 (both are bf16, close together), so ``c'`` misses only its own
-    bf16 rounding — a relative ``2^-9`` of a number below half an ulp of ``w``. Once the lost
-    pieces add up to half an ulp, ``w + y`` rounds up and the weight moves; the weight stays
-    within about half an ulp of the exact sum however many tiny updates it receives, where the
-    plain bf16 weight does not move at all (Zamirai et al. 2020, §4, use this for bf16 training
-    with no fp32 master weights: 2 + 2 bytes per weight instead of 2 + 4).
+    Properties the tests check: single steps worked by hand (an update that fits, one that is lost
+    and remembered, one that tips the weight over); a long run of tiny updates tracks the exact sum
+    within the derived bound of a few ulps while plain bf16 does not move; random updates against a
+    float64 sum; inputs unchanged; bad input refused.
 
-    **Your task:** return ``(new_weight, new_compensation)``, new tensors in the dtypes of
-    ``weight`` and ``compensation`` (bf16), leaving the inputs unchanged. ``update`` is already
-    fp32 and the shapes are checked.
+    Reference: ``minitorch_dist/memory/mixed_precision.py`` (the library keeps fp32 masters instead;
+    compensated bf16 updates are not in it).
     """
     for name, t in (("weight", weight), ("compensation", compensation), ("update", update)):
         if not isinstance(t, torch.Tensor):
@@ -395,33 +397,37 @@ def kahan_bf16_update(weight: torch.Tensor, compensation: torch.Tensor,
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn: 1.75 * 2^8 (its top exponent is not inf)
 
 
-def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kind: build
+def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128,
+                         power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kind: build · about 35 minutes
 
-    ``x`` (tokens × channels) in fp8 E4M3 with one scale per ``1 × tile`` tile: ``(q, scales)``.
+    ``x`` (tokens × channels) in fp8 E4M3 with one scale per ``1 × tile`` tile: ``(q, scales)``
+    (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.3.2).
 
-    E4M3 holds 448 at most and has 3 mantissa bits; below 2^-6 its numbers thin out into subnormals
-    and below 2^-10 everything is 0. A tensor therefore has to be *scaled* into that range before the
-    cast: multiply by ``s = 448 / amax`` so that its largest magnitude lands on 448, cast, and divide
-    by ``s`` to read it back. With one ``s`` for the whole tensor, a single outlier 10^5 times the
-    typical value pushes every other value down into the subnormals or to zero. DeepSeek-V3 (§3.3.2)
-    gives each token's channels a scale per tile of 128 (a weight gets one per 128×128 block): the
-    outlier then spoils only its own tile::
+    E4M3 holds 448 at most and has 3 mantissa bits; below 2^-6 it thins into subnormals and below
+    2^-10 everything is 0. A tensor is therefore scaled into range before the cast, by
+    ``s = 448 / amax``. With one ``s`` for the whole tensor a single outlier pushes everything else
+    towards zero; with one per tile of ``tile`` consecutive channels of a row the outlier spoils only
+    its own tile. The last tile of a row may be shorter; an all-zero tile has scale 1.0.
 
-        tile (i, j) = x[i, j*tile : (j+1)*tile]          the last tile of a row may be shorter
-        scales[i, j] = 448 / amax(tile (i, j))           fp32; 1.0 for an all-zero tile (no 0 / 0)
-        q[i, k]      = e4m3(clamp(x[i, k] * scales[i, k // tile], -448, 448))
+    ``power_of_two=True`` is the other design point, the one MX formats (OCP Microscaling, E8M0
+    scales) and DeepSeek-V3's later recipe use: each scale is the largest power of two not above
+    ``448 / amax`` (the correctly rounded fp32 quotient). Scaling by a power of two only moves
+    exponents, so it adds no rounding of its own and a scale fits in 8 bits; the price is up to one
+    binade of E4M3's range: a tile's amax lands in (224, 448] instead of on 448.
 
-    so that ``x ≈ q.float() / scales`` repeated over each tile. The clamp saturates instead of
-    overflowing (it matters only if rounding ``x * s`` in fp32 lands a hair above 448).
+    Interface: ``x`` a 2-D float tensor (M, K); returns ``q`` (``torch.float8_e4m3fn``, x's shape) and
+    ``scales`` (``torch.float32``, ``(M, ceil(K / tile))``) with ``x ≈ q.float() / scales`` over each
+    tile, on x's device, x unchanged. Values are clamped to ±448 before the cast (saturating).
 
-    **Your task:** return ``q`` (``torch.float8_e4m3fn``, the shape of ``x``) and ``scales``
-    (``torch.float32``, shape ``(M, ceil(K / tile))``) for a 2-D float ``x`` of shape (M, K), on
-    ``x``'s device, without changing ``x``. Hint: pad each row with zeros to a multiple of ``tile``
-    (zeros never raise an amax), view it as ``(M, K_pad // tile, tile)`` and take the amax of the last
-    dimension; ``repeat_interleave`` spreads the scales back over the columns. Divide tensors
-    (``torch.full_like(amax, 448.0) / amax``): ``448.0 / amax`` computes ``448 * (1 / amax)``, two
-    roundings, and can differ in the last bit.
+    Properties the tests check: ``q`` and ``scales`` bit for bit against a tile-by-tile computation
+    (scales as ``torch.full_like(amax, 448.0) / amax``: correctly rounded, one division), with and
+    without ``power_of_two``, for ragged and exact shapes and all-zero tiles; power-of-two scales that
+    are powers of two with every tile's amax in (224, 448]; the round trip within E4M3's half-ulp per
+    tile; an outlier confined to its tile; bad input refused.
+
+    Reference: ``minitorch_dist/memory/fp8.py`` (``quantize_blockwise``: any block shape, wrapped in an
+    ``FP8Tensor``; yours is the 1 x tile case with the scales returned).
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
@@ -430,6 +436,8 @@ def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor
                          f"reshape it with x.reshape(-1, x.shape[-1])")
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile must be a positive int (DeepSeek-V3 uses 128), got {tile!r}")
+    if not isinstance(power_of_two, bool):
+        raise TypeError(f"power_of_two must be True or False, got {power_of_two!r}")
     raise NotImplementedError("exercise: quantize_tiles_1x128 — see chapters/08_mixed_precision.md")
 
 
@@ -438,33 +446,45 @@ def quantize_tiles_1x128(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor
 
 def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int = 0,
                            algo: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
-    """Kind: build
+    """Kind: build · about 35 minutes
 
-    One step of Transformer Engine's delayed scaling for one tensor: ``(new_history, new_scale)``.
+    One step of Transformer Engine's delayed scaling for one fp8 tensor, or for T tensors at once:
+    ``(new_history, new_scale)`` (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", §4; TE's
+    ``DelayedScaling`` recipe).
 
-    Finding ``amax`` before every cast costs a pass over the tensor. *Delayed* scaling casts this
-    step's tensor with a scale computed from *past* steps' amaxes instead, and records this step's
-    amax while casting. ``amax_history`` is a 1-D window of length L: slot 0 holds this step's amax
-    (just recorded), the other slots the amaxes of earlier steps (0 where none yet). After the step::
+    Finding a tensor's amax before every cast costs a pass over it. *Delayed* scaling casts with a
+    scale computed from *past* amaxes, recording this step's amax while casting. A tensor's window
+    holds its last L amaxes: slot 0 this step's (just recorded), the others earlier steps' (0 where
+    none yet). The next scale is ``fp8_max / amax / 2^margin``, amax being the window's largest
+    (``algo="max"``) or this step's (``"most_recent"``); where that amax is 0 or not finite the old
+    scale stays. Then the window slides by one step, so an amax counts for L steps and is dropped,
+    and slot 0 is cleared for the next step's amax.
 
-        amax      = max(amax_history)           (algo="max"; algo="most_recent": amax_history[0])
-        new_scale = (fp8_max / amax) / 2^margin      -- but the old ``scale`` where amax is 0 or
-                                                        not finite (nothing to learn from it)
-        new_history = amax_history rolled by one to the left (slot 0 moves to the end, slot i to
-                      slot i-1: torch.roll(h, -1)), then slot 0 set to 0 for the next step
+    TE keeps the windows of all the fp8 tensors of a model in one ``(L, T)`` tensor — slot along
+    dim 0, one column per tensor — and the scales in one ``(T,)`` tensor, and updates them all in one
+    call; the library's ``DelayedScaler`` updates one tensor's window. Yours takes both layouts:
+    ``amax_history`` of shape ``(L,)`` with a 0-dim ``scale``, or ``(L, T)`` with a ``(T,)`` ``scale``.
+    Each column is independent of the others.
 
-    so the window slides: an amax is counted for L steps and then dropped (it reaches slot 0 again
-    and is cleared). ``margin`` leaves 2^margin of headroom for growth before the next update.
+    Interface: returns new fp32 tensors of the inputs' shapes on their device, leaving
+    ``amax_history`` and ``scale`` unchanged. The arguments are already checked.
 
-    **Your task:** return new tensors (fp32, on the inputs' device), leaving ``amax_history`` and
-    ``scale`` (a 0-dim fp32 tensor) unchanged. The arguments are already checked. (As in exercise 7,
-    divide tensors, ``torch.full_like(amax, fp8_max) / amax``, for a correctly rounded scale.)
+    Properties the tests check: over a driven sequence of amaxes, each scale and window equal a
+    reference that slides a Python list (within one fp32 rounding of ``fp8_max / amax``, computed as
+    ``torch.full_like(amax, fp8_max) / amax``); the window moves as ``torch.roll(h, -1)`` along the
+    slots with slot 0 cleared; margin, most_recent, zero, inf and NaN amaxes; for T = 3 tensors each
+    column equal to driving that tensor alone, and a hand-worked (3, 2) window; inputs unchanged.
+
+    Reference: ``minitorch_dist/memory/fp8.py`` (``DelayedScaler.update``: the same step on one
+    tensor's window; yours is a pure function over the windows of many tensors).
     """
-    if not isinstance(amax_history, torch.Tensor) or amax_history.dim() != 1 or amax_history.numel() < 1:
-        raise ValueError("amax_history must be a 1-D tensor with at least one slot, got "
+    if not isinstance(amax_history, torch.Tensor) or amax_history.dim() not in (1, 2) \
+            or amax_history.shape[0] < 1:
+        raise ValueError("amax_history must be a 1-D (L,) or 2-D (L, T) tensor with at least one slot, got "
                          f"{getattr(amax_history, 'shape', type(amax_history).__name__)}")
-    if not isinstance(scale, torch.Tensor) or scale.dim() != 0:
-        raise ValueError(f"scale must be a 0-dim tensor (torch.tensor(1.0)), got {scale!r}")
+    if not isinstance(scale, torch.Tensor) or scale.shape != amax_history.shape[1:]:
+        raise ValueError(f"scale must have shape {tuple(amax_history.shape[1:])}, one per column of "
+                         f"amax_history (a 0-dim tensor for a 1-D history), got {scale!r}")
     if not (isinstance(fp8_max, (int, float)) and fp8_max > 0):
         raise ValueError(f"fp8_max must be a positive number (448 for E4M3, 57344 for E5M2), got {fp8_max!r}")
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:

@@ -1,5 +1,5 @@
 # generated from solutions/ch09_compression.py by `make exercises`: fill in each NotImplementedError
-# fingerprint df8942155f935793 of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint 6a191f33e58af517 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 09 exercises: gradient compression — top-k with error feedback, QSGD, one PowerSGD step,
 PowerSGD with error feedback on ranks, the bytes each compressor sends, 1-bit Adam.
 
@@ -13,12 +13,12 @@ collective that sends it. Exercises 4 and 5 run on ranks (inside ``launch``): th
 themselves.
 
 1. :func:`topk_with_error_feedback`: send only the ``k`` largest-magnitude entries of the gradient
-   and keep the rest as a *residual* added to the next step's gradient (Aji & Heafield 2017,
-   "Sparse Communication for Distributed Gradient Descent", §2; Lin et al. 2018, "Deep Gradient
-   Compression", §2): nothing is ever dropped, only delayed, so ``sent + residual`` is exactly
-   ``gradient + old residual``.
-2. :func:`qsgd_quantize` / :func:`qsgd_dequantize`: stochastic quantisation with ``s`` levels
-   (Alistarh et al. 2017, "QSGD: Communication-Efficient SGD via Gradient Quantization and
+   and keep the rest as a *residual* added to the next step's (Aji & Heafield 2017, "Sparse
+   Communication for Distributed Gradient Descent", §2), with Deep Gradient Compression's momentum
+   correction and momentum factor masking (Lin et al. 2018, §3.1-3.2): nothing is ever dropped, only
+   delayed.
+2. :func:`qsgd_quantize` / :func:`qsgd_dequantize`: stochastic quantisation with ``s`` levels, by
+   buckets (Alistarh et al. 2017, "QSGD: Communication-Efficient SGD via Gradient Quantization and
    Encoding", §3.1): each ``|v_i| / ||v||`` is rounded to one of its two neighbouring levels
    ``l/s`` at random, with the probability that makes the result *unbiased*, ``E[Q(v)] = v``.
 3. :func:`powersgd_step`: one step of PowerSGD (Vogels et al. 2019, "PowerSGD: Practical Low-Rank
@@ -52,62 +52,116 @@ from minitorch_dist.runtime import comm
 # --- 1. top-k sparsification with error feedback -------------------------------------------------
 
 
-def topk_with_error_feedback(grad: torch.Tensor, residual: torch.Tensor,
-                             k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kind: build
+def topk_with_error_feedback(grad: torch.Tensor, residual: torch.Tensor, k: int,
+                             velocity: torch.Tensor | None = None, beta: float = 0.0,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kind: build · about 40 minutes
 
-    ``(values, indices, new_residual)``: the ``k`` entries to send and what stays behind.
+    Top-k sparsification with error feedback, momentum correction and momentum factor masking for
+    one rank's gradient: ``(values, indices, new_residual, new_velocity)`` (Aji & Heafield 2017,
+    "Sparse Communication for Distributed Gradient Descent", §2; Lin et al. 2018, "Deep Gradient
+    Compression", §3.1-3.2).
 
-    Error feedback: compress the *corrected* gradient ``c = grad + residual``, not ``grad``.
-    ``indices`` (int64, into ``c.flatten()``) are the ``k`` positions of largest ``|c|``;
-    ``values = c.flatten()[indices]``; ``new_residual`` is ``c`` with those ``k`` entries set to 0,
-    shaped like ``grad``. So ``dense(values, indices) + new_residual == c`` exactly (every entry of
-    ``c`` is in one or the other), and an entry too small to be sent this step grows in the residual
-    until it is. Ties in ``|c|`` may be broken either way. The inputs are not modified.
+    Send only the ``k`` largest-magnitude entries; keep everything not sent in a residual, so nothing
+    is dropped, only delayed. With momentum SGD (``beta > 0``), DGC's *momentum correction* keeps the
+    momentum locally — a velocity ``u`` updated with each gradient — and accumulates the *velocity*,
+    not the gradient, into the residual, so that what is eventually sent is what dense momentum SGD
+    would have applied. *Momentum factor masking* then clears the velocity of every entry just sent,
+    so a sent entry does not keep pushing from a stale momentum. With ``beta = 0`` (and no velocity)
+    this is plain top-k with error feedback: the selection is made on ``grad + residual``.
 
-    The receiver rebuilds ``torch.zeros(numel).index_put_((indices,), values).view(shape)``: the
-    payload is ``k`` values and ``k`` indices instead of ``numel`` values.
+    Interface: ``grad`` and ``residual`` (and ``velocity``, None meaning zeros) of one shape,
+    ``1 <= k <= grad.numel()``, ``0 <= beta < 1``. ``indices`` (int64) index the flattened tensor;
+    ``values`` are the accumulated entries there; ``new_residual`` and ``new_velocity`` have
+    ``grad``'s shape. The receiver rebuilds ``torch.zeros(numel).index_put_((indices,), values)``.
+    Inputs are not modified; ties in magnitude may go either way.
+
+    Properties the tests check: the k sent entries are the k largest of the accumulated tensor; sent
+    plus the new residual is exactly the old residual plus the new velocity, at every step of a run
+    (and the total sent plus the residual is the sum of the velocities, within the float32 rounding of
+    each step); the velocity of each sent entry is zero afterwards and the others are ``beta·u + g``;
+    a hand-worked two-step run with beta 0.5; beta 0 equal to plain error feedback; inputs unchanged;
+    bad input refused.
+
+    Reference: ``minitorch_dist/communication/compression.py`` (``TopK`` and ``ErrorFeedback``: top-k
+    with error feedback on the gradient; DGC's momentum correction and masking are not there).
     """
     if residual.shape != grad.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} does not match gradient shape "
                          f"{tuple(grad.shape)}; start from torch.zeros_like(grad)")
+    if velocity is not None and velocity.shape != grad.shape:
+        raise ValueError(f"velocity shape {tuple(velocity.shape)} does not match gradient shape "
+                         f"{tuple(grad.shape)}; start from None (zeros)")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= grad.numel():
         raise ValueError(f"k must be an int in [1, grad.numel() = {grad.numel()}], got {k!r}")
+    if not 0 <= beta < 1:
+        raise ValueError(f"beta must be in [0, 1) (the momentum), got {beta!r}")
     raise NotImplementedError("exercise: topk_with_error_feedback — see chapters/09_compression.md")
 
 
 # --- 2. QSGD ---------------------------------------------------------------------------------------
 
 
-def qsgd_quantize(v: torch.Tensor, levels: int,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kind: build
+def qsgd_quantize(v: torch.Tensor, levels: int, generator: torch.Generator | None = None,
+                  bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kind: build · about 40 minutes
 
-    ``(norm, q)``: ``v``'s 2-norm (a 0-dim tensor of ``v``'s dtype) and signed integer levels.
+    QSGD's stochastic quantisation with ``s = levels`` levels and buckets of ``bucket`` entries:
+    ``(norms, q)`` (Alistarh et al. 2017, "QSGD: Communication-Efficient SGD via Gradient
+    Quantization and Encoding", §3.1, and its bucketing with bucket size d).
 
-    QSGD (Alistarh et al. 2017, §3.1) with ``s = levels``: for each entry let
-    ``a = |v_i| / ||v|| * s`` (in ``[0, s]``) and ``l = floor(a)``; round up to ``l + 1`` with
-    probability ``a - l``, else down to ``l`` (one ``torch.rand`` draw per entry from
-    ``generator``). ``q_i = sign(v_i) * (that level)``, an int tensor (int8 for ``s <= 127``, else
-    int32) of ``v``'s shape with ``|q_i| <= s``. Then ``E[q_i] * ||v|| / s = v_i``: unbiased.
-    A zero vector gives ``norm = 0`` and ``q = 0``. The payload is one float and ``n`` small ints
-    (``log2(2s + 1)`` bits each before the paper's Elias coding).
+    Each entry's magnitude relative to a 2-norm, ``|v_i| / ||·||``, lies in [0, 1]; it is rounded at
+    random to one of its two neighbouring points of the grid ``0, 1/s, ..., 1``, with the
+    probabilities that make the estimate *unbiased*; the sign is kept. With ``bucket=None`` the norm
+    is the whole vector's (one float per tensor). With ``bucket = d`` the flattened vector is cut
+    into buckets of d consecutive entries (the last may be shorter) and each is quantised with its
+    own norm: one float per bucket more on the wire, and a variance bound of ``min(d/s², √d/s)`` per
+    bucket instead of ``min(n/s², √n/s)`` (the paper uses d = 512). An all-zero bucket has norm 0 and
+    levels 0.
+
+    Interface: ``norms`` is a 0-dim tensor (``bucket=None``) or a 1-D tensor of ``ceil(n / d)``
+    norms, in ``v``'s dtype; ``q`` is an int tensor of ``v``'s shape (int8 for ``s <= 127``, else
+    int32) with ``|q_i| <= s``; draw one uniform number per entry, in the order of the flattened
+    ``v``, from ``generator`` (``torch.rand(v.shape, generator=generator, ...)``).
+
+    Properties the tests check: every ``q_i`` is one of the two grid points around its relative
+    magnitude times s, with v's sign, against the whole-vector norm and against each bucket's norm
+    (ragged last bucket); the mean of many quantisations is within a few standard errors of v
+    (unbiased) and within the variance bound, with and without buckets; an all-zero bucket beside
+    non-zero ones; the dtype of q and its bound; a seeded generator reproduces the result; bad input
+    refused.
+
+    Reference: ``minitorch_dist/communication/compression.py`` (``QSGD``: one norm per tensor; yours
+    adds the paper's buckets and returns the norms and levels separately).
     """
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels must be an int >= 1 (s in the paper), got {levels!r}")
     if not v.is_floating_point():
         raise TypeError(f"v must be a floating-point tensor, got {v.dtype}")
+    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+        raise ValueError(f"bucket must be an int >= 1 (d in the paper) or None (one bucket), got {bucket!r}")
     qdtype = torch.int8 if levels <= 127 else torch.int32
     raise NotImplementedError("exercise: qsgd_quantize — see chapters/09_compression.md")
 
 
 def qsgd_dequantize(norm: torch.Tensor, q: torch.Tensor, levels: int,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Kind: build
+                    dtype: torch.dtype = torch.float32, bucket: int | None = None) -> torch.Tensor:
+    """Kind: build · about 10 minutes
 
-    The vector ``norm * q / levels`` in ``dtype``: :func:`qsgd_quantize`'s estimate of ``v``."""
+    :func:`qsgd_quantize`'s estimate of ``v`` from ``(norm, q)`` in ``dtype``, with the same
+    ``bucket`` (``norm`` then holds one norm per bucket of the flattened ``q``).
+
+    Properties the tests check: exact values on hand-made levels and norms, with and without buckets
+    (a ragged last bucket); the dtype asked for; ``qsgd_dequantize(*qsgd_quantize(v, s), s)``
+    averaging to v.
+
+    Reference: ``minitorch_dist/communication/compression.py`` (``QSGD.decompress``: one norm per tensor).
+    """
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels must be an int >= 1 (s in the paper), got {levels!r}")
+    if bucket is not None and norm.numel() != -(-q.numel() // bucket):
+        raise ValueError(f"{norm.numel()} norms for {q.numel()} levels in buckets of {bucket}: expected "
+                         f"ceil({q.numel()} / {bucket}); pass the bucket used to quantise")
     raise NotImplementedError("exercise: qsgd_dequantize — see chapters/09_compression.md")
 
 
@@ -115,22 +169,26 @@ def qsgd_dequantize(norm: torch.Tensor, q: torch.Tensor, levels: int,
 
 
 def powersgd_step(M: torch.Tensor, Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kind: build
+    """Kind: build · about 25 minutes
 
-    ``(P, Q_new, M_hat)``: one step of PowerSGD (Vogels et al. 2019, Algorithm 1) on ``M`` (n x m).
+    One step of PowerSGD on one matrix ``M`` (n x m), without the all-reduces: ``(P, Q_new, M_hat)``
+    (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+    Optimization", Algorithm 1).
 
-    ``Q`` (m x r) is the previous step's ``Q`` (warm start) or a random start. Without the
-    all-reduces of the distributed algorithm:
+    From ``Q`` (m x r: the previous step's, a warm start, or a random start) one power-iteration step
+    gives a P (n x r) with orthonormal columns spanning ``M Q``, a new Q (m x r), and the rank-r
+    approximation ``M_hat = P Q_newᵀ``, the projection of M onto the span of P. Feeding ``Q_new`` back
+    step after step is subspace iteration, converging to the best rank-r approximation.
 
-        P     = M Q                  (n x r)   [all-reduce P]
-        P     = orthogonalise(P)     columns orthonormal: Pᵀ P = I_r
-        Q_new = Mᵀ P                 (m x r)   [all-reduce Q]
-        M_hat = P Q_newᵀ  = P Pᵀ M   (n x m)   the rank-r approximation
+    Interface: returns tensors of ``M``'s dtype with ``Pᵀ P = I``; the shapes are checked.
+    Orthogonalise with ``torch.linalg.qr`` (reduced) or Gram-Schmidt.
 
-    ``M_hat`` is the projection of ``M`` onto the span of ``P``: exact when ``M`` has rank ``<= r``
-    and ``Q`` is generic; repeated steps (feeding ``Q_new`` back) are subspace iteration, and
-    ``M_hat`` approaches the best rank-r approximation. Orthogonalise with ``torch.linalg.qr``
-    (reduced) or Gram-Schmidt, as the paper does. Returns tensors of ``M``'s dtype.
+    Properties the tests check: a rank-r matrix is reproduced in one step from a generic Q; P's columns
+    are orthonormal and ``M_hat = P Pᵀ M``; the error ``||M − M_hat||`` falls step by step toward the
+    truncated SVD's, within a derived float64 bound; bad input refused.
+
+    Reference: ``minitorch_dist/communication/powersgd.py`` (``PowerSGD.compress``: the same step inside
+    the compressor, warm-started per key; yours is the bare linear algebra).
     """
     if M.dim() != 2 or Q.dim() != 2:
         raise ValueError(f"M and Q must be matrices, got {M.dim()}-d and {Q.dim()}-d; reshape a "
@@ -171,37 +229,31 @@ def _unflatten(buf: torch.Tensor, tensors) -> None:
 
 
 class PowerSGDReducer:
-    """Kind: build
+    """Kind: build · about 90 minutes
 
-    PowerSGD as the gradient reduction of data-parallel training (Vogels et al. 2019, Algorithm 1
-    for the compression, Algorithm 2 for error feedback, §3 for the warm start), called on every
-    rank with the same list of gradients each step: ``reducer.reduce([p.grad for p in params])``
-    replaces each gradient, in place, by the estimate of its mean over the ranks.
+    PowerSGD as the gradient reduction of data-parallel training (Vogels et al. 2019, Algorithm 1 for
+    the compression, Algorithm 2 for error feedback, §3 for the warm start), called on every rank
+    with the same list of gradients each step: ``reducer.reduce([p.grad for p in params])`` replaces
+    each gradient, in place, by the estimate of its mean over the ranks, and returns the list.
 
-    **Warm-up.** The first ``start_iter`` calls are exact: concatenate every gradient into one flat
-    buffer, divide it by the number of ranks, all-reduce it, and copy it back.
+    What it must do: the first ``start_iter`` calls are an exact mean (one flat all-reduce). After
+    that, the gradients that ``self.compresses(shape)`` (viewed as ``g.view(g.shape[0], -1)``) are
+    sent as the factors P and Q of a rank-r approximation, corrected by error feedback (each keeps
+    the residual of its last compression, keyed by its position in the list) and warm-started from
+    the last call's Q (the first Qs from ``self._fresh_qs``, given, as torch draws them); the other
+    tensors (1-D, small matrices) are all-reduced exactly. P is linear in M, so summing the ranks'
+    P is P of the summed M; Q must be averaged. Every collective goes through ``comm.all_reduce`` so
+    the comm meter sees it; ``self.iter`` counts the calls. ``_orthogonalise`` (Gram-Schmidt for
+    r <= 2, QR otherwise) and ``_unflatten`` are given.
 
-    **After the warm-up**, each call:
+    Properties the tests check, on 2 ranks: the gradients equal, within a derived float64 bound, those
+    of torch's ``powerSGD_hook`` on one DDP bucket (ranks 1 and 3: Gram-Schmidt and QR) over several
+    steps, which fixes the order of the all-reduces (the exact tensors, then all the Ps in one
+    buffer, then all the Qs); the comm meter sees exactly those all-reduces with P's and Q's sizes;
+    the residual kept is what was not sent; training with it follows exact data parallelism.
 
-    1. splits the gradients into the matrices it compresses (``self.compresses(shape)``: viewed as
-       ``M = g.view(g.shape[0], -1)``, n x m) and the rest (1-D tensors, small matrices);
-    2. error feedback: for the i-th gradient of the list, ``M += self.error[i]`` (when there is
-       one), and remembers the corrected ``M`` (a clone) as the start of the new residual;
-    3. the Qs: the first time, ``self._fresh_qs(matrices)`` (given: the random start torch draws,
-       already orthonormal); afterwards the warm start, last call's Qs, each orthogonalised again;
-    4. the rest: one flat buffer, all-reduced, divided by the number of ranks, copied back;
-    5. ``P = M Q`` for every matrix; all the Ps in one flat buffer, all-reduced (the *sum*: P is
-       linear in M, so summing the Ps is P of the summed M); each P orthogonalised
-       (``_orthogonalise``, given);
-    6. ``Q = Mᵀ P``; all the Qs in one flat buffer, all-reduced, divided by the number of ranks;
-    7. ``M̂ = P Qᵀ`` replaces the gradient (``M.copy_(...)``, which writes into the gradient), the
-       residual becomes ``(corrected M) - M̂``, and these Qs are kept for the next call.
-
-    Every collective goes through ``comm.all_reduce`` (``from minitorch_dist.runtime import comm``),
-    so that the comm meter counts it. ``self.iter`` counts the calls.
-
-    **Your task:** the body of ``reduce``. Follow the order above: it is the order of torch's
-    ``powerSGD_hook`` on one DDP bucket, and the tests compare your gradients with that hook's.
+    Reference: ``minitorch_dist/communication/powersgd.py`` (``PowerSGD.reduce``: the library's version
+    of the same reduction, with options yours leaves out; torch's ``powerSGD_hook`` is the other).
     """
 
     def __init__(self, rank: int = 1, start_iter: int = 2, seed: int = 0, min_compression_rate: float = 2):
@@ -276,29 +328,32 @@ def _method_of(compressor) -> tuple[str, dict]:
 
 
 def meter_compressed_step(grads, compressor) -> dict:
-    """Kind: measure
+    """Kind: measure · about 40 minutes
 
     The bytes one data-parallel reduction of ``grads`` with ``compressor`` puts through each
-    collective on this rank: first predicted from the cost model, then counted. Call it on every
-    rank (inside ``launch``), each rank with its own gradients of the same shapes.
+    collective on this rank: predicted from the cost model, then counted on a real reduction. Call
+    it on every rank (inside ``launch``), each rank with its own gradients of the same shapes.
 
-    **Predict** ``{op: S}``, where S is what the comm meter's ``bytes`` counts for that collective
-    (the tensor an all-reduce reduces; the *output* of an all-gather, n payloads), summed over the
-    calls of the step. ``_method_of(compressor)`` (given) names the method and its parameters for
-    ``costmodel.compressed_payload_bytes(method, shape, **params)``, the bytes one rank contributes
-    per tensor. Then the collective: ``"exact"``, ``"fp16"`` and ``"powersgd"`` are summable and go
-    through ``"all_reduce"`` (S = the payloads); every other method's payloads are all-gathered
-    (``"all_gather"``, S = n x the payloads, n = ``dist.get_world_size()``). One exception: a
-    ``PowerSGD`` still in its warm-up (``compressor.iter < compressor.start_iter``) all-reduces
-    the gradients exactly, 4 bytes per element.
+    **Predict** ``{op: S}``, S being what the comm meter's ``bytes`` counts for that collective (the
+    tensor an all-reduce reduces; the *output* of an all-gather, n payloads), summed over the step's
+    calls. ``_method_of(compressor)`` (given) names the cost model's method and parameters;
+    ``costmodel.compressed_payload_bytes`` gives one rank's payload per tensor, and
+    ``costmodel.SUMMABLE`` says which methods can be all-reduced (the others are all-gathered). A
+    ``PowerSGD`` still in its warm-up (``compressor.iter < compressor.start_iter``) reduces exactly.
 
-    **Measure** by running ``compressed_allreduce(grads, compressor)`` inside ``with comm.meter()
-    as m:`` and reading ``{op: s["bytes"] for op, s in m.summary().items()}``. The reduction really
-    happens: ``grads`` come back averaged over the ranks.
+    **Measure** by running ``compressed_allreduce(grads, compressor)`` under ``comm.meter()``: the
+    reduction really happens, and ``grads`` come back averaged over the ranks.
 
-    Tolerance: none — both are counts of bytes, and the prediction must equal the count exactly.
+    Return ``{"predicted": {op: bytes}, "measured": {op: bytes}}`` (ints). No tolerance: both count
+    bytes, and the prediction must equal the count.
 
-    **Your task:** return ``{"predicted": {op: bytes}, "measured": {op: bytes}}`` (ints).
+    Properties the tests check, on 2 and 4 ranks for exact, fp16, top-k, random-k, sign, QSGD,
+    PowerSGD (in and after warm-up) and error feedback: the prediction and the measurement, each
+    equal to the payload sizes written out by hand in the test; every rank holding the same averaged
+    gradients afterwards (the reduction ran); sign's all-gathered bytes doubling from 2 to 4 ranks.
+
+    Reference: ``minitorch_dist/costmodel/compression.py`` (``compressed_payload_bytes``: the
+    prediction; the exercise adds the collective and the metered run).
     """
     if not dist.is_initialized():
         raise RuntimeError("meter_compressed_step runs inside ranks: call it from a function started "
@@ -315,30 +370,29 @@ def onebit_adam_step(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v
                      error: torch.Tensor, step: int, warmup_steps: int, lr: float,
                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kind: build
+    """Kind: build · about 35 minutes
 
-    ``(new_param, new_m, new_v, new_error, sent)``: one step of 1-bit Adam (Tang et al. 2021, §3-4).
+    One step of 1-bit Adam for one rank: ``(new_param, new_m, new_v, new_error, sent)`` (Tang et al.
+    2021, "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence Speed",
+    §3-4).
 
-    ``step`` is this step's 0-based index. Both phases first update the momentum,
-    ``m' = b1 m + (1 - b1) g``; neither uses Adam's bias correction (a constant factor the warm-up
-    absorbs; the paper's Algorithm 1 omits it too).
+    Adam's variance ``v`` stabilises early. So 1-bit Adam runs plain Adam for ``warmup_steps`` steps
+    (``step`` is 0-based), sending the momentum in full precision; then freezes ``v`` and sends the
+    momentum as one sign per entry and one scale, the mean magnitude, with error feedback (Seide et
+    al. 2014): what the signs dropped is added back next step. Either way the update uses what was
+    sent, preconditioned by ``1 / (sqrt(v') + eps)``. Both phases update the momentum the same way,
+    and neither uses Adam's bias correction (the paper's Algorithm 1 omits it). ``sign(0)`` is +1,
+    so ``sent`` takes only the values ±scale. The paper's second, server-side compression stage is
+    left out: ``sent`` is what one rank puts on the wire.
 
-    Warm-up, ``step < warmup_steps``: plain Adam, all in full precision::
+    Interface: all results are new tensors shaped like ``param``; the inputs are not modified.
 
-        v' = b2 v + (1 - b2) g²        sent = m'        error' = error (unchanged)
+    Properties the tests check: the warm-up equals Adam without bias correction (within a derived
+    bound); after it ``v`` stays frozen and ``sent`` takes only ±mean|m' + error|; ``sent + new_error
+    == m' + error`` exactly; a quadratic converges; bad input refused.
 
-    Compression, ``step >= warmup_steps``: ``v`` is frozen (``v' = v``) and the momentum goes on the
-    wire as one sign per entry plus one scale, with error feedback (Seide et al. 2014)::
-
-        c      = m' + error
-        scale  = mean |c|
-        sent   = scale * sign(c)        with sign(0) = +1, so sent takes only the values ±scale
-        error' = c - sent               what the sign dropped, added back next step
-
-    Either way the update uses what was sent: ``param' = param - lr * sent / (sqrt(v') + eps)``.
-    Single-process: ``sent`` is what one rank would put on the wire (the paper all-reduces it and
-    compresses again on the server side; that second error-feedback stage is left out here). All
-    results are new tensors shaped like ``param``; the inputs are not modified.
+    Reference: ``minitorch_dist/communication/compression.py`` (the sign compressor with error
+    feedback; the library has no 1-bit Adam optimizer step).
     """
     for name, t in (("grad", grad), ("m", m), ("v", v), ("error", error)):
         if t.shape != param.shape:

@@ -1,7 +1,8 @@
 # generated from solutions/ch11_fused_kernels.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 16e5c3f9916c12ad of the text below (once you change it, `make exercises` leaves it alone)
-"""Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online softmax, LayerNorm backward
-reductions, FlashAttention's forward; and the bytes a softmax moves, eager and fused, predicted.
+# fingerprint 60fac99ab9a9adee of the text below (once you change it, `make exercises` leaves it alone)
+"""Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online log-softmax, RMSNorm backward
+reductions, FlashAttention's forward with a sliding window; and the bytes a softmax moves, eager and
+fused, predicted and measured.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -18,21 +19,23 @@ the interpreter cannot do arithmetic on bf16 values, and fp16 sums lose digits a
    "Gaussian Error Linear Units (GELUs)", §2; the fusion is Megatron-LM's ``bias_gelu``). Eager
    PyTorch writes ``x + bias`` to memory and reads it back for the GeLU: 2 reads and 2 writes of
    the activation where the fused kernel does 1 and 1.
-2. :func:`online_softmax_kernel`: a row softmax for rows of any length, streamed in column
-   blocks: one sweep keeps the running max ``m`` and normaliser ``d`` (Milakov & Gimelshein 2018,
-   "Online normalizer calculation for softmax", Algorithm 3), a second writes the output. Reads
-   each row twice, writes it once, and never holds more than one block.
-3. :func:`layernorm_backward_kernel`: LayerNorm's backward (Ba et al. 2016, eq. 4) for a group of
-   rows: ``dx`` row by row, and the group's partial sums of ``dw`` and ``db`` (Triton tutorial 05,
-   "Layer Normalization": partial sums per group instead of atomics on one row).
-4. :func:`column_sum_kernel`: the second stage, summing the ``G`` partial rows column block by
-   column block into the final ``dw`` and ``db``.
-5. :func:`attention_forward_kernel`: FlashAttention-2's forward (Dao 2023, Algorithm 1) for one
-   tile of query rows: sweep the key/value tiles with an online softmax, never writing a score to
-   memory; store the output and the row log-sum-exp. Graded against PyTorch's attention.
-6. :func:`softmax_traffic_forecast`: before counting them, predict the bytes a row softmax moves
-   through memory as five eager PyTorch ops and as one fused kernel (a row in one block, or streamed
-   in several), with the cost model; the tests count both.
+2. :func:`online_log_softmax_kernel`: a row log-softmax for rows of any length, streamed in
+   column blocks with the online normaliser (Milakov & Gimelshein 2018, Algorithm 3). Reads each
+   row twice, writes it once, and never holds more than one block.
+3. :func:`rmsnorm_backward_kernel`: RMSNorm's backward (Zhang & Sennrich 2019) for a group of
+   rows: ``dx`` row by row, and the group's partial sums of ``dw`` (Triton tutorial 05, "Layer
+   Normalization": partial sums per group instead of atomics on one row).
+4. :func:`segment_column_sum_kernel`: the second stage of a grouped reduction, summing the rows of
+   each segment column block by column block (one segment: a norm's final ``dw``; one per expert:
+   an MoE layer's weight gradients).
+5. :func:`attention_window_kernel`: FlashAttention-2's forward (Dao 2023, Algorithm 1) for one
+   tile of query rows of sliding-window causal attention (Longformer §3.1): sweep only the key tiles
+   that meet the window with an online softmax, never writing a score to memory; store the output
+   and the row log-sum-exp.
+6. :func:`softmax_traffic_forecast`: predict the bytes a row softmax moves through memory as five
+   eager PyTorch ops and as one fused kernel (a row in one block, or streamed in several).
+7. :func:`softmax_traffic_measured`: run the five eager ops under the byte meter and set what they
+   moved beside the forecast.
 """
 from __future__ import annotations
 
@@ -56,21 +59,24 @@ def _pow2(name: str, value: int) -> int:
 
 @triton.jit
 def bias_gelu_kernel(x_ptr, bias_ptr, y_ptr, n_elements, N, BLOCK: tl.constexpr, APPROXIMATE: tl.constexpr):
-    """Kind: build
+    """Kind: build · about 30 minutes
 
-    ``y = gelu(x + bias)`` over a contiguous ``x`` of ``n_elements`` whose last dimension is ``N``.
+    ``y = gelu(x + bias)`` over a contiguous ``x`` of ``n_elements`` whose last dimension is ``N``,
+    in one pass (Hendrycks & Gimpel 2016, §2; the fusion is Megatron-LM's ``bias_gelu``).
 
-    Program ``p`` handles the flat elements ``[p * BLOCK, (p + 1) * BLOCK)``; the last block is
-    partly past the end, so mask its loads and stores. Element ``i`` adds ``bias[i % N]``.
-    With ``z = x + bias`` (in fp32)::
+    Interface: program ``p`` owns the flat elements ``[p * BLOCK, (p + 1) * BLOCK)``; ``bias`` has
+    ``N`` entries, broadcast over the rows; ``APPROXIMATE`` is 0 for the exact GeLU (``F.gelu``'s
+    ``"none"``) and 1 for its tanh form (``"tanh"``); store ``y`` in the output's dtype
+    (``y_ptr.dtype.element_ty``). Compute in fp32 whatever the input dtype. Triton has
+    ``tl.math.erf`` and ``tl.sigmoid`` but no tanh; a kernel cannot read Python globals (write
+    constants inline).
 
-        APPROXIMATE == 0 (exact):  gelu(z) = z * Phi(z) = 0.5 z (1 + erf(z / sqrt(2)))
-        APPROXIMATE == 1 (tanh):   gelu(z) = 0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))
+    The tests check both forms against ``F.gelu`` in float64 within the rounding of the fp32
+    computation, on random shapes with a partial last block, in fp16, and that nothing is written
+    past the end of the output (a NaN-filled buffer around it must stay NaN).
 
-    ``tl.math.erf`` exists; Triton has no tanh, but ``tanh(u) = 2 sigmoid(2u) - 1`` and
-    ``tl.sigmoid`` does. Constants must be written inline (a kernel cannot read Python globals):
-    ``1/sqrt(2) = 0.7071067811865476``, ``sqrt(2/pi) = 0.7978845608028654``. Store ``y`` in the
-    output's dtype (``y_ptr.dtype.element_ty``).
+    Reference: ``minitorch_dist/kernels/softmax.py`` (how a kernel masks its last block and is
+    launched; the library has no fused bias-GeLU: this one is yours).
     """
     raise NotImplementedError("exercise: bias_gelu_kernel — see chapters/11_fused_kernels.md")
 
@@ -97,33 +103,34 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none",
     return y.view(x.shape)
 
 
-# --- 2. online softmax ------------------------------------------------------------------------------
+# --- 2. online log-softmax ------------------------------------------------------------------------------
 
 
 @triton.jit
-def online_softmax_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOCK: tl.constexpr):
-    """Kind: build
+def online_log_softmax_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, N, BLOCK: tl.constexpr):
+    """Kind: build · about 45 minutes
 
-    Softmax of row ``r = program_id(0)`` of ``x`` (``N`` columns, row ``r`` starts at
-    ``x_ptr + r * x_row_stride``) into ``y``, for any ``N``, ``BLOCK`` columns at a time.
+    Log-softmax of row ``r = program_id(0)`` of ``x`` (``N`` columns, row ``r`` starts at
+    ``x_ptr + r * x_row_stride``) into ``y`` (row stride ``y_row_stride``), for any ``N``,
+    holding only ``BLOCK`` columns at a time: ``y_k = log(exp(x_k) / sum_j exp(x_j))``, what a
+    cross-entropy loss needs, streamed with the online normaliser (Milakov & Gimelshein 2018,
+    "Online normalizer calculation for softmax", Algorithm 3).
 
-    Sweep 1, over the column blocks ``B_1, B_2, ...``: keep two fp32 numbers, the running max
-    ``m`` and the running normaliser ``d = sum exp(x_k - m)`` over the columns seen so far
-    (Milakov & Gimelshein 2018, Algorithm 3). A block whose max raises ``m`` rescales ``d``::
+    Properties the tests check: equal to ``torch.log_softmax`` in float64 within the rounding of the
+    fp32 computation, for rows of one and of many blocks, a row whose maximum appears only in a late
+    block, rows whose values span hundreds (where a softmax's small entries underflow to 0 in fp32
+    and their log would be -inf), fp16 and strided rows; and, counting the interpreter's loads and
+    stores, each row read exactly twice and written once, nothing else going through memory.
+    Compute in fp32.
 
-        m_new = max(m, max(B_j))
-        d     = d * exp(m - m_new) + sum_{k in B_j} exp(x_k - m_new)
-        m     = m_new                                    (start: m = -inf, d = 0)
-
-    Sweep 2: write ``y_k = exp(x_k - m) / d`` block by block. Load masked columns as ``-inf``:
-    they never win the max and ``exp(-inf) = 0`` adds nothing. Exactly one read of each element in
-    each sweep (the test counts): 2N read and N written per row, with no intermediate in memory.
+    Reference: ``minitorch_dist/kernels/softmax.py`` (the library's online *softmax*; its output
+    is not the log-softmax, and taking the log of it loses the small entries).
     """
-    raise NotImplementedError("exercise: online_softmax_kernel — see chapters/11_fused_kernels.md")
+    raise NotImplementedError("exercise: online_log_softmax_kernel — see chapters/11_fused_kernels.md")
 
 
-def online_softmax(x: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
-    """``torch.softmax(x, -1)`` with :func:`online_softmax_kernel`, one program per row.
+def online_log_softmax(x: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+    """``torch.log_softmax(x, -1)`` with :func:`online_log_softmax_kernel`, one program per row.
     ``block_size`` (a power of two; default the row rounded up to a power of two, at most 1024)
     sets the column block: smaller than the row, the kernel streams it in several blocks."""
     x2 = as_rows(x, "softmax input")
@@ -132,74 +139,108 @@ def online_softmax(x: torch.Tensor, block_size: int | None = None) -> torch.Tens
     block = min(triton.next_power_of_2(N), 1024) if block_size is None else _pow2("block_size", block_size)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if y.numel():
-        online_softmax_kernel[(M,)](x2, y, x2.stride(0), y.stride(0), N, BLOCK=block)
+        online_log_softmax_kernel[(M,)](x2, y, x2.stride(0), y.stride(0), N, BLOCK=block)
     return y.view(x.shape)
 
 
-# --- 3. LayerNorm backward: dx and the per-group partial sums ---------------------------------------
+# --- 3. RMSNorm backward: dx and the per-group partial sums ----------------------------------------
 
 
 @triton.jit
-def layernorm_backward_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, partial_dw_ptr,
-                              partial_db_ptr, row_stride, M, N, rows_per_group, BLOCK: tl.constexpr):
-    """Kind: build
+def rmsnorm_backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, partial_dw_ptr, row_stride, M, N,
+                            rows_per_group, BLOCK: tl.constexpr):
+    """Kind: build · about 60 minutes
 
-    LayerNorm backward for group ``g = program_id(0)``: rows ``[g R, min((g + 1) R, M))`` with
-    ``R = rows_per_group``. ``dy``, ``x``, ``dx`` are ``M x N`` with row stride ``row_stride``;
-    ``w`` has ``N`` entries; ``mean``, ``rstd`` (fp32, ``M``) were saved by the forward;
-    ``partial_dw``, ``partial_db`` are fp32 ``G x N``, contiguous. A whole row fits one block
-    (``BLOCK >= N``): load each row of ``x`` and ``dy`` once (the test counts).
+    RMSNorm's backward (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", §3-4; the norm
+    of Llama and T5) for group ``g = program_id(0)``: rows ``[g R, min((g + 1) R, M))`` with
+    ``R = rows_per_group``. The forward was ``y = x * rstd * w``, ``rstd = 1 / sqrt(mean(x²) + eps)``
+    over the row (no mean subtracted, no bias). ``dy``, ``x``, ``dx`` are ``M x N`` with row stride
+    ``row_stride``; ``w`` has ``N`` entries; ``rstd`` (fp32, ``M``) is what the forward saved;
+    ``partial_dw`` is fp32 ``G x N``, contiguous. A whole row fits one block (``BLOCK >= N``).
 
-    For one row, with ``xhat = (x - mean) * rstd`` and ``g = dy * w``::
+    What it must store: each row's input gradient ``dx`` (in ``dx``'s dtype; derive it: ``rstd``
+    depends on the whole row), and, as row ``g`` of ``partial_dw``, the group's fp32 sum of the rows'
+    contributions to the weight gradient (Triton tutorial 05's partial sums per group;
+    :func:`segment_column_sum_kernel` adds the groups up).
 
-        dx = rstd * (g - (xhat * c1 + c2)),   c1 = sum(xhat * g) / N,   c2 = sum(g) / N
+    Properties the tests check: ``dx`` and every group's partial against autograd of RMSNorm in
+    float64 within the rounding of the fp32 computation (random shapes, groups that do not divide M,
+    fp16); columns past ``N`` filled with NaN in memory neither leak into a sum nor get written; and,
+    counting the interpreter's loads, each row of ``x`` and ``dy`` read exactly once.
 
-    and the row adds ``dy * xhat`` to the group's ``dw`` and ``dy`` to its ``db``. After its rows,
-    the program stores the two fp32 sums as row ``g`` of ``partial_dw`` and ``partial_db``
-    (``dw = sum over rows of dy * xhat`` and ``db = sum of dy`` are then column sums of the
-    partials: :func:`column_sum_kernel`). Masked columns (``>= N``) must add nothing to ``c1``,
-    ``c2`` or the sums: load ``dy`` (and ``w``) as 0 there, so ``g`` is 0 and every term vanishes.
+    Reference: ``minitorch_dist/kernels/layernorm.py`` (LayerNorm's backward: its mean and bias terms
+    have no place here, and copying them gives a wrong dx).
     """
-    raise NotImplementedError("exercise: layernorm_backward_kernel — see chapters/11_fused_kernels.md")
+    raise NotImplementedError("exercise: rmsnorm_backward_kernel — see chapters/11_fused_kernels.md")
 
 
 # --- 4. the second stage: column sums of the partials -----------------------------------------------
 
 
 @triton.jit
-def column_sum_kernel(a_ptr, out_ptr, G, N, a_row_stride, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Kind: build
+def segment_column_sum_kernel(a_ptr, offsets_ptr, out_ptr, N, a_row_stride, BLOCK_G: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+    """Kind: build · about 40 minutes
 
-    ``out[j] = sum_i a[i, j]`` for the ``BLOCK_N`` columns of program ``program_id(0)``, over
-    all ``G`` rows of ``a`` (fp32, row stride ``a_row_stride``), ``BLOCK_G`` rows at a time.
+    Column sums of the rows of ``a`` segment by segment: ``out[s, j] = sum of a[i, j]`` over the rows
+    ``offsets[s] <= i < offsets[s + 1]``, for the ``BLOCK_N`` columns of program ``program_id(0)`` and
+    the segment ``s = program_id(1)``. ``a`` is fp32 with row stride ``a_row_stride``; ``offsets``
+    (int64, S + 1 entries, non-decreasing) cut its rows into S consecutive segments, some possibly
+    empty; ``out`` is ``S x N``, contiguous. This is the second stage of a grouped reduction: the
+    per-group partials of a norm's backward (one segment), or the partial weight gradients of an MoE
+    layer's experts, each expert's rows a segment (MegaBlocks, Gale et al. 2023, §5).
 
-    Load ``BLOCK_G x BLOCK_N`` tiles (``rows[:, None]`` and ``cols[None, :]`` broadcast to a 2-D
-    block of pointers; mask rows ``>= G`` and columns ``>= N``), add them into a fp32 2-D
-    accumulator, and reduce it over axis 0 once at the end; store in ``out``'s dtype.
+    Handle ``BLOCK_G x BLOCK_N`` tiles at a time, accumulate in fp32, store in ``out``'s dtype; an
+    empty segment's sums are 0.
+
+    Properties the tests check: equal to ``a[segment].sum(0)`` within the rounding fp32 addition
+    allows, for segments of every length (empty, one row, not a multiple of the tile, all rows), G
+    and N that are not multiples of the blocks, strided rows and an fp16 output; an empty segment
+    written as 0 into a buffer full of NaN; as one segment, LayerNorm's dw and db from partials made
+    by PyTorch and RMSNorm's whole backward with the previous exercise.
+
+    Reference: ``minitorch_dist/kernels/layernorm.py`` (``_layernorm_bwd_dwdb_kernel`` sums all the
+    rows into one output; here each segment is an output of its own).
     """
-    raise NotImplementedError("exercise: column_sum_kernel — see chapters/11_fused_kernels.md")
+    raise NotImplementedError("exercise: segment_column_sum_kernel — see chapters/11_fused_kernels.md")
+
+
+def segment_column_sum(a: torch.Tensor, offsets, out_dtype: torch.dtype | None = None, block_g: int = 32,
+                       block_n: int = 128) -> torch.Tensor:
+    """``[a[offsets[s]:offsets[s+1]].sum(0) for s]`` as an ``S x N`` tensor, with
+    :func:`segment_column_sum_kernel`, accumulated in fp32."""
+    if a.dim() != 2:
+        raise ValueError(f"segment_column_sum takes a 2-D tensor (rows x columns), got {a.dim()}-D")
+    a2 = as_rows(a, "partial sums")
+    G, N = a2.shape
+    offsets = torch.as_tensor(offsets, dtype=torch.int64, device=a.device).reshape(-1)
+    if offsets.numel() < 2 or int(offsets[0]) != 0 or int(offsets[-1]) != G \
+            or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"offsets must be non-decreasing from 0 to the {G} rows (S + 1 entries), got "
+                         f"{offsets.tolist()}")
+    check_device(a2)
+    S = offsets.numel() - 1
+    out = torch.empty((S, N), dtype=out_dtype or a.dtype, device=a.device)
+    if out.numel():
+        block_n = _pow2("block_n", block_n)
+        segment_column_sum_kernel[(triton.cdiv(N, block_n), S)](a2, offsets, out, N, a2.stride(0),
+                                                                BLOCK_G=_pow2("block_g", block_g),
+                                                                BLOCK_N=block_n)
+    return out
 
 
 def column_sum(a: torch.Tensor, out_dtype: torch.dtype | None = None, block_g: int = 32,
                block_n: int = 128) -> torch.Tensor:
-    """``a.sum(0)`` of a 2-D tensor with :func:`column_sum_kernel`, accumulated in fp32."""
+    """``a.sum(0)`` of a 2-D tensor: :func:`segment_column_sum` with one segment, all the rows."""
     if a.dim() != 2:
         raise ValueError(f"column_sum takes a 2-D tensor (groups x columns), got {a.dim()}-D")
-    a2 = as_rows(a, "partial sums")
-    check_device(a2)
-    G, N = a2.shape
-    out = torch.empty(N, dtype=out_dtype or a.dtype, device=a.device)
-    if out.numel():
-        block_n = _pow2("block_n", block_n)
-        column_sum_kernel[(triton.cdiv(N, block_n),)](a2, out, G, N, a2.stride(0),
-                                                      BLOCK_G=_pow2("block_g", block_g), BLOCK_N=block_n)
-    return out
+    return segment_column_sum(a, [0, a.shape[0]], out_dtype, block_g, block_n)[0]
 
 
-def layernorm_backward_partials(dy, x, weight, mean, rstd, rows_per_group: int | None = None):
-    """``(dx, partial_dw, partial_db)``: :func:`layernorm_backward_kernel` over groups of
-    ``rows_per_group`` rows (default: about 32 groups). ``x``, ``dy``: ``(..., N)``; ``mean``,
-    ``rstd``: one per row, as the forward saved them."""
+def rmsnorm_backward_partials(dy, x, weight, rstd, rows_per_group: int | None = None):
+    """``(dx, partial_dw)``: :func:`rmsnorm_backward_kernel` over groups of ``rows_per_group`` rows
+    (default: about 32 groups). ``x``, ``dy``: ``(..., N)``; ``rstd``: one per row, as the forward
+    saved it."""
     if dy.shape != x.shape:
         raise ValueError(f"dy {tuple(dy.shape)} and x {tuple(x.shape)} must have the same shape")
     x2 = as_rows(x, "x").contiguous()
@@ -207,72 +248,69 @@ def layernorm_backward_partials(dy, x, weight, mean, rstd, rows_per_group: int |
     M, N = x2.shape
     if weight.shape != (N,):
         raise ValueError(f"weight must have shape ({N},) = x.shape[-1:], got {tuple(weight.shape)}")
-    if mean.numel() != M or rstd.numel() != M:
-        raise ValueError(f"mean and rstd need one entry per row ({M}), got {mean.numel()} and {rstd.numel()}")
-    mean, rstd = mean.reshape(M).float().contiguous(), rstd.reshape(M).float().contiguous()
+    if rstd.numel() != M:
+        raise ValueError(f"rstd needs one entry per row ({M}), got {rstd.numel()}")
+    rstd = rstd.reshape(M).float().contiguous()
     weight = weight.contiguous()
-    check_device(x2, dy2, weight, mean, rstd)
+    check_device(x2, dy2, weight, rstd)
     R = rows_per_group or max(1, triton.cdiv(M, 32))
     if isinstance(R, bool) or not isinstance(R, int) or R < 1:
         raise ValueError(f"rows_per_group must be an int >= 1, got {rows_per_group!r}")
     G = triton.cdiv(M, R)
     dx = torch.empty_like(x2)
     partial_dw = torch.empty((G, N), dtype=torch.float32, device=x.device)
-    partial_db = torch.empty((G, N), dtype=torch.float32, device=x.device)
     if M:
-        layernorm_backward_kernel[(G,)](dy2, x2, weight, mean, rstd, dx, partial_dw, partial_db,
-                                        x2.stride(0), M, N, R, BLOCK=triton.next_power_of_2(N))
-    return dx.view(x.shape), partial_dw, partial_db
+        rmsnorm_backward_kernel[(G,)](dy2, x2, weight, rstd, dx, partial_dw, x2.stride(0), M, N, R,
+                                      BLOCK=triton.next_power_of_2(N))
+    return dx.view(x.shape), partial_dw
 
 
-def layernorm_backward_reductions(dy, x, weight, mean, rstd, rows_per_group: int | None = None):
-    """``(dx, dw, db)`` of LayerNorm: the partials of :func:`layernorm_backward_partials`, then
-    their column sums (:func:`column_sum`), cast to ``weight``'s dtype."""
-    dx, partial_dw, partial_db = layernorm_backward_partials(dy, x, weight, mean, rstd, rows_per_group)
-    return dx, column_sum(partial_dw, weight.dtype), column_sum(partial_db, weight.dtype)
+def rmsnorm_backward_reductions(dy, x, weight, rstd, rows_per_group: int | None = None):
+    """``(dx, dw)`` of RMSNorm: the partials of :func:`rmsnorm_backward_partials`, then their column
+    sums (:func:`column_sum`), cast to ``weight``'s dtype."""
+    dx, partial_dw = rmsnorm_backward_partials(dy, x, weight, rstd, rows_per_group)
+    return dx, column_sum(partial_dw, weight.dtype)
 
 
-# --- 5. FlashAttention-2's forward ------------------------------------------------------------------
+# --- 5. FlashAttention-2's forward, with a sliding window ------------------------------------
 
 
 @triton.jit
-def attention_forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale,
-                             stride_bh_q, stride_s_q, stride_bh_k, stride_s_k, stride_bh_o, stride_s_o,
-                             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             D: tl.constexpr):
-    """Kind: build
+def attention_window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale, window,
+                            stride_bh_q, stride_s_q, stride_bh_k, stride_s_k, stride_bh_o, stride_s_o,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Kind: build · about 90 minutes
 
-    Attention of query rows ``[i0, i0 + BLOCK_M)``, ``i0 = program_id(0) * BLOCK_M``, of the
-    (batch, head) pair ``program_id(1)`` to all the keys: FlashAttention-2's forward (Dao 2023,
-    Algorithm 1; chapter 11, "FlashAttention").
+    Sliding-window causal attention of query rows ``[i0, i0 + BLOCK_M)``, ``i0 = program_id(0) *
+    BLOCK_M``, of the (batch, head) pair ``program_id(1)``: query i sees the ``window`` keys
+    ``i - window < j <= i`` (Beltagy et al. 2020, "Longformer", §3.1; Mistral 7B's sliding window),
+    computed as FlashAttention-2's forward (Dao 2023, Algorithm 1; chapter 11, "FlashAttention").
 
-    Element ``[s, c]`` of this pair's q is at ``q_ptr + bh * stride_bh_q + s * stride_s_q + c``
-    (likewise k, v with ``stride_*_k``, the output with ``stride_*_o``; lse at ``lse_ptr + bh * Sq + s``).
-    Load the query tile once (rows past ``Sq`` masked to 0). Then for each key tile
-    ``[j0, j0 + BLOCK_N)`` (keys past ``Sk`` masked), keeping per row a running max ``m`` (start
-    -inf), sum ``l`` (start 0) and unnormalised output ``acc`` (start 0), all fp32::
+    Interface: element ``[s, c]`` of this pair's q is at ``q_ptr + bh * stride_bh_q + s * stride_s_q
+    + c`` (likewise k, v with ``stride_*_k``, the output with ``stride_*_o``); the row log-sum-exp of
+    the scaled visible scores goes to ``lse_ptr + bh * Sq + s`` (fp32). ``scale`` multiplies
+    ``q·kᵀ``. Keep all statistics in fp32 (``tl.dot`` of fp32 tiles, ``tl.trans`` transposes);
+    store only the rows below ``Sq`` (``Sq <= Sk``).
 
-        s     = (q_tile @ k_tileᵀ) * scale          (BLOCK_M, BLOCK_N); -inf where the key is past Sk,
-                                                    and, when CAUSAL, where key j > query i
-        m_new = max(m, rowmax(s))
-        p     = exp(s - m_new)
-        alpha = exp(m - m_new)
-        l     = alpha * l + rowsum(p)
-        acc   = alpha * acc + p @ v_tile
-        m     = m_new
+    Properties the tests check: outputs and log-sum-exp against attention with the window's mask in
+    float64 within the rounding of the fp32 computation, for windows narrower than a tile, not a
+    multiple of it, wider than the sequence (then it is causal attention: ``F.scaled_dot_product_
+    attention(is_causal=True)``), ragged tiles and fp16; and, counting the interpreter's loads and
+    stores, no score ever written to memory and K and V read only for the key tiles that meet the
+    query tile's window: a query tile loads no key tile that all of its rows are blind to.
 
-    Finally ``o = acc / l`` and ``lse = m + log(l)``; store them for the rows below ``Sq``. With
-    CAUSAL, stop the sweep at the key tile holding the tile's last query (later keys are never
-    seen). ``tl.dot`` multiplies tiles (cast the operands to fp32 first); ``tl.trans`` transposes.
+    Reference: ``minitorch_dist/kernels/flash_attention.py`` (``_fwd_kernel`` sweeps every key tile
+    up to the diagonal; a window also skips the tiles before it, and some rows see nothing in the
+    first tile it visits).
     """
-    raise NotImplementedError("exercise: attention_forward_kernel — see chapters/11_fused_kernels.md")
+    raise NotImplementedError("exercise: attention_window_kernel — see chapters/11_fused_kernels.md")
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                      block_m: int = 16, block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)``: ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)`` and the row
-    log-sum-exp (fp32), with :func:`attention_forward_kernel`. q (B, H, Sq, D), k and v (B, H, Sk, D),
-    D a power of two from 16 to 128; one program per (query tile, batch × head)."""
+def attention_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                     block_m: int = 16, block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)``: causal attention in which query i sees keys ``i - window < j <= i``, and the row
+    log-sum-exp (fp32), with :func:`attention_window_kernel`. q (B, H, Sq, D), k and v (B, H, Sk, D)
+    with ``Sq <= Sk``, D a power of two from 16 to 128; one program per (query tile, batch × head)."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[:2] != k.shape[:2] \
             or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q (B, H, Sq, D) and k, v (B, H, Sk, D) must agree; got {tuple(q.shape)}, "
@@ -281,15 +319,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if D not in (16, 32, 64, 128):
         raise ValueError(f"head_dim {D} must be a power of two from 16 to 128 "
                          f"(tl.arange and tl.dot need one)")
+    if Sq > k.shape[2]:
+        raise ValueError(f"Sq = {Sq} > Sk = {k.shape[2]}: the last queries would see no key; "
+                         f"give at least as many keys as queries")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included), "
+                         f"got {window!r}")
     check_device(q, k, v)
     q, k, v = (x.contiguous() for x in (q, k, v))
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     if o.numel():
         grid = (triton.cdiv(Sq, _pow2("block_m", block_m)), B * H)
-        attention_forward_kernel[grid](q, k, v, o, lse, Sq, k.shape[2], D ** -0.5,
-                                       Sq * D, D, k.shape[2] * D, D, Sq * D, D, CAUSAL=bool(causal),
-                                       BLOCK_M=block_m, BLOCK_N=_pow2("block_n", block_n), D=D)
+        attention_window_kernel[grid](q, k, v, o, lse, Sq, k.shape[2], D ** -0.5, window,
+                                      Sq * D, D, k.shape[2] * D, D, Sq * D, D,
+                                      BLOCK_M=block_m, BLOCK_N=_pow2("block_n", block_n), D=D)
     return o, lse
 
 
@@ -297,24 +341,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 
 def softmax_traffic_forecast(M: int, N: int, dtype_bytes: int = 4, block: int | None = None) -> dict:
-    """Kind: measure
+    """Kind: derive · about 30 minutes
 
     Predict, before anything runs, the bytes a row softmax of an ``M x N`` matrix (elements of
     ``dtype_bytes`` bytes) moves to and from memory, read and written together:
 
     * ``"eager"``: as the five PyTorch ops ``amax``, subtract, ``exp``, ``sum``, divide, each a kernel
-      that reads its tensor operands from memory and writes its result there (the row maxima and
-      sums are tensors of M elements; views move nothing);
+      that reads its tensor operands from memory and writes its result there (views move nothing);
     * ``"fused"``: as one Triton kernel, one program per row, that loads ``block`` columns at a time
-      (``block=None``: the whole row in one block). A row that fits its block is read once and its
-      output written once; a longer row is streamed twice (the online softmax: one sweep for the max
-      and the normaliser, one to write the output) and written once. Nothing else goes to memory;
+      (``block=None``: the whole row in one block): a row in one block needs one read, a longer row
+      the online normaliser of exercise 2; its output is written once and nothing else goes to memory;
     * ``"ratio"``: eager over fused, the speed-up a memory-bound kernel gets from fusion.
 
-    ``costmodel`` has the eager and the one-block counts; the streamed kernel is yours to adjust.
-    The tests count both exactly: the eager ops under a dispatch mode that adds up every op's tensor
-    arguments and results, the fused kernels in Triton's interpreter by wrapping its loads and
-    stores. Your numbers must equal the counts (to the byte).
+    The tests compare with counts worked by hand and with the counts of real runs, to the byte: the
+    eager ops under ``analysis.meters.ByteCounter``, the library's fused kernels in Triton's
+    interpreter with their loads and stores counted.
     """
     for name, v in (("M", M), ("N", N), ("dtype_bytes", dtype_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -322,3 +363,28 @@ def softmax_traffic_forecast(M: int, N: int, dtype_bytes: int = 4, block: int | 
     if block is not None:
         _pow2("block", block)
     raise NotImplementedError("exercise: softmax_traffic_forecast — see chapters/11_fused_kernels.md")
+
+
+# --- 7. the bytes of the eager softmax, measured ----------------------------------------------------------
+
+
+def softmax_traffic_measured(x: torch.Tensor, block: int | None = None) -> dict:
+    """Kind: measure · about 25 minutes
+
+    Measure what the eager softmax of ``x`` (``M x N``, any float dtype) moves through memory, and set
+    your forecast beside it. Run the library's five-op softmax (``kernels.softmax.softmax_reference``)
+    on ``x`` under ``analysis.meters.ByteCounter`` (a dispatch mode that adds up each ATen op's tensor
+    arguments and results) and return::
+
+        {"read": bytes read, "written": bytes written, "ops": the ATen ops counted, in order,
+         "predicted": softmax_traffic_forecast(M, N, x's element size, block)}
+
+    Meter exactly the softmax of ``x`` as given: nothing before or after it, no copy or cast of
+    ``x``. The tests compare your numbers with the same run metered by the tests (exactly, the op
+    list included), in fp32 and fp16, and your forecast with the measurement.
+
+    Reference: ``minitorch_dist/analysis/meters.py`` (``ByteCounter``: what it counts and skips).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be M x N (rows to softmax), got shape {tuple(x.shape)}")
+    raise NotImplementedError("exercise: softmax_traffic_measured — see chapters/11_fused_kernels.md")

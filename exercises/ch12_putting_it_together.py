@@ -1,7 +1,8 @@
 # generated from solutions/ch12_putting_it_together.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 010246cdb3d6b172 of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint 86759348117653ca of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 12 exercises: 3D parallelism by hand — the rank grid, the memory filter, microbatches for a
-bubble, one training step on a 2-D grid of ranks, and a 3D step's traffic predicted then counted.
+bubble, training on a 2-D grid of ranks whose replicas hold unequal shares of the batch, and a 3D
+step's traffic predicted, then measured.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -23,10 +24,13 @@ library; the last two run on ranks.
    "Reducing Activation Recomputation in Large Transformer Models", §4 (Table 2).
 3. :func:`microbatches_for_bubble`: the fewest microbatches whose pipeline bubble
    ``(p-1)/(v*m)`` (Narayanan §2.2) meets a target, given how the batch can be split.
-4. :func:`train_on_2d_grid`: SGD steps of the GPT on a data x tensor grid of ranks, built from the
-   groups up; it must equal the single-process run on the same global batches.
+4. :func:`train_on_2d_grid_uneven`: SGD steps of the GPT on a data x tensor grid of ranks, built
+   from the groups up, with a global batch that does not divide evenly over the replicas; it must
+   equal the single-process run on the same global batches.
 5. :func:`predict_rank_traffic`: the bytes one rank of a 3D step sends on the data-parallel and the
-   pipeline axes, predicted from the cost model, then counted on 4 ranks.
+   pipeline axes, predicted from the cost model.
+6. :func:`measure_rank_traffic`: run the library's 3D step on ranks, meter what this rank sent on
+   each axis, and set the prediction beside it.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from minitorch_dist import costmodel
 from minitorch_dist.models.data import MarkovCorpus
 from minitorch_dist.models.gpt import GPT
 from minitorch_dist.parallelism.tensor_parallel import parallelize_gpt
+from minitorch_dist.parallelism.three_d import train_3d
 
 AXES = ("dp", "tp", "pp")
 
@@ -53,17 +58,14 @@ def _positive_ints(**values) -> None:
 
 
 def rank_to_coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """Kind: derive
+    """Kind: derive · about 15 minutes
 
-    ``(dp_rank, tp_rank, pp_rank)``: where ``rank`` sits in a ``dp x tp x pp`` grid, Megatron's order.
-
-    The ranks are numbered with TP fastest-varying, then DP, then PP (the slowest)::
-
-        rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-
-    so ``tp_rank`` is the last "digit" of ``rank`` in the mixed radix ``(pp, dp, tp)``. Example
-    with dp = tp = pp = 2: rank 5 = 1 + 2·(0 + 2·1) is ``(0, 1, 1)``. With 8 GPUs per node and
-    ``tp = 8`` a node is exactly one TP group, and pipeline neighbours are ``dp*tp`` ranks apart.
+    ``(dp_rank, tp_rank, pp_rank)``: where ``rank`` sits in a ``dp x tp x pp`` grid, in Megatron's
+    order (Narayanan et al. 2021 §3.2; Megatron-LM's ``initialize_model_parallel``): tensor
+    parallelism varies fastest (a TP group is consecutive ranks, so with 8 GPUs per node and
+    ``tp = 8`` a node is one TP group), then data parallelism, and the pipeline slowest. Work out the
+    numbering from that order; the tests compare with the library's ``RankGrid`` and torch's
+    ``DeviceMesh`` layout for every grid of up to 24 ranks.
     """
     _positive_ints(dp=dp, tp=tp, pp=pp)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp * tp * pp:
@@ -73,10 +75,10 @@ def rank_to_coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]
 
 
 def coords_to_rank(coords: tuple[int, int, int], dp: int, tp: int, pp: int) -> int:
-    """Kind: derive
+    """Kind: derive · about 10 minutes
 
-    The rank at ``coords = (dp_rank, tp_rank, pp_rank)``: the inverse of :func:`rank_to_coords`,
-    ``tp_rank + tp * (dp_rank + dp * pp_rank)``."""
+    The rank at ``coords = (dp_rank, tp_rank, pp_rank)`` of a ``dp x tp x pp`` grid in Megatron's
+    order: the inverse of :func:`rank_to_coords`, checked as such on every grid of up to 24 ranks."""
     _positive_ints(dp=dp, tp=tp, pp=pp)
     if len(coords) != 3:
         raise ValueError(f"coords must be (dp_rank, tp_rank, pp_rank), got {coords!r}")
@@ -87,21 +89,16 @@ def coords_to_rank(coords: tuple[int, int, int], dp: int, tp: int, pp: int) -> i
 
 
 def group_ranks(axis: str, dp: int, tp: int, pp: int) -> list[list[int]]:
-    """Kind: derive
+    """Kind: derive · about 20 minutes
 
-    Every process group along ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``): the ranks that share the
-    other two coordinates, each group listed by its coordinate on ``axis`` (which is also increasing
-    rank order), the groups sorted by their first rank. There are ``dp*tp*pp / size(axis)`` groups
-    of ``size(axis)`` ranks, and they partition the ranks.
+    Every process group along ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``) of a ``dp x tp x pp`` grid in
+    Megatron's order: the ranks that share the other two coordinates, each group listed by its
+    coordinate on ``axis``, the groups sorted by their first rank. The groups of one axis partition
+    the ranks. Every rank calls ``torch.distributed.new_group`` for every one of these lists, in this
+    order (chapter 12's ``mesh.init_groups``), and keeps the three it belongs to.
 
-    dp = tp = pp = 2::
-
-        tp: [[0, 1], [2, 3], [4, 5], [6, 7]]       consecutive: one node each
-        dp: [[0, 2], [1, 3], [4, 6], [5, 7]]       stride tp
-        pp: [[0, 4], [1, 5], [2, 6], [3, 7]]       stride tp*dp: the pipeline spans nodes
-
-    Every rank calls ``torch.distributed.new_group`` for every one of these lists, in this order
-    (chapter 12's ``mesh.init_groups``), and keeps the three it belongs to.
+    The tests compare with the library's ``RankGrid``, with torch's ``DeviceMesh`` layout and with
+    the example in Megatron-LM's ``initialize_model_parallel`` docstring.
     """
     _positive_ints(dp=dp, tp=tp, pp=pp)
     if axis not in AXES:
@@ -143,7 +140,7 @@ def _check_fits_arguments(cfg, memory_bytes, tp, pp, zero, recompute, sequence_p
 def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro_batch: int,
                    microbatches: int, zero: int = 0, recompute: str = "none", sequence_parallel: bool = False,
                    usable: float = 0.9, grad_bytes: int = 4) -> tuple[bool, dict]:
-    """Kind: derive
+    """Kind: derive · about 60 minutes
 
     ``(fits, parts)``: does one GPU of the first pipeline stage hold its share of training?
 
@@ -152,39 +149,28 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
     with AdamW, pipelined with 1F1B into ``pp`` stages of ``L/pp`` layers, each split ``tp`` ways,
     on ``dp`` replicas; a step is ``microbatches`` (m) microbatches of ``micro_batch`` (b) sequences.
     The first stage is the busiest (it holds the embeddings and the most activations), so it decides.
+    ``Psi`` (given below) is the parameters one GPU of that stage holds.
 
-    ``Psi`` (given below) is the parameters one GPU of that stage holds: its ``L/pp`` layers split
-    ``tp`` ways plus the embeddings (``costmodel.pipeline_stage_params``). ``parts`` holds bytes:
+    ``parts`` holds bytes, one entry each: ``weights`` (16-bit), ``gradients`` (``grad_bytes`` per
+    parameter: 4 for Megatron-LM's fp32 ``main_grad``, 2 for 16-bit gradients), ``optimizer``
+    (``OPTIMIZER_BYTES`` per parameter: fp32 master copy, momentum, variance), ``buffers`` (ZeRO-3
+    gathers a layer's weights just in time and prefetches the next: two layers' 16-bit weights; 0
+    otherwise), ``activations``, ``total`` (their sum), ``capacity = usable * memory_bytes``; and
+    ``fits = total <= capacity``. Assumptions to derive each from:
 
-    * model states, ZeRO over the ``dp`` ranks (ZeRO §5.1), 2 / g / 12 bytes per parameter, with
-      g = ``grad_bytes``: 4 for Megatron-LM's fp32 gradient buffer ``main_grad`` (18 bytes in all),
-      2 for 16-bit gradients (the ZeRO paper's 16)::
+    * ZeRO stage ``zero`` over the ``dp`` ranks (Rajbhandari et al. 2020, §5.1) shards which of the
+      three model states? Under a pipeline (``pp > 1``) ZeRO-2 accumulates the m microbatches'
+      gradients whole and reduce-scatters them once, after the last one (ZeRO-3 re-gathers the
+      weights per microbatch and keeps its sharded memory).
+    * Activations are 16-bit, per layer as Korthikanti et al. 2022 §4 (Table 2) count them, for the
+      three ``recompute`` policies, with and without ``sequence_parallel`` (t = tp). 1F1B keeps
+      ``min(pp, m)`` microbatches in flight on the first stage, each holding its ``L/pp`` layers'
+      activations. With ``"full"`` recompute, backward rebuilds one layer at a time: add one layer
+      of ``"none"`` activations (b sequences) as the working set.
 
-          weights    2 Psi   (/dp at stage 3)
-          gradients  g Psi   (/dp at stages 2, 3)
-          optimizer 12 Psi   (/dp at stages 1, 2, 3)
-          buffers    ZeRO-3 gathers a layer's weights just in time and prefetches the next: two
-                     layers' worth, 2 * (2 Psi / (L/pp)); 0 for stages 0-2
-
-      **Under a pipeline** (``pp > 1``) ZeRO-2 accumulates the m microbatches' gradients whole and
-      reduce-scatters them once, after the last one: the whole gradient is held until then, so
-      its gradients are ``g Psi``, as at stage 1. (ZeRO-3 re-gathers the weights for every
-      microbatch and keeps its sharded memory.)
-
-    * ``activations``: 16-bit activations, Korthikanti §4 Table 2, per layer (t = tp)::
-
-          recompute      tensor parallel only               with sequence_parallel
-          "none"         s b h (10 + 24/t + 5 a s/(h t))    s b h/t (34 + 5 a s/h)
-          "selective"    s b h (10 + 24/t)                  34 s b h/t
-          "full"         2 s b h   (the layer's input)      2 s b h/t
-
-      The first stage holds ``L/pp`` layers for each of the ``min(pp, m)`` microbatches 1F1B keeps
-      in flight there (warm-up forwards before its first backward). With ``"full"`` recompute,
-      backward rebuilds one layer at a time, so add one layer of ``"none"`` activations (b
-      sequences) as the working set.
-
-    * ``total`` (the sum of the five above), ``capacity = usable * memory_bytes`` (the rest is the
-      CUDA context, communication buffers and fragmentation), and ``fits = total <= capacity``.
+    The tests compare with the library's planner on published configurations and on grids of
+    options, with ZeRO §5.1 and Korthikanti's equation 1 written out, and with a published
+    GPT-3 175B setup.
     """
     _positive_ints(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, microbatches=microbatches)
     _check_fits_arguments(cfg, memory_bytes, tp, pp, zero, recompute, sequence_parallel, usable, grad_bytes)
@@ -199,24 +185,20 @@ def fits_in_memory(cfg, memory_bytes: float, *, dp: int, tp: int, pp: int, micro
 
 def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, micro_batch_size: int = 1,
                             v: int = 1) -> int:
-    """Kind: derive
+    """Kind: derive · about 25 minutes
 
-    The smallest number of microbatches ``m`` whose pipeline bubble ``(p-1)/(v*m)`` is at most ``target``.
-
-    Narayanan et al. 2021 §2.2: with ``p`` stages, 1F1B idles ``(p-1)`` microbatch-times per step
-    out of ``m`` useful ones, a bubble of ``(p-1)/m`` of the ideal time; the interleaved schedule
-    with ``v`` model chunks per GPU divides it by ``v``. (As a share of the whole step that is
-    ``(p-1)/(v*m + p-1)``, less than the ratio.) More microbatches shrink the bubble but make each
-    one smaller (worse GEMM efficiency, more messages), so take the fewest that meet the target.
+    The smallest number of microbatches ``m`` whose pipeline bubble (Narayanan et al. 2021 §2.2:
+    the idle time of ``p`` stages under 1F1B as a ratio of the ideal step time; the interleaved
+    schedule with ``v`` model chunks per GPU divides it by ``v``) is at most ``target``.
 
     Each data-parallel replica processes ``global_batch / dp`` sequences per step, split into ``m``
-    equal microbatches of a whole number of units of ``micro_batch_size`` sequences: ``m`` must
-    divide ``global_batch / (dp * micro_batch_size)``. The interleaved schedule (``v > 1``) also
-    needs ``m`` to be a multiple of ``p`` (Megatron-LM's interleaved 1F1B). A bubble equal to the
-    target meets it: ``p = 4``, ``target = 0.1`` gives ``m = 30`` (compare exactly, e.g. with
-    ``fractions.Fraction``, or with one division ``(p - 1) / (v * m)``, which rounds like ``0.1``).
+    equal microbatches of a whole number of units of ``micro_batch_size`` sequences. The interleaved
+    schedule (``v > 1``) also needs ``m`` to be a multiple of ``p`` (Megatron-LM's interleaved
+    1F1B). A bubble equal to the target meets it: compare exactly (``fractions.Fraction``), so that
+    ``p = 4``, ``target = 0.1`` is met by the m that gives exactly a tenth.
 
-    Raises ``ValueError`` naming the fix when no such ``m`` exists.
+    Raises ``ValueError`` naming the fix when no such ``m`` exists. The tests compare with an exact
+    brute force, with ``costmodel``'s bubble, and on GPT-3 175B's published configuration.
     """
     _positive_ints(p=p, global_batch=global_batch, dp=dp, micro_batch_size=micro_batch_size, v=v)
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < float("inf"):
@@ -247,58 +229,60 @@ def microbatches_for_bubble(p: int, target: float, global_batch: int, dp: int, m
 
 
 def _check_grid_arguments(cfg, dp, tp, steps, batch, seq) -> None:
-    """Validate the arguments of :func:`train_on_2d_grid`, on the ranks of a job of ``dp * tp``."""
+    """Validate the arguments of :func:`train_on_2d_grid_uneven`, on the ranks of a job of ``dp * tp``."""
     for name, v in (("dp", dp), ("tp", tp), ("steps", steps), ("batch", batch), ("seq", seq)):
         _positive_ints(**{name: v})
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("train_on_2d_grid runs on every rank: launch(train_on_2d_grid, dp * tp, ...)")
+        raise RuntimeError("train_on_2d_grid_uneven runs on every rank: "
+                           "launch(train_on_2d_grid_uneven, dp * tp, ...)")
     if dist.get_world_size() != dp * tp:
         raise ValueError(f"the grid has dp*tp = {dp * tp} ranks but the job has {dist.get_world_size()}")
-    if batch % dp:
-        raise ValueError(f"batch {batch} is not divisible by dp={dp}: each replica needs the same rows")
+    if batch < dp:
+        raise ValueError(f"batch {batch} has fewer rows than dp={dp} replicas: every replica needs a row")
     if cfg.n_head % tp or cfg.vocab_size % tp:
         raise ValueError(f"n_head {cfg.n_head} and vocab_size {cfg.vocab_size} must be divisible by tp={tp}")
 
 
-def train_on_2d_grid(cfg, dp: int, tp: int, steps: int, batch: int, seq: int, lr: float = 0.1):
-    """Kind: build
+def train_on_2d_grid_uneven(cfg, dp: int, tp: int, steps: int, batch: int, seq: int, lr: float = 0.1):
+    """Kind: build · about 60 minutes
 
     ``steps`` SGD steps of the GPT ``cfg`` on a ``dp x tp`` grid of ranks -- data parallelism around
     tensor parallelism, the first two axes of 3D training -- run on every rank of
-    ``launch(train_on_2d_grid, dp * tp, cfg, dp, tp, steps, batch, seq)``. It must train exactly the
-    model one process trains on the same global batches.
+    ``launch(train_on_2d_grid_uneven, dp * tp, cfg, dp, tp, steps, batch, seq)``, where the global
+    ``batch`` need not be a multiple of ``dp``. It must train exactly the model one process trains on
+    the same global batches (the mean loss over all ``batch`` rows).
 
-    What each rank does, with ``rank = tp_rank + tp * dp_rank`` (Megatron's order, as in
-    :func:`rank_to_coords` with ``pp = 1``):
+    The interface and the rules:
 
-    1. **Groups.** A TP group is ``tp`` consecutive ranks; a DP group is the ``dp`` ranks with the
-       same ``tp_rank``. ``torch.distributed.new_group(ranks)`` must be entered by *every* rank of
-       the job, for *every* group, in the same order (each call takes the next group number), so
-       loop over all groups of both axes on every rank and keep the two this rank is in.
-    2. **The model.** ``torch.manual_seed(0)`` then ``GPT(cfg)`` (``models.gpt``): the dense model
-       the single process builds. With ``tp > 1`` keep this rank's slice of it with chapter 04's
-       ``parallelize_gpt(model, tp_group)`` (``parallelism.tensor_parallel``); its forward
-       ``model(x, y)`` returns ``(logits, loss)``, the loss of the whole vocabulary on every TP rank.
-       The optimizer is ``torch.optim.SGD(params, lr=lr)``.
-    3. **The data.** Step ``k`` trains on the global batch ``MarkovCorpus(cfg.vocab_size,
-       seed=0).batch(k, batch, seq, ...)`` (``models.data``); this rank's replica takes its
-       ``1/dp`` share of the rows: ``rank=dp_rank, world_size=dp`` -- its coordinate on the DP
-       axis, not its global rank (the ``tp`` ranks of a TP group read the same rows).
-    4. **The step.** Forward, backward, then average each parameter's gradient over the DP group
-       only (sum with an all-reduce, divide by ``dp``), then ``optimizer.step()``.
+    * **The grid.** Megatron's order with ``pp = 1`` (:func:`rank_to_coords`): a TP group is ``tp``
+      consecutive ranks, a DP group the ``dp`` ranks with the same ``tp_rank``. Every rank of the
+      job must enter ``torch.distributed.new_group`` for every group of both axes, in the same order.
+    * **The model.** ``torch.manual_seed(0)`` then ``GPT(cfg)`` (``models.gpt``), the dense model
+      the single process builds; with ``tp > 1`` this rank keeps its slice, chapter 04's
+      ``parallelize_gpt(model, tp_group)``. ``model(x, y)`` returns ``(logits, loss)``, the mean loss
+      over the rows given. Optimizer: ``torch.optim.SGD(params, lr=lr)``.
+    * **The data.** Step ``k`` trains on the global batch ``MarkovCorpus(cfg.vocab_size,
+      seed=0).batch(k, batch, seq)`` (``models.data``). Replica ``d`` (its DP coordinate) takes a
+      contiguous block of its rows, in order, the blocks as even as possible: the first
+      ``batch % dp`` replicas one row more than the others (``torch.tensor_split``'s split). The
+      ``tp`` ranks of a TP group read the same rows.
+    * **The step.** Forward, backward, one collective per parameter over the DP group only, then
+      ``optimizer.step()``. Each replica's loss is the mean over *its* rows; work out what the DP
+      collective must combine so that the update is the gradient of the mean over all rows.
 
-    Why it is the single process's step: the TP slice computes the layer outputs exactly, the loss
-    is the mean over this replica's rows, and the mean of the ``dp`` replicas' gradients is the
-    gradient of the mean over the global batch. Replicated tensors (LayerNorms, ``wpe``) get the
-    same gradient on the ``tp`` ranks of a group and stay equal.
+    Return ``(losses, params)``: ``losses`` this replica's ``steps`` losses (floats, the mean over its
+    rows, each before its update), ``params`` ``{name: tensor}`` over ``model.named_parameters()``
+    after the last update, detached (the dense GPT's names; each tensor this rank's slice).
 
-    **Your task:** return ``(losses, params)``: ``losses`` the ``steps`` losses of this replica
-    (floats, each before its update), and ``params`` ``{name: tensor}`` over
-    ``model.named_parameters()`` after the last update, detached (the names are the dense GPT's;
-    each tensor is this rank's slice).
+    The tests run it on 4 ranks (2 x 2) with a batch of 7 rows, in float64, against the
+    single-process run cut to each rank's slice: every weight, the replicas bitwise identical, the
+    row-weighted mean of the replicas' losses equal to the single process's loss; and bad input.
+
+    Reference: ``minitorch_dist/parallelism/three_d.py`` (``train_3d`` builds the same grid from
+    ``RankGrid`` and ``init_groups``, but needs the batch to divide evenly and averages by ``1/dp``).
     """
     _check_grid_arguments(cfg, dp, tp, steps, batch, seq)
-    raise NotImplementedError("exercise: train_on_2d_grid — see chapters/12_putting_it_together.md")
+    raise NotImplementedError("exercise: train_on_2d_grid_uneven — see chapters/12_putting_it_together.md")
 
 
 # --- 5. a 3D step's bytes, predicted ------------------------------------------------------------------
@@ -306,29 +290,24 @@ def train_on_2d_grid(cfg, dp: int, tp: int, steps: int, batch: int, seq: int, lr
 
 def predict_rank_traffic(cfg, dp: int, tp: int, pp: int, batch: int, seq: int, microbatches: int,
                          zero: int = 0, stage: int = 0) -> dict:
-    """Kind: measure
+    """Kind: derive · about 40 minutes
 
     The bytes one rank at pipeline position ``stage`` sends in one step of the library's 3D step
     (chapter 12's ``train_3d``: fp32, 1F1B over ``pp`` stages, tensor parallelism over ``tp``, ZeRO
     ``zero`` over ``dp`` replicas), predicted before it runs. Returns ``{"dp": ..., "pp": ...}``:
 
-    * ``"dp"``: the wire bytes of its data-parallel collectives in one step (ring model: a
-      reduce-scatter or an all-gather of S bytes on n ranks sends S(n-1)/n, an all-reduce twice
-      that). Its buffer is the rank's parameters, ``Psi = costmodel.pipeline_stage_params(cfg, tp,
-      pp)[stage]`` (the first stage holds the embeddings, the last the final LayerNorm and the tied
-      output layer), 4 bytes each. ZeRO 0 all-reduces it once a step; ZeRO-1 reduce-scatters the
-      gradients and all-gathers the updated parameters; ZeRO-2 *under a pipeline* accumulates the m
-      microbatches and reduce-scatters once after the last (not once per microbatch), then
-      all-gathers. (``costmodel`` has the collectives of each stage and what a stage costs under a
-      pipeline.)
-    * ``"pp"``: the bytes it sends to its pipeline neighbours: per microbatch the activation of
-      ``b x seq x h`` floats forward (every stage but the last) and its gradient back (every stage
-      but the first), ``b = batch / (dp * microbatches)``; every TP rank of a stage sends the whole
-      activation (no scatter/gather here). 0 without a pipeline.
+    * ``"dp"``: the wire bytes of its data-parallel collectives in one step, in the ring model.
+      Their buffer is the rank's parameters (``costmodel.pipeline_stage_params(cfg, tp, pp)[stage]``:
+      the first stage holds the embeddings, the last the final LayerNorm and the tied output layer),
+      4 bytes each. Which collectives each ZeRO stage runs, and how often under a pipeline, is for
+      you to work out (ZeRO-2 under a pipeline accumulates the m microbatches and reduces once).
+    * ``"pp"``: the bytes it sends to its pipeline neighbours: per microbatch an activation of
+      ``b x seq x h`` floats forward and its gradient back, ``b = batch / (dp * microbatches)``;
+      every TP rank of a stage sends the whole activation. 0 without a pipeline.
 
-    The test runs the step on 4 ranks and counts what each rank sent with the comm meter: ``"pp"``
-    must equal the count exactly, ``"dp"`` within 1% (ZeRO's one-byte has-gradient masks and the
-    padding of the flat buffer are not in the prediction).
+    The tests compare with ``costmodel`` on seeded random configurations, with numbers worked by hand
+    for the tiny GPT, and with what the comm meter counts on 4 ranks (``"pp"`` exactly, ``"dp"``
+    within 1%: ZeRO's one-byte has-gradient flags and the flat buffer's padding are not predicted).
     """
     _positive_ints(dp=dp, tp=tp, pp=pp, batch=batch, seq=seq, microbatches=microbatches)
     if not 0 <= stage < pp:
@@ -338,3 +317,38 @@ def predict_rank_traffic(cfg, dp: int, tp: int, pp: int, batch: int, seq: int, m
     if batch % (dp * microbatches):
         raise ValueError(f"batch {batch} is not divisible by dp * microbatches = {dp * microbatches}")
     raise NotImplementedError("exercise: predict_rank_traffic — see chapters/12_putting_it_together.md")
+
+
+# --- 6. a 3D step's bytes, measured -------------------------------------------------------------------
+
+
+def measure_rank_traffic(cfg, dp: int, tp: int, pp: int, batch: int, seq: int, microbatches: int,
+                         zero: int = 0) -> dict:
+    """Kind: measure · about 30 minutes
+
+    Run one step of the library's 3D step on this rank's share of ``dp * tp * pp`` ranks (inside
+    ``launch``), measure the bytes this rank sent on the data-parallel and the pipeline axes, and set
+    your prediction (:func:`predict_rank_traffic`, for this rank's stage) beside them. Returns::
+
+        {"stage": this rank's pipeline stage,
+         "measured": {"dp": ..., "pp": ...},
+         "predicted": {"dp": ..., "pp": ...}}
+
+    ``train_3d(cfg, dp, tp, pp, 1, batch, seq, microbatches, zero_stage=zero)`` runs the step and
+    returns this rank's ``Result3D``: its grid coordinates and the comm events of its last step, by
+    phase. Measure what the predictions predict: the *wire* bytes of the data-parallel collectives
+    (what a ring puts on the wire, not the buffer size), and the bytes this rank *sent* to its
+    pipeline neighbours (not what it received).
+
+    The tests compare your measurements exactly with the same step metered by the tests on 4 ranks
+    for two configurations (a pipeline with ZeRO-2; tensor parallelism with ZeRO-1), and your
+    prediction with the measurement.
+
+    Reference: ``minitorch_dist/parallelism/three_d.py`` (``train_3d``, ``Result3D``; the events
+    come from ``runtime/comm.py``'s meter).
+    """
+    _positive_ints(dp=dp, tp=tp, pp=pp, batch=batch, seq=seq, microbatches=microbatches)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("measure_rank_traffic runs on every rank: "
+                           "launch(measure_rank_traffic, dp * tp * pp, ...)")
+    raise NotImplementedError("exercise: measure_rank_traffic — see chapters/12_putting_it_together.md")

@@ -8,7 +8,7 @@ helpers) is scaffolding the student keeps. Tests: ``pytest -m ch02 tests/exercis
 (``MTD_IMPL=exercises`` runs them against the stubs).
 
 Exercises 1-3 are the rules a parameter server applies, written as plain functions; 4 assembles a
-parameter server on ranks, 5 predicts its bytes and compares them with what the ranks send.
+parameter server on ranks, 5 derives its bytes per clock, 6 predicts a rank's bytes and counts them.
 
 1. :func:`ssp_can_read` / :func:`ssp_schedule`: Stale Synchronous Parallel (Ho et al. 2013, "More
    Effective Distributed ML via a Stale Synchronous Parallel Parameter Server", §3): a worker may
@@ -16,15 +16,17 @@ parameter server on ranks, 5 predicts its bytes and compares them with what the 
 2. :func:`backup_workers_aggregate`: synchronous SGD with backup workers (Chen et al. 2016,
    "Revisiting Distributed Synchronous SGD", §3): of n gradients per step, average the first k to
    arrive and drop the n - k stragglers.
-3. :func:`contiguous_key_ranges` / :func:`server_of` / :func:`consistent_hash_server`: which server holds a
-   key — contiguous key ranges, or a hash ring with virtual nodes (Li et al. 2014, "Scaling
+3. :func:`balanced_key_ranges` / :func:`server_of` / :func:`consistent_hash_server`: which server holds a
+   key — contiguous key ranges balanced by bytes, or a hash ring with virtual nodes (Li et al. 2014, "Scaling
    Distributed Machine Learning with the Parameter Server", §3 key ranges, §4.3 consistent hashing).
 4. :func:`ssp_parameter_server` (build): servers holding key ranges, workers that pull and push, and
    the staleness bound between them (Ho et al. 2013; Li et al. 2014, §3). s = 0 must be exactly
    synchronous SGD on the workers' batches; SSP's staleness must never exceed s.
-5. :func:`predict_ps_traffic` (measure): the bytes of one clock, worker and server, against a ring
+5. :func:`predict_ps_traffic` (derive): the bytes of one clock, worker and server, against a ring
    all-reduce (Li et al. 2014, §3; Jiang et al. 2020, "A Unified Architecture for Accelerating
-   Distributed DNN Training in Heterogeneous GPU/CPU Clusters", §4.1) — then counted on ranks.
+   Distributed DNN Training in Heterogeneous GPU/CPU Clusters", §4.1).
+6. :func:`predict_and_meter_ps_traffic` (measure): a rank's bytes over a whole run with uneven key
+   ranges, predicted, then counted on ranks running your server.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _check_staleness(staleness):
 
 
 def ssp_can_read(worker_clock: int, all_clocks, staleness) -> bool:
-    """Kind: derive
+    """Kind: derive · about 15 minutes
 
     May a worker at clock ``worker_clock`` start its next iteration (Ho et al. 2013, §3)?
 
@@ -74,7 +76,7 @@ def ssp_can_read(worker_clock: int, all_clocks, staleness) -> bool:
 
 
 def ssp_schedule(durations, staleness) -> tuple[list[list[float]], int]:
-    """Kind: derive
+    """Kind: derive · about 45 minutes
 
     Simulate n SSP workers; return when each iteration started and the largest staleness seen.
 
@@ -95,8 +97,7 @@ def ssp_schedule(durations, staleness) -> tuple[list[list[float]], int]:
 
     **Your task:** return ``(start, max_staleness)``: ``start[w][c]`` the start time of worker
     w's iteration c (a float), and the largest observed staleness over all starts (an int).
-    Hint: the start times depend only on finish times of earlier iterations, so compute them
-    iteration by iteration, c = 0, 1, 2, ...
+    The tests compare with an event-by-event simulation on seeded random durations.
     """
     durations = [[float(t) for t in row] for row in durations]
     if not durations or not durations[0]:
@@ -131,7 +132,7 @@ def ssp_schedule(durations, staleness) -> tuple[list[list[float]], int]:
 
 
 def backup_workers_aggregate(grads_with_arrival_times, k: int) -> tuple[torch.Tensor, list[int]]:
-    """Kind: build
+    """Kind: build · about 30 minutes
 
     One step of synchronous SGD with n - k backup workers (Chen et al. 2016, §3).
 
@@ -145,6 +146,10 @@ def backup_workers_aggregate(grads_with_arrival_times, k: int) -> tuple[torch.Te
 
     **Your task:** return ``(mean, dropped)``: the mean of the k gradients that arrive first —
     ties in time go to the smaller worker id — and the sorted ids of the workers left out.
+    The tests check hand-worked arrivals (ties, workers that never arrive) and the refusals.
+
+    Reference: ``minitorch_dist/parallelism/parameter_server.py`` (its synchronous server waits
+    for all W pushes of a clock; you keep the first k and drop the rest).
     """
     items = list(grads_with_arrival_times)
     n = len(items)
@@ -173,48 +178,85 @@ def backup_workers_aggregate(grads_with_arrival_times, k: int) -> tuple[torch.Te
 # --- 3. which server holds a key ---------------------------------------------------------------------
 
 
-def contiguous_key_ranges(num_keys: int, n_servers: int) -> list[range]:
-    """Kind: build
+def balanced_key_ranges(key_bytes, n_servers: int) -> list[range]:
+    """Kind: build · about 60 minutes
 
-    Cut keys ``0 .. num_keys - 1`` into ``n_servers`` contiguous ranges (Li et al. 2014, §3).
+    Cut keys ``0 .. K - 1`` into ``n_servers`` contiguous ranges that balance *bytes*, not keys
+    (Li et al. 2014, §3).
 
     A parameter server stores the model as (key, value) pairs and gives each server one range of
-    keys, so that a worker's push or pull of a key range touches few servers. The ranges must be
-    in order, contiguous (each starts where the last ended, the first at 0, the last ending at
-    ``num_keys``) and balanced: sizes differ by at most 1, the larger ones first (as
-    ``torch.tensor_split`` cuts). More servers than keys leaves some ranges empty.
+    keys, so that a worker's push or pull of a key range touches few servers. Splitting the key
+    count evenly (``torch.tensor_split``'s cut) balances the servers only when every key is as
+    large as every other; a real model's keys are tensors of very different sizes (an embedding
+    table next to a bias), and the server holding the most bytes is the hot spot every clock
+    waits for. ``key_bytes[i]`` is the size of key i's value in bytes.
 
-    **Your task:** return a list of ``n_servers`` Python ``range`` objects, server i's keys.
+    **Interface.** Return a list of ``n_servers`` Python ``range`` objects (step 1), server i's
+    keys: in order and contiguous (the first starting at 0, each starting where the last ended,
+    the last ending at K), so that the largest server load, ``max_i sum(key_bytes[k] for k in
+    ranges[i])``, is as small as any contiguous split can make it. Ranges may be empty (more
+    servers than keys, or a key larger than the rest together). Among optimal splits any one
+    will do. ``ValueError`` for negative sizes or ``n_servers < 1`` (the scaffolding).
+
+    **What the tests check:** the ranges' shape (contiguous, in order, ``n_servers`` of them);
+    the largest load equal to the optimum found by exhaustive search, on hand-worked and seeded
+    random sizes (zeros, a huge key, more servers than keys); on equal sizes the largest load of
+    ``torch.tensor_split``'s cut; and a split of 10^5 keys over 64 servers fast (well under a
+    second: no search over all cuts).
+
+    Reference: ``minitorch_dist/parallelism/parameter_server.py`` (``key_ranges`` splits the
+    key *count* evenly; you balance the bytes).
     """
-    if int(num_keys) != num_keys or num_keys < 0:
-        raise ValueError(f"num_keys must be a whole number >= 0, got {num_keys}")
+    sizes = [int(b) for b in key_bytes]
+    if any(b < 0 for b in sizes):
+        raise ValueError(f"key sizes must be >= 0 bytes, got {[b for b in sizes if b < 0][:5]}")
     if int(n_servers) != n_servers or n_servers < 1:
         raise ValueError(f"n_servers must be a whole number >= 1, got {n_servers}")
     # BEGIN SOLUTION
-    base, extra = divmod(int(num_keys), int(n_servers))
-    out, start = [], 0
-    for i in range(int(n_servers)):
-        stop = start + base + (1 if i < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
+    n_servers = int(n_servers)
+
+    def cuts_for(cap):  # greedy: fill each server up to cap; None if n_servers do not suffice
+        out, start, load = [], 0, 0
+        for k, b in enumerate(sizes):
+            if b > cap:
+                return None
+            if load + b > cap:
+                out.append(range(start, k))
+                start, load = k, 0
+            load += b
+        out.append(range(start, len(sizes)))
+        return out if len(out) <= n_servers else None
+
+    lo, hi = max(sizes, default=0), sum(sizes)  # the optimum lies in [largest key, everything]
+    while lo < hi:  # the smallest cap the greedy fill meets
+        mid = (lo + hi) // 2
+        if cuts_for(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    ranges = cuts_for(lo)
+    return ranges + [range(len(sizes), len(sizes))] * (n_servers - len(ranges))
     # END SOLUTION
 
 
 def server_of(key: int, ranges: list[range]) -> int:
-    """Kind: build
+    """Kind: build · about 20 minutes
 
-    The server whose range holds ``key``, for ranges as :func:`contiguous_key_ranges` makes them.
+    The server whose range holds ``key``, for contiguous ranges as :func:`balanced_key_ranges` makes them.
 
     A worker does this lookup for every key it pushes or pulls, and there may be thousands of
     servers: scanning the list is O(S), a binary search on the ranges' starts is O(log S)
     (``bisect``). Empty ranges hold nothing.
 
-    **Your task:** return the index i with ``key in ranges[i]``.
+    **Your task:** return the index i with ``key in ranges[i]``, in O(log S). The tests
+    compare with a scan on ranges with empty ones among them (at the start, the middle, the end).
+
+    Reference: ``minitorch_dist/parallelism/parameter_server.py`` (``key_ranges`` makes the
+    ranges; the library's workers slice by them and never look a key up).
     """
     if not ranges or ranges[0].start != 0:
         raise ValueError("ranges must be a non-empty list of contiguous key ranges starting at 0 (see "
-                         "contiguous_key_ranges)")
+                         "balanced_key_ranges)")
     if int(key) != key or not 0 <= key < ranges[-1].stop:
         raise ValueError(f"key {key} is outside the key space 0..{ranges[-1].stop - 1}")
     # BEGIN SOLUTION
@@ -232,7 +274,7 @@ def ring_position(label: str) -> int:
 
 
 def consistent_hash_server(key, servers, virtual_nodes: int = 16):
-    """Kind: build
+    """Kind: build · about 40 minutes
 
     The server that holds ``key`` under consistent hashing (Li et al. 2014, §4.3; Karger et al. 1997).
 
@@ -244,7 +286,12 @@ def consistent_hash_server(key, servers, virtual_nodes: int = 16):
     the arcs it gains or loses, not nearly all of them as ``key % n_servers`` would.
 
     **Your task:** return that server (an element of ``servers``). Break ties between equal
-    points (a hash collision, vanishingly rare) by the server's position in ``servers``.
+    points (a hash collision, vanishingly rare) by the server's position in ``servers``. The
+    tests compare with a scan of every point, and check that adding or removing a server moves
+    only its own keys.
+
+    Reference: ``minitorch_dist/parallelism/parameter_server.py`` (key ranges; the hash ring is
+    not in the library).
     """
     servers = list(servers)
     if not servers:
@@ -364,7 +411,7 @@ def _check_ps_arguments(problem, bounds, staleness, clocks, lr) -> int:
 
 def ssp_parameter_server(  # noqa: C901 - a server and a worker, one worked solution read top to bottom
         problem, bounds, staleness, clocks: int, lr: float, straggler=None) -> dict:
-    """Kind: build
+    """Kind: build · about 120 minutes
 
     One rank of a parameter server whose workers may run at most ``staleness`` clocks apart (Ho et
     al. 2013, SSP; s = 0 is BSP, ``math.inf`` ASP). Every rank of ``launch(fn, S + W)`` calls it; ranks
@@ -379,7 +426,9 @@ def ssp_parameter_server(  # noqa: C901 - a server and a worker, one worked solu
     - A **PUSH** of clock c from worker w: its *staleness* is ``c - read_clock`` (clocks of updates the
       gradient may not have seen); log it. With s = 0, add the gradient to a running sum and, when the
       W-th of that clock has arrived, apply ``x -= lr * (sum / W)``: one step of synchronous SGD on the
-      W batches. With s >= 1 apply each push at once, ``x -= (lr / W) * g`` (W pushes make one step).
+      W batches. With s >= 1 apply each push at once, *staleness-aware* (Zhang et al. 2016, §3): a
+      gradient that may have missed tau clocks of updates is worth less, so it moves x by
+      ``(lr / (W * max(1, tau))) * g`` (W fresh pushes make one step of lr).
     - A **PULL** of clock c waits until the rule admits it: ``c - server_clock <= s``. After every
       request, answer each waiting pull the rule now admits (:func:`reply` with the server clock).
 
@@ -393,6 +442,18 @@ def ssp_parameter_server(  # noqa: C901 - a server and a worker, one worked solu
     order], "events": [("reply", w, c) when a pull is answered, ("push", w, c) when a push arrives, in
     order]}``; on a worker ``{"loss": [the loss of the parameters it pulled at clocks 0..clocks]}``. Wait
     on every pending reply before a server returns.
+
+    **What the tests check**, on 2 servers and 2 workers: s = 0 equal to one process running
+    synchronous SGD on the same batches (a bound derived for float32, in the test module); under
+    SSP(2) with a straggler, every push's logged staleness equal to what the server's own event
+    log implies, never above 2 and reaching 2; every pull answered once, only when the rule admits
+    it; the parameters equal to ``0 - sum(lr / (W * max(1, tau)) * g)`` over every gradient the
+    workers computed (s = 0: ``lr / W``), in any order of arrival; convergence near synchronous
+    SGD's; a bad staleness refused.
+
+    Reference: ``minitorch_dist/parallelism/parameter_server.py`` (``_Shard`` and ``_worker``: the
+    library's server, with its own message format and a plain lr / W for every push; you build it
+    on the chapter's messages, with staleness-aware steps).
     """
     n_servers = _check_ps_arguments(problem, bounds, staleness, clocks, lr)
     straggler = dict(straggler or {})
@@ -417,8 +478,8 @@ def ssp_parameter_server(  # noqa: C901 - a server and a worker, one worked solu
                         x -= lr * (total / n_workers)
                         total.zero_()
                         arrived = 0
-                else:
-                    x -= (lr / n_workers) * grad
+                else:  # staleness-aware: a gradient tau clocks stale counts 1/tau as much
+                    x -= (lr / (n_workers * max(1, c - read_clock))) * grad
             elif op == PULL:
                 pending.append((src, w, c))
             else:
@@ -455,7 +516,7 @@ def ssp_parameter_server(  # noqa: C901 - a server and a worker, one worked solu
 
 
 def predict_ps_traffic(n_params: int, n_workers: int, n_servers: int, bytes_per_element: int = 4) -> dict:
-    """Kind: measure
+    """Kind: derive · about 25 minutes
 
     Predict the bytes of values (gradients and parameters; the small headers left out) that one
     clock of a parameter server moves, and compare with a ring all-reduce of the same gradient.
@@ -464,17 +525,17 @@ def predict_ps_traffic(n_params: int, n_workers: int, n_servers: int, bytes_per_
     of the whole parameter vector. In one clock every worker pushes its gradient — each server its
     slice — and pulls the whole vector back; each server receives its slice from every worker and
     sends it back to every worker. The alternative, a ring all-reduce among the n workers, has each
-    of them send 2(n − 1) chunks of Ψ/n.
+    of them send chunks of Ψ/n; work out how many.
 
     **Your task:** return a dict of bytes per clock: ``worker_push`` and ``worker_pull`` (what one
     worker sends, and receives), ``server_in`` and ``server_out`` (what one server receives, and
     sends), ``busiest_link`` (the most any one machine sends, or receives, in a clock: worker or
     server) and ``ring_send`` (what each worker sends in the ring all-reduce).
 
-    The tests check the prediction against the closed forms at several sizes, then exactly
-    (counted bytes, no tolerance) against what ``comm.meter()`` counts on a real parameter server
-    with 1 server and 3 workers and a ring all-reduce among those 3 workers, for a number of keys
-    that both splits divide.
+    The tests check the prediction against ``costmodel.ps_bytes_per_step`` on seeded random
+    sizes and hand-worked ones, then exactly (counted bytes, no tolerance) against what
+    ``comm.meter()`` counts on the library's parameter server with 1 server and 3 workers and a
+    ring all-reduce among those 3 workers, for a number of keys that both splits divide.
     """
     for name, v in (("n_params", n_params), ("n_workers", n_workers), ("n_servers", n_servers)):
         if isinstance(v, bool) or int(v) != v:
@@ -489,4 +550,57 @@ def predict_ps_traffic(n_params: int, n_workers: int, n_servers: int, bytes_per_
     server = n * psi / s
     return {"worker_push": float(psi), "worker_pull": float(psi), "server_in": server, "server_out": server,
             "busiest_link": max(float(psi), server), "ring_send": 2 * (n - 1) / n * psi}
+    # END SOLUTION
+
+
+# --- 6. the bytes of a whole run, predicted and counted on ranks ----------------------------------------
+
+
+def predict_and_meter_ps_traffic(problem, bounds, clocks: int, lr: float) -> dict:
+    """Kind: measure · about 40 minutes
+
+    Predict the bytes of values (float32 gradients and parameters; the int64 headers left out) that
+    *this rank* sends and receives in a synchronous (s = 0) run of the parameter server, then run
+    it and count them. Every rank of ``launch(fn, S + W)`` calls it, with the arguments of
+    :func:`ssp_parameter_server`; server k holds the keys ``bounds[k] = (lo, hi)``, which need not
+    be equal in size.
+
+    Returns ``{"predicted": {"sent": b, "received": b}, "measured": {"sent": b, "received": b}}``,
+    in bytes, for the whole run of ``clocks`` clocks (the workers' last pull, of the final
+    parameters, included).
+
+    **Predict** from what each message carries: a push carries a server's slice of the gradient,
+    a pull's answer that server's slice of the parameters (4 bytes per element). Count the pushes
+    and pulls of a run; a server's bytes depend on its own range, not on an even share.
+
+    **Measure** by running :func:`ssp_parameter_server` (your exercise 4) with staleness 0 inside
+    ``comm.meter()``: every message goes through the comm layer's accounting, and the meter's
+    events carry each message's ``op`` (``"send"``/``"recv"``), ``nbytes`` and ``dtype``.
+
+    **What the tests check**, on 2 servers holding 30 and 71 keys and 2 workers: the predictions
+    against counts worked out by hand from the bounds; the measured counts equal to what the tests'
+    own meter saw around your call (so numbers computed from the prediction do not pass) and to
+    the prediction, on every rank.
+
+    Reference: ``minitorch_dist/costmodel/parameter_server.py`` (``ps_bytes_per_step``: one clock,
+    keys split evenly; you count a whole run with uneven ranges, on ranks).
+    """
+    n_servers = _check_ps_arguments(problem, bounds, 0, clocks, lr)
+    bounds = [tuple(b) for b in bounds]
+    rank, n_workers = dist.get_rank(), problem.n_workers
+    # BEGIN SOLUTION
+    pulls = clocks + 1  # the last pull reads the final parameters
+    if rank < n_servers:
+        lo, hi = bounds[rank]
+        slice_bytes = (hi - lo) * 4
+        predicted = {"sent": n_workers * pulls * slice_bytes, "received": n_workers * clocks * slice_bytes}
+    else:
+        psi = problem.n_params * 4
+        predicted = {"sent": clocks * psi, "received": pulls * psi}
+    with comm.meter() as m:
+        ssp_parameter_server(problem, bounds, 0, clocks, lr)
+    values = [e for e in m.events if e.dtype == str(torch.float32)]
+    measured = {"sent": sum(e.nbytes for e in values if e.op == "send"),
+                "received": sum(e.nbytes for e in values if e.op == "recv")}
+    return {"predicted": predicted, "measured": measured}
     # END SOLUTION

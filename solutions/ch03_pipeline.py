@@ -1,5 +1,5 @@
-"""Chapter 03 exercises: pipeline schedules, their bubble, the zero-bubble trick, and the executor
-that runs a schedule on ranks.
+"""Chapter 03 exercises: pipeline schedules under a memory limit, the bubble of a timeline, the
+zero-bubble trick, and an executor that picks its own order on ranks.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch03_pipeline.py`` is generated from this file with each such
@@ -12,22 +12,23 @@ microbatch 3, ``"B3"`` its backward, ``"W3"`` its weight-gradient backward when 
 split. ``minitorch_dist.parallelism.pipeline.simulator`` times such lists; the tests use it.
 Exercises 6 and 7 run on ranks.
 
-1. :func:`gpipe_schedule`: all forwards, then all backwards (Huang et al. 2019, "GPipe", §2.2,
-   Fig. 2c).
-2. :func:`one_f_one_b_schedule`: 1F1B / PipeDream-Flush, warm-up, one forward one backward,
-   drain (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
-   Using Megatron-LM", §2.2.1, Fig. 4 top; PipeDream-2BW §3).
-3. :func:`bubble_from_timeline`: the idle ("bubble") fraction of a recorded or simulated
-   timeline, the number GPipe's (p-1)/(m+p-1) predicts.
-4. :func:`zb_h1_from_1f1b`: ZB-H1 from 1F1B by splitting each backward into B (input gradient)
-   and W (weight gradient) and deferring the W's (Qi et al. 2024, "Zero Bubble Pipeline
+1. :func:`gpipe_rounds_schedule` (build): GPipe in rounds of at most k microbatches, so a stage
+   never stashes more than k (Huang et al. 2019, "GPipe", §2.2, Fig. 2c).
+2. :func:`one_f_one_b_capped` (build): 1F1B when each stage may hold at most ``cap`` microbatches
+   (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+   Megatron-LM", §2.2.1, Fig. 4 top; PipeDream-2BW §3).
+3. :func:`bubble_from_timeline` (measure): the idle ("bubble") fraction of a recorded or simulated
+   timeline, the number GPipe's (p-1)/(m+p-1) predicts; measured on a real step too.
+4. :func:`zb_h1_from_1f1b` (derive): ZB-H1 from 1F1B by splitting each backward into B (input
+   gradient) and W (weight gradient) and deferring the W's (Qi et al. 2024, "Zero Bubble Pipeline
    Parallelism", §3.1, Fig. 3).
-5. :func:`v_stage` and :func:`zbv_rank_actions`: the V placement of two chunks per rank and one
-   rank's ZB-V order (Qi et al. 2024, arXiv 2401.10241 §6), which runs without deadlock and idles
-   only the V's start-up when t_F = t_B = t_W.
-6. :func:`run_stage_actions` (build): the executor, one rank's list of F and B actions run on real
-   ranks with activations sent forward and gradients back, point to point (Huang et al. 2019 §2.2;
-   Narayanan et al. 2021 §2.2). Its gradients must be the single process's and PyTorch's.
+5. :func:`v_stage` (derive) and :func:`zbv_actions_any_m` (build): the V placement of two chunks
+   per rank and one rank's ZB-V order, for any number of microbatches (Qi et al. 2024, arXiv
+   2401.10241 §6).
+6. :func:`run_stage_budgeted` (build): an executor with no schedule: each rank picks its next
+   action from a memory budget, sends activations forward and gradients back, point to point
+   (Huang et al. 2019 §2.2; Narayanan et al. 2021 §2.2). Its gradients must be the single
+   process's and PyTorch's.
 7. :func:`predict_pipeline_sends` (measure): the messages and bytes each rank sends in a step,
    predicted, then counted on ranks (Narayanan et al. 2021 §2.2.2: interleaving multiplies them).
 """
@@ -45,68 +46,82 @@ def _check_pm(p, m) -> None:
             raise ValueError(f"{name} must be a positive int (p pipeline stages, m microbatches), got {x!r}")
 
 
-# --- 1. GPipe ---------------------------------------------------------------------------------
+def _check_positive(name, x, what) -> None:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name} must be a positive int ({what}), got {x!r}")
 
 
-def gpipe_schedule(p: int, m: int) -> list[list[str]]:
-    """Kind: build
+# --- 1. GPipe in rounds ---------------------------------------------------------------------------
 
-    The GPipe schedule for ``p`` stages and ``m`` microbatches: one list of actions per stage.
 
-    GPipe (Huang et al. 2019, §2.2) splits the batch into m microbatches and pipelines their
-    forwards through the p stages; only when every forward is done do the backwards run, in the
-    same microbatch order, and the step ends with one optimizer update ("flush"). Every stage
-    runs the same list; the simulator supplies the waiting. For p = 2, m = 3::
+def gpipe_rounds_schedule(p: int, m: int, k: int) -> list[list[str]]:
+    """Kind: build · about 20 minutes
 
-        stage 0 | F0 F1 F2 B0 B1 B2
-        stage 1 | F0 F1 F2 B0 B1 B2
+    GPipe for ``p`` stages and ``m`` microbatches when a stage may stash at most ``k``
+    microbatches' activations: one list of actions per stage.
 
-    With equal stage times the pipe idles (p-1)/(m+p-1) of the step (the "bubble"), and each
-    stage holds the activations of all m microbatches at the turn from forward to backward.
+    GPipe (Huang et al. 2019, §2.2, Fig. 2c) runs every forward before any backward, so each
+    stage holds all m microbatches at the turn. When m activations do not fit, run the step as
+    consecutive GPipe *rounds*, each over the next microbatches in order, at most ``k`` of them,
+    the gradients accumulating across rounds. A round starts only when the one before has
+    drained, so each round pays the fill and drain again: the price of the memory saved.
 
-    **Your task:** return ``[stage_0, ..., stage_{p-1}]``, each a list of strings ``"F<i>"``
-    and ``"B<i>"``. Give every stage its own list (not p references to one list).
+    **Interface.** ``p``, ``m``, ``k`` positive ints (``k >= m`` is plain GPipe). Return
+    ``[stage_0, ..., stage_{p-1}]``, each its own list (not p references to one) of strings
+    ``"F<i>"`` and ``"B<i>"``, every microbatch 0..m-1 once each way. Bad arguments raise
+    ``ValueError``.
+
+    **What the tests check.** Hand-worked cases (an uneven last round included); ``k >= m`` is the
+    library's GPipe; in the simulator, no deadlock, a peak stash of ``min(k, m)`` on every stage,
+    and a step time equal to the sum of the rounds' GPipe times, ``(m_j + p - 1)(t_F + t_B)`` each.
+
+    Reference: ``minitorch_dist/parallelism/pipeline/schedules.py`` (``gpipe`` is one round; the
+    rounds are yours).
     """
     _check_pm(p, m)
+    _check_positive("k", k, "the most microbatches a stage may stash")
     # BEGIN SOLUTION
-    actions = [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
-    return [list(actions) for _ in range(p)]
+    acts = []
+    for start in range(0, m, k):
+        round_ = range(start, min(start + k, m))
+        acts += [f"F{i}" for i in round_] + [f"B{i}" for i in round_]
+    return [list(acts) for _ in range(p)]
     # END SOLUTION
 
 
-# --- 2. 1F1B ----------------------------------------------------------------------------------
+# --- 2. 1F1B under a cap ----------------------------------------------------------------------------
 
 
-def one_f_one_b_schedule(p: int, m: int) -> list[list[str]]:
-    """Kind: build
+def one_f_one_b_capped(p: int, m: int, cap: int) -> list[list[str]]:
+    """Kind: build · about 30 minutes
 
-    The 1F1B (PipeDream-Flush) schedule: per stage, warm-up, steady state, drain.
+    The 1F1B (PipeDream-Flush) schedule for ``p`` stages and ``m`` microbatches when no stage may
+    hold more than ``cap`` microbatches between their forward and their backward.
 
-    GPipe's stages stash m microbatches of activations. 1F1B (Narayanan et al. 2021, §2.2.1)
-    starts each backward as early as possible instead, so a microbatch's activations are freed
-    soon after they are made. Stage r (0 = first) runs:
+    1F1B (Narayanan et al. 2021, §2.2.1, Fig. 4 top) runs a few warm-up forwards, then alternates
+    one forward with one backward, then drains the backwards; stage r holds at most
+    ``min(p - r, m)`` microbatches, the first stage the most. Under a tighter memory budget the
+    warm-ups must shrink. Keep 1F1B's shape (warm-up forwards, then forward-backward pairs, then
+    the backwards left), with each stage's warm-up as long as both its place in the pipe and the
+    cap allow: no shorter, or the pipe idles more than it has to.
 
-    - **warm-up:** ``w = min(p - r - 1, m)`` forwards, F0 .. F(w-1): just enough to fill the
-      pipe below it (the last stage has none);
-    - **steady state:** for i = 0, 1, ..., m - w - 1: ``F(w + i)`` then ``B(i)``;
-    - **drain:** the backwards left, B(m - w) .. B(m - 1).
+    **Interface.** ``p``, ``m``, ``cap`` positive ints. Return the p lists of ``"F<i>"`` /
+    ``"B<i>"`` strings, microbatches in order each way. Bad arguments raise ``ValueError``.
 
-    For p = 3, m = 4::
+    **What the tests check.** Hand-worked cases; ``cap >= p`` is the library's 1F1B and ``cap = 1``
+    its naive schedule (one microbatch in the pipe at a time); stage r's peak in flight is exactly
+    ``min(p - r, cap, m)``; in the simulator, no deadlock, the same stashes, and a step no shorter
+    as the cap falls.
 
-        stage 0 | F0 F1 F2 B0 F3 B1 B2 B3
-        stage 1 | F0 F1 B0 F2 B1 F3 B2 B3
-        stage 2 | F0 B0 F1 B1 F2 B2 F3 B3
-
-    The bubble is GPipe's, (p-1)/(m+p-1), but stage r never has more than ``p - r``
-    microbatches between their F and their B, whatever m.
-
-    **Your task:** return the p lists of ``"F<i>"`` / ``"B<i>"`` strings.
+    Reference: ``minitorch_dist/parallelism/pipeline/schedules.py`` (``one_f_one_b`` is the
+    uncapped case).
     """
     _check_pm(p, m)
+    _check_positive("cap", cap, "the most microbatches a stage may hold")
     # BEGIN SOLUTION
     stages = []
     for r in range(p):
-        warmup = min(p - r - 1, m)
+        warmup = min(p - r - 1, cap - 1, m)
         acts = [f"F{i}" for i in range(warmup)]
         for i in range(m - warmup):
             acts += [f"F{warmup + i}", f"B{i}"]
@@ -120,23 +135,28 @@ def one_f_one_b_schedule(p: int, m: int) -> list[list[str]]:
 
 
 def bubble_from_timeline(events, p: int) -> float:
-    """Kind: measure
+    """Kind: measure · about 25 minutes
 
     The fraction of device-time the ``p`` stages spend idle during the step ``events`` span.
 
     ``events`` are objects with ``.rank`` (the stage, 0..p-1), ``.t_start`` and ``.t_end``
     (``minitorch_dist.runtime.timeline.Event``: what ranks record and what the simulator
-    returns). The step runs from the earliest start to the latest end of *all* events, its
-    makespan T. Stage r is busy for ``busy_r``, the total length of the *union* of its
-    intervals (recorded spans can overlap or nest: count each instant once). Then
+    returns). The step is the window from the first event's start to the last event's end, over
+    all stages. A stage is busy at an instant when any of its events covers it: recorded spans can
+    overlap or nest, and an instant counts once. The bubble is the idle share of the p stages'
+    device-time in that window; a stage with no events idled the whole step. Two stages, stage 0
+    busy [0, 2), stage 1 busy [1, 3): the bubble is 1/3.
 
-        bubble = 1 - (busy_0 + ... + busy_{p-1}) / (p * T)
+    **Interface.** Return a float in [0, 1]. Bad input (an event outside 0..p-1, one that ends
+    before it starts, events that span no time) raises ``ValueError`` (scaffolded).
 
-    A stage with no events at all was idle the whole step. Two stages, stage 0 busy [0, 2),
-    stage 1 busy [1, 3): T = 3, busy 2 + 2, bubble 1 - 4/6 = 1/3.
+    **What the tests check.** Hand-worked and 200 seeded random timelines against
+    ``runtime.timeline.bubble_fraction``; simulated GPipe and 1F1B steps against the cost model's
+    ``(p-1)/(m+p-1)``; and a *real* 1F1B step on 4 ranks, recorded by a ``Timeline`` listening to
+    the library's executor, against the timeline module's measurement of the same events.
 
-    **Your task:** return the bubble as a float. Hint: sort a stage's intervals by start and
-    sweep, merging an interval into the current run when it starts before the run ends.
+    Reference: ``minitorch_dist/runtime/timeline.py`` (``bubble_fraction``, ``busy_fraction``:
+    read them after yours works).
     """
     events = list(events)
     if isinstance(p, bool) or not isinstance(p, int) or p < 1:
@@ -173,37 +193,31 @@ def bubble_from_timeline(events, p: int) -> float:
 
 
 def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
-    """Kind: derive
+    """Kind: derive · about 30 minutes
 
-    ZB-H1 (Qi et al. 2024, §3.1): the 1F1B schedule with each backward split and W deferred.
+    ZB-H1 (Qi et al. 2024, §3.1, Fig. 3): the 1F1B schedule with each backward split and the
+    weight-gradient halves deferred as far as 1F1B's memory allows.
 
     A backward does two things: B, the gradient with respect to the stage's *input*, which the
-    stage before is waiting for, and W, the gradient with respect to the stage's *weights*,
-    which nobody needs until the optimizer step. Run B first and the backward travels down the
-    pipe faster; run W later, in time the stage would have spent waiting, and the idle time per
-    stage falls from 1F1B's ``(p-1)(t_F + t_B + t_W)`` to ``(p-1)(t_F + t_B - t_W)``: a third
-    when the three are equal (``costmodel.zb_h1_idle_time``).
+    stage before is waiting for, and W, the gradient with respect to the stage's *weights*, which
+    nobody needs until the optimizer step. A microbatch's activations stay stashed until its W has
+    run. Assume:
 
-    How late may W run? A microbatch's activations stay stashed until its W has run. In 1F1B
-    stage r holds at most ``p - r`` microbatches; stage 0 holds p, and that peak is what the
-    devices must have memory for. ZB-H1 lets every stage use it: stage r may keep up to ``r``
-    W's pending (its ``p - r`` plus ``r`` is p). So, walking stage r's 1F1B list in order:
+    - every stage keeps its 1F1B order of F's and B's, and runs W i at some point after B i;
+    - the memory the devices must have is 1F1B's peak, stage 0's p microbatches, and no stage may
+      hold more than that;
+    - within that, each W runs as late as it can, the oldest pending first.
 
-    - copy each F and each B;
-    - after a B, if more than ``r`` W's are pending, run the oldest pending one (W of the
-      lowest microbatch whose B has run);
-    - at the end of the list, run the W's still pending, oldest first.
-
-    The first stage (r = 0) runs every W right after its B; the last stage runs its W's r
-    backwards late, filling the drain. From ``one_f_one_b_schedule(2, 3)``::
-
-        stage 0 | F0 F1 B0 W0 F2 B1 W1 B2 W2
-        stage 1 | F0 B0 F1 B1 W0 F2 B2 W1 W2
+    Derive from these where each stage's W's go. (Why it pays: the time a stage would have spent
+    waiting for the stage after it is filled with W's; ``costmodel.zb_h1_idle_time`` is the idle
+    that results, a third of 1F1B's when t_F = t_B = t_W.)
 
     ``stages`` is a 1F1B schedule (one list of ``"F<i>"`` / ``"B<i>"`` strings per stage);
-    p = ``len(stages)``.
+    p = ``len(stages)``. Return the ZB-H1 lists, ``"W<i>"`` added for every ``"B<i>"``.
 
-    **Your task:** return the ZB-H1 lists, with ``"W<i>"`` added for every ``"B<i>"``.
+    **What the tests check.** Hand-worked cases; the library's ``zb_h1``; F and B kept in order,
+    each W after its B; in the simulator, no deadlock, the idle per stage of the paper,
+    ``(p-1)(t_F + t_B - t_W)``, for several durations, and 1F1B's peak stash.
     """
     if not stages:
         raise ValueError("need at least one stage list")
@@ -230,20 +244,18 @@ def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
 
 
 def v_stage(p: int, rank: int, chunk: int) -> int:
-    """Kind: derive
+    """Kind: derive · about 10 minutes
 
     The virtual stage that ``chunk`` (0 or 1) of ``rank`` holds when ``p`` ranks hold a
     ``2p``-stage model in a V (ZB-V, Qi et al. 2024 §6; DualPipeV).
 
-    A microbatch's forward goes *down* the ranks on their chunk 0 and comes back *up* on their
-    chunk 1, so the last stage sits next to the first, on rank 0. For p = 4::
+    Assume a microbatch's forward goes *down* the ranks on their chunk 0 and comes back *up* on
+    their chunk 1, consecutive stages on the same or neighbouring ranks, so that the last stage
+    sits next to the first, on rank 0. (Megatron's interleaving loops instead: rank p-1 hands
+    stage p-1's output to rank 0.)
 
-        virtual stage:  0  1  2  3 | 4  5  6  7
-        rank:           0  1  2  3 | 3  2  1  0
-
-    (Megatron's interleaving would put chunk c of rank r at ``c*p + r`` instead: a loop.)
-
-    **Your task:** return the virtual stage, an int in ``0 .. 2p-1``.
+    Return the virtual stage, an int in ``0 .. 2p-1``. The tests check hand-worked cases, the
+    library's V placement, every stage held once, and the neighbour property.
     """
     _check_pm(p, 1)
     if not (isinstance(rank, int) and 0 <= rank < p and chunk in (0, 1)):
@@ -253,48 +265,60 @@ def v_stage(p: int, rank: int, chunk: int) -> int:
     # END SOLUTION
 
 
-def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:  # noqa: C901 - the phases, as listed above
-    """Kind: build
+def zbv_actions_any_m(p: int, m: int, rank: int) -> list[str]:  # noqa: C901 - the phases, as listed above
+    """Kind: build · about 90 minutes
 
-    Rank ``rank``'s ZB-V action list for ``p`` ranks and ``m`` microbatches, as strings: ``"F3"``
-    the forward of microbatch 3 on chunk 0, ``"F3.1"`` on chunk 1; ``"B3"``, ``"W3.1"`` likewise
-    (B the input gradient, W the weight gradient: every backward is split).
+    Rank ``rank``'s ZB-V action list for ``p`` ranks and *any* number ``m >= 1`` of microbatches (Qi et
+    al. 2024, arXiv 2401.10241 §6), as strings: ``"F3"`` the forward of microbatch 3 on chunk 0,
+    ``"F3.1"`` on chunk 1; ``"B3"``, ``"W3.1"`` likewise (B the input gradient, W the weight gradient:
+    every backward is split). Chunks are placed in a V (:func:`v_stage`).
 
-    Each (kind, chunk) takes its microbatches in order 0, 1, 2, ...: "run F.1" means "the forward of
-    the next microbatch on chunk 1". With r = ``rank``:
-
-    1. warm-up: ``2(p-r) - 1`` times F.0; then ``r`` times the pair F.1, F.0; then ``p - r`` times
-       F.1, B.1, W.1;
-    2. steady state: while chunk 0 has forwards left or chunk 1 has run fewer forwards than chunk 0:
-       F.0 (only if chunk 0 has forwards left), then B.0, W.0, F.1, B.1, W.1;
-    3. cool-down: ``r`` times B.0, B.1 (their W wait); ``p - r`` times B.0, W.0; then every W.1 not
-       yet run, then every W.0 not yet run.
-
-    For p = 2, m = 3::
+    ZB-V's promise: with t_F = t_B = t_W = t, every rank idles only the V's start-up, ``(p-1)t/2``,
+    while holding no more activations than 1F1B's first stage, p microbatches. The order has three
+    phases per rank: a warm-up that fills the V down and back up, a steady state that keeps both
+    chunks busy one F, B and W at a time, and a cool-down that runs the B's the rank before waits
+    for first and defers W's to fill the drain. For p = 2, m = 3::
 
         rank 0 | F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0 W0 F2.1 B2.1 W2.1 B1 W1 B2 W2
         rank 1 | F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 F2.1 B1.1 W1.1 B1 B2.1 B2 W1 W2.1 W2
 
-    The schedule needs ``m >= 2p - 1`` (the warm-up of rank 0 alone runs 2p-1 forwards).
+    The published order (and the library's, and PyTorch's) needs ``m >= 2p - 1``: rank 0's warm-up
+    alone runs 2p-1 forwards. Yours must also work for fewer microbatches, a short step or a
+    debugging run, with the same shape: where the pipe runs dry, leave out what cannot run.
 
-    **Your task:** return the list of strings. The tests replay all ranks' lists in the simulator:
-    no deadlock, every rank idle only ``(p-1) t/2`` when t_F = t_B = t_W = t, and at most ``p``
-    microbatches' activations held, 1F1B's peak.
+    **Interface.** Return the list of strings, each (kind, chunk) taking its microbatches in order
+    0, 1, 2, ..., every one of the m microbatches once per kind and chunk.
+
+    **What the tests check.** For ``m >= 2p - 1``: PyTorch's ``ScheduleZBVZeroBubble`` order, rank by
+    rank, at ten sizes; in the simulator, no deadlock, idle exactly ``(p-1)t/2`` per rank, the cost
+    model's bubble, and a peak stash of p on every rank. For every ``m < 2p - 1`` with p <= 5: all
+    ranks' lists are a complete, deadlock-free schedule that holds at most ``min(p, m)`` microbatches
+    on a rank and takes no longer than the step with ``m = 2p - 1``.
+
+    Reference: ``minitorch_dist/parallelism/pipeline/v_schedules.py`` (``zb_v``: the published order,
+    which refuses ``m < 2p - 1``).
     """
     _check_pm(p, m)
-    if m < 2 * p - 1:
-        raise ValueError(f"ZB-V needs m >= 2p-1 = {2 * p - 1} microbatches for p={p}, got m={m}; "
-                         f"use m={2 * p - 1} or more")
     if not (isinstance(rank, int) and 0 <= rank < p):
         raise ValueError(f"rank must be in 0..{p - 1}, got {rank!r}")
     # BEGIN SOLUTION
     done = {}  # (kind, chunk) -> microbatches run so far
     acts = []
 
+    def n(kind, chunk):
+        return done.get((kind, chunk), 0)
+
+    def ready(kind, chunk):  # what this rank has run makes the next (kind, chunk) possible
+        if kind == "F":
+            return n("F", 0) < m if chunk == 0 else n("F", 1) < n("F", 0)
+        if kind == "B":
+            return n("B", 1) < n("F", 1) if chunk == 1 else n("B", 0) < n("B", 1)
+        return n("W", chunk) < n("B", chunk)
+
     def run(kind, chunk):
-        mb = done.get((kind, chunk), 0)
-        done[(kind, chunk)] = mb + 1
-        acts.append(f"{kind}{mb}" + (".1" if chunk else ""))
+        if ready(kind, chunk):  # with few microbatches the pipe runs dry: leave the action out
+            done[(kind, chunk)] = n(kind, chunk) + 1
+            acts.append(f"{kind}{n(kind, chunk) - 1}" + (".1" if chunk else ""))
 
     r = rank
     for _ in range(2 * (p - r) - 1):
@@ -305,9 +329,8 @@ def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:  # noqa: C901 - th
     for _ in range(p - r):
         for kind in "FBW":
             run(kind, 1)
-    while done.get(("F", 0), 0) < m or done.get(("F", 1), 0) < done.get(("F", 0), 0):
-        if done.get(("F", 0), 0) < m:
-            run("F", 0)
+    while n("F", 0) < m or n("F", 1) < n("F", 0):
+        run("F", 0)
         for kind, chunk in (("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)):
             run(kind, chunk)
     for _ in range(r):
@@ -316,77 +339,72 @@ def zbv_rank_actions(p: int, m: int, rank: int) -> list[str]:  # noqa: C901 - th
     for _ in range(p - r):
         run("B", 0)
         run("W", 0)
-    for chunk in (1, 0):
-        while done.get(("W", chunk), 0) < m:
+    for chunk in (1, 0):  # the deferred W's, chunk 1's first
+        while ready("W", chunk):
             run("W", chunk)
     return acts
     # END SOLUTION
 
 
-# --- 6. the executor: one rank's actions on real ranks ---------------------------------------------
+# --- 6. the executor: a rank that picks its own order ------------------------------------------------
 
 
-def _parse_action(a) -> tuple[str, int]:
-    if not (isinstance(a, str) and a[:1] in ("F", "B") and a[1:].isdigit()):
-        raise ValueError(f"actions are strings 'F<i>' and 'B<i>' (one stage per rank, no W), got {a!r}")
-    return a[0], int(a[1:])
+def run_stage_budgeted(stage, inputs, targets, boundary_shape, budget: int) -> list[float]:
+    """Kind: build · about 75 minutes
 
+    One rank's step of a pipeline with no schedule handed in: the rank picks its own next action
+    from a memory budget, sends activations forward and their gradients back, point to point.
+    Every rank of ``launch(fn, p)`` calls it; rank r holds stage r of p (p = the world size).
 
-def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[float]:
-    """Kind: build
+    **The order.** A rank holds a microbatch from its forward until its backward. Rank r may hold
+    at most ``min(p - r, budget)``: 1F1B's bound (Narayanan et al. 2021 §2.2.1), tightened by the
+    budget. It runs the next forward whenever it has one left and holds fewer than that, otherwise
+    the backward of the oldest microbatch it holds. With ``budget >= p`` this is 1F1B; with
+    ``budget = 1``, one microbatch in the pipe at a time. Every rank derives its order alone, with
+    no message about it, and the neighbours' orders still fit (think about why).
 
-    One rank's step of a pipeline: run its list of actions, sending activations forward and their
-    gradients back, point to point. Every rank of ``launch(fn, p)`` calls it; rank r holds stage r
-    of p (p = the world size), one stage per rank.
+    **Interface.**
 
     - ``stage``: this rank's module. On rank 0 it takes token ids, ``stage(inputs[i])``; on the last
       rank it takes the hidden states and the targets and returns the microbatch's mean loss,
       ``stage(h, targets[i])``; in between, ``stage(h)`` returns hidden states.
-    - ``actions``: this rank's list, ``"F3"`` (forward of microbatch 3) and ``"B3"`` (its backward),
-      e.g. one stage's row of a 1F1B or a GPipe schedule.
-    - ``inputs`` / ``targets``: the m microbatches' token ids and targets (every rank gets them; rank 0
-      reads the inputs, the last rank the targets); m = ``len(inputs)``.
-    - ``boundary_shape``: the shape of the hidden states one stage passes to the next (in the model's
-      dtype, torch's default dtype: ``torch.empty(boundary_shape)``): the shape of every message, for
-      the receive buffers.
+    - ``inputs`` / ``targets``: the m microbatches' token ids and targets (every rank gets them;
+      rank 0 reads the inputs, the last rank the targets); m = ``len(inputs)``.
+    - ``boundary_shape``: the shape of the hidden states one stage passes to the next, in torch's
+      default dtype (``torch.empty(boundary_shape)``): every message's shape.
+    - ``budget``: a positive int, the most microbatches any rank may hold.
 
-    **F i:** the stage's input is ``inputs[i]`` on rank 0, else the activation received from rank
-    r − 1 (a leaf that requires grad, so its gradient can be sent back). Run the stage. On the last
-    rank keep ``loss / m`` (so that the m microbatches' gradients add up to the gradient of the whole
-    batch's mean loss) and record the unscaled loss; elsewhere send the output to rank r + 1. Keep
-    what B i needs.
+    Return the unscaled microbatch losses in microbatch order on the last rank, ``[]`` on the
+    others. The weight gradients accumulate in the stage's parameters' ``.grad`` and must add up to
+    the gradient of the whole batch's mean loss. Send with ``comm.isend`` and receive with
+    ``comm.recv`` (the metered wrappers). A finished microbatch must not stay alive.
 
-    **B i:** on the last rank, backpropagate ``loss / m``; elsewhere receive the gradient of the
-    output from rank r + 1 and backpropagate the output with it. Send the input's gradient to rank
-    r − 1 (except on rank 0). Then drop what F i kept.
+    **What the tests check**, on 2 and 4 ranks in float64, at budgets 1, 2 and >= p: every gradient
+    equals one process's on the whole batch and PyTorch's ``Schedule1F1B``; the losses; the order
+    each rank ran its forwards and backwards; only point-to-point sends, m activations forward
+    (unless last) and m gradients back (unless first); at each forward, the microbatches the rank
+    still holds, none whose backward has run; bad input refused.
 
-    Messages go through the metered wrappers: send with ``comm.isend(tensor, dst)``, which does not
-    wait. Keep every returned work and its tensor, and wait for all of them at the end of the step. A
-    blocking send could deadlock two neighbours that send to each other at once. Receive with
-    ``comm.recv(buffer, src)`` into ``torch.empty(boundary_shape)``. Activations go one way between
-    two ranks and gradients the other, each in microbatch order, so no tags are needed.
-
-    **Your task:** run the actions in order and return the unscaled microbatch losses in the order
-    their F ran on the last rank, ``[]`` on the others. The weight gradients accumulate in the
-    stage's parameters' ``.grad``.
+    Reference: ``minitorch_dist/parallelism/pipeline/executor.py`` (``run_schedule`` runs a given
+    schedule; yours makes its own).
     """
-    parsed = [_parse_action(a) for a in actions]
     inputs, targets = list(inputs), list(targets)
     if not inputs or len(inputs) != len(targets):
         raise ValueError(f"need one target per input microbatch, got {len(inputs)} inputs and "
                          f"{len(targets)} targets")
-    m = len(inputs)
-    bad = sorted({i for _, i in parsed if not 0 <= i < m})
-    if bad:
-        raise ValueError(f"actions name microbatches {bad}, outside 0..{m - 1}")
+    _check_positive("budget", budget, "the most microbatches a rank may hold; 1 runs one at a time")
     if not dist.is_initialized():
-        raise RuntimeError("run_stage_actions runs on ranks: call it inside launch(fn, p)")
+        raise RuntimeError("run_stage_budgeted runs on ranks: call it inside launch(fn, p)")
+    m = len(inputs)
     rank, p = dist.get_rank(), dist.get_world_size()
     first, last = rank == 0, rank == p - 1
     # BEGIN SOLUTION
+    limit = min(p - rank, budget)
     kept, sends, losses = {}, [], []
-    for kind, i in parsed:
-        if kind == "F":
+    next_f = next_b = 0
+    while next_b < m:
+        if next_f < m and len(kept) < limit:
+            i, next_f = next_f, next_f + 1
             if first:
                 x = inputs[i]
             else:
@@ -403,6 +421,7 @@ def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[f
                 sends.append((comm.isend(out, rank + 1), out))
             kept[i] = (x, y)
         else:
+            i, next_b = next_b, next_b + 1
             x, y = kept.pop(i)
             if last:
                 y.backward()
@@ -413,6 +432,7 @@ def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[f
             if not first:
                 dx = x.grad.contiguous()
                 sends.append((comm.isend(dx, rank - 1), dx))
+            del x, y
     for work, _ in sends:
         work.wait()
     return losses
@@ -423,23 +443,27 @@ def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[f
 
 
 def predict_pipeline_sends(p: int, m: int, activation_bytes: int, v: int = 1) -> dict:
-    """Kind: measure
+    """Kind: measure · about 30 minutes
 
-    Predict the point-to-point messages, and their bytes, that each rank sends in one step of a
-    pipeline of ``p`` ranks and ``m`` microbatches. Each rank holds ``v`` chunks in Megatron's loop:
-    chunk c of rank r is virtual stage ``c·p + r`` of ``p·v``, and v = 1 is GPipe or 1F1B.
+    Predict the point-to-point messages, and their bytes, that *each rank* sends in one step of a
+    pipeline of ``p`` ranks and ``m`` microbatches; the tests then count them on ranks. Each rank
+    holds ``v`` chunks in Megatron's loop: chunk c of rank r is virtual stage ``c·p + r`` of
+    ``p·v``, and v = 1 is GPipe or 1F1B (Narayanan et al. 2021 §2.2.2).
 
-    Consecutive virtual stages exchange one activation per microbatch (forward) and its gradient
-    (backward), ``activation_bytes`` each (b·s·h elements). A rank sends the activation of each of its
-    chunks that is not the model's last virtual stage, and the gradient of each chunk that is not the
-    first. When two consecutive virtual stages sit on the same rank (only when p = 1), the tensor is
-    handed over in memory: no message.
+    Assume consecutive virtual stages exchange one activation per microbatch forward and its
+    gradient backward, ``activation_bytes`` each (b·s·h elements), and that a tensor handed between
+    two virtual stages on the same rank is handed over in memory, not sent.
 
-    **Your task:** return ``{"messages": [per rank], "bytes": [per rank]}`` for one step (whatever the
-    schedule's order: GPipe, 1F1B and ZB-H1 send the same messages). The tests check the prediction
-    against the total per step at several sizes. Then they check it exactly (counted, no tolerance)
-    against what ``comm.meter()`` counts on every rank of a real 1F1B step and a real interleaved
-    step (v = 2) on 4 ranks.
+    **Interface.** Return ``{"messages": [per rank], "bytes": [per rank]}`` for one step (whatever
+    the schedule's order: GPipe, 1F1B and ZB-H1 send the same messages). Bad arguments raise
+    ``ValueError`` (scaffolded).
+
+    **What the tests check.** The per-rank split adds up to the cost model's total at several
+    sizes; then, exactly (counted, no tolerance), what ``comm.meter()`` counts on every rank of a
+    real 1F1B step and a real interleaved step (v = 2) of the library's executor on 4 ranks.
+
+    Reference: ``minitorch_dist/costmodel/pipeline.py`` (``pipeline_p2p_bytes`` gives the
+    total of all ranks; you split it by rank).
     """
     for name, x in (("p", p), ("m", m), ("v", v)):
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:

@@ -7,26 +7,26 @@ such region replaced by ``raise NotImplementedError``. Everything else (imports,
 helpers) is scaffolding the student keeps. Tests: ``pytest -m ch06 tests/exercises``
 (``MTD_IMPL=exercises`` runs them against the stubs).
 
-1. :func:`flatten_and_partition` / :func:`unflatten`: many tensors as one 1-D buffer, padded with
-   zeros to a multiple of the world size n and cut into n equal shards — the layout every ZeRO stage
+1. :func:`flatten_and_partition` / :func:`unflatten`: many tensors as one zero-padded 1-D buffer cut
+   into n equal shards, every tensor and every shard aligned — the layout every ZeRO stage
    partitions (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
    Parameter Models", §5) and FSDP's ``FlatParameter`` (Zhao et al. 2023, "PyTorch FSDP:
    Experiences on Scaling Fully Sharded Data Parallel", §3.2).
-2. :func:`zero2_reduce_scatter_hook`: ZeRO stage 2 (P_os+g, ZeRO §5.2): as soon as backward has
-   produced the gradients, one reduce-scatter averages them over the ranks and leaves each rank only
-   its 1/n shard; the full gradients are freed. It runs inside ranks (start it with
-   ``minitorch_dist.launch(fn, n)``) and talks through ``minitorch_dist.runtime.comm``, whose meter
-   the tests read.
+2. :func:`zero2_reduce_scatter_hook`: ZeRO stage 2 (P_os+g, ZeRO §5.2) with FSDP2's per-parameter
+   shards: when backward has produced the gradients, one reduce-scatter leaves each rank its piece
+   of every parameter's averaged gradient; the full gradients are freed. It runs inside ranks (start
+   it with ``minitorch_dist.launch(fn, n)``) and talks through ``minitorch_dist.runtime.comm``,
+   whose meter the tests read.
 3. :class:`Zero3Unit`: ZeRO stage 3 (P_os+g+p, ZeRO §5.3; FSDP's unit, Zhao et al. 2023, §3) for one
-   module: its parameters live as one flat buffer of which this rank keeps 1/n; the buffer is
-   all-gathered before the forward and freed after it, all-gathered again for the backward, and
-   the gradients are reduce-scattered into the shard.
+   module, with per-parameter shards: this rank keeps its piece of every parameter; the weights are
+   gathered for the forward and for the backward and freed after each, and the gradients are
+   reduce-scattered into the shard.
 4. :func:`meter_zero_stage`: predict the per-rank model-state bytes (ZeRO §5, Figure 1) and the
    bytes on the wire of one step (§7) of a ZeRO stage, then measure both with ``MemoryMeter`` and
    ``comm.meter()``.
 5. :func:`adafactor_update`: one step of Adafactor's factored second moment (Shazeer & Stern 2018,
-   "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", §3, Algorithm 4): a
-   ``rows x cols`` matrix of squared-gradient averages kept as ``rows + cols`` numbers.
+   "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", §3, Algorithm 4), factored over
+   a gradient's two largest dimensions.
 """
 from __future__ import annotations
 
@@ -51,33 +51,37 @@ def _require_dist(name: str) -> None:
 # --- 1. flatten and partition -------------------------------------------------------------------
 
 
-def flatten_and_partition(tensors: list[torch.Tensor], n: int,
-                          rank: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Size]]]:
-    """Kind: build
+def flatten_and_partition(tensors: list[torch.Tensor], n: int, rank: int,
+                          align: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Size]]]:
+    """Kind: build · about 30 minutes
 
-    One padded flat buffer holding ``tensors`` end to end, and rank ``rank``'s shard of it.
+    One zero-padded flat buffer holding ``tensors``, cut into n equal shards, in which every tensor
+    and every shard starts at a multiple of ``align`` elements, and rank ``rank``'s shard of it.
 
-    ZeRO partitions parameters, gradients and optimizer state as flat 1-D buffers: one
-    reduce-scatter or all-gather moves all of them at once, and an elementwise optimizer (SGD,
-    Adam) can update a slice of the buffer without caring where one tensor ends and the next
-    begins. With ``numel`` the total number of elements,
+    ZeRO partitions parameters, gradients and optimizer state as flat 1-D buffers (Rajbhandari et
+    al. 2020, §5; FSDP's ``FlatParameter``, Zhao et al. 2023, §3.2): one collective moves every
+    tensor at once, and an elementwise optimizer updates a slice without caring where one tensor
+    ends. Real implementations also *align*: a tensor that starts on an aligned address can be
+    read with wide vector loads, and so can a shard. Here every tensor starts at an offset that is
+    a multiple of ``align`` (zeros fill the gaps), the shards are equal, each a multiple of
+    ``align`` elements long, and the buffer is as short as those rules allow.
 
-        S      = ceil(numel / n)            elements per shard, the same on every rank
-        padded = n * S                      the buffer's length; elements numel..padded-1 are 0
-        shard  = flat[rank*S : (rank+1)*S]  rank's part (it may end inside the padding)
+    Interface:
 
-    Tensor i starts at ``offset_i = numel_0 + ... + numel_{i-1}``. A tensor may straddle two
-    shards; that is fine.
+    - ``tensors``: one or more tensors of one dtype (the scaffolding checks); ``n >= 1`` shards;
+      ``0 <= rank < n``; ``align >= 1`` elements. ``align = 1`` is the plain end-to-end layout.
+    - returns ``(flat, shard, layout)``: ``flat`` a new 1-D buffer (inputs' dtype and device)
+      holding each tensor flattened at its offset and zeros everywhere else (the inputs are
+      copied, never modified); ``shard`` rank's elements of ``flat``, a *view* (writing into it
+      writes into ``flat``); ``layout`` one ``(offset, shape)`` pair per tensor, in order.
 
-    **Your task:** return ``(flat, shard, layout)``:
+    The tests check, for n = 1..5, several alignments and ragged sizes (a prime number of
+    elements, a 0-dim tensor): the buffer against one built element by element, equal shards that
+    tile it, the shortest such buffer, zero gaps and padding, the shard being a view, untouched
+    inputs, the layout, and refusals of bad input.
 
-    - ``flat``: a new 1-D tensor of ``padded`` elements, dtype and device of the inputs, holding
-      ``tensors[0].flatten(), tensors[1].flatten(), ...`` and then zeros (the inputs are copied,
-      not modified);
-    - ``shard``: a *view* into ``flat`` (slicing, not a copy: writing into it writes into ``flat``)
-      of rank's S elements;
-    - ``layout``: a list with one ``(offset_i, tensors[i].shape)`` pair per tensor, in order — what
-      :func:`unflatten` needs to cut ``flat`` back into shaped tensors.
+    Reference: ``minitorch_dist/memory/zero/flat.py`` (``FlatParams``: the unaligned layout, align = 1;
+    the exercise adds alignment of tensors and shards).
     """
     tensors = list(tensors)
     if not tensors:
@@ -86,35 +90,46 @@ def flatten_and_partition(tensors: list[torch.Tensor], n: int,
         raise ValueError(f"the world size n must be >= 1, got {n}")
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is outside a world of n={n} ranks (0 <= rank < n)")
+    if align < 1:
+        raise ValueError(f"align must be >= 1 element, got {align}")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise ValueError(f"one flat buffer holds one dtype, got {sorted(map(str, dtypes))}; "
                          "flatten each dtype separately")
     # BEGIN SOLUTION
-    numel = sum(t.numel() for t in tensors)
-    s = math.ceil(numel / n)
-    flat = torch.zeros(n * s, dtype=tensors[0].dtype, device=tensors[0].device)  # the tail stays 0
     layout, offset = [], 0
     for t in tensors:
-        flat[offset:offset + t.numel()].copy_(t.reshape(-1))
+        offset = math.ceil(offset / align) * align  # each tensor starts aligned
         layout.append((offset, t.shape))
         offset += t.numel()
+    s = math.ceil(offset / (n * align)) * align  # equal shards, each a multiple of align
+    flat = torch.zeros(n * s, dtype=tensors[0].dtype, device=tensors[0].device)  # gaps and tail stay 0
+    for t, (o, _) in zip(tensors, layout):
+        flat[o:o + t.numel()].copy_(t.reshape(-1))
     return flat, flat[rank * s:(rank + 1) * s], layout
     # END SOLUTION
 
 
 def unflatten(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) -> list[torch.Tensor]:
-    """Kind: build
+    """Kind: build · about 10 minutes
 
-    The shaped tensors of ``layout`` (from :func:`flatten_and_partition`) as views into ``flat``.
+    The shaped tensors of ``layout`` as views into ``flat``: the inverse of
+    :func:`flatten_and_partition`, for that buffer or any other of the same layout (the
+    all-gathered parameters, a gradient buffer).
 
-    ``flat`` is a padded buffer with that layout (the one returned, or another of the same
-    length, e.g. the all-gathered parameters or a gradient buffer). Tensor i is the ``numel_i``
-    elements from ``offset_i`` on, in its shape; the padding belongs to no tensor.
+    Interface: ``flat`` a 1-D buffer, ``layout`` a list of ``(offset, shape)`` pairs (the offsets
+    may leave gaps: alignment). Returns one tensor per pair, of that shape, holding the elements
+    from its offset on. Each must be a *view* into ``flat``, so that a whole-buffer write (an
+    all-gather) updates every tensor at once, and so that autograd carries each tensor's gradient
+    back into ``flat`` — the reason FSDP's parameters are views of its flat buffer (Zhao et al.
+    2023, §3.2).
 
-    **Your task:** return the list of tensors, each a *view* into ``flat`` (``flat[a:b].view(shape)``),
-    so that writing into ``flat`` (a whole-buffer all-gather, say) updates every tensor at once —
-    the reason FSDP's parameters are views into its flat buffer.
+    The tests check the round trip with aligned and unaligned layouts, views that see writes into
+    another buffer, gradients flowing into ``flat``, and the refusal of a layout from another
+    buffer.
+
+    Reference: ``minitorch_dist/memory/zero/flat.py`` (``FlatParams.views``: offsets computed from the
+    parameters; here they come from the layout, gaps and all).
     """
     if flat.dim() != 1:
         raise ValueError(f"flat must be a 1-D buffer, got shape {tuple(flat.shape)}")
@@ -133,39 +148,36 @@ def unflatten(flat: torch.Tensor, layout: list[tuple[int, torch.Size]]) -> list[
 
 
 def zero2_reduce_scatter_hook(params: list[torch.nn.Parameter], group=None) -> tuple[torch.Tensor, list]:
-    """Kind: build
+    """Kind: build · about 60 minutes
 
-    Make every backward end with this rank's shard of the averaged gradient, and nothing else.
+    ZeRO stage 2 (P_os+g, Rajbhandari et al. 2020, §5.2) with *per-parameter* shards: make every
+    backward end with this rank's shard of the gradient averaged over the ranks, and no full
+    gradient left behind.
 
-    Plain data parallelism all-reduces the full gradient (2Ψ bytes per rank on the wire) and every
-    rank keeps all Ψ gradients. ZeRO-2 (§5.2) notices that a rank only *updates* its own 1/n of
-    the parameters (stage 1 already partitions the optimizer state), so it only needs that 1/n of
-    the gradient: a reduce-scatter (Ψ on the wire, half an all-reduce) gives each rank the sum of
-    its shard, and the full gradients can be freed as soon as it has run.
+    A rank only updates its own 1/n of the parameters, so it only needs that 1/n of the gradient:
+    one reduce-scatter (Ψ on the wire, half an all-reduce) gives it, and the full gradients can go.
+    Which 1/n? ZeRO-1/2 and FSDP1 cut one flat buffer end to end, so a rank's shard may hold half
+    of one tensor and none of the next. FSDP2 (PyTorch's ``fully_shard``) cuts *each parameter*
+    instead: parameter i, flattened and zero-padded to ``n * c_i`` elements, ``c_i = ceil(numel_i /
+    n)``, gives rank r its elements ``[r*c_i, (r+1)*c_i)``. Rank r's shard is those pieces
+    concatenated in parameter order: ``S = c_0 + c_1 + ...`` elements, every rank holding a piece of
+    every parameter. Build the gradient path for that layout.
 
-    ``params`` (all of one dtype and device, each trainable) are laid out end to end in a flat
-    buffer padded to ``padded = n * S``, ``S = ceil(Ψ / n)``, ``n = dist.get_world_size(group)``,
-    exactly as :func:`flatten_and_partition` does; this rank's shard is elements
-    ``[rank*S, (rank+1)*S)``.
+    Interface: ``params`` trainable, of one dtype and device (the scaffolding checks and computes
+    ``c`` as ``chunks``, ``S`` and the zero ``grad_shard``). Returns ``(grad_shard, handles)``:
+    ``grad_shard`` the 1-D tensor of S elements that every backward overwrites, in place, with
+    this rank's pieces of the gradient *averaged* over the ranks (padding positions 0); ``handles``
+    one hook handle per parameter (``handle.remove()`` undoes it). Every parameter receives a
+    gradient in every backward. Use ``p.register_post_accumulate_grad_hook``.
 
-    The scaffolding computes the layout (``offsets``, ``S``, ``padded``) and allocates
-    ``grad_shard``, a 1-D zero tensor of S elements (the params' dtype and device).
-    **Your task:** with ``p.register_post_accumulate_grad_hook(hook)`` on every parameter
-    (it runs once ``p.grad`` holds the parameter's gradient for this backward) arrange that
-    during each backward:
+    The tests check, on 2 and 4 ranks, over two backwards (the second must start afresh): the shard
+    against the single-process gradient of the whole global batch cut per parameter; exactly one
+    ``comm.reduce_scatter`` per backward, of n·S elements over n ranks, issued after the *last*
+    gradient of the backward, also in a model whose first-registered parameter is used last;
+    ``p.grad`` freed; the handles.
 
-    - each gradient is copied into its place in a full flat gradient buffer of ``padded``
-      elements (zero padding) and ``p.grad`` is set to None (freed);
-    - when the *last* parameter's gradient of this backward has arrived, exactly one
-      ``comm.reduce_scatter(grad_shard, flat_grad / n, group=group)`` runs: ``grad_shard`` then
-      holds this rank's S elements of the gradient *averaged* over the ranks (SUM of grad/n), and
-      the flat buffer is dropped;
-    - the next backward starts afresh (count the arrivals per backward; ``grad_shard`` is
-      overwritten, not accumulated).
-
-    Every parameter must receive a gradient in every backward (or the count never completes and
-    the ranks wait for each other). Return ``(grad_shard, handles)``: the tensor each backward
-    fills in place, and the list of hook handles (``handle.remove()`` undoes the hooks).
+    Reference: ``minitorch_dist/memory/zero/zero12.py`` (stage 2 on one flat buffer cut end to end;
+    the exercise cuts every parameter separately, as FSDP2 does).
     """
     _require_dist("zero2_reduce_scatter_hook")
     params = list(params)
@@ -178,25 +190,28 @@ def zero2_reduce_scatter_hook(params: list[torch.nn.Parameter], group=None) -> t
         raise ValueError("one flat gradient buffer holds one dtype on one device, got "
                          f"{sorted({(str(p.dtype), str(p.device)) for p in params})}")
     n = dist.get_world_size(group)
-    numels = [p.numel() for p in params]
-    offsets = [sum(numels[:i]) for i in range(len(params))]
-    s = math.ceil(sum(numels) / n)
-    padded = n * s
+    chunks = [math.ceil(p.numel() / n) for p in params]  # c_i: parameter i's piece on every rank
+    s = sum(chunks)
     grad_shard = torch.zeros(s, dtype=params[0].dtype, device=params[0].device)
     # BEGIN SOLUTION
+    starts = [sum(chunks[:i]) for i in range(len(params))]  # where piece i sits inside a shard
     index = {id(p): i for i, p in enumerate(params)}
-    state = {"flat": None, "arrived": 0}
+    state = {"send": None, "arrived": 0}
 
     def hook(p: torch.nn.Parameter) -> None:
-        if state["flat"] is None:  # the first gradient of this backward
-            state["flat"] = torch.zeros(padded, dtype=grad_shard.dtype, device=grad_shard.device)
+        if state["send"] is None:  # the first gradient of this backward
+            state["send"] = torch.zeros(n, s, dtype=grad_shard.dtype, device=grad_shard.device)
         i = index[id(p)]
-        state["flat"][offsets[i]:offsets[i] + numels[i]].copy_(p.grad.reshape(-1))
+        c, numel = chunks[i], p.numel()
+        padded = torch.zeros(n * c, dtype=p.grad.dtype, device=p.grad.device)
+        padded[:numel].copy_(p.grad.reshape(-1))
+        # row j of the send buffer is what rank j keeps: piece j of every parameter, in order
+        state["send"][:, starts[i]:starts[i] + c].copy_(padded.view(n, c))
         p.grad = None  # ZeRO-2: the full gradient is not kept
         state["arrived"] += 1
-        if state["arrived"] == len(params):  # the flat buffer is complete: one reduce-scatter
-            comm.reduce_scatter(grad_shard, state["flat"].div_(n), group=group)
-            state["flat"], state["arrived"] = None, 0
+        if state["arrived"] == len(params):  # every gradient is in: one reduce-scatter
+            comm.reduce_scatter(grad_shard, state["send"].view(-1).div_(n), group=group)
+            state["send"], state["arrived"] = None, 0
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
     return grad_shard, handles
@@ -224,34 +239,43 @@ class _UnitFunction(torch.autograd.Function):
 
 
 class Zero3Unit(nn.Module):
-    """Kind: build
+    """Kind: build · about 90 minutes
 
-    ZeRO stage 3 (P_os+g+p, ZeRO §5.3) for one module — FSDP's *unit* (Zhao et al. 2023, §3): the
-    module's parameters live as one flat buffer of ``padded = n * S`` elements (``S = ceil(Ψ / n)``,
-    zero padding at the end) of which this rank keeps only its S elements, ``self.shard``. One step::
+    ZeRO stage 3 (P_os+g+p, Rajbhandari et al. 2020, §5.3) for one module — FSDP's *unit* (Zhao et
+    al. 2023, §3) — with FSDP2's *per-parameter* shards: every parameter, flattened and zero-padded
+    to ``n * c_i`` elements (``c_i = ceil(numel_i / n)``), gives rank r its elements ``[r*c_i,
+    (r+1)*c_i)``, and this rank keeps only those pieces, concatenated in parameter order:
+    ``self.shard``, S elements, the unit's only parameter (the layout of the ZeRO-2 exercise above).
+    The whole weights may exist only while the unit computes: gathered for its forward, freed after
+    it, gathered again for its backward, freed after it; the backward ends with this rank's shard
+    of the gradient averaged over the ranks. Chain units (``nn.Sequential(Zero3Unit(a),
+    Zero3Unit(b))``) and train them with any elementwise optimizer over the shards: n ranks, each on
+    its own rows of the global batch, then take the step of one process on the whole batch.
 
-        forward:   all-gather shard -> full    run the module on views of full    free full
-        backward:  all-gather shard -> full    backward through the saved graph
-                   reduce-scatter(flat gradient / n) -> the shard's gradient       free full
+    Interface: ``Zero3Unit(module, group=None)``; ``module`` takes one tensor and returns one; every
+    rank builds the same module. The scaffolding (keep it) computes the layout (``self.shapes``,
+    ``self.numels``, ``self.chunks`` (the c_i), ``self.starts`` (where each piece sits in a shard),
+    ``self.S``, ``self.padded = n * S``, ``self.n``, ``self.rank``, ``self.group``), makes
+    ``self.shard``, removes the dense parameters, keeps ``self.full`` (the whole weights, parameter
+    after parameter at ``self.offsets``, ``self.total`` elements, its storage resized to 0 bytes
+    while sharded) and ``self.gather_into`` (the same storage through a second tensor),
+    ``self._bind(leaves)`` (puts one tensor per parameter on the module where its parameter was;
+    ``None`` takes them off), and ``forward``, which runs :class:`_UnitFunction`:
+    autograd calls :meth:`unit_forward` for the forward and :meth:`unit_backward` exactly when the
+    gradient of the unit's output is ready. **You write** :meth:`gather`, :meth:`free`,
+    :meth:`unit_forward` and :meth:`unit_backward`.
 
-    Chain units (``nn.Sequential(Zero3Unit(a), Zero3Unit(b))``) and only one unit's weights are ever
-    whole at a time; train with any elementwise optimizer over ``model.parameters()`` — the shards.
-    Every rank must build the same ``module`` (same seed) and feed its own rows of the global batch;
-    the gradient reaching the shard is *averaged* over the ranks, so n ranks take the step of one
-    process on the whole batch. ``module`` takes one tensor and returns one tensor.
+    The tests check, on 2 and 4 ranks with a chain of two units (one padded) over three steps of SGD
+    with momentum: the shards' gradients, the input's gradient and the weights against one process
+    on the global batch cut per parameter, and against torch's FSDP2 ``fully_shard``; the
+    collectives in order with their bytes (an all-gather of n·S elements per unit forward; all-gather
+    then reduce-scatter per unit backward, last unit first: 3Ψ on the wire, padding included); both
+    units' whole weights freed after the forward and after the backward, only the computing unit
+    gathered, and the forward never recomputed.
 
-    The scaffolding (keep it) lays out the module's trainable parameters, in ``named_parameters()``
-    order, as :func:`flatten_and_partition` would: ``self.numels``, ``self.offsets``, ``self.shapes``
-    (one per parameter), ``self.S``, ``self.padded``, ``self.n``, ``self.rank``, ``self.group``; makes
-    ``self.shard`` (an ``nn.Parameter`` of S elements, the unit's only parameter) and removes the
-    parameters from the module, so nothing but the shard stays allocated; ``self.full`` is the
-    gathered buffer, a 1-D tensor of ``padded`` elements whose storage is resized to 0 bytes while
-    the unit is sharded; ``self.gather_into`` is the same storage seen through another tensor (see
-    :meth:`gather`); ``self._bind(leaves)`` puts one tensor per parameter on the module where its
-    parameter was (``self._bind(None)`` takes them off again); and ``forward`` runs
-    :class:`_UnitFunction`, which calls :meth:`unit_forward` and :meth:`unit_backward`.
-
-    **Your task:** the four methods below.
+    Reference: ``minitorch_dist/memory/zero/fsdp_unit.py`` (``UnitFunction``: the same life cycle on one
+    flat buffer cut end to end; per-parameter shards need the gathered pieces copied out and the
+    gradient laid out rank by rank).
     """
 
     def __init__(self, module: nn.Module, group=None):
@@ -267,14 +291,20 @@ class Zero3Unit(nn.Module):
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shapes = [p.shape for p in unique]
         self.numels = [p.numel() for p in unique]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(unique))]
-        self.S = math.ceil(sum(self.numels) / self.n)
-        self.padded = self.n * self.S
+        self.offsets = [sum(self.numels[:i]) for i in range(len(unique))]  # in the whole weights, `full`
+        self.total = sum(self.numels)
+        self.chunks = [math.ceil(k / self.n) for k in self.numels]  # c_i: parameter i's piece per rank
+        self.starts = [sum(self.chunks[:i]) for i in range(len(unique))]  # where piece i sits in a shard
+        self.S = sum(self.chunks)
+        self.padded = self.n * self.S  # what an all-gather or a reduce-scatter moves
         with torch.no_grad():
-            flat = torch.zeros(self.padded, dtype=unique[0].dtype, device=unique[0].device)
-            for p, offset in zip(unique, self.offsets):
-                flat[offset:offset + p.numel()].copy_(p.reshape(-1))
-            self.shard = nn.Parameter(flat[self.rank * self.S:(self.rank + 1) * self.S].clone())
+            pieces = []
+            for p, c in zip(unique, self.chunks):
+                padded = torch.zeros(self.n * c, dtype=p.dtype, device=p.device)
+                padded[:p.numel()].copy_(p.reshape(-1))
+                pieces.append(padded[self.rank * c:(self.rank + 1) * c])
+            self.shard = nn.Parameter(torch.cat(pieces))
+            full = torch.zeros(self.total, dtype=unique[0].dtype, device=unique[0].device)
         index = {id(p): i for i, p in enumerate(unique)}
         self._slots = []  # (submodule, attribute, parameter index), tied parameters under each name
         for name, p in named:
@@ -283,10 +313,11 @@ class Zero3Unit(nn.Module):
             self._slots.append((owner, attr, index[id(p)]))
             owner._parameters.pop(attr, None)  # the dense parameter goes away ...
             setattr(owner, attr, None)  # ... and its name waits for _bind
-        self.full = flat  # the gathered buffer: its storage exists only while gathered
-        # The same storage through a second tensor, with a version counter of its own: gathering into
-        # it does not mark the tensors autograd saved (views of `full`) as modified in place.
-        self.gather_into = flat.new_empty(0).set_(flat.untyped_storage(), 0, flat.shape)
+        self.full = full  # the whole weights, parameter after parameter: storage only while gathered
+        # The same storage through a second tensor, with a version counter of its own: writing the
+        # gathered weights through it does not mark the tensors autograd saved (views of `full`) as
+        # modified in place.
+        self.gather_into = full.new_empty(0).set_(full.untyped_storage(), 0, full.shape)
         self.full.untyped_storage().resize_(0)
 
     def _bind(self, leaves: list[torch.Tensor] | None) -> None:
@@ -297,39 +328,40 @@ class Zero3Unit(nn.Module):
         return _UnitFunction.apply(self, self.shard, x)
 
     def gather(self) -> None:
-        """Give ``self.full``'s storage its ``padded * element_size`` bytes back
-        (``untyped_storage().resize_``) and all-gather every rank's shard into it with one
-        ``comm.all_gather(self.gather_into, self.shard.detach(), group=self.group)``.
+        """Give ``self.full``'s storage its bytes back and fill it with the whole weights, parameter
+        after parameter at ``self.offsets``, from every rank's shard: one ``comm.all_gather`` of
+        ``self.shard`` (detached) moving ``self.padded`` elements, then whatever copying your layout
+        needs.
 
-        Gather through ``self.gather_into``, not ``self.full``: an all-gather is an in-place write,
-        and one into ``full`` would bump the version counter of every view of it that autograd
-        saved in the forward, so the backward would refuse to run ("modified by an inplace
-        operation"). The contents are the same weights, so nothing is lost by hiding the write.
+        Write into ``full``'s storage through ``self.gather_into``, not ``self.full``: it sees the
+        same storage with a version counter of its own, so the write does not mark the views of
+        ``full`` that autograd saved in the forward as modified in place (the backward would refuse
+        to run).
         """
         # BEGIN SOLUTION
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        comm.all_gather(self.gather_into, self.shard.detach(), group=self.group)
+        self.full.untyped_storage().resize_(self.total * self.full.element_size())
+        received = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        comm.all_gather(received, self.shard.detach(), group=self.group)
+        by_rank = received.view(self.n, self.S)  # row j: rank j's shard, a piece of every parameter
+        for o, k, c, st in zip(self.offsets, self.numels, self.chunks, self.starts):
+            # parameter i: the column block of its pieces, rank after rank, without the padding
+            self.gather_into[o:o + k].copy_(by_rank[:, st:st + c].reshape(-1)[:k])
         # END SOLUTION
 
     def free(self) -> None:
-        """Reshard: resize ``self.full``'s storage to 0 bytes (every view of it keeps its shape and
-        sees the weights again after the next :meth:`gather`)."""
+        """Reshard: give back the bytes of ``self.full``'s storage (every view of it keeps its
+        shape and sees the weights again after the next :meth:`gather`)."""
         # BEGIN SOLUTION
         self.full.untyped_storage().resize_(0)
         # END SOLUTION
 
     def unit_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Gather; run the module on the whole weights; free; return ``(output, saved)``.
+        """The unit's forward on the whole weights; returns ``(output, saved)``.
 
-        - :meth:`gather`, then make one leaf per parameter: a shaped view of ``self.full``
-          (``full[offset:offset + numel].view(shape)``), detached, requiring grad;
-        - run the module under ``torch.enable_grad()`` (``_UnitFunction.forward`` runs under no-grad)
-          on ``x.detach().requires_grad_(x.requires_grad)``, with the leaves bound (``_bind``) and
-          unbound again after: a small graph of the unit's own, whose saved tensors include views
-          of ``full``;
-        - :meth:`free` — the weights exist in full only while the unit computes;
-        - return the output *detached* and ``saved``, anything :meth:`unit_backward` will need (the
-          leaves, the detached input, the inner output).
+        ``output`` is the module's output on ``x``, detached (``_UnitFunction`` makes it part of the
+        outer graph); ``saved`` is whatever :meth:`unit_backward` needs to run the backward without
+        running the module again. The whole weights exist only while this runs. It is called under
+        no-grad.
         """
         # BEGIN SOLUTION
         self.gather()
@@ -347,26 +379,26 @@ class Zero3Unit(nn.Module):
         # END SOLUTION
 
     def unit_backward(self, saved, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Gather again; backward through the saved graph; reduce-scatter; free.
+        """The unit's backward; returns ``(grad_shard, grad_x)``.
 
-        - :meth:`gather` (into the same storage the saved views see), then
-          ``torch.autograd.backward(inner_output, grad_out)``: each leaf gets its ``.grad``;
-        - copy the leaves' gradients into one flat buffer of ``padded`` elements (zero padding, zero
-          for a leaf without a gradient), divide it by n, and ``comm.reduce_scatter`` it into a new
-          tensor of S elements: this rank's shard of the gradient averaged over the ranks;
-        - :meth:`free`, and return ``(grad_shard, grad_x)``: ``grad_x`` is the detached input's
-          ``.grad`` (None when the input did not require grad), the gradient the previous unit needs.
+        ``grad_shard``: a new tensor of S elements, this rank's shard of the weights' gradient
+        averaged over the ranks, in the shard's layout (zero in the padding); ``grad_x``: the
+        gradient of the unit's input (None when the input did not require grad), the gradient the
+        previous unit needs. The whole weights exist only while this runs; one
+        ``comm.reduce_scatter`` of ``self.padded`` elements.
         """
         # BEGIN SOLUTION
         leaves, inp, out = saved
         self.gather()
         torch.autograd.backward(out, grad_out)
-        flat_grad = torch.zeros(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        for leaf, o, k in zip(leaves, self.offsets, self.numels):
-            if leaf.grad is not None:
-                flat_grad[o:o + k].copy_(leaf.grad.reshape(-1))
+        send = torch.zeros(self.n, self.S, dtype=self.shard.dtype, device=self.shard.device)
+        for leaf, k, c, st in zip(leaves, self.numels, self.chunks, self.starts):
+            if leaf.grad is not None:  # row j gets piece j of this parameter's gradient
+                padded = torch.zeros(self.n * c, dtype=send.dtype, device=send.device)
+                padded[:k].copy_(leaf.grad.reshape(-1))
+                send[:, st:st + c].copy_(padded.view(self.n, c))
         grad_shard = torch.empty_like(self.shard)
-        comm.reduce_scatter(grad_shard, flat_grad.div_(self.n), group=self.group)
+        comm.reduce_scatter(grad_shard, send.view(-1).div_(self.n), group=self.group)
         self.free()
         return grad_shard, inp.grad
         # END SOLUTION
@@ -387,10 +419,10 @@ def _zero_model(model: nn.Module, stage: int, lr: float):
 
 
 def meter_zero_stage(make_model, stage: int, x: torch.Tensor, y: torch.Tensor, lr: float = 1e-3) -> dict:
-    """Kind: measure
+    """Kind: measure · about 40 minutes
 
     Predict what one training step of ZeRO ``stage`` costs this rank — the bytes of model states it
-    holds and the bytes it puts on the wire — then measure both.
+    holds and the bytes it puts on the wire — then run the step and measure both.
 
     Runs inside ranks. ``make_model()`` builds the same fp32 model on every rank; ``x``, ``y`` are
     this rank's rows; the loss is ``F.mse_loss(model(x), y)``; the optimizer is AdamW. The
@@ -399,26 +431,24 @@ def meter_zero_stage(make_model, stage: int, x: torch.Tensor, y: torch.Tensor, l
     one unit; ``inner`` is the optimizer that holds the state). A step is ``opt.zero_grad()``,
     forward, ``loss.backward()``, ``opt.step()``.
 
-    **Your task:** return ``{"predicted": {"model_states", "wire"}, "measured": {"parameters",
-    "gradients", "optimizer_state", "model_states", "wire"}}``, in bytes:
+    Return ``{"predicted": {"model_states", "wire"}, "measured": {"parameters", "gradients",
+    "optimizer_state", "model_states", "wire"}}``, in bytes:
 
-    - *predict* from Ψ, the number of parameters of the model (count them before wrapping it), with
-      the cost model: model states per rank in fp32 with AdamW (p = g = 4 bytes, K = 8: m and v;
-      ``costmodel.zero_memory_bytes``) and wire bytes per step (4-byte elements;
-      ``costmodel.zero_comm_bytes``);
-    - *measure*: take one step first (AdamW creates its state in its first step), then a second one
-      inside ``with comm.meter() as m:`` — ``m.total_wire_bytes`` is the measured wire — reading
-      ``MemoryMeter(model, inner).current()`` right after its backward, before ``opt.step()``
-      (gradients complete, state allocated: the moment ZeRO counts); ``model_states`` is the sum
-      of its three categories.
+    - *predicted*, before anything runs, from the model's parameter count with the cost model
+      (``minitorch_dist.costmodel``, its ZeRO formulas: fp32 parameters and gradients, AdamW's two
+      moments), Rajbhandari et al. 2020, §5 and §7;
+    - *measured* on a real step in the steady state (AdamW creates its state in its first step):
+      the wire bytes that ``comm.meter()`` counts for exactly one step, and the model states that
+      ``MemoryMeter(model, inner).current()`` reports at the moment ZeRO counts them — gradients
+      complete, optimizer state allocated; ``model_states`` the sum of the three categories.
 
-    The tests hold each number to a stated tolerance: the predictions exactly (to 1e-9, relative);
-    the measured wire to the byte against an independent count of that one step (the formula on the
-    buffer padded to a multiple of n, plus the bookkeeping the meter also sees: stages 0-2 all-reduce
-    one "has a gradient" byte per tensor, stage 3 carries one flag per tensor in each reduce-scatter
-    chunk); the measured model states within 1% above the prediction and never below it (padding
-    and AdamW's 4-byte step counter per tensor only add), each category within 1% of its term of
-    the formula.
+    The tests hold the predictions exactly (to 1e-9, relative) to ZeRO's formulas; the measured wire
+    to the byte against an independent count of one step (padding and the "has a gradient"
+    bookkeeping included); parameters and gradients to the byte; the optimizer state and the total
+    within 1% above the formula (AdamW's step counters and the padding only add).
+
+    Reference: ``minitorch_dist/analysis/meters.py`` (``MemoryMeter``: what it counts in each category;
+    the exercise predicts and meters a step across the four stages).
     """
     _require_dist("meter_zero_stage")
     if stage not in (0, 1, 2, 3):
@@ -453,51 +483,58 @@ def meter_zero_stage(make_model, stage: int, x: torch.Tensor, y: torch.Tensor, l
 
 def adafactor_update(grad: torch.Tensor, row_avg: torch.Tensor, col_avg: torch.Tensor, beta2: float,
                      eps: float = 1e-30) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kind: build
+    """Kind: build · about 40 minutes
 
-    One step of Adafactor's factored second moment for a 2-D gradient ``G`` (rows x cols).
+    One step of Adafactor's factored second moment (Shazeer & Stern 2018, §3, Algorithm 4) for a
+    gradient ``G`` of two or more dimensions, factored over its *two largest* dimensions.
 
     Adam keeps ``V``, an exponential moving average of ``G * G``: as many numbers as the
-    parameter, a full copy of the model per moment. Adafactor (§3) keeps only its row and column
-    averages, ``rows + cols`` numbers, and rebuilds a rank-1 estimate of V from them:
+    parameter. Adafactor keeps moving averages of its row means and of its column means (each of
+    ``G * G + eps``, the paper's eps_1) and rebuilds a rank-1 estimate ``V^`` of V from them; the
+    update is ``G / sqrt(V^)``. Derive ``V^`` from the paper (it writes sums; means give the same
+    estimate). A tensor of more dimensions (a convolution's kernel, a stack of heads) is factored
+    over the two dimensions that save the most, its two largest, as optax and T5X do: with sizes
+    ``grad.shape``, pick the largest dimension and then the largest of the others (ties go to the
+    later dimension); call the one with the smaller index ``r`` and the other ``c``. Every slice
+    ``grad[..., :, ..., :, ...]`` over (r, c), one for each index of the other dimensions, is then a
+    matrix factored on its own, with rows along r and columns along c.
 
-        R_t = beta2 R_{t-1} + (1 - beta2) mean_over_columns(G*G + eps)     shape (rows,)
-        C_t = beta2 C_{t-1} + (1 - beta2) mean_over_rows(G*G + eps)        shape (cols,)
-        V^_t[i, j] = R_t[i] C_t[j] / mean(R_t)
-        update    = G / sqrt(V^_t)
+    Interface: ``grad`` with ``grad.dim() >= 2``; ``row_avg`` shaped like ``grad`` without dimension
+    c (the row means, one per index of every other dimension); ``col_avg`` shaped like ``grad``
+    without dimension r; ``0 <= beta2 < 1`` (the old averages are ignored when it is 0); ``eps >= 0``.
+    Returns ``(update, new_row_avg, new_col_avg)`` shaped like ``grad``, ``row_avg``, ``col_avg``;
+    the inputs are not modified. The step size, the beta2 schedule and update clipping belong to
+    the optimizer around this function. The scaffolding finds r and c and checks the shapes.
 
-    The paper (Algorithm 4) writes *sums* ``R = (G*G + eps) 1_m``, ``C = 1_n^T (G*G + eps)`` and
-    ``V^ = R C / (1_n^T R)``; with means, as here and in ``torch.optim.Adafactor``, every factor is
-    divided by a constant that cancels in the ratio, so V^ is the same. If V itself is rank-1
-    (``V = a b^T``) the estimate is exact. The paper's ``eps`` (eps_1 = 1e-30) keeps the
-    averages away from 0.
+    The tests check exactness when each slice's V is rank 1; the averages against their
+    definition; three steps against ``torch.optim.Adafactor`` on a matrix; 3-D and 4-D gradients
+    whose largest dimensions are not the last two, slice by slice; untouched inputs; refusals.
 
-    ``row_avg`` (rows,) and ``col_avg`` (cols,) are R_{t-1} and C_{t-1} (zeros at the first step;
-    with ``beta2 = 0`` they are ignored). Adafactor's schedule ``beta2_t = 1 - t^-0.8`` (so 0 at
-    t = 1), its relative step size and its update clipping belong to the optimizer around this
-    function, not to it.
-
-    **Your task:** return ``(update, new_row_avg, new_col_avg)``: ``update`` shaped like ``grad``,
-    the new averages shaped like the old ones; the inputs are not modified.
+    Reference: ``minitorch_dist/memory/adafactor.py`` (the optimizer, factoring the last two dimensions
+    of a matrix; the exercise factors the two largest of any number).
     """
-    if grad.dim() != 2:
-        raise ValueError("adafactor_update factors a 2-D gradient (rows x cols), got shape "
+    if grad.dim() < 2:
+        raise ValueError("adafactor_update factors a gradient of 2 or more dimensions, got shape "
                          f"{tuple(grad.shape)}; vectors keep an unfactored second moment")
-    rows, cols = grad.shape
-    if tuple(row_avg.shape) != (rows,):
-        raise ValueError(f"row_avg must have shape ({rows},), one average per row of grad "
-                         f"{tuple(grad.shape)}, got {tuple(row_avg.shape)}")
-    if tuple(col_avg.shape) != (cols,):
-        raise ValueError(f"col_avg must have shape ({cols},), one average per column of grad "
-                         f"{tuple(grad.shape)}, got {tuple(col_avg.shape)}")
+    by_size = sorted(range(grad.dim()), key=lambda d: (grad.shape[d], d))  # ties: the later dim is larger
+    r, c = sorted(by_size[-2:])
+    row_shape = tuple(grad.shape[:c]) + tuple(grad.shape[c + 1:])
+    col_shape = tuple(grad.shape[:r]) + tuple(grad.shape[r + 1:])
+    if tuple(row_avg.shape) != row_shape:
+        raise ValueError(f"row_avg must have shape {row_shape}: grad {tuple(grad.shape)} without its "
+                         f"dimension {c} (the columns), got {tuple(row_avg.shape)}")
+    if tuple(col_avg.shape) != col_shape:
+        raise ValueError(f"col_avg must have shape {col_shape}: grad {tuple(grad.shape)} without its "
+                         f"dimension {r} (the rows), got {tuple(col_avg.shape)}")
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta2 must lie in [0, 1), got {beta2}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     # BEGIN SOLUTION
     sq = grad * grad + eps
-    new_row = beta2 * row_avg + (1 - beta2) * sq.mean(dim=1)
-    new_col = beta2 * col_avg + (1 - beta2) * sq.mean(dim=0)
-    v_hat = torch.outer(new_row, new_col) / new_row.mean()  # the rank-1 estimate of V
+    new_row = beta2 * row_avg + (1 - beta2) * sq.mean(dim=c)
+    new_col = beta2 * col_avg + (1 - beta2) * sq.mean(dim=r)
+    # the rank-1 estimate of every (r, c) slice: R_i C_j / mean(R), mean over that slice's rows
+    v_hat = new_row.unsqueeze(c) * new_col.unsqueeze(r) / new_row.mean(dim=r, keepdim=True).unsqueeze(c)
     return grad / v_hat.sqrt(), new_row, new_col
     # END SOLUTION

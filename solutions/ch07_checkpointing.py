@@ -15,16 +15,16 @@ Nothing here needs ranks: checkpointing trades compute for memory inside one pro
    cost ``O(n/k) + O(k)``, least at ``k = √n``).
 2. :class:`RNGCheckpoint`: ``y = fn(x)`` that keeps only ``x`` for backward and runs ``fn`` again
    there, with the random number generator put back where the forward found it, so that dropout
-   draws the same mask twice (Chen et al. 2016, §4; ``torch.utils.checkpoint``'s
-   ``preserve_rng_state``).
-3. :class:`SelectiveAttention`: the attention core ``softmax(Q Kᵀ/√d) V`` whose s x s scores are
-   never stored — backward recomputes them from Q and K (Korthikanti et al. 2022, "Reducing
-   Activation Recomputation in Large Transformer Models", §5, selective activation recomputation:
-   the ``5as/h`` term of the ``sbh(34 + 5as/h)`` bytes per layer).
-4. :class:`SegmentedRecompute`: a recompute policy for a GPT — its blocks in k segments (√n by
-   default), each but the last checkpointed (Chen et al. 2016, §4.3).
+   draws the same mask twice, and that checks the recomputation matches the forward (Chen et al.
+   2016, §4; ``torch.utils.checkpoint``'s ``preserve_rng_state`` and ``determinism_check``).
+3. :class:`SelectiveAttention`: a sliding-window attention core ``softmax(Q Kᵀ/√d + M) V`` whose
+   s x s scores are never stored — backward recomputes them from Q and K (Korthikanti et al. 2022,
+   "Reducing Activation Recomputation in Large Transformer Models", §5, selective activation
+   recomputation: the ``5as/h`` term of the ``sbh(34 + 5as/h)`` bytes per layer).
+4. :class:`RecursiveRecompute`: a recompute policy for a GPT — Chen's recursive checkpointing,
+   O(log n) saved activations for O(n log n) forwards (Chen et al. 2016, §4.4).
 5. :func:`meter_recompute`: predict the peak of saved activations and the recomputed forwards of
-   such a policy with the cost model, then meter them.
+   √n-style segments with the cost model, then meter them on a real step.
 """
 from __future__ import annotations
 
@@ -44,32 +44,37 @@ from minitorch_dist.memory.checkpointing import apply_recompute, checkpoint, cou
 
 def choose_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
                     budget_bytes: int | None = None) -> int:
-    """Kind: derive
+    """Kind: derive · about 25 minutes
 
-    The number of segments k to cut a chain of ``n_layers`` equal layers into (Chen et al. §4).
+    The number of segments k to cut a chain of ``n_layers`` equal layers into (Chen et al. 2016,
+    "Training Deep Nets with Sublinear Memory Cost", §4.3).
 
-    Cut the chain into k segments of at most ``ceil(n/k)`` consecutive layers. Forward keeps only
-    each segment's input (its *boundary*, ``boundary_bytes``) and frees everything inside. Backward
-    walks the segments from last to first, re-running one segment's forward at a time to rebuild
-    its activations (``layer_bytes`` per layer), backpropagates through it, and frees them again.
-    The most ever held at once is all the boundaries plus one (the largest) segment's activations:
+    The assumptions are Chen's chain model (``minitorch_dist.costmodel.checkpointing``):
 
-        peak(k) = k * boundary_bytes + ceil(n / k) * layer_bytes          for k = 1, 2, ..., n
+    - running a layer normally keeps ``layer_bytes`` (L) for backward until backward reaches it;
+    - the chain is cut into k segments of consecutive layers, as equal as possible, the longer ones
+      first (n = q·k + r: r segments of q + 1 layers, then k − r of q);
+    - *every* segment is checkpointed: the forward keeps only each segment's input,
+      ``boundary_bytes`` (b), and frees everything inside;
+    - the backward walks the segments from the last to the first; for each it re-runs the segment's
+      forward (its layers then hold their L each), back-propagates through it, and frees both the
+      segment's activations and its input before moving to the one before.
 
-    k = 1 is no checkpointing at all (the input and every layer's activations); k = n
-    checkpoints every layer. For equal sizes ``peak(k) ≈ b (k + n/k)``, least at ``k = √n``:
-    O(√n) memory for the price of one extra forward, whatever k > 1 (each layer's forward runs twice).
+    The quantity is ``peak(k)``: the most bytes this keeps at any one moment, for k = 1, ..., n.
+    Work it out yourself — which inputs are still alive while segment j is back-propagated? — and
+    notice that with uneven segments the peak need not come at the last one.
 
     **Your task:** return the k in ``1..n_layers`` that
 
-    - without a budget (``budget_bytes is None``): makes ``peak(k)`` least (the smallest such k
-      on a tie);
-    - with a budget: is the *smallest* k with ``peak(k) <= budget_bytes`` — the plan that fits
-      with the fewest checkpoints (k = 1 when everything fits: no checkpointing). Each segment is
-      one more checkpoint call and one more boundary tensor kept for the whole step, so among the
-      plans that fit, fewer is simpler. If no k fits, raise ``ValueError`` saying so and naming
-      the least peak and its k (e.g. "no number of segments fits the budget of 100 bytes: the
-      least peak is 120 bytes, at k = 4").
+    - without a budget (``budget_bytes is None``): makes ``peak(k)`` least (the smallest such k on a
+      tie);
+    - with a budget: is the *smallest* k with ``peak(k) <= budget_bytes``, the plan that fits with
+      the fewest checkpoints. If no k fits, raise ``ValueError`` naming the least peak and its k
+      (e.g. "no number of segments fits the budget of 100 bytes: the least peak is 120 bytes, at
+      k = 4").
+
+    The tests compare your k with a search over ``costmodel.checkpoint_saved_bytes`` for random chains
+    and budgets (seeded), and with hand-worked chains.
     """
     if int(n_layers) != n_layers or n_layers < 1:
         raise ValueError(f"n_layers must be a whole number >= 1, got {n_layers}")
@@ -80,7 +85,10 @@ def choose_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
     n_layers = int(n_layers)
     # BEGIN SOLUTION
     def peak(k: int) -> int:
-        return k * boundary_bytes + math.ceil(n_layers / k) * layer_bytes
+        q, r = divmod(n_layers, k)
+        sizes = [q + 1] * r + [q] * (k - r)
+        # while segment j (1-based) is back-propagated, the inputs of segments 1..j are alive
+        return max(j * boundary_bytes + s * layer_bytes for j, s in enumerate(sizes, start=1))
 
     best = min(range(1, n_layers + 1), key=lambda k: (peak(k), k))  # the least peak, the smallest k
     if budget_bytes is None:
@@ -97,37 +105,40 @@ def choose_segments(n_layers: int, layer_bytes: int, boundary_bytes: int,
 
 
 class RNGCheckpoint(torch.autograd.Function):
-    """Kind: build
+    """Kind: build · about 45 minutes
 
-    ``y = fn(x)``, keeping only ``x`` (and the RNG state) for backward; ``fn`` runs again there.
+    ``y = fn(x)`` that keeps only ``x`` for backward, runs ``fn`` again there — drawing the same
+    random numbers — and *checks* that the recomputation is the forward it replaces.
 
-    A plain forward keeps every activation inside ``fn`` until backward reaches it. A
-    checkpointed one runs ``fn`` without recording a graph (``Function.forward`` already runs
-    under ``torch.no_grad``), keeps ``x``, and lets backward rebuild the graph by running ``fn``
-    once more with gradients on. For the gradients to be *the same*, the second run must compute
-    the same function: if ``fn`` draws random numbers (dropout), it must draw the same ones. So
-    forward records the generator's state before running ``fn`` and backward restores it before
-    running ``fn`` again. Backward must not disturb anyone else's random numbers, though: the
-    caller's stream continues from wherever it was, as if no checkpoint had rewound it —
-    ``torch.random.fork_rng`` saves the states on entry and puts them back on exit.
+    A checkpoint is only correct if the second run of ``fn`` computes the same function as the first
+    (Chen et al. 2016, §4; ``torch.utils.checkpoint``'s ``preserve_rng_state``). Dropout breaks that
+    unless the random-number generator is put back; so does anything else that changes between
+    forward and backward (a module switched to ``eval()``, a flag, a buffer updated in place), and
+    then the gradients are silently wrong. PyTorch's ``determinism_check`` compares only shapes and
+    dtypes. Yours compares values too, without keeping the output: remember a fingerprint of ``y``
+    that is not a tensor (its shape, dtype and a float64 checksum of its values), and compare the
+    recomputed output's fingerprint with it, exactly.
 
-    This is the *reentrant* design (``torch.utils.checkpoint(..., use_reentrant=True)``):
-    backward calls ``torch.autograd.backward`` on the rebuilt graph, which accumulates into the
-    ``.grad`` of any parameter inside ``fn`` and of the detached copy of ``x`` whose gradient is
-    returned. ``fn`` takes and returns one tensor.
+    Interface: ``forward(ctx, fn, x)`` returns ``fn(x)``; ``backward(ctx, grad_y)`` returns one
+    gradient per input of forward, ``(None, dx)``. ``fn`` takes and returns one tensor and may hold
+    parameters: they get their ``.grad`` during ``loss.backward()`` (the *reentrant* design: backward
+    back-propagates through the rebuilt graph itself). Call it through :func:`rng_checkpoint`.
 
-    **Your task:** write
+    The tests check:
 
-    - ``forward(ctx, fn, x)``: record ``torch.get_rng_state()`` (and, when ``x`` is on a CUDA
-      device, ``torch.cuda.get_rng_state(x.device)``), keep ``x`` with ``ctx.save_for_backward``
-      and ``fn`` on ctx, return ``fn(x)``;
-    - ``backward(ctx, grad_y)``: inside ``torch.random.fork_rng(devices=...)`` (``[x.device]`` on
-      CUDA, ``[]`` on CPU), restore the recorded state(s), rebuild ``y = fn(x')`` with gradients
-      on (``torch.enable_grad()``) from ``x' = x.detach().requires_grad_()``, backpropagate
-      ``grad_y`` through it, and return ``(None, x'.grad)`` — one gradient per input of forward,
-      None for ``fn``.
+    - with dropout p = 0.5, the output, ``x.grad`` and every parameter's gradient equal those of the
+      plain ``fn`` run under the same seed, alone and for three checkpoints in a row;
+    - ``fn`` runs exactly twice (once in forward, once in backward);
+    - the only tensor kept with ``ctx.save_for_backward`` (or autograd) is ``x``: not ``y``, not
+      ``fn``'s activations;
+    - the caller's random stream is left alone: the numbers drawn after backward are those drawn
+      after a plain backward, and numbers drawn between forward and backward change nothing;
+    - when ``fn`` computes something else in backward (its module put in ``eval()``, a parameter
+      changed in place, a scale changed, the RNG not restored), backward raises ``RuntimeError``
+      with "recomputation" in its message, naming what differs.
 
-    Call it through :func:`rng_checkpoint` (``Function.apply`` takes no keyword arguments).
+    Reference: ``minitorch_dist/memory/checkpointing.py`` (``_Checkpoint``: the reentrant checkpoint with
+    the RNG restore; it does not check that the recomputation matches the forward).
     """
 
     @staticmethod
@@ -137,7 +148,10 @@ class RNGCheckpoint(torch.autograd.Function):
         ctx.cpu_state = torch.get_rng_state()  # before fn draws anything
         ctx.cuda_state = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         ctx.save_for_backward(x)  # the only tensor kept: fn's activations are dropped
-        return fn(x)  # no graph is recorded: Function.forward runs under no_grad
+        y = fn(x)  # no graph is recorded: Function.forward runs under no_grad
+        # a fingerprint of y, numbers not a tensor: y itself is not kept
+        ctx.fingerprint = (tuple(y.shape), y.dtype, y.double().sum().item())
+        return y
         # END SOLUTION
 
     @staticmethod
@@ -152,6 +166,12 @@ class RNGCheckpoint(torch.autograd.Function):
             x_again = x.detach().requires_grad_()
             with torch.enable_grad():
                 y = ctx.fn(x_again)  # the same dropout mask as in forward
+        again = (tuple(y.shape), y.dtype, y.detach().double().sum().item())
+        if again != ctx.fingerprint:
+            raise RuntimeError(f"the recomputation differs from the forward (shape, dtype, checksum) "
+                               f"{again} vs {ctx.fingerprint}: fn must compute the same function in "
+                               f"backward (restore the RNG; do not change the module between forward "
+                               f"and backward)")
         torch.autograd.backward(y, grad_y)  # also fills .grad of the parameters inside fn
         return None, x_again.grad
         # END SOLUTION
@@ -185,78 +205,88 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          "one value per key")
 
 
-def _attention_probs(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``softmax(Q Kᵀ/√d)``, with the future masked when ``causal``: an s x s tensor per head."""
-    s = q.shape[-2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if causal:
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1)
-        scores = scores.masked_fill(future, float("-inf"))  # every row keeps its diagonal: no NaN
-    return scores.softmax(dim=-1)
-
-
 class SelectiveAttention(torch.autograd.Function):
-    """Kind: build
+    """Kind: build · about 50 minutes
 
-    ``O = softmax(Q Kᵀ / √d) V`` (causal or not) that keeps Q, K, V for backward, not the scores.
+    ``O = softmax(Q Kᵀ / √d + M) V`` for a *sliding window* of keys, keeping Q, K, V for backward and
+    recomputing the probabilities there, with a backward you write by hand.
 
-    A transformer layer's attention core holds, per layer, the scores ``S = Q Kᵀ/√d``, the
-    probabilities ``P = softmax(S)`` (and dropout's mask of P): ``a s²`` numbers per sequence for
-    ``a`` heads — Korthikanti et al.'s ``5as/h`` term, which grows with s² and dwarfs the
-    ``34 sbh`` of the rest of the layer at long sequences (§4.1). It is also cheap to rebuild:
-    two matrix products and a softmax, a few percent of the layer's FLOPs. So *selective*
-    recomputation (§5) keeps only Q, K, V (already needed by the layer) and recomputes P in
-    backward. With ``q, k`` of shape ``(..., s, d)`` and ``v`` of shape ``(..., s, d_v)``:
+    The attention core of a transformer layer keeps its s x s probabilities (and dropout's mask):
+    Korthikanti et al. 2022's ``5as/h`` term, which grows with s² and dwarfs the ``34 sbh`` of the
+    rest of the layer at long sequences (§4.1). Rebuilding them is cheap, so *selective*
+    recomputation (§5) keeps Q, K, V and recomputes the probabilities in backward. Here the core is a
+    local one (Longformer, Mistral): query i sees key j when
 
-        forward:    S = Q Kᵀ / √d           (causal: S[i, j] = -inf for j > i)
-                    P = softmax(S)           row-wise, over j
-                    O = P V
-        backward:   recompute P from Q and K, then, with dO the gradient of O,
-                    dV = Pᵀ dO
-                    dP = dO Vᵀ
-                    dS = P ∘ (dP - rowsum(dP ∘ P))      the softmax's Jacobian, row by row
-                    dQ = dS K / √d
-                    dK = dSᵀ Q / √d
+    - ``causal`` and ``window=w``: ``j <= i`` and ``i - j < w`` (itself and the w − 1 keys before);
+    - not causal and ``window=w``: ``|i - j| < w``;
+    - ``window=None``: every key (causal: every ``j <= i``).
 
-    Masked entries have P = 0, so their dS is 0 with no extra masking. (``rowsum(dP ∘ P)`` equals
-    ``rowsum(dO ∘ O)``, FlashAttention's shortcut when O is kept.)
+    M is 0 where a key is seen and −inf elsewhere; every row sees at least its own key. ``q, k`` are
+    ``(..., s, d)``, ``v`` is ``(..., s, d_v)``; the output is ``(..., s, d_v)``.
 
-    ``_attention_probs(q, k, causal)`` (given) builds P, mask included.
+    Interface: ``forward(ctx, q, k, v, causal, window)`` and ``backward(ctx, grad_out)`` returning
+    ``(dq, dk, dv, None, None)``; :func:`selective_attention` (given) checks the shapes and the window
+    and applies it. Derive the softmax's backward yourself: that, and the mask, are the exercise.
 
-    **Your task:** write ``forward(ctx, q, k, v, causal)`` (save only q, k, v with
-    ``ctx.save_for_backward`` — no s x s tensor; the output may be saved too) and
-    ``backward(ctx, grad_out)`` returning ``(dq, dk, dv, None)``. Call it through
-    :func:`selective_attention`.
+    The tests check: output and gradients equal ``F.scaled_dot_product_attention`` with the same mask
+    (float64, within the derived bound) for windows 1, 3, s − 1 and None, causal and not, ``d_v != d``;
+    ``torch.autograd.gradcheck``; float32 inputs within a componentwise float32 bound; that nothing of
+    size s x s is kept (only q, k, v, maybe the output); that window 1 returns v exactly; that a
+    query's output has a gradient for exactly the keys and values in its window; and errors on bad
+    shapes and windows.
+
+    Reference: ``minitorch_dist/memory/checkpointing.py`` (``attention_core`` and ``ExplicitAttention``: the
+    full causal core, recomputed through the generic ``checkpoint`` and autograd; here the mask is a
+    window and the backward is yours).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal):
+    def forward(ctx, q, k, v, causal, window):
         # BEGIN SOLUTION
         ctx.save_for_backward(q, k, v)  # not P: backward rebuilds it
-        ctx.causal = causal
-        return _attention_probs(q, k, causal) @ v
+        ctx.causal, ctx.window = causal, window
+        return SelectiveAttention.probs(q, k, causal, window) @ v
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad_out):
         # BEGIN SOLUTION
         q, k, v = ctx.saved_tensors
-        p = _attention_probs(q, k, ctx.causal)  # the recomputation
+        p = SelectiveAttention.probs(q, k, ctx.causal, ctx.window)  # the recomputation
         scale = 1.0 / math.sqrt(q.shape[-1])
         dv = p.transpose(-2, -1) @ grad_out
         dp = grad_out @ v.transpose(-2, -1)
-        ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+        ds = p * (dp - (dp * p).sum(dim=-1, keepdim=True))  # the softmax's Jacobian, row by row
         dq = ds @ k * scale
         dk = ds.transpose(-2, -1) @ q * scale
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
+        # END SOLUTION
+
+    @staticmethod
+    def probs(q, k, causal, window):
+        """``softmax(Q Kᵀ/√d + M)``: the s x s probabilities, with the mask of ``causal`` and ``window``."""
+        # BEGIN SOLUTION
+        s = q.shape[-2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        i = torch.arange(s, device=q.device)
+        offset = i[:, None] - i[None, :]  # i - j
+        seen = offset >= 0 if causal else torch.ones(s, s, dtype=torch.bool, device=q.device)
+        if window is not None:
+            seen = seen & (offset.abs() < window)
+        scores = scores.masked_fill(~seen, float("-inf"))  # every row keeps its diagonal: no NaN
+        return scores.softmax(dim=-1)
         # END SOLUTION
 
 
 def selective_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        causal: bool = True) -> torch.Tensor:
-    """``softmax(Q Kᵀ/√d) V`` recomputed in backward (see :class:`SelectiveAttention`)."""
+                        causal: bool = True, window: int | None = None) -> torch.Tensor:
+    """``softmax(Q Kᵀ/√d + M) V`` over a sliding window, recomputed in backward (see
+    :class:`SelectiveAttention`)."""
     _check_qkv(q, k, v)
-    return SelectiveAttention.apply(q, k, v, bool(causal))
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 (the keys a query sees, itself included) or None "
+                         f"(every key), got {window!r}")
+    return SelectiveAttention.apply(q, k, v, bool(causal), window)
 
 
 # --- 4. a recompute policy: checkpointed segments of a GPT's blocks --------------------------------------
@@ -269,71 +299,64 @@ def _run_blocks(blocks, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-class SegmentedRecompute(nn.Module):
-    """Kind: build
+class RecursiveRecompute(nn.Module):
+    """Kind: build · about 75 minutes
 
     A recompute policy for a GPT (``minitorch_dist.models.GPT``: ``embed``, ``blocks``, ``head``,
-    ``loss_fn``): its n blocks run as k contiguous segments, and every segment but the last is
-    checkpointed — in the forward it keeps only its input; in the backward it runs again, with
-    the random-number generator put back so that dropout draws the same masks, and is
-    back-propagated (Chen et al. 2016, §4.3). The peak of saved activations falls from
-    ``n·L`` to about ``k·b + (n/k)·L`` (L: what a block saves, b: its input), least near
-    ``k = √(n·L/b)``; with L ≈ b, k = √n: O(√n) memory for one more forward of the checkpointed
-    blocks. The last segment runs normally: its backward starts right after its forward, so
-    dropping and recomputing it would buy nothing (``checkpoint_last=True`` checkpoints it too;
-    with k = n that is "every block").
+    ``loss_fn``) that keeps O(log n) activations for n blocks: Chen et al. 2016's recursive
+    checkpointing (§4.4, one checkpoint per level), where √n segments (§4.3) keep O(√n).
 
-    ``SegmentedRecompute(model, segments)`` is called like the model: ``logits, loss = wrapped(idx,
-    targets)``; the parameters stay the model's. The scaffolding (keep it) checks ``segments``
-    (``None``: Chen's rule, ``round(√n)``) and stores ``self.model``, ``self.n``, ``self.k`` and
-    ``self.checkpoint_last``; ``_run_blocks(blocks, h)`` runs blocks in a row.
+    The policy, for a run of n blocks whose input is kept: if n = 1, run the block normally.
+    Otherwise checkpoint the first ⌈n/2⌉ blocks (keep their input, the run's input; drop what is
+    inside), then apply the policy to the last ⌊n/2⌋ blocks. When backward comes back to the
+    checkpointed first half, its recomputation applies the same policy to those ⌈n/2⌉ blocks. The
+    peak of saved activations obeys M(1) = L, M(n) = max(b + M(⌊n/2⌋), M(⌈n/2⌉)), that is
+    ``⌊log2 n⌋·b + L`` beyond the input (``costmodel.log_checkpoint_saved_bytes``); the price is
+    ``costmodel.log_checkpoint_forwards(n)`` block forwards per step instead of n.
 
-    **Your task:**
+    Interface: ``RecursiveRecompute(model)`` is called like the model, ``logits, loss =
+    wrapped(idx, targets)`` (``loss`` None without targets), and its parameters are the model's. Its
+    method ``run(blocks, h)`` applies the policy to ``blocks`` (a slice of ``model.blocks``, or any
+    sequence of modules mapping a tensor to a tensor of the same shape) on ``h`` and returns their
+    output. Under ``torch.no_grad()`` (no backward will come) the blocks just run, once each. Use the
+    chapter's ``checkpoint(fn, h)`` (imported above: it keeps ``h`` and the RNG state and runs ``fn``
+    again in the backward) or ``torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=True)``;
+    ``_run_blocks(blocks, h)`` (given) runs blocks in a row.
 
-    - :meth:`bounds`: the boundaries ``[0, b_1, ..., n]`` of k segments as equal as possible, the
-      longer ones first (n = q·k + r: r segments of q + 1 blocks, then k − r of q);
-    - :meth:`forward`: ``h = model.embed(idx)``; each segment ``[lo, hi)`` through the chapter's
-      ``checkpoint(fn, h)`` (imported above: it keeps ``h`` and the RNG state, and runs ``fn`` again
-      in the backward; ``torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=True)`` would do the
-      same) with ``fn`` running ``model.blocks[lo:hi]`` (e.g. ``functools.partial(_run_blocks, ...)``)
-      — except the last segment unless ``checkpoint_last``, and except under ``torch.no_grad()``,
-      where no backward will come and the blocks just run; then ``logits = model.head(h)`` and
-      ``(logits, model.loss_fn(logits, targets) if targets is not None else None)``.
+    The tests check, for n = 1..7 blocks with dropout: the loss, every parameter's gradient and the
+    input's gradient equal the plain model's (float64, same seed); each block's number of forward runs
+    is exactly the recursion's (the first block runs most, the last once), their sum
+    ``log_checkpoint_forwards(n)``; the metered peak of saved activations of the GPT is the recursion's
+    to the byte (⌊log2 n⌋ boundaries and one block beyond the plain one-block model) and below √n
+    segments' for n = 8; nothing is saved under ``no_grad``.
+
+    Reference: ``minitorch_dist/memory/checkpointing.py`` (``checkpoint_sequential`` and ``apply_recompute``:
+    one level of √n segments; the recursion of §4.4 is only costed there, in costmodel, never run).
     """
 
-    def __init__(self, model: nn.Module, segments: int | None = None, checkpoint_last: bool = False):
+    def __init__(self, model: nn.Module):
         super().__init__()
         if not all(hasattr(model, a) for a in ("embed", "blocks", "head", "loss_fn")):
-            raise TypeError(f"SegmentedRecompute wraps a minitorch_dist GPT (embed, blocks, head, loss_fn), "
+            raise TypeError(f"RecursiveRecompute wraps a minitorch_dist GPT (embed, blocks, head, loss_fn), "
                             f"got {type(model).__name__}")
-        n = len(model.blocks)
-        k = max(1, round(math.sqrt(n))) if segments is None else segments
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-            raise ValueError(f"segments must be an int between 1 and the number of blocks {n} (or None for "
-                             f"round(√n) = {max(1, round(math.sqrt(n)))}), got {segments!r}")
-        self.model, self.n, self.k, self.checkpoint_last = model, n, k, checkpoint_last
+        self.model, self.n = model, len(model.blocks)
 
-    def bounds(self) -> list[int]:
-        """``[0, b_1, ..., n]``: k segments, the longer ones first."""
+    def run(self, blocks, h: torch.Tensor) -> torch.Tensor:
+        """``blocks`` applied to ``h`` under the recursive policy."""
         # BEGIN SOLUTION
-        q, r = divmod(self.n, self.k)
-        out = [0]
-        for j in range(self.k):
-            out.append(out[-1] + q + (1 if j < r else 0))
-        return out
+        n = len(blocks)
+        if n <= 1 or not torch.is_grad_enabled():
+            return _run_blocks(blocks, h)  # one block runs normally; under no_grad nothing is kept
+        half = (n + 1) // 2
+        # keep h, drop the first half's insides; their recomputation recurses again
+        h = checkpoint(functools.partial(self.run, blocks[:half]), h)
+        return self.run(blocks[half:], h)
         # END SOLUTION
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         # BEGIN SOLUTION
-        model, bounds = self.model, self.bounds()
-        h = model.embed(idx)
-        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            segment = model.blocks[lo:hi]
-            last = j == len(bounds) - 2
-            if not torch.is_grad_enabled() or (last and not self.checkpoint_last):
-                h = _run_blocks(segment, h)
-            else:  # keep h and the RNG state; run the segment again in the backward
-                h = checkpoint(functools.partial(_run_blocks, segment), h)
+        model = self.model
+        h = self.run(model.blocks, model.embed(idx))
         logits = model.head(h)
         return logits, (None if targets is None else model.loss_fn(logits, targets))
         # END SOLUTION
@@ -352,38 +375,35 @@ def _peak_activations(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor
 
 def meter_recompute(make_model: Callable[[int], nn.Module], n_layers: int, segments: int,
                     idx: torch.Tensor, targets: torch.Tensor) -> dict:
-    """Kind: measure
+    """Kind: measure · about 40 minutes
 
-    Predict the peak of saved activations and the recomputed block forwards of a GPT of
-    ``n_layers`` blocks trained with ``segments`` equal segments, each but the last checkpointed,
-    then measure both. (With equal segments the peak comes at the end of the forward, while the part
-    outside the blocks is still held; with unequal ones it can come later, in a longer earlier
-    segment, after the head and the loss have freed theirs — try it.)
+    Predict, then measure, the peak of saved activations and the recomputed block forwards of one
+    training step of a GPT of ``n_layers`` blocks in ``segments`` equal segments, each but the last
+    checkpointed (Chen et al. 2016, §4.3; the library's ``apply_recompute(model, "sqrt", segments)``).
 
-    ``make_model(n)`` builds the same GPT with n blocks (same seed, dropout on); ``idx``, ``targets``
-    are one batch. ``_peak_activations(model, idx, targets)`` (given) meters one forward and
-    backward with ``MemoryMeter``. The policy under test is the library's: ``apply_recompute(model,
-    "sqrt", segments)``.
+    ``make_model(n)`` builds the same GPT with n blocks (same seed, dropout on); ``idx``, ``targets`` are
+    one batch. ``_peak_activations(model, idx, targets)`` (given) meters one forward and backward with
+    ``MemoryMeter``.
 
-    **Your task:** return ``{"L", "b", "rest", "predicted": {"peak", "recomputed"}, "measured":
-    {"peak", "recomputed"}}`` (bytes and block forwards):
+    Return ``{"L", "b", "rest", "predicted": {"peak", "recomputed"}, "measured": {"peak",
+    "recomputed"}}`` (bytes and block forwards):
 
-    - *calibrate* Chen's chain model on plain models: ``L`` = what one more block saves (the peak
-      of ``make_model(2)`` minus that of ``make_model(1)``), ``rest`` = what lies outside the blocks
-      (the peak of ``make_model(1)`` minus L), and ``b`` = the bytes of one block's input, the
-      hidden state ``(B, T, n_embd)`` in fp32 (``model.cfg.n_embd``);
-    - *predict*: ``peak = rest + costmodel.checkpoint_saved_bytes(n_layers, L, b, segments,
-      checkpoint_last=False)``, and ``recomputed`` = the blocks of every segment but the last, each
-      run once more in the backward (``costmodel.segment_sizes`` gives the lengths, the longer first);
-    - *measure* on ``apply_recompute(make_model(n_layers), "sqrt", segments)``: the metered peak, and
-      the block forwards beyond the n of the forward, counted with ``count_forwards(model.blocks)``
-      over one forward and backward.
+    - ``L``, ``b``, ``rest``: Chen's chain model calibrated on *plain* models by measurement: what one
+      more block keeps, the bytes of one block's input (the fp32 hidden state, ``model.cfg.n_embd``
+      wide), and what lies outside the blocks;
+    - ``predicted``: the peak from ``minitorch_dist.costmodel`` and your calibration, and the block
+      forwards run again in the backward;
+    - ``measured``: the same two quantities from a real forward and backward of the checkpointed model
+      (the peak by ``MemoryMeter``, the forwards by counting each block's runs), not from a formula.
 
     The tests hold you to: L, b and rest to the byte and the prediction to 1e-9 (relative), against
-    their own calibration; the measured peak to the byte against their own meter; the prediction
-    within 1% of the measured peak (a block's first LayerNorm saves the block's input, which is
-    the boundary itself: the meter counts that storage once, the formula up to b twice); the
-    recomputed forwards exactly.
+    their own calibration; the measured peak to the byte against their own meter of the same step; the
+    prediction within 1% of the measured peak (a block's first LayerNorm saves the block's input,
+    which is the boundary itself: the meter counts that storage once, the formula up to b twice); the
+    recomputed forwards exactly; and a ``ValueError`` when the segments are not equal.
+
+    Reference: ``minitorch_dist/costmodel/checkpointing.py`` (``checkpoint_saved_bytes`` and
+    ``segment_sizes``: the prediction; the exercise adds the calibration and a real metered run).
     """
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= n_layers:
         raise ValueError(f"segments must be an int in [1, n_layers={n_layers}], got {segments!r}")

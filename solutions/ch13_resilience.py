@@ -1,5 +1,6 @@
-"""Chapter 13 exercises: saving, resharding and surviving failures — the gather at positions, the
-writers of a deduplicated save, the atomic commit, the optimal interval, the work a failure costs.
+"""Chapter 13 exercises: saving, resharding and surviving failures — the gather from incremental saves,
+the writers of a deduplicated save on ranks of unequal bandwidth, the commit that keeps the previous
+checkpoint, the optimal interval, the work a failure costs, predicted and then measured.
 
 Worked solutions. The part a student writes sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION``; ``exercises/ch13_resilience.py`` is generated from this file with each
@@ -7,31 +8,22 @@ such region replaced by ``raise NotImplementedError``. Everything else (imports,
 helpers) is scaffolding the student keeps. Tests: ``pytest -m ch13 tests/exercises``
 (``MTD_IMPL=exercises`` runs them against the stubs).
 
-The first line of each exercise's docstring says its kind: *build* (write a piece of the system),
-*derive* (turn a model of the cost into a formula) or *measure* (predict a number, then check it
-against a run). Nothing here needs ranks; the tests start some to compare with real runs.
-
-1. :func:`scatter_gather_pieces` (build): the core of resharding. Saved pieces of a tensor, each
-   with the flat positions its elements have in the dense tensor, are scattered back into the
-   dense tensor; a rank of the new layout gathers its own positions (PyTorch Distributed
-   Checkpoint's load planner; Lian et al. 2024, "Universal Checkpointing: Efficient and Flexible
-   Checkpointing for Large Scale Distributed Training", §3: any parallel layout in, any out).
-2. :func:`plan_writers` (build): a piece held by several ranks (DDP's replicas, tensor
-   parallelism's norms) is written once, by the holder with the fewest bytes so far: DCP's
-   ``dedup_save_plans``, which is Graham's greedy list scheduling (Graham 1966, "Bounds for
-   certain multiprocessing anomalies", Bell System Technical Journal 45(9)).
-3. :func:`replace_folder_atomically` (build): the commit of a checkpoint by renames, so that a
-   crash at any instant leaves one complete checkpoint (POSIX ``rename``; Pillai et al. 2014,
-   "All File Systems Are Not Created Equal: On the Complexity of Crafting Crash-Consistent
-   Applications", OSDI, §2: the update-by-rename protocol).
-4. :func:`interval_and_waste` (derive): how often to save. Young 1974, "A first order
-   approximation to the optimum checkpoint interval" (CACM 17(9)): τ = √(2·M·C); and the
-   fraction of the machine it still wastes (Daly 2006, "A higher order estimate of the optimum
-   checkpoint interval for restart dumps", §2, for the restart term).
-5. :func:`lost_steps` (measure): the steps a failure throws away, predicted from the save
-   schedule, then measured on a job whose rank is killed mid-step (Dubey et al. 2024, "The Llama 3
-   Herd of Models", §3.3.4: 419 interruptions in 54 days; Mohan et al. 2021, "CheckFreq: Frequent,
-   Fine-Grained DNN Checkpointing", FAST, §2: work lost counted in iterations).
+1. :func:`gather_latest_pieces` (build): the core of resharding (PyTorch Distributed Checkpoint's
+   load planner; Lian et al. 2024, "Universal Checkpointing", §3), from an incremental checkpoint:
+   pieces saved at different steps, the newest winning where they overlap (Mohan et al. 2021,
+   "CheckFreq", and Check-N-Run's differential checkpoints: Eisenman et al. 2022, NSDI, §4).
+2. :func:`plan_writers_by_bandwidth` (build): each piece held by several ranks written once, by
+   the holder that would finish it first given its write bandwidth: list scheduling on machines of
+   different speeds (Graham 1966; Gonzalez, Ibarra & Sahni 1977, "Bounds for LPT schedules on
+   uniform processors", SIAM J. Comput. 6(1)); DCP's ``dedup_save_plans`` is the equal-speed case.
+3. :func:`commit_keeping_previous` (build): the commit of a checkpoint by renames, so that a crash
+   at any instant leaves a complete checkpoint, keeping the previous one beside it for a rollback
+   (POSIX ``rename``; Pillai et al. 2014, OSDI, §2: the update-by-rename protocol).
+4. :func:`interval_and_waste` (derive): how often to save (Young 1974; Daly 2006, §2).
+5. :func:`lost_steps` (derive): the steps a failure throws away, from the save schedule.
+6. :func:`measure_lost_steps` (measure): a real job on two ranks, one killed mid-step, and the steps
+   it redid, beside the prediction (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.4;
+   CheckFreq §2: work lost counted in iterations).
 """
 from __future__ import annotations
 
@@ -61,58 +53,71 @@ def _positions(x, numel: int, what: str) -> torch.Tensor:
     return x
 
 
-def scatter_gather_pieces(pieces, dense_shape, want) -> torch.Tensor:
-    """Kind: build
-
-    The elements at flat positions ``want`` of a dense tensor that was saved in pieces.
-
-    A checkpoint written by one layout holds each tensor as *pieces*: every saving rank's local
-    elements, with the flat position each one has in the dense tensor (the tensor of the
-    single-process model). Positions describe any layout: a tensor-parallel slice of rows or of
-    columns, a fully sharded ``[u, v)`` run of the flattened tensor, ZeRO-1's every n-th element,
-    or a mixture (``Placement.positions()`` computes them). A rank of the *new* layout needs the
-    elements at its own positions ``want``. With ``D`` the dense tensor, flattened::
-
-        for each piece (p, v):     D[p[i]] = v[i]          scatter: rebuild the dense tensor
-        result:                    out[j]  = D[want[j]]    gather: this rank's elements
-
-    Pieces may overlap (replicas hold the same values, so which one lands last does not matter),
-    and ``want`` may ask for any positions, in any order. A position that ``want`` asks for and no
-    piece holds is a checkpoint that cannot give this rank its tensor: that must be an error, never
-    an uninitialised value.
-
-    ``pieces`` is a list of ``(positions, values)``: ``positions`` a 1-D int64 tensor, ``values``
-    a tensor of any shape with as many elements, read in row-major order (``values.reshape(-1)``).
-    ``dense_shape`` is the shape of the dense tensor (``()`` for a scalar such as Adam's step).
-    The arguments are checked for you (positions in range, matching lengths, one dtype).
-
-    **Your task:** return the 1-D tensor ``out`` of ``want.numel()`` elements, in the pieces' dtype
-    (float32 if there are no pieces). Build the dense tensor once (``torch.empty``), scatter every
-    piece into it and record which positions some piece covered (a boolean mask). If any wanted
-    position is uncovered, raise ``ValueError`` whose message says how many wanted elements no
-    piece covers (e.g. "7 wanted elements are in no saved piece").
-    """
-    dense_shape = tuple(int(s) for s in dense_shape)
-    numel = math.prod(dense_shape)
-    want = _positions(want, numel, "want")
+def _check_pieces(pieces, numel: int) -> tuple[list, torch.dtype]:
+    """``[(step, positions, values)]`` checked, and their one dtype (float32 if there are none)."""
     checked = []
-    for i, (pos, values) in enumerate(pieces):
+    for i, piece in enumerate(pieces):
+        if len(piece) != 3:
+            raise ValueError(f"piece {i} must be (step, positions, values), got {len(piece)} items")
+        step, pos, values = piece
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"piece {i}'s step must be an int (the step it was saved at), got {step!r}")
         pos = _positions(pos, numel, f"piece {i}'s positions")
         if not torch.is_tensor(values):
             raise TypeError(f"piece {i}'s values must be a tensor, got {type(values).__name__}")
         if values.numel() != pos.numel():
             raise ValueError(f"piece {i} has {pos.numel()} positions but {values.numel()} values")
-        checked.append((pos, values))
-    dtypes = {values.dtype for _, values in checked}
+        checked.append((step, pos, values))
+    dtypes = {values.dtype for _, _, values in checked}
     if len(dtypes) > 1:
         raise ValueError(f"the pieces have different dtypes {sorted(map(str, dtypes))}: one tensor "
                          f"has one dtype")
     dtype = dtypes.pop() if dtypes else torch.float32
+    return checked, dtype
+
+
+def gather_latest_pieces(pieces, dense_shape, want) -> torch.Tensor:
+    """Kind: build · about 40 minutes
+
+    The elements at flat positions ``want`` of a dense tensor saved incrementally, in pieces from
+    several steps.
+
+    A checkpoint holds each tensor as *pieces*: a saving rank's local elements, with the flat
+    position each one has in the dense tensor (the single-process model's). Positions describe any
+    layout (tensor-parallel rows or columns, a fully sharded run, ZeRO-1's every n-th element:
+    ``Placement.positions()``). An *incremental* checkpoint saves a full base once and then, at
+    later steps, only the pieces that changed; so a position may be held by pieces of different
+    steps, and the newest step's value is the tensor's value. Pieces of the same step that overlap
+    are replicas and hold equal values.
+
+    ``pieces`` is a list, in no particular order, of ``(step, positions, values)``: ``step`` an int,
+    ``positions`` a 1-D int64 tensor, ``values`` a tensor of any shape with as many elements,
+    row-major. ``dense_shape`` is the dense tensor's shape (``()`` for a scalar such as Adam's step);
+    ``want`` the flat positions this rank of the new layout needs, any subset in any order, repeats
+    allowed. The arguments are checked for you.
+
+    Return the 1-D tensor of ``want.numel()`` elements, each the value of the newest piece that holds
+    that position, in the pieces' dtype (float32 if there are none), a new tensor that shares no
+    memory with any piece. A wanted position that no piece holds must raise ``ValueError`` saying how
+    many wanted elements no piece covers ("7 wanted elements are in no saved piece"); positions
+    nobody wants may stay uncovered.
+
+    The tests reshard between eight layouts of a known tensor (rows, columns, fused QKV columns, FSDP
+    runs, ZeRO-1 strides, DP x TP), from incremental saves listed in shuffled order, in float64,
+    bfloat16 and int64, a scalar, partial saves that cover only what is wanted, and the error.
+
+    Reference: ``minitorch_dist/resilience/loading.py`` (loads the pieces of one save; here several
+    saves overlap and the newest must win whatever the order of the list).
+    """
+    dense_shape = tuple(int(s) for s in dense_shape)
+    numel = math.prod(dense_shape)
+    want = _positions(want, numel, "want")
+    checked, dtype = _check_pieces(pieces, numel)
     # BEGIN SOLUTION
     dense = torch.empty(numel, dtype=dtype)  # (numel,): the dense tensor, flattened
     covered = torch.zeros(numel, dtype=torch.bool)
-    for pos, values in checked:
-        dense[pos] = values.reshape(-1)  # scatter
+    for _, pos, values in sorted(checked, key=lambda piece: piece[0]):  # oldest first: the newest lands last
+        dense[pos] = values.reshape(-1)
         covered[pos] = True
     missing = int((~covered[want]).sum())
     if missing:
@@ -125,36 +130,47 @@ def scatter_gather_pieces(pieces, dense_shape, want) -> torch.Tensor:
 # --- 2. who writes each piece ------------------------------------------------------------------------
 
 
-def plan_writers(plans) -> dict:
-    """Kind: build
+def _check_bandwidth(bandwidth, n: int) -> list:
+    bandwidth = list(bandwidth)
+    if len(bandwidth) != n:
+        raise ValueError(f"bandwidth has {len(bandwidth)} entries for {n} ranks: one per rank")
+    for r, b in enumerate(bandwidth):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf"):
+            raise ValueError(f"rank {r}'s bandwidth must be a number of bytes per second > 0, got {b!r}")
+    return bandwidth
 
-    Each distinct piece written once, by one of its holders, with the bytes spread over the ranks.
+
+def plan_writers_by_bandwidth(plans, bandwidth) -> dict:
+    """Kind: build · about 45 minutes
+
+    Each distinct piece written once, by one of its holders, on ranks that write at different speeds.
 
     Before a save, every rank lists the pieces it holds: ``plans[r]`` is rank r's list of
-    ``(name, placement_key, nbytes)``, where ``name`` is the tensor's dense name and
-    ``placement_key`` names which elements of it the rank holds (equal keys: the same elements).
-    All ranks exchange their lists, so each computes the same answer from the same input. A piece
-    that several ranks hold — a DDP replica is held by every rank, a layer norm under tensor
-    parallelism by every rank of the group — must be written by exactly one of them, or the
-    checkpoint grows with the number of replicas. Which one? Each rank writes its own file in
-    parallel, so the save takes as long as the busiest rank: spread the bytes. The greedy rule
-    (PyTorch DCP's ``dedup_save_plans``) takes the pieces in sorted order of
-    ``(name, placement_key)`` and gives each to the holder that has been given the fewest bytes so
-    far, the lowest rank on a tie. When every rank holds every piece (DDP) this is Graham's list
-    scheduling: the busiest rank ends at most one piece above the average,
+    ``(name, placement_key, nbytes)`` (equal keys: the same elements). A piece several ranks hold (a
+    DDP replica, a LayerNorm under tensor parallelism) must be written by exactly one of them. Each
+    rank writes its own file in parallel, rank r at ``bandwidth[r]`` bytes per second (one node's
+    ranks share a slower disk, another's write to a fast burst buffer), so the save lasts as long as
+    the rank that *finishes* last.
 
-        max_r load(r) <= total / n + max piece bytes.
+    The rule, greedy list scheduling on machines of different speeds: take the distinct pieces in
+    sorted order of ``(name, placement_key)`` and give each to the holder that would finish writing
+    it earliest, counting what it was given before; on a tie, the lowest rank. Every rank computes
+    the same answer from the same lists. A piece held by one rank has no choice. With equal
+    bandwidths this is DCP's ``dedup_save_plans``.
 
-    A piece held by one rank only (a ZeRO-3 shard) has no choice: its holder writes it.
+    ``plans`` and ``bandwidth`` (one positive number per rank) are checked for you (``sizes`` maps
+    each distinct piece to its bytes). Return ``{(name, placement_key): writer_rank}``, one entry per
+    distinct piece.
 
-    ``plans`` is checked for you: well-formed entries, no piece twice in one rank's list, and the
-    same ``nbytes`` for a piece on every rank that holds it (``sizes`` maps each distinct piece
-    ``(name, placement_key)`` to its bytes).
+    The tests check the rule piece by piece on synthetic plans (full replication, disjoint shards,
+    partial replication, pairs) with seeded random bandwidths, by hand, with equal bandwidths
+    against the library's planner on the plans of real layouts, and bad input.
 
-    **Your task:** return ``{(name, placement_key): writer_rank}`` with one entry per distinct
-    piece, by the greedy rule above.
+    Reference: ``minitorch_dist/resilience/checkpoint.py`` (``_writers`` balances bytes, which is
+    the right rule only when every rank writes equally fast).
     """
     plans = [list(plan) for plan in plans]
+    bandwidth = _check_bandwidth(bandwidth, len(plans))
     sizes: dict = {}
     for r, plan in enumerate(plans):
         seen = set()
@@ -179,7 +195,8 @@ def plan_writers(plans) -> dict:
             holders.setdefault((name, key), []).append(r)
     load, out = [0] * len(plans), {}
     for piece in sorted(holders):
-        writer = min(holders[piece], key=lambda q: (load[q], q))  # the least loaded, the lowest rank
+        # the holder that would finish this piece first, the lowest rank on a tie
+        writer = min(holders[piece], key=lambda q: ((load[q] + sizes[piece]) / bandwidth[q], q))
         out[piece] = writer
         load[writer] += sizes[piece]
     return out
@@ -189,32 +206,30 @@ def plan_writers(plans) -> dict:
 # --- 3. the commit: renames, never a moment without a checkpoint -----------------------------------
 
 
-def replace_folder_atomically(new_folder, path) -> Path:
-    """Kind: build
+def commit_keeping_previous(new_folder, path) -> Path:
+    """Kind: build · about 40 minutes
 
-    Put the complete checkpoint folder ``new_folder`` at ``path``, replacing any checkpoint there,
-    so that a crash at any instant leaves a complete checkpoint.
+    Put the complete checkpoint folder ``new_folder`` at ``path``, and keep the checkpoint that was at
+    ``path`` at ``path.prev`` (``path.with_name(path.name + ".prev")``), replacing the one kept
+    there before; so that a newest checkpoint found corrupt can be rolled back by one.
 
-    A save writes into ``step_000120.partial/`` and only when every file is there, and flushed,
-    does it *commit*: the folder takes its real name. Writing in place instead would leave, after
-    a crash half-way, a folder with the right name and half the files — the worst case, a
-    checkpoint that looks complete. Renaming is the tool, because POSIX makes ``rename`` atomic: a
-    reader sees the old name or the new one, never something between (``os.replace``; within one
-    file system). But a folder cannot be renamed onto a non-empty folder, and deleting the old
-    checkpoint first opens a window in which none exists. So the old one is moved aside first::
+    A save writes into ``step_000120.partial/``, and only when every file is there does it *commit*.
+    The commit must be crash-safe: at every instant, whatever is at ``path`` is a complete checkpoint
+    (the old or the new one, never a part of one), and when nothing is at ``path`` the old one is
+    complete at ``path.prev``. POSIX ``rename`` is atomic (``os.replace``, within one file system),
+    but a folder cannot be renamed onto a non-empty folder, and a copy is not atomic.
 
-        if path exists:   os.replace(path, path.old)       the old checkpoint, complete, at path.old
-        always:           os.replace(new_folder, path)      the new one, complete, at path
-        finally:          remove path.old
+    Afterwards ``path`` holds the new checkpoint and ``new_folder`` is gone; if a checkpoint was at
+    ``path``, it is at ``path.prev`` (whatever was at ``path.prev`` before is gone); if none was,
+    ``path.prev`` is left as it was (it may be the only older checkpoint). Use ``os.replace`` and
+    ``shutil.rmtree`` (called as such), and return ``path``.
 
-    At every instant a complete checkpoint exists at ``path`` or at ``path.old`` (and a reader
-    that finds only ``path.old`` knows a commit was interrupted: rename it back). ``path.old`` is
-    ``path.with_name(path.name + ".old")``. A ``path.old`` left by an earlier interrupted commit is
-    stale once ``path`` exists: remove it before moving ``path`` aside.
+    The tests check the final state for every combination of an old checkpoint and an older one at
+    ``.prev``, that the files were renamed (the same inodes), and, with a file system made to crash
+    before each of your operations in turn, the invariant above.
 
-    **Your task:** carry out the three steps with ``os.replace`` (call it as ``os.replace``) and
-    ``shutil.rmtree``, and return ``path``. Afterwards ``path`` holds the new checkpoint, and
-    neither ``new_folder`` nor ``path.old`` exists.
+    Reference: ``minitorch_dist/resilience/storage.py`` (its commit moves the old checkpoint aside
+    to ``.old`` and deletes it; here it is kept).
     """
     new_folder, path = Path(new_folder), Path(path)
     if not new_folder.is_dir():
@@ -223,15 +238,13 @@ def replace_folder_atomically(new_folder, path) -> Path:
         raise ValueError(f"{new_folder} is already at {path}")
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a folder: it is not a checkpoint to replace")
-    old = path.with_name(path.name + ".old")
+    prev = path.with_name(path.name + ".prev")
     # BEGIN SOLUTION
     if path.exists():
-        if old.exists():
-            shutil.rmtree(old)  # stale: left by an earlier commit that was interrupted; path is complete
-        os.replace(path, old)  # step 1: the old checkpoint aside, whole
-    os.replace(new_folder, path)  # step 2: the new one in, whole
-    if old.exists():
-        shutil.rmtree(old)  # step 3: a complete checkpoint is at path, the old one may go
+        if prev.exists():
+            shutil.rmtree(prev)  # the generation before: path is complete all along
+        os.replace(path, prev)  # the old checkpoint aside, whole: nothing at path for a moment
+    os.replace(new_folder, path)  # the new one in, whole
     return path
     # END SOLUTION
 
@@ -240,24 +253,24 @@ def replace_folder_atomically(new_folder, path) -> Path:
 
 
 def interval_and_waste(mtbf_s: float, checkpoint_s: float, restart_s: float = 0.0) -> tuple[float, float]:
-    """Kind: derive
+    """Kind: derive · about 25 minutes
 
     Young's optimum checkpoint interval τ and the fraction of the machine still wasted at τ.
 
-    A job saves a checkpoint, taking C seconds, after every τ seconds of work; failures strike on
-    average every M seconds (the mean time between failures), and each one costs a restart of R
-    seconds plus the work done since the last checkpoint — τ/2 on average, for a failure equally
-    likely at any moment of the interval. Per second of work the job then loses
+    The model (Young 1974, to first order; Daly 2006 §2 for the restart term): a job saves a
+    checkpoint, taking ``checkpoint_s`` = C seconds, after every τ seconds of work; failures strike
+    on average every ``mtbf_s`` = M seconds, each equally likely at any moment of an interval, and
+    each costs a restart of ``restart_s`` = R seconds plus the work done since the last checkpoint.
+    Failures during a save or a restart are ignored (fine while C, R, τ << M). Write the fraction of
+    each second of work that is lost to saving and to failures, as a function of τ; saving often makes
+    one part large, saving rarely the other.
 
-        waste(τ) = C/τ  +  (τ/2 + R)/M
-                   saving   recomputing and restarting
+    Return ``(tau, waste)``: the τ in seconds that minimises it, and the fraction wasted at that τ,
+    both in closed form in M, C and R (no numerical search). Does R change τ?
 
-    (Young 1974, to first order: this ignores failures during a save or a restart, fine while
-    C, R, τ << M). Saving often makes the first term large, saving rarely the second.
-
-    **Your task:** minimise ``waste(τ)`` by hand — set its derivative to zero — and return
-    ``(tau, waste)``: the minimising τ in seconds and ``waste(tau)``, the fraction wasted at the
-    optimum, as a closed form in M, C and R (no numerical search). Does R change τ?
+    The tests compare with a brute-force minimisation over a fine grid, with the library's cost
+    model (``costmodel.resilience``) on seeded random inputs, with Daly's figure, and with how τ
+    scales in M and C.
     """
     for name, value in (("mtbf_s", mtbf_s), ("checkpoint_s", checkpoint_s)):
         if not value > 0:
@@ -277,7 +290,7 @@ def interval_and_waste(mtbf_s: float, checkpoint_s: float, restart_s: float = 0.
 
 
 def lost_steps(fail_step: int, every: int, start: int = 0) -> int:
-    """Kind: measure
+    """Kind: derive · about 20 minutes
 
     How many steps a failure makes the job compute again, predicted from its save schedule.
 
@@ -295,9 +308,8 @@ def lost_steps(fail_step: int, every: int, start: int = 0) -> int:
     saved just before: 1, the step in progress. With no checkpoint yet the attempt resumes from
     ``start``.
 
-    **Your task:** return that number of steps. The tests check it against brute force and
-    against a real job on two ranks whose rank 1 is killed in step ``fail_step``
-    (``minitorch_dist.resilience.elastic.run_elastic``, ``ElasticRun.lost_work()``).
+    Return that number of steps. The tests check it by hand, against the save-and-fail loop
+    simulated step by step, and for its mean over a uniform failure step.
     """
     for name, value in (("fail_step", fail_step), ("every", every), ("start", start)):
         if isinstance(value, bool) or int(value) != value:
@@ -311,4 +323,48 @@ def lost_steps(fail_step: int, every: int, start: int = 0) -> int:
     # BEGIN SOLUTION
     latest = max(start, fail_step // every * every)  # the last save before step fail_step began
     return fail_step - latest + 1  # steps latest..fail_step-1 finished, and fail_step in progress
+    # END SOLUTION
+
+
+# --- 6. the steps a failure costs, measured ---------------------------------------------------------------
+
+
+def measure_lost_steps(cfg, steps: int, every: int, fail_step: int, folder) -> dict:
+    """Kind: measure · about 30 minutes
+
+    Run a real job through a failure and measure the steps it redid, beside your prediction.
+
+    The job: the GPT ``cfg`` trained for ``steps`` steps (4 sequences of 16 tokens a step) in the
+    ``"zero3"`` layout on 2 ranks, saving a checkpoint into ``folder`` every ``every`` steps; in step
+    ``fail_step`` its rank 1 is killed (SIGKILL, after the backward, before the update), and a new
+    attempt on 2 ranks resumes from the latest complete checkpoint and finishes the job. The
+    library's elastic driver runs exactly this and keeps a log of every attempt.
+
+    Return ``{"predicted": ..., "resumed_from": ..., "steps_redone": ...}``: your prediction
+    (:func:`lost_steps`, the first attempt starting at step 0), and, *measured from the run*, the step
+    the second attempt resumed from and the number of steps it computed again (those finished since
+    that checkpoint and the one in progress).
+
+    The tests run it for two failure steps and compare your measurement with the run's own log in
+    ``folder`` (``events.jsonl``: a measurement from no run leaves no log), and your prediction with
+    the save-and-fail loop simulated step by step.
+
+    Reference: ``minitorch_dist/resilience/elastic.py`` (``run_elastic``, ``Failure``,
+    ``ElasticRun.lost_work``).
+    """
+    for name, value in (("steps", steps), ("every", every), ("fail_step", fail_step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    if not 0 <= fail_step < steps:
+        raise ValueError(f"fail_step ({fail_step}) must be a step the job runs: "
+                         f"0 <= fail_step < steps ({steps})")
+    # BEGIN SOLUTION
+    from minitorch_dist.resilience.elastic import Failure, run_elastic
+
+    predicted = lost_steps(fail_step, every)
+    run = run_elastic(lambda n: "zero3", [2, 2], cfg, 4, 16, steps, every, folder,
+                      fail=Failure(1, fail_step))
+    lost = run.lost_work()[0]  # the one failure: read from the attempts' log
+    return {"predicted": predicted, "resumed_from": lost["resumed_from"],
+            "steps_redone": lost["steps_redone"]}
     # END SOLUTION

@@ -30,7 +30,7 @@ from .exercises import KINDS, exercise_nodes
 __all__ = ["Statement", "statement", "chapter_statements", "statement_problems", "main"]
 
 _FIRST = re.compile(r"Kind:\s*(\w+)\s*·\s*about\s+(\d+)\s+minutes\.?")
-_REFERENCE = re.compile(r"^\s*Reference:\s*``?(minitorch_dist/[\w/]+\.py)``?", re.MULTILINE)
+_REFERENCE = re.compile(r"^\s*Reference:\s*`{0,2}(minitorch_dist/[\w/]+\.py)", re.MULTILINE)
 
 
 @dataclass(frozen=True)

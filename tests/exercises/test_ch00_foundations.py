@@ -1,4 +1,4 @@
-"""Chapter 00 exercises, autograded: recursive-doubling all-gather, alpha-beta fit, memory math,
+"""Chapter 00 exercises, autograded: a log-step all-gather for any n (Bruck), alpha-beta fit, memory math,
 bytes on the wire predicted and counted.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
@@ -29,9 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitorch_dist import comm, costmodel, launch
+from minitorch_dist import comm, costmodel
 
-from _support import gamma
+from _support import gamma, run_cases
 
 pytestmark = pytest.mark.ch00
 
@@ -41,53 +41,79 @@ if __name__ in sys.modules:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-# --- 1. recursive_doubling_all_gather ---------------------------------------------------------
+# --- 1. bruck_all_gather -------------------------------------------------------------------------
+
+# (shape, dtype) of each case: 1-D and 2-D chunks; int64 and bfloat16 catch a gather that goes
+# through float arithmetic (a sum with zeros, a mean) instead of moving bytes
+GATHER_CASES = {"f32_2d": ((3, 5), torch.float32), "i64_1d": ((7,), torch.int64),
+                "bf16_2d": ((2, 3), torch.bfloat16)}
 
 
-def _all_gather_on_ranks(impl, shape, dtype):
-    """On each rank: gather a rank-specific chunk with `impl` (metered) and with PyTorch."""
+def _gather_one(impl, shape, dtype):
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1000 + r)
     chunk = (torch.randn(shape, generator=g) * 1000).to(dtype)
     expected = chunk.new_empty((n * shape[0], *shape[1:]))
     dist.all_gather_into_tensor(expected, chunk)  # PyTorch's own, outside the meter
+    before = chunk.clone()
     with comm.meter() as m:
         got = impl(chunk)
     sends = [e.nbytes for e in m.events if e.op == "send"]
-    return got, expected, dict(m.calls), sends, chunk.numel() * chunk.element_size()
+    return (got, expected, dict(m.calls), sends, chunk.numel() * chunk.element_size(),
+            torch.equal(chunk, before))
+
+
+def _gather_on_ranks(impl):
+    return run_cases({name: (lambda s=s, d=d: _gather_one(impl, s, d))
+                      for name, (s, d) in GATHER_CASES.items()})
 
 
 # A deadlocked exchange (both partners blocking in send) fails after this long, naming each
 # rank's last op, instead of launch's default 300 s.
 TIMEOUT_S = 60
 
+GATHER_RANKS = [2, 3, 4, 5, 6]  # powers of two and not: 3, 5 and 6 have no partner r ^ 2**k
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_recursive_doubling_all_gather_matches_all_gather_into_tensor(ex, n):
-    results = launch(_all_gather_on_ranks, n, ex.recursive_doubling_all_gather, (3, 5), torch.float32,
-                     timeout_s=TIMEOUT_S)
-    for r, (got, expected, *_) in enumerate(results):
+
+@pytest.fixture(scope="module")
+def gathered(ex, launches):
+    return launches(_gather_on_ranks, ex.bruck_all_gather, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("case_name", list(GATHER_CASES))
+@pytest.mark.parametrize("n", GATHER_RANKS)
+def test_bruck_all_gather_matches_all_gather_into_tensor(gathered, n, case_name):
+    shape, dtype = GATHER_CASES[case_name]
+    for r, (got, expected, *_, untouched) in enumerate(gathered.case(n, case_name)):
         assert isinstance(got, torch.Tensor), f"rank {r} returned {type(got).__name__}, not a tensor"
-        assert got.shape == expected.shape == (3 * n, 5), f"rank {r}: shape {tuple(got.shape)}"
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}")
+        assert got.dtype == dtype, f"rank {r}: dtype {got.dtype}, expected {dtype}"
+        assert got.shape == expected.shape == (n * shape[0], *shape[1:]), \
+            f"rank {r}: shape {tuple(got.shape)}"
+        assert torch.equal(got, expected), \
+            f"rank {r} of {n}: blocks out of place (rank i's chunk belongs at rows i*{shape[0]}..)"
+        assert untouched, f"rank {r}: the input chunk was changed"
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_recursive_doubling_all_gather_sends_log2n_messages_of_n_minus_1_over_n_bytes(ex, n):
-    steps = n.bit_length() - 1  # log2(n)
-    results = launch(_all_gather_on_ranks, n, ex.recursive_doubling_all_gather, (7,), torch.int64,
-                     timeout_s=TIMEOUT_S)
-    for r, (got, expected, calls, sends, block) in enumerate(results):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}")
+@pytest.mark.parametrize("n", GATHER_RANKS)
+def test_bruck_all_gather_sends_ceil_log2n_messages_and_each_block_once(gathered, n):
+    steps = (n - 1).bit_length()  # ceil(log2 n)
+    for r, (got, expected, calls, sends, block, _) in enumerate(gathered.case(n, "i64_1d")):
+        assert torch.equal(got, expected), f"rank {r}: wrong result"
         assert set(calls) <= {"send", "recv"}, \
             f"rank {r} ran {dict(calls)}: build it from point-to-point sends and receives only"
         assert calls.get("send") == steps and calls.get("recv") == steps, \
             f"rank {r}: {calls.get('send', 0)} sends / {calls.get('recv', 0)} receives through comm, " \
-            f"expected log2({n}) = {steps} of each"
-        # step k swaps the 2**k blocks gathered so far: 1, 2, 4, ... blocks
-        assert sends == [block * 2**k for k in range(steps)], f"rank {r}: message sizes {sends}"
+            f"expected ceil(log2 {n}) = {steps} of each"
         S = n * block  # the gathered tensor
-        assert sum(sends) == (n - 1) * S // n == costmodel.bus_bytes("all_gather", S, n)
+        assert sum(sends) == (n - 1) * block == costmodel.bus_bytes("all_gather", S, n), \
+            f"rank {r} sent {sum(sends)} B in messages {sends}; the lower bound is (n-1) blocks = " \
+            f"{(n - 1) * block} B: never send a block the receiver already holds"
+        # round k doubles what a rank holds, except the last, which sends only what is missing
+        held, want = 1, []
+        while held < n:
+            want.append(min(held, n - held) * block)
+            held += want[-1] // block
+        assert sends == want, f"rank {r}: message sizes {sends}, expected {want}"
 
 
 # --- 2. alpha_beta_from_timings----------------------------------------------------------------------
@@ -132,6 +158,20 @@ def test_alpha_beta_from_timings_recovers_exact_parameters(ex, n, alpha, beta):
     assert got[1] == pytest.approx(beta, rel=rel[1], abs=0), "beta"
 
 
+def test_alpha_beta_from_timings_random_links_and_ranks(ex):
+    rng = np.random.default_rng(2005)
+    for _ in range(30):
+        n = int(rng.integers(2, 17))  # any n, not only powers of two
+        alpha = float(10 ** rng.uniform(-7, -3))
+        beta = float(1 / 10 ** rng.uniform(8, 12))
+        sizes = np.sort(2.0 ** rng.uniform(8, 28, size=int(rng.integers(3, 20))))
+        times = [costmodel.allreduce_time(S, n, alpha, beta) for S in sizes]
+        got = ex.alpha_beta_from_timings(sizes, times, n)
+        rel = _fit_bound(sizes, times, n, (alpha, beta))
+        assert got[0] == pytest.approx(alpha, rel=rel[0], abs=0), f"alpha, n={n}"
+        assert got[1] == pytest.approx(beta, rel=rel[1], abs=0), f"beta, n={n}"
+
+
 def test_alpha_beta_from_timings_with_noise_matches_costmodel(ex):
     n, alpha, beta = 4, 20e-6, 1 / 5e9
     rng = np.random.default_rng(0)
@@ -170,7 +210,8 @@ def test_training_memory_bytes_gpt2_1_5b_needs_24_gb(ex):
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "sgd_nomomentum"])
 def test_training_memory_bytes_matches_costmodel(ex, optimizer, precision):
-    for N in (1, 3, 1_000_003, 1.5e9):
+    rng = random.Random(f"{optimizer}-{precision}")
+    for N in (1, 3, 1_000_003, 1.5e9, *(rng.randrange(1, 10**13) for _ in range(20))):
         got = ex.training_memory_bytes(N, optimizer=optimizer, precision=precision)
         ref = costmodel.model_state_bytes(N, precision=precision, optimizer=optimizer)
         for k in KEYS:

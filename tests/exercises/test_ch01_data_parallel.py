@@ -1,24 +1,35 @@
-"""Chapter 01 exercises, autograded: gradient buckets, overlapped all-reduce hooks, no_sync.
+"""Chapter 01 exercises, autograded: gradient buckets, overlapped all-reduce hooks summing 16-bit
+gradients in float32, accumulation over unequal micro-batches, bucketed hooks that rebuild their buckets.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: hand-worked bucket layouts, PyTorch's own
 bucket assignment (``dist._compute_bucket_assignment_by_size``, what DDP's reducer runs), the
-single-process gradient of the global batch, the comm meter, and a counting DDP comm hook.
+single-process gradient of the global batch, the comm meter, the order autograd delivers gradients
+in (tensor hooks), and a counting DDP comm hook.
+
+Adversarial inputs: branches each rank runs in its own order (buckets launched out of order, or
+rebuilt from a rank's own order, pair the wrong tensors); a model whose first-registered layer runs
+last (buckets never rebuilt overlap nothing); micro-batches of 3, 1 and 2 rows (a 1/k scale is the
+mean of means); bfloat16 gradients (summed in bfloat16 they round at every step of the ring).
 
 Tolerances (derived in tests/_support.py). The gradient comparisons (exercises 2-4) run in float64:
 an averaged, accumulated or bucketed gradient is the single process's sum over the global batch's
 rows in another grouping, and torch's DDP another grouping still. Their longest reduction has
-N = 24 terms (a weight gradient over the 24 rows of 4 ranks' 3 micro-batches; the hidden width is
-16), and the longest chain of dependent reductions is DEPTH = 7 (three linear layers forward, two
-back, the weight gradient's sum over rows, the all-reduce): ``model_bound(n=N, depth=DEPTH)``
-scaled by the gradient's size; a mean loss, 4 deep; the weights after 3 SGD steps (lr 0.1,
-momentum 0.9), ``sgd_bound`` of the gradients' bound. All are near 1e-10 of the values; a rank's
-gradient not averaged is off by its share of the batch (1/2 or 1/4 of the gradient), a lost
-micro-batch by 1/3. Bucket caps are given in bytes of float64 parameters (``ELEM = 8``): the same
-three buckets as float32 parameters under half the caps. Exercise 5 counts float32 bytes and stays
-float32; its wire bytes are a product of a few floats (rel 1e-9 >> 10 u).
+N = 32 terms (a weight gradient over the 32 rows of 4 ranks' micro-batches of 8 rows in all; the
+hidden width is 16), and the longest chain of dependent reductions is DEPTH = 7 (three linear layers
+forward, two back, the weight gradient's sum over rows, the all-reduce): ``model_bound(n=N,
+depth=DEPTH)`` scaled by the gradient's size; a mean loss, 4 deep; the weights after 3 SGD steps
+(lr 0.1, momentum 0.9), ``sgd_bound`` of the gradients' bound. All are near 1e-10 of the values; a
+rank's gradient not averaged is off by its share of the batch (1/2 or 1/4 of the gradient), a lost
+micro-batch by 1/3, a 1-row micro-batch weighed as 2 rows by 1/6. The bfloat16 average (exercise 2)
+is the float32 sum of n pre-divided bfloat16 gradients (dividing by 2 or 4 is exact), within
+``gamma_n(fp32) * sum|g_r| / n`` of the exact average, then rounded once: ``u_bf16 * (|avg| + e) + e``
+per element, against the float64 mean of the ranks' own gradients (exact: n bfloat16 values).
+Bucket caps are given in bytes of float64 parameters (``ELEM = 8``): the same three buckets as
+float32 parameters under half the caps. Exercise 5 counts float32 bytes and stays float32; its wire
+bytes are a product of a few floats (rel 1e-9 >> 10 u).
 """
 import random
 import sys
@@ -34,9 +45,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from minitorch_dist import comm, launch
+from minitorch_dist import comm
 
-from _support import close, float64, model_bound, sgd_bound
+from _support import close, float64, gamma, model_bound, roundoff, run_cases, sgd_bound
 
 pytestmark = pytest.mark.ch01
 
@@ -194,7 +205,7 @@ def _reference(x, y):
         return [p.grad for p in model.parameters()], loss.item()
 
 
-N = 4 * 3 * 2  # the longest reduction: 4 ranks' 3 micro-batches of 2 rows (wider than HIDDEN = 16)
+N = 4 * 8  # the longest reduction: 4 ranks' micro-batches of 8 rows in all (wider than HIDDEN = 16)
 DEPTH = 7  # 3 linear layers forward, 2 back, the weight gradient's sum over rows, the all-reduce
 
 
@@ -297,9 +308,67 @@ def test_install_gradient_averaging_hooks_handles_remove_them(hooked):
         _assert_grads(res["removed_grads"], local, f"rank {r} after removing the hooks")
 
 
+# bfloat16 gradients: summed in float32, rounded once. Each rank also computes its local gradient with an
+# unhooked copy of the model (the same bfloat16 arithmetic), and the ranks gather those outside the meter:
+# the exact average of what the ranks hold, in float64, is the reference.
+BF16_ROWS = 8
+
+
+def _bf16_on_ranks(install):
+    import copy
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = _mlp().to(torch.bfloat16)
+    local = copy.deepcopy(model)
+    x, y = _global_batch(n * BF16_ROWS)
+    x, y = (t[r * BF16_ROWS:(r + 1) * BF16_ROWS].to(torch.bfloat16) for t in (x, y))
+    F.mse_loss(local(x), y).backward()
+    install(model)
+    with comm.meter() as m:
+        F.mse_loss(model(x), y).backward()
+    everyone = []
+    for p in local.parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(n)]
+        dist.all_gather(parts, p.grad)
+        everyone.append(torch.stack([q.double() for q in parts]))
+    return {"grads": [p.grad.clone() for p in model.parameters()], "everyone": everyone,
+            "nbytes": [e.nbytes for e in m.events], "ops": [e.op for e in m.events],
+            "numel": [p.numel() for p in model.parameters()]}
+
+
+@pytest.fixture(scope="module")
+def hooked_bf16(ex, launches):
+    return launches(_bf16_on_ranks, ex.install_gradient_averaging_hooks, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_gradient_averaging_hooks_sums_bfloat16_in_float32(hooked_bf16, n):
+    # the float32 sum of the n pre-divided gradients is within gamma_n(fp32) * sum|g_r| / n of the exact
+    # average (dividing by n = 2 or 4 is exact); rounding it to bfloat16 once adds u_bf16 of it
+    u16 = roundoff(torch.bfloat16)
+    for r, res in enumerate(hooked_bf16(n)):
+        assert sorted(res["nbytes"]) == sorted(4 * k for k in res["numel"]), \
+            f"rank {r}: all-reduce sizes {res['nbytes']}; a bfloat16 gradient goes as a float32 copy " \
+            f"(4 bytes per element)"
+        for i, (g, every) in enumerate(zip(res["grads"], res["everyone"])):
+            assert g.dtype == torch.bfloat16, f"rank {r}, parameter {i}: .grad is {g.dtype}, keep bfloat16"
+            exact = every.mean(0)  # n bfloat16 values: their float64 sum is exact
+            e = gamma(n, torch.float32) * every.abs().sum(0) / n
+            bound = u16 * (exact.abs() + e) + e
+            err = (g.double() - exact).abs()
+            worst = int(torch.argmax(err - bound))
+            assert bool((err <= bound).all()), \
+                f"rank {r} of {n}, parameter {i}: off the float32 average by {err.flatten()[worst]:.3g} " \
+                f"(allowed {bound.flatten()[worst]:.3g}, one bfloat16 rounding): sum in float32, round once"
+
+
 # --- 3. accumulate_gradients --------------------------------------------------------------------
 
-MICRO_ROWS = 2  # rows per micro-batch
+MICRO_ROWS = 2  # rows per micro-batch where they are equal
+UNEVEN = (3, 1, 2)  # a short micro-batch in the middle: 1/k per micro-batch weighs its row 3 times too much
+# (micro-batch sizes, no_sync) of each case, all run in one launch per world size
+ACCUMULATE_CASES = {"equal": ((2, 2, 2), True), "uneven": (UNEVEN, True), "k1": ((2,), True),
+                    "k4": ((1, 2, 2, 3), True), "every": (UNEVEN, False)}
 
 
 def _counting_allreduce_hook(state, bucket):
@@ -308,20 +377,22 @@ def _counting_allreduce_hook(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def _accumulate_on_ranks(accumulate, k, no_sync):
+def _accumulate_on_ranks(accumulate):
     with float64():
-        return _accumulate(accumulate, k, no_sync)
+        return run_cases({name: (lambda s=sizes, ns=no_sync: _accumulate(accumulate, s, ns))
+                          for name, (sizes, no_sync) in ACCUMULATE_CASES.items()})
 
 
-def _accumulate(accumulate, k, no_sync):
+def _accumulate(accumulate, sizes, no_sync):
     r, n = dist.get_rank(), dist.get_world_size()
     model = _mlp()
     ddp = DDP(model)
     synced = {"numel": 0}
     ddp.register_comm_hook(synced, _counting_allreduce_hook)
-    x, y = _global_batch(n * k * MICRO_ROWS)
-    rows = slice(r * k * MICRO_ROWS, (r + 1) * k * MICRO_ROWS)  # this rank's k micro-batches
-    micro_batches = list(zip(x[rows].split(MICRO_ROWS), y[rows].split(MICRO_ROWS)))
+    rows_per_rank = sum(sizes)
+    x, y = _global_batch(n * rows_per_rank)
+    rows = slice(r * rows_per_rank, (r + 1) * rows_per_rank)  # this rank's micro-batches
+    micro_batches = list(zip(x[rows].split(list(sizes)), y[rows].split(list(sizes))))
 
     synced_before = []  # gradient elements all-reduced before each micro-batch's forward
 
@@ -335,26 +406,35 @@ def _accumulate(accumulate, k, no_sync):
             "numel": sum(p.numel() for p in model.parameters())}
 
 
+@pytest.fixture(scope="module")
+def accumulated(ex, launches):
+    return launches(_accumulate_on_ranks, ex.accumulate_gradients, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("case_name", ["equal", "uneven", "every"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_accumulate_gradients_matches_one_big_batch(ex, n):
-    k = 3
-    x, y = _global_batch(n * k * MICRO_ROWS)
+def test_accumulate_gradients_matches_one_big_batch(accumulated, n, case_name):
+    sizes, _ = ACCUMULATE_CASES[case_name]
+    per_rank = sum(sizes)
+    x, y = _global_batch(n * per_rank)
     ref, _ = _reference(x, y)
-    for r, res in enumerate(launch(_accumulate_on_ranks, n, ex.accumulate_gradients, k, True,
-                                   timeout_s=TIMEOUT_S)):
-        _assert_grads(res["grads"], ref, f"rank {r} of {n}, {k} micro-batches")
-        rows = slice(r * k * MICRO_ROWS, (r + 1) * k * MICRO_ROWS)
-        _, local_loss = _reference(x[rows], y[rows])  # the mean over this rank's k micro-batches
+    for r, res in enumerate(accumulated.case(n, case_name)):
+        _assert_grads(res["grads"], ref, f"rank {r} of {n}, micro-batches of {sizes} rows: the gradient of "
+                                         f"the mean over all rows (weigh each micro-batch by its rows)")
+        rows = slice(r * per_rank, (r + 1) * per_rank)
+        _, local_loss = _reference(x[rows], y[rows])  # the mean over this rank's rows
         assert isinstance(res["loss"], float), \
             f"return the mean loss as a float, got {type(res['loss']).__name__}"
         loss_bound = model_bound(n=N, depth=4, scale=max(1.0, abs(local_loss)))  # 3 layers, then the mean
-        assert abs(res["loss"] - local_loss) <= loss_bound, f"rank {r}: mean loss {res['loss']}, {local_loss}"
+        assert abs(res["loss"] - local_loss) <= loss_bound, \
+            f"rank {r}, micro-batches of {sizes} rows: returned {res['loss']}, the mean over all rows is " \
+            f"{local_loss}"
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_accumulate_gradients_communicates_once_per_k_micro_batches(ex, k):
-    for r, res in enumerate(launch(_accumulate_on_ranks, 2, ex.accumulate_gradients, k, True,
-                                   timeout_s=TIMEOUT_S)):
+@pytest.mark.parametrize("case_name", ["k1", "k4", "uneven"])
+def test_accumulate_gradients_communicates_once_per_k_micro_batches(accumulated, case_name):
+    k = len(ACCUMULATE_CASES[case_name][0])
+    for r, res in enumerate(accumulated.case(2, case_name)):
         assert res["synced_before"] == [0] * k, \
             f"rank {r}: gradient elements all-reduced before each micro-batch: {res['synced_before']}; " \
             "run the first k-1 micro-batches under model.no_sync()"
@@ -363,17 +443,13 @@ def test_accumulate_gradients_communicates_once_per_k_micro_batches(ex, k):
             f"({res['numel']})"
 
 
-def test_accumulate_gradients_without_no_sync_communicates_every_micro_batch(ex):
-    k, n = 3, 2
-    x, y = _global_batch(n * k * MICRO_ROWS)
-    ref, _ = _reference(x, y)
-    for r, res in enumerate(launch(_accumulate_on_ranks, n, ex.accumulate_gradients, k, False,
-                                   timeout_s=TIMEOUT_S)):
+def test_accumulate_gradients_without_no_sync_communicates_every_micro_batch(accumulated):
+    k = len(UNEVEN)
+    for r, res in enumerate(accumulated.case(2, "every")):
         P = res["numel"]
         assert res["synced_before"] == [i * P for i in range(k)] and res["synced"] == k * P, \
             f"rank {r}: with no_sync=False every backward all-reduces all {P} gradient elements; " \
             f"got {res['synced_before']} before each micro-batch, {res['synced']} in all"
-        _assert_grads(res["grads"], ref, f"rank {r}, no_sync=False")
 
 
 # --- 4. install_bucketed_gradient_hooks ------------------------------------------------------------
@@ -392,8 +468,6 @@ def _bucketed_on_ranks(install):
 
 
 def _bucketed(install):
-    from minitorch_dist import costmodel
-
     r, n = dist.get_rank(), dist.get_world_size()
     x, y = _global_batch(n * ROWS)
     x, y = x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]
@@ -407,6 +481,9 @@ def _bucketed(install):
     # launched when it arrives (a tensor hook runs before the grad is accumulated)
     probe = {"meter": None, "seen": []}
     model[0].weight.register_hook(lambda g: probe["seen"].append(len(probe["meter"].events)))
+    arrived = []  # the order the gradients arrive in the first backward (what the rebuild follows)
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: arrived.append(i))
     first_grads, steps = None, []
     for _ in range(STEPS_4):
         probe["seen"] = []
@@ -423,11 +500,22 @@ def _bucketed(install):
         ref_opt.zero_grad(set_to_none=True)
         F.mse_loss(reference(x), y).backward()
         ref_opt.step()
-    sizes = [p.numel() * p.element_size() for p in params][::-1]  # the order gradients arrive
-    plan = costmodel.bucket_assignment(sizes, CAP, FIRST_CAP)
     return {"first_grads": first_grads, "params": [p.detach().clone() for p in params],
             "torch_params": [p.detach().clone() for p in reference.parameters()], "steps": steps,
-            "bucket_sizes": [sum(sizes[i] for i in b) for b in plan]}
+            "bucket_sizes": _expected_buckets(params, arrived[:len(params)])}
+
+
+def _expected_buckets(params, arrived):
+    """The bucket sizes of the first backward (reverse registration order) and of the later ones (the
+    first backward's arrival order), by the library's rule."""
+    from minitorch_dist import costmodel
+
+    sizes = [p.numel() * p.element_size() for p in params]
+    out = []
+    for order in (list(range(len(params)))[::-1], arrived):
+        plan = costmodel.bucket_assignment([sizes[i] for i in order], CAP, FIRST_CAP)
+        out.append([sum(sizes[order[i]] for i in b) for b in plan])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -470,20 +558,98 @@ def test_install_bucketed_gradient_hooks_matches_torch_ddp(bucketed, n):
         _assert_grads(res["params"], res["torch_params"], f"rank {r} of {n}, ours vs torch's DDP", bound)
 
 
+def _check_launches(res, r, n, first_backward_launched=None):
+    """Per backward: one async all-reduce per bucket, of its size, in bucket order (the first backward's
+    buckets in reverse registration order, then one broadcast; the later ones' in the arrival order),
+    all but the last launched before the first layer's gradient from the second backward on."""
+    static, rebuilt = res["bucket_sizes"]
+    for step, got in enumerate(res["steps"]):
+        where = f"rank {r} of {n}, backward {step}"
+        want = static if step == 0 else rebuilt
+        ops = ["all_reduce"] * len(want) + (["broadcast"] if step == 0 else [])
+        assert got["ops"] == ops, \
+            f"{where}: collectives {got['ops']}; expected one comm.all_reduce per bucket ({len(want)})" + \
+            (", then one comm.broadcast of the arrival order" if step == 0 else " and nothing else")
+        assert got["sizes"][:len(want)] == want, \
+            f"{where}: all-reduce sizes {got['sizes'][:len(want)]}, buckets in order {want} " + \
+            ("(reverse registration order)" if step == 0 else
+             "(rebuilt in the first backward's arrival order)")
+        assert all(got["async"][:len(want)]), f"{where}: launch each bucket with async_op=True"
+        launched = len(want) - 1 if step or first_backward_launched is None else first_backward_launched
+        assert got["before_first_layer"] == [launched], \
+            f"{where}: {got['before_first_layer']} all-reduces launched before backward reached the " \
+            f"first layer; expected {launched}: launch each bucket once it and those before it are complete"
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_install_bucketed_gradient_hooks_one_async_all_reduce_per_bucket_during_backward(bucketed, n):
     for r, res in enumerate(bucketed(n)):
-        want = res["bucket_sizes"]
-        assert len(want) == 3, want
-        for step, got in enumerate(res["steps"]):
-            where = f"rank {r} of {n}, step {step}"
-            assert got["ops"] == ["all_reduce"] * len(want), \
-                f"{where}: collectives {got['ops']}; expected one comm.all_reduce per bucket ({len(want)})"
-            assert got["sizes"] == want, f"{where}: all-reduce sizes {got['sizes']}, buckets in order {want}"
-            assert all(got["async"]), f"{where}: launch each bucket with async_op=True"
-            assert got["before_first_layer"] == [len(want) - 1], \
-                f"{where}: {got['before_first_layer']} all-reduces launched before backward reached the " \
-                f"first layer; expected {len(want) - 1}: launch each bucket as soon as it is complete"
+        assert len(res["bucket_sizes"][1]) == 3, res["bucket_sizes"]
+        _check_launches(res, r, n)
+
+
+# A model whose first-registered layer runs last: registered l3, l2, l1, run l1 -> l2 -> l3. Reverse
+# registration order puts l1 (whose gradients come last) in bucket 0, so the first backward overlaps
+# nothing; buckets rebuilt in the arrival order overlap as the plain MLP's do. The same layers as _mlp.
+class _RegisteredBackwards(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l3, self.l2, self.l1 = nn.Linear(HIDDEN, OUT), nn.Linear(HIDDEN, HIDDEN), nn.Linear(IN, HIDDEN)
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def _backwards_on_ranks(install):
+    with float64():
+        r, n = dist.get_rank(), dist.get_world_size()
+        x, y = _global_batch(n * ROWS)
+        x, y = x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]
+        model = _RegisteredBackwards()
+        params = list(model.parameters())
+        install(model, CAP, FIRST_CAP)
+        probe = {"meter": None, "seen": []}
+        model.l1.weight.register_hook(lambda g: probe["seen"].append(len(probe["meter"].events)))
+        arrived = []
+        for i, p in enumerate(params):
+            p.register_hook(lambda g, i=i: arrived.append(i))
+        steps, grads = [], []
+        for _ in range(3):
+            probe["seen"] = []
+            with comm.meter() as m:
+                probe["meter"] = m
+                model.zero_grad(set_to_none=True)
+                F.mse_loss(model(x), y).backward()
+            steps.append({"sizes": [e.nbytes for e in m.events], "ops": [e.op for e in m.events],
+                          "async": [e.async_op for e in m.events],
+                          "before_first_layer": probe["seen"]})
+            grads.append([p.grad.clone() for p in params])
+        return {"steps": steps, "grads": grads,
+                "bucket_sizes": _expected_buckets(params, arrived[:len(params)])}
+
+
+@pytest.fixture(scope="module")
+def registered_backwards(ex, launches):
+    return launches(_backwards_on_ranks, ex.install_bucketed_gradient_hooks, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_install_bucketed_gradient_hooks_rebuilds_buckets_in_arrival_order(registered_backwards, n):
+    with float64():
+        model = _RegisteredBackwards()
+        x, y = _global_batch(n * ROWS)
+        F.mse_loss(model(x), y).backward()
+        ref = [q.grad for q in model.parameters()]
+    for r, res in enumerate(registered_backwards(n)):
+        static, rebuilt = res["bucket_sizes"]
+        assert static != rebuilt and len(rebuilt) == 3, res["bucket_sizes"]  # the premise
+        # first backward: bucket 0 holds l1's bias alone (its weight would pass FIRST_CAP) and closes only
+        # once l1's gradients come, so at most that bucket is out before l1's weight gradient
+        assert res["steps"][0]["before_first_layer"][0] <= 1, res["steps"][0]
+        _check_launches(res, r, n, first_backward_launched=res["steps"][0]["before_first_layer"][0])
+        for k, grads in enumerate(res["grads"]):
+            _assert_grads(grads, ref, f"rank {r} of {n}, backward {k}")
 
 
 # Gradients in another order on every other rank. Two branches of equal size, which rank r runs in an
@@ -521,7 +687,7 @@ def _branches_on_ranks(install):
             p.register_hook(lambda g, i=i: arrived.append(i))
         install(model, BRANCH_CAP, None)
         grads = []
-        for _ in range(2):  # twice: the second backward must start afresh
+        for _ in range(3):  # the first backward, the rebuild, and one more on the rebuilt buckets
             model.zero_grad(set_to_none=True)
             F.mse_loss(model(x, flip=r % 2 == 1), y).backward()
             grads.append([q.grad.clone() for q in model.parameters()])

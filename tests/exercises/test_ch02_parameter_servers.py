@@ -10,12 +10,23 @@ out by hand, a linear scan over the ranges and over the hash ring; for the param
 process running synchronous SGD with autograd on the same batches, and the staleness rebuilt from the
 server's own log of events; for the bytes, the closed forms and the comm meter on real ranks.
 
-Ranks are launched twice in all, once per fixture (4 ranks each). Checks of bad input first make a
+Adversarial inputs: key sizes where an even key count, a greedy fill to the average or a search
+capped at the largest key is not optimal (checked against an exhaustive search); ranges with empty
+ones at the start and in the middle (bisect_left, an inclusive stop); arrivals whose stragglers come
+out of id order; uneven key ranges (30 and 71 keys) for the bytes of a run, so an even share is wrong;
+the gradients each worker computed, recorded by the problem itself, so the server's parameters can be
+checked against x = -Σ lr/(W·max(1, τ))·g whatever order the pushes came in.
+
+Ranks are launched three times in all, once per fixture (4 ranks each). Checks of bad input first make a
 valid call, so a stub fails them too.
 
 Tolerances (see tests/_support.py). Schedules, staleness, keys, bytes and counts are exact; a closed
 form of bytes is a few float64 products (rel 1e-12 >> 10 u). The backup workers' mean of k float64
 gradients is one sum of k terms and a division: two orders differ by ``reorder_bound(k, Σ|g|/k)``.
+The parameter server's parameters against -Σ lr/(W·max(1, τ))·g over the m = W·clocks gradients pushed:
+the server adds m float32 terms (each a product rounded once, its scalar rounded to float32 once, BSP's
+pre-sum of W gradients once more), so per element within ``gamma(m + 2, float32)·Σ|step|`` of the
+float64 sum.
 
 The parameter server runs in float32: the chapter's messages are float32 (``send_gradient`` sends
 ``.float()`` into float32 buffers), so BSP is compared with synchronous SGD in float32 by a bound
@@ -37,6 +48,7 @@ import heapq
 import itertools
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -190,7 +202,7 @@ def _mean_bound(grads):
 
 @pytest.mark.parametrize("times, k",
                          [([3.0, 1.0, 2.0, 5.0], 2), ([1.0, 1.0, 1.0, 0.5], 2), ([2.0, 2.0, 2.0], 1),
-                          ([4.0, math.inf, 1.0, 3.0, 2.0], 3), ([0.1, 0.2], 2)])
+                          ([4.0, math.inf, 1.0, 3.0, 2.0], 3), ([0.1, 0.2], 2), ([1.0, 5.0, 3.0, 2.0], 2)])
 def test_backup_workers_aggregate_first_k(ex, times, k):
     items = _grads(times)
     mean, dropped = ex.backup_workers_aggregate(items, k)
@@ -235,32 +247,93 @@ def test_backup_workers_aggregate_rejects_bad_input(ex):
 # --- 3. key ranges and consistent hashing --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_keys, s", [(10, 3), (12, 4), (7, 1), (3, 5), (0, 2), (1000, 7), (1, 1)])
-def test_contiguous_key_ranges_contiguous_balanced(ex, num_keys, s):
-    rs = ex.contiguous_key_ranges(num_keys, s)
-    assert len(rs) == s
-    assert all(isinstance(r, range) and r.step == 1 for r in rs)
-    assert rs[0].start == 0 and rs[-1].stop == num_keys
+def _optimal_max_load(sizes, s):
+    """The smallest possible largest load of s contiguous ranges, by trying every set of cuts."""
+    K, best = len(sizes), None
+    for cuts in itertools.combinations_with_replacement(range(K + 1), s - 1):
+        edges = (0, *cuts, K)
+        load = max(sum(sizes[a:b]) for a, b in zip(edges, edges[1:]))
+        best = load if best is None else min(best, load)
+    return best
+
+
+def _check_key_ranges(rs, sizes, s):
+    K = len(sizes)
+    assert len(rs) == s, f"{len(rs)} ranges for {s} servers: return one per server, empty ones too"
+    assert all(isinstance(r, range) and r.step == 1 for r in rs), f"Python ranges of step 1, got {rs}"
+    assert rs[0].start == 0 and rs[-1].stop == K, f"from key 0 to key {K}: {rs}"
     assert all(a.stop == b.start for a, b in zip(rs, rs[1:])), f"not contiguous: {rs}"
-    assert [k for r in rs for k in r] == list(range(num_keys)), "every key exactly once, in order"
-    sizes = [len(r) for r in rs]
-    assert max(sizes) - min(sizes) <= 1, f"sizes {sizes} differ by more than 1"
-    assert sizes == sorted(sizes, reverse=True), f"the larger ranges come first: {sizes}"
-    # the same cut as torch.tensor_split
-    assert sizes == [len(c) for c in torch.tensor_split(torch.arange(num_keys), s)]
+    assert [k for r in rs for k in r] == list(range(K)), "every key exactly once, in order"
+    return max(sum(sizes[k] for k in r) for r in rs)
 
 
-def test_contiguous_key_ranges_rejects_bad_input(ex):
-    ex.contiguous_key_ranges(4, 2)  # a valid call first
+BALANCE_HAND = [  # (sizes, servers, the optimal largest load), worked by hand
+    ([4, 4, 4, 4], 2, 8),
+    ([1, 2, 3, 4, 5], 2, 9),         # [1 2 3 | 4 5]: 6 and 9; [1 2 3 4 | 5]: 10
+    ([10, 1, 1, 1, 1, 1, 1], 2, 10),  # the big key alone, the rest together
+    ([1, 1, 1, 1, 1, 1, 10], 3, 10),  # three servers: the small keys split, the big one alone
+    ([5, 0, 0, 5], 2, 5),            # zero-byte keys go anywhere
+    ([7], 3, 7),                     # more servers than keys: two empty ranges
+    ([], 2, 0),
+    ([3, 3, 3, 3, 3, 3, 3], 3, 9),   # 7 equal keys on 3 servers: 3 + 2 + 2 keys
+    ([1, 100, 1, 1, 1, 1, 100], 3, 101),  # [1 100 | 1 1 1 1 | 100]
+]
+
+
+@pytest.mark.parametrize("sizes, s, best", BALANCE_HAND)
+def test_balanced_key_ranges_hand_worked(ex, sizes, s, best):
+    assert _optimal_max_load(sizes, s) == best, "the test's own premise"
+    rs = ex.balanced_key_ranges(sizes, s)
+    assert _check_key_ranges(rs, sizes, s) == best, \
+        f"sizes {sizes} on {s} servers: ranges {rs}; the best split's largest load is {best}"
+
+
+def test_balanced_key_ranges_optimal_on_random_sizes(ex):
+    rng = random.Random(2014)
+    for _ in range(150):
+        K, s = rng.randrange(0, 9), rng.randrange(1, 5)
+        sizes = [rng.choice([0, 1, rng.randrange(1, 20), rng.randrange(1, 1000)]) for _ in range(K)]
+        rs = ex.balanced_key_ranges(sizes, s)
+        assert _check_key_ranges(rs, sizes, s) == _optimal_max_load(sizes, s), \
+            f"sizes {sizes}, {s} servers: {rs}"
+
+
+@pytest.mark.parametrize("num_keys, s", [(10, 3), (12, 4), (7, 1), (3, 5), (1000, 7)])
+def test_balanced_key_ranges_equal_sizes_as_tensor_split(ex, num_keys, s):
+    rs = ex.balanced_key_ranges([8] * num_keys, s)
+    even = max(len(c) for c in torch.tensor_split(torch.arange(num_keys), s)) * 8
+    assert _check_key_ranges(rs, [8] * num_keys, s) == even
+
+
+def test_balanced_key_ranges_large_and_fast(ex):
+    rng = random.Random(5)
+    sizes = [rng.choice([4, 4, 4, 4096, rng.randrange(1, 10**6)]) for _ in range(100_000)]
+    t = time.perf_counter()
+    rs = ex.balanced_key_ranges(sizes, 64)
+    took = time.perf_counter() - t
+    load = _check_key_ranges(rs, sizes, 64)
+    # optimal: no 64 ranges can all hold less (a greedy fill of load - 1 needs a 65th range)
+    ranges, cur = 1, 0
+    for b in sizes:
+        if cur + b > load - 1:
+            ranges, cur = ranges + 1, 0
+        cur += b
+    assert ranges > 64, f"largest load {load}: a split with a smaller one exists"
+    assert took < 5, f"{took:.1f} s for 100,000 keys: search the load, not the cuts"
+
+
+def test_balanced_key_ranges_rejects_bad_input(ex):
+    ex.balanced_key_ranges([4, 4], 2)  # a valid call first
     with pytest.raises(ValueError, match="n_servers"):
-        ex.contiguous_key_ranges(4, 0)
-    with pytest.raises(ValueError, match="num_keys"):
-        ex.contiguous_key_ranges(-1, 2)
+        ex.balanced_key_ranges([4, 4], 0)
+    with pytest.raises(ValueError, match="key sizes"):
+        ex.balanced_key_ranges([4, -1], 2)
 
 
 @pytest.mark.parametrize("ranges", [[range(0, 4), range(4, 7), range(7, 10)],
                                     [range(0, 1), range(1, 2), range(2, 2), range(2, 2)],
                                     [range(0, 2), range(2, 2), range(2, 5), range(5, 6)],
+                                    [range(0, 0), range(0, 3), range(3, 3), range(3, 4)],
                                     [range(0, 100)]])
 def test_server_of_matches_a_scan(ex, ranges):
     for key in range(ranges[-1].stop):
@@ -268,8 +341,8 @@ def test_server_of_matches_a_scan(ex, ranges):
         assert ex.server_of(key, ranges) == expected, f"key {key} in {ranges}"
 
 
-def test_server_of_with_contiguous_key_ranges(ex):
-    rs = ex.contiguous_key_ranges(1001, 13)
+def test_server_of_with_balanced_key_ranges(ex):
+    rs = [range(k * 77, (k + 1) * 77) for k in range(13)]  # 1001 keys in 13 ranges of 77
     for key in range(0, 1001, 7):
         assert key in rs[ex.server_of(key, rs)]
 
@@ -332,13 +405,29 @@ PS_BOUNDS = [(0, 51), (51, 101)]        # the 101 keys of LeastSquares() over 2 
 PS_STRAGGLER = {1: 0.025}               # worker 1 sleeps 25 ms per clock in the SSP run
 
 
+class _RecordingProblem(LeastSquares):
+    """The least-squares problem, keeping every gradient a worker computes (the test reads them back)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.grads = []
+
+    def grad(self, x, rows):
+        g = super().grad(x, rows)
+        self.grads.append(g.detach().clone())
+        return g
+
+
 def _ps_on_ranks(fn):
     """On every rank: a call with a bad staleness, then BSP (s = 0), then SSP(PS_S) with a straggler."""
-    problem = LeastSquares(n_workers=PS_WORKERS)
+    problem = _RecordingProblem(n_workers=PS_WORKERS)
     out = {"bad": refusal(lambda: fn(problem, PS_BOUNDS, -1, PS_CLOCKS, PS_LR))}
+    problem.grads = []
     out["bsp"] = fn(problem, PS_BOUNDS, 0, PS_CLOCKS, PS_LR)
+    out["bsp_grads"], problem.grads = problem.grads, []
     dist.barrier()                      # one run's last messages before the next run's first
     out["ssp"] = fn(problem, PS_BOUNDS, PS_S, PS_CLOCKS, PS_LR, straggler=PS_STRAGGLER)
+    out["ssp_grads"] = problem.grads
     dist.barrier()
     return out
 
@@ -453,6 +542,33 @@ def test_ssp_parameter_server_answers_pulls_by_the_rule(ps_runs):
         assert replies == PS_WORKERS * (PS_CLOCKS + 1), f"s={s}: every pull answered once"
 
 
+@pytest.mark.parametrize("run", ["bsp", "ssp"])
+def test_ssp_parameter_server_steps_are_lr_over_w_tau_times_every_push(ps_runs, run):
+    # whatever order the pushes come in, each server's x = 0 - sum over its pushes of lr / (W * max(1, tau))
+    # times the pushed slice (BSP: tau = 0). tau comes from the server's log, checked against its own
+    # events by the staleness test; the gradients are those the workers computed, recorded by the problem.
+    # Both the server's float32 updates and this float64 sum add the same m = W * PS_CLOCKS terms, each
+    # scaled once: within gamma_{m+2}(fp32) * sum |step| per element (m + 1 terms, one more product).
+    grads = {w: [g.double() for g in wk[f"{run}_grads"]] for w, wk in enumerate(ps_runs[PS_SERVERS:])}
+    assert all(len(g) == PS_CLOCKS for g in grads.values()), "one gradient per worker and clock"
+    for k, srv in enumerate(ps_runs[:PS_SERVERS]):
+        lo, hi = PS_BOUNDS[k]
+        pushes = [(w, c) for kind, w, c in srv[run]["events"] if kind == "push"]
+        taus = srv[run]["staleness"]
+        assert len(taus) == len(pushes) == PS_WORKERS * PS_CLOCKS, f"server {k}: every push once"
+        steps = torch.stack([PS_LR / (PS_WORKERS * max(1, tau)) * grads[w][c][lo:hi]
+                             for (w, c), tau in zip(pushes, taus)])
+        x = srv[run]["params"].double()
+        bound = gamma(len(pushes) + 2, torch.float32) * steps.abs().sum(0)
+        err = (x + steps.sum(0)).abs()
+        assert bool((err <= bound).all()), \
+            f"{run}, server {k}: the parameters are not 0 - sum(lr / (W * max(1, tau)) * g) over the " \
+            f"pushes: off by up to {err.max():.3g} (allowed {bound.max():.3g})"
+    if run == "ssp":
+        assert max(t for srv in ps_runs[:PS_SERVERS] for t in srv[run]["staleness"]) >= 2, \
+            "the premise: some push is 2 clocks stale, where 1/tau matters"
+
+
 def test_ssp_parameter_server_converges(ps_runs):
     p = LeastSquares(n_workers=PS_WORKERS)
     x = torch.cat([srv["ssp"]["params"] for srv in ps_runs[:PS_SERVERS]])
@@ -486,6 +602,64 @@ def test_predict_ps_traffic_closed_forms(ex, p, n, s, b):
     got = ex.predict_ps_traffic(p, n, s, bytes_per_element=b)
     for key, want in _closed_forms(p, n, s, b).items():
         assert got[key] == pytest.approx(want, rel=1e-12), f"{key} for {p} keys, {n} workers, {s} servers"
+
+
+def test_predict_ps_traffic_matches_costmodel_on_random_sizes(ex):
+    from minitorch_dist import costmodel
+
+    rng = random.Random(2020)
+    for _ in range(200):
+        p, n, s = rng.randrange(0, 10**10), rng.randrange(1, 513), rng.randrange(1, 65)
+        b = rng.choice([1, 2, 4])
+        got = ex.predict_ps_traffic(p, n, s, bytes_per_element=b)
+        ref = costmodel.ps_bytes_per_step(p, n, s, b)
+        for mine, theirs in (("worker_push", "worker_send"), ("worker_pull", "worker_recv"),
+                             ("server_in", "server_recv"), ("server_out", "server_send"),
+                             ("busiest_link", "bottleneck"), ("ring_send", "allreduce_per_rank")):
+            assert got[mine] == pytest.approx(ref[theirs], rel=1e-12), \
+                f"{mine} for {p} keys, {n} workers, {s} servers"
+
+
+# --- 6. predict_and_meter_ps_traffic ------------------------------------------------------------------
+
+METER_BOUNDS, METER_CLOCKS = [(0, 30), (30, 101)], 4  # 30 and 71 keys: an even share (50.5) fits neither
+
+
+def _meter_on_ranks(fn):
+    problem = LeastSquares(n_workers=2)
+    with comm.meter() as m:  # the test's own count of what ran
+        got = fn(problem, METER_BOUNDS, METER_CLOCKS, PS_LR)
+    values = [e for e in m.events if e.dtype == str(torch.float32)]
+    return {"got": got, "sent": sum(e.nbytes for e in values if e.op == "send"),
+            "received": sum(e.nbytes for e in values if e.op == "recv")}
+
+
+@pytest.fixture(scope="module")
+def ps_metered(ex):
+    return launch(_meter_on_ranks, 4, ex.predict_and_meter_ps_traffic, timeout_s=60)
+
+
+def test_predict_and_meter_ps_traffic_predictions(ps_metered):
+    W, pulls = 2, METER_CLOCKS + 1
+    for r, res in enumerate(ps_metered):
+        if r < len(METER_BOUNDS):  # server r: its slice in from every worker each clock, out on every pull
+            keys = METER_BOUNDS[r][1] - METER_BOUNDS[r][0]
+            want = {"sent": W * pulls * keys * 4, "received": W * METER_CLOCKS * keys * 4}
+        else:  # a worker: the whole gradient out each clock, the whole vector in on every pull
+            want = {"sent": METER_CLOCKS * 101 * 4, "received": pulls * 101 * 4}
+        got = {k: res["got"]["predicted"][k] for k in ("sent", "received")}
+        assert got == want, f"rank {r} ({'server' if r < 2 else 'worker'}): predicted {got}, expected {want}"
+
+
+def test_predict_and_meter_ps_traffic_measured(ps_metered):
+    for r, res in enumerate(ps_metered):
+        measured = {k: res["got"]["measured"][k] for k in ("sent", "received")}
+        seen = {"sent": res["sent"], "received": res["received"]}
+        assert seen["sent"] or seen["received"], \
+            f"rank {r}: no value moved; run the server inside the function"
+        assert measured == seen, f"rank {r}: measured {measured}, the ranks moved {seen} (float32 values)"
+        assert measured == {k: res["got"]["predicted"][k] for k in ("sent", "received")}, \
+            f"rank {r}: prediction and count differ"
 
 
 TRAFFIC_KEYS, TRAFFIC_CLOCKS = 102, 3   # 102 keys: the 3 workers' ring chunks are whole

@@ -1,23 +1,26 @@
-"""Chapter 03 exercises, autograded: GPipe and 1F1B schedules, the bubble of a timeline, ZB-H1, ZB-V,
-the executor on ranks, and the messages of a step.
+"""Chapter 03 exercises, autograded: GPipe in rounds and 1F1B under a cap, the bubble of a timeline,
+ZB-H1, ZB-V, an executor that picks its own order on ranks, and the messages of a step.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: small hand-derived schedules, the library's
-own schedules (``parallelism.pipeline.schedules``), its discrete-event simulator (timing,
-dependency order, stashed activations), ``runtime.timeline.bubble_fraction``, the formulas
-of ``costmodel``, and PyTorch's ``ScheduleZBVZeroBubble`` order. For the executor: one
-process running the whole GPT on the whole batch, and ``torch.distributed.pipelining``'s
-``Schedule1F1B`` on the same ranks; for the messages, the comm meter on a real step.
+own schedules (``parallelism.pipeline.schedules``: GPipe, 1F1B, naive, ZB-H1; a capped 1F1B is the
+library's 1F1B of its last stages), its discrete-event simulator (timing, dependency order, stashed
+activations), ``runtime.timeline.bubble_fraction``, the formulas of ``costmodel``, and PyTorch's
+``ScheduleZBVZeroBubble`` order. For the executor: one process running the whole GPT on the whole
+batch, and ``torch.distributed.pipelining``'s ``Schedule1F1B`` on the same ranks; for the messages
+and the measured bubble, the comm meter and a ``Timeline`` listening to a real step of the library's
+executor.
 
-Ranks are launched twice in all, once per fixture (4 ranks each). Checks of bad input first
-make a valid call, so a stub fails them too.
+Ranks are launched three times in all: the executor on 2 and on 4 ranks, the real step on 4. Checks
+of bad input first make a valid call, so a stub fails them too.
 
-Tolerances (see tests/_support.py). Schedules, counts and bytes are exact. Bubble fractions and idle
-times are sums of at most a few hundred float64 durations on both sides: pytest.approx's default
-rel 1e-6 is far above their k·u (< 1e-13) and far below a schedule's smallest difference (one
-slot of one stage, >= 1e-3 of the step here).
+Tolerances (see tests/_support.py). Schedules, orders, counts and bytes are exact. Bubble fractions,
+idle times and makespans are sums of at most a few hundred float64 durations on both sides:
+pytest.approx's default rel 1e-6 is far above their k·u (< 1e-13) and far below a schedule's smallest
+difference (one slot of one stage, >= 1e-3 of the step here). The real step's bubble is compared
+with the timeline module's on the same events: the same sums, so the same rel 1e-6.
 
 The executor runs in float64 (the model and its messages in torch's default dtype, which the test
 sets). Its gradients and loss are the same GPT computed in another grouping (the microbatches: a
@@ -28,6 +31,7 @@ the tensor compared (under 1e-9 of it). A lost or doubled microbatch moves a gra
 """
 import functools
 import random
+import time
 import weakref
 
 import pytest
@@ -43,9 +47,9 @@ from minitorch_dist.models.gpt import GPT, GPTConfig
 from minitorch_dist.parallelism.pipeline import schedules
 from minitorch_dist.parallelism.pipeline.schedules import Action, Schedule
 from minitorch_dist.parallelism.pipeline.simulator import check_dependencies, simulate
-from minitorch_dist.runtime import comm
+from minitorch_dist.runtime import comm, observe
 from minitorch_dist.runtime.launch import launch
-from minitorch_dist.runtime.timeline import Event, bubble_fraction
+from minitorch_dist.runtime.timeline import Event, Timeline, bubble_fraction
 
 from _support import close, float64, model_bound, refusal
 
@@ -70,42 +74,68 @@ def _as_schedule(name: str, stages, m: int) -> Schedule:
     return Schedule(name, len(stages), m, 1, tuple(acts))
 
 
-# --- 1. gpipe_schedule --------------------------------------------------------------------------
+# --- 1. gpipe_rounds_schedule ---------------------------------------------------------------------
 
 
-def test_gpipe_schedule_hand_worked(ex):
-    assert ex.gpipe_schedule(2, 3) == [["F0", "F1", "F2", "B0", "B1", "B2"]] * 2
-    assert ex.gpipe_schedule(1, 1) == [["F0", "B0"]]
+def test_gpipe_rounds_schedule_hand_worked(ex):
+    # an uneven last round: 5 microbatches in rounds of 2, 2, 1
+    assert ex.gpipe_rounds_schedule(2, 5, 2) == [
+        ["F0", "F1", "B0", "B1", "F2", "F3", "B2", "B3", "F4", "B4"]] * 2
+    assert ex.gpipe_rounds_schedule(3, 3, 1) == [["F0", "B0", "F1", "B1", "F2", "B2"]] * 3
+    assert ex.gpipe_rounds_schedule(1, 1, 1) == [["F0", "B0"]]
+    assert ex.gpipe_rounds_schedule(2, 3, 5) == [["F0", "F1", "F2", "B0", "B1", "B2"]] * 2
 
 
 @pytest.mark.parametrize("p,m", SIZES)
-def test_gpipe_schedule_matches_the_library(ex, p, m):
-    got = ex.gpipe_schedule(p, m)
-    assert len(got) == p, f"one list per stage: {p} lists, got {len(got)}"
-    assert got == _strings(schedules.gpipe(p, m))
+def test_gpipe_rounds_schedule_of_one_round_is_gpipe(ex, p, m):
+    for k in (m, m + 3):
+        got = ex.gpipe_rounds_schedule(p, m, k)
+        assert len(got) == p, f"one list per stage: {p} lists, got {len(got)}"
+        assert got == _strings(schedules.gpipe(p, m)), f"k={k} >= m={m}: one round, plain GPipe"
     got[0].append("X")  # stages must not share one list
     assert all(stage[-1] != "X" for stage in got[1:]), \
         "every stage needs its own list (not p references to one)"
 
 
-@pytest.mark.parametrize("p,m", [(2, 3), (4, 4), (4, 8), (3, 7)])
-def test_gpipe_schedule_simulates_to_the_gpipe_bubble(ex, p, m):
-    sim = simulate(_as_schedule("gpipe", ex.gpipe_schedule(p, m), m), t_f=1.0, t_b=2.0, t_w=0.0)
-    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction("gpipe", p, m))
-    assert sim.peak_stashed == [costmodel.pipeline_stashed_microbatches("gpipe", p, m, r) for r in range(p)]
+ROUNDS = [(2, 3, 2), (4, 8, 3), (4, 8, 4), (3, 7, 2), (5, 6, 4), (4, 5, 1), (3, 4, 9)]
 
 
-# --- 2. one_f_one_b_schedule ----------------------------------------------------------------------
+@pytest.mark.parametrize("p,m,k", ROUNDS)
+def test_gpipe_rounds_schedule_stashes_k_and_pays_a_fill_per_round(ex, p, m, k):
+    stages = ex.gpipe_rounds_schedule(p, m, k)
+    sched = _as_schedule("gpipe-rounds", stages, m)
+    schedules.validate_structure(sched)  # one F and one B per microbatch, in that order
+    check_dependencies(sched)
+    sim = simulate(sched, t_f=1.0, t_b=2.0, t_w=0.0)
+    assert sim.peak_stashed == [min(k, m)] * p, f"peak stash per stage {sim.peak_stashed}, the cap is {k}"
+    # a round starts when the one before has drained: each is a GPipe of its own (Huang et al. §2.2)
+    sizes = [min(k, m - s) for s in range(0, m, k)]
+    assert sim.makespan == pytest.approx(sum((mj + p - 1) * 3.0 for mj in sizes))
 
 
-def test_one_f_one_b_schedule_hand_worked(ex):
-    assert ex.one_f_one_b_schedule(3, 4) == [
-        ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"],
-        ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
-        ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],
-    ]
-    # fewer microbatches than stages: the warm-up is cut to m forwards
-    assert ex.one_f_one_b_schedule(4, 2) == [
+def test_gpipe_rounds_schedule_rejects_bad_input(ex):
+    ex.gpipe_rounds_schedule(2, 2, 1)  # a valid call first
+    with pytest.raises(ValueError, match="k must be"):
+        ex.gpipe_rounds_schedule(2, 2, 0)
+
+
+# --- 2. one_f_one_b_capped --------------------------------------------------------------------------
+
+
+def _last_stages_of_1f1b(p, m, cap, r):
+    """Independent reference: under a cap c <= p, stage r runs what stage r - (p - c) of a c-stage 1F1B
+    runs (its first stages, which the cap binds, all run that of stage 0)."""
+    c = min(cap, p)
+    return _strings(schedules.one_f_one_b(c, m))[max(0, r - (p - c))]
+
+
+def test_one_f_one_b_capped_hand_worked(ex):
+    steady = ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "F4", "B3", "F5", "B4", "B5"]
+    assert ex.one_f_one_b_capped(4, 6, 2) == [steady, steady, steady,
+                                              ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4",
+                                               "F5", "B5"]]
+    # fewer microbatches than stages and a loose cap: the warm-up is cut to m forwards
+    assert ex.one_f_one_b_capped(4, 2, 8) == [
         ["F0", "F1", "B0", "B1"],
         ["F0", "F1", "B0", "B1"],
         ["F0", "F1", "B0", "B1"],
@@ -114,24 +144,43 @@ def test_one_f_one_b_schedule_hand_worked(ex):
 
 
 @pytest.mark.parametrize("p,m", SIZES)
-def test_one_f_one_b_schedule_matches_the_library(ex, p, m):
-    assert ex.one_f_one_b_schedule(p, m) == _strings(schedules.one_f_one_b(p, m))
+def test_one_f_one_b_capped_matches_the_library_at_the_ends(ex, p, m):
+    assert ex.one_f_one_b_capped(p, m, p) == _strings(schedules.one_f_one_b(p, m)), "cap = p: plain 1F1B"
+    assert ex.one_f_one_b_capped(p, m, p + 2) == _strings(schedules.one_f_one_b(p, m)), "a loose cap: 1F1B"
+    assert ex.one_f_one_b_capped(p, m, 1) == _strings(schedules.naive(p, m)), "cap = 1: one at a time"
+    for cap in range(1, p + 1):
+        assert ex.one_f_one_b_capped(p, m, cap) == [_last_stages_of_1f1b(p, m, cap, r) for r in range(p)], \
+            f"cap={cap}"
 
 
 @pytest.mark.parametrize("p,m", SIZES)
-def test_one_f_one_b_schedule_holds_at_most_p_minus_r_microbatches(ex, p, m):
-    stages = ex.one_f_one_b_schedule(p, m)
-    for r, acts in enumerate(stages):
-        # in list order: microbatches whose F has run and whose B has not
-        in_flight = peak = 0
-        for a in acts:
-            in_flight += 1 if a[0] == "F" else -1
-            peak = max(peak, in_flight)
-        assert peak == min(p - r, m) <= p, f"stage {r}: {peak} microbatches in flight, expected min(p-r, m)"
-    sim = simulate(_as_schedule("1f1b", stages, m))  # also: a valid dependency order
-    assert sim.peak_stashed == [costmodel.pipeline_stashed_microbatches("1f1b", p, m, r) for r in range(p)]
-    assert sim.bubble_fraction == pytest.approx(costmodel.pipeline_bubble_fraction("1f1b", p, m))
+def test_one_f_one_b_capped_holds_exactly_what_the_cap_allows(ex, p, m):
+    makespans = []
+    for cap in range(1, p + 2):
+        stages = ex.one_f_one_b_capped(p, m, cap)
+        for r, acts in enumerate(stages):
+            in_flight = peak = 0  # in list order: microbatches whose F has run and whose B has not
+            for a in acts:
+                in_flight += 1 if a[0] == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak == min(p - r, cap, m), \
+                f"cap={cap}, stage {r}: {peak} in flight, expected min(p-r, cap, m) = {min(p - r, cap, m)}"
+        sched = _as_schedule("1f1b-capped", stages, m)
+        schedules.validate_structure(sched)
+        check_dependencies(sched)
+        sim = simulate(sched, t_f=1.0, t_b=2.0, t_w=0.0)
+        assert sim.peak_stashed == [min(p - r, cap, m) for r in range(p)]
+        makespans.append(sim.makespan)
+    assert makespans[0] == pytest.approx(m * p * 3.0), "cap = 1: one microbatch in the pipe at a time"
+    assert all(a >= b - 1e-9 for a, b in zip(makespans, makespans[1:])), \
+        f"a looser cap may not make the step longer: {makespans}"
+    assert makespans[-1] == pytest.approx((m + p - 1) * 3.0), "uncapped: 1F1B's (m+p-1)(t_F+t_B)"
 
+
+def test_one_f_one_b_capped_rejects_bad_input(ex):
+    ex.one_f_one_b_capped(2, 2, 1)  # a valid call first
+    with pytest.raises(ValueError, match="cap must be"):
+        ex.one_f_one_b_capped(2, 2, 0)
 
 # --- 3. bubble_from_timeline ----------------------------------------------------------------------
 
@@ -168,6 +217,17 @@ def test_bubble_from_timeline_of_a_simulation_is_the_formula(ex, name, p, m):
     got = ex.bubble_from_timeline(sim.events, p)
     assert got == pytest.approx(costmodel.pipeline_bubble_fraction(name, p, m))
     assert got == pytest.approx(sim.bubble_fraction)
+
+
+def test_bubble_from_timeline_of_a_real_step(ex, counted_sends):
+    """A 1F1B step of the library's executor on 4 ranks, as a Timeline heard it: the spans the executor
+    announced, on each rank's own clock from one origin."""
+    events = [e for c in counted_sends for e in c[1]["events"]]
+    assert {e.rank for e in events} == set(range(4)), "every rank recorded its step"
+    assert {f"F{i}" for i in range(COUNT_M)} <= {e.name for e in events}, "the executor's actions, heard"
+    got = ex.bubble_from_timeline(events, 4)
+    assert got == pytest.approx(bubble_fraction(events, ranks=range(4)))
+    assert 0 < got < 1, "a real pipeline idles, and not all the time"
 
 
 def test_bubble_from_timeline_with_unequal_stages(ex):
@@ -232,7 +292,7 @@ def test_zb_h1_from_1f1b_stays_in_the_memory_of_1f1b(ex, p, m):
             == costmodel.pipeline_stashed_microbatches("1f1b", p, m, 0))
 
 
-# --- 5. v_stage and zbv_rank_actions ----------------------------------------------------------------
+# --- 5. v_stage and zbv_actions_any_m ----------------------------------------------------------------
 
 V_SIZES = [(1, 1), (1, 3), (2, 3), (2, 4), (3, 5), (3, 9), (4, 7), (4, 8), (4, 13), (5, 12)]
 
@@ -255,20 +315,21 @@ def test_v_stage_matches_the_library_and_covers_every_stage_once(ex, p):
     assert rank_of[p - 1] == rank_of[p] == p - 1 and rank_of[0] == rank_of[2 * p - 1] == 0
 
 
-def test_zbv_rank_actions_hand_worked(ex):
-    assert ex.zbv_rank_actions(2, 3, 0) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 "
+def test_zbv_actions_any_m_hand_worked(ex):
+    assert ex.zbv_actions_any_m(2, 3, 0) == ("F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 "
                                             "B0 W0 F2.1 B2.1 W2.1 B1 W1 B2 W2").split()
-    assert ex.zbv_rank_actions(2, 3, 1) == ("F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 "
+    assert ex.zbv_actions_any_m(2, 3, 1) == ("F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 "
                                             "F2.1 B1.1 W1.1 B1 B2.1 B2 W1 W2.1 W2").split()
-    with pytest.raises(ValueError, match="use m=7"):  # ZB-V's least m is 2p-1
-        ex.zbv_rank_actions(4, 6, 0)
+    # fewer microbatches than the published order needs (2p - 1 = 5): the actions that cannot run left out
+    assert ex.zbv_actions_any_m(3, 2, 0) == "F0 F1 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0 W0 B1 W1".split()
+    assert ex.zbv_actions_any_m(3, 2, 2) == "F0 F0.1 F1 F1.1 B0.1 W0.1 B0 B1.1 B1 W0 W1.1 W1".split()
 
 
 def _zbv(ex, p, m) -> Schedule:
     """All ranks' lists of the student's ZB-V as a Schedule on the V placement."""
     stages = []
     for r in range(p):
-        acts = ex.zbv_rank_actions(p, m, r)
+        acts = ex.zbv_actions_any_m(p, m, r)
         assert isinstance(acts, list) and all(isinstance(a, str) for a in acts), \
             f"rank {r}: return a list of strings like 'F3' and 'W3.1'"
         stages.append(tuple(Action(a[0], int(a[1:].split(".")[0]), int("." in a)) for a in acts))
@@ -276,7 +337,7 @@ def _zbv(ex, p, m) -> Schedule:
 
 
 @pytest.mark.parametrize("p,m", V_SIZES)
-def test_zbv_rank_actions_equal_pytorchs_order(ex, p, m):
+def test_zbv_actions_any_m_equal_pytorchs_order(ex, p, m):
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
@@ -285,11 +346,11 @@ def test_zbv_rank_actions_equal_pytorchs_order(ex, p, m):
     for r in range(p):
         want = [f"{short[a.computation_type.name]}{a.microbatch_index}" + ("" if a.stage_index == r else ".1")
                 for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(me, r) if a is not None]
-        assert ex.zbv_rank_actions(p, m, r) == want, f"rank {r}"
+        assert ex.zbv_actions_any_m(p, m, r) == want, f"rank {r}"
 
 
 @pytest.mark.parametrize("p,m", V_SIZES)
-def test_zbv_rank_actions_run_without_deadlock_and_idle_only_the_start_up(ex, p, m):
+def test_zbv_actions_any_m_run_without_deadlock_and_idle_only_the_start_up(ex, p, m):
     sched = _zbv(ex, p, m)
     schedules.validate_structure(sched)  # one F, B, W per microbatch and chunk, in that order
     check_dependencies(sched)
@@ -301,7 +362,19 @@ def test_zbv_rank_actions_run_without_deadlock_and_idle_only_the_start_up(ex, p,
     assert max(sim.peak_stashed) == max(base.peak_stashed)
 
 
-# --- 6. run_stage_actions: the executor on ranks ---------------------------------------------------
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_zbv_actions_any_m_with_fewer_microbatches_than_the_v_needs(ex, p):
+    full = simulate(schedules.zb_v(p, 2 * p - 1)).makespan  # the least m the published order takes
+    for m in range(1, 2 * p - 1):
+        sched = _zbv(ex, p, m)
+        schedules.validate_structure(sched)  # every microbatch once per kind and chunk, in order
+        check_dependencies(sched)
+        sim = simulate(sched)
+        assert max(sim.peak_stashed) <= min(p, m), f"p={p}, m={m}: stashes {sim.peak_stashed}"
+        assert sim.makespan <= full, f"p={p}, m={m}: {sim.makespan} > {full}, the step with m = 2p - 1"
+
+
+# --- 6. run_stage_budgeted: the executor on ranks ---------------------------------------------------
 
 ROWS, SEQ, VOCAB, WIDTH, SEED = 16, 16, 64, 32, 3
 CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=WIDTH, tie_embeddings=False)
@@ -327,16 +400,19 @@ def _stage_grads(stage):
 
 
 class _StashProbe(nn.Module):
-    """The stage, watched: at each forward, how many earlier microbatches does the executor still hold
-    (their boundary tensor alive: the stage's output, or on the last rank its received input), and how
-    many of those has backward already passed? After B i nothing of microbatch i is needed: a correct
-    executor holds at most the one a local variable still names until its next action."""
+    """The stage, watched: the order the executor runs forwards and backwards in ("F3" when the stage's
+    forward runs on microbatch 3, "B3" when backward reaches its output), and at each forward how many
+    earlier microbatches it still holds (their boundary tensor alive: the stage's output, or on the last
+    rank its received input) and how many of those backward has already passed. After B i nothing of
+    microbatch i is needed: a correct executor holds at most the one a local variable still names until
+    its next action."""
 
     def __init__(self, stage: nn.Module, last: bool):
         super().__init__()
         self.stage, self.last = stage, last
         self.refs: list = []
         self.done: list[bool] = []
+        self.order: list[str] = []
         self.alive: list[int] = []  # at each forward: earlier microbatches still held
         self.held: list[int] = []   # ... of which backward already ran
 
@@ -345,16 +421,21 @@ class _StashProbe(nn.Module):
         self.alive.append(len(live))
         self.held.append(sum(self.done[j] for j in live))
         j = len(self.refs)
+        self.order.append(f"F{j}")
         out = self.stage(x, *rest)
         self.refs.append(weakref.ref(x if self.last else out))
         self.done.append(False)
-        out.register_hook(lambda g: self.done.__setitem__(j, True))
+
+        def reached(g, j=j):
+            self.done[j] = True
+            self.order.append(f"B{j}")
+        out.register_hook(reached)
         return out
 
 
-def _student_step(fn, actions, m):
+def _student_step(fn, m, budget):
     """This rank's stage of a fresh GPT, the student's executor on it; losses, gradients, sends counted,
-    the microbatches it holds watched."""
+    the order and the microbatches it holds watched."""
     from minitorch_dist.parallelism.pipeline.executor import split_gpt
     p, r = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(SEED)
@@ -362,9 +443,9 @@ def _student_step(fn, actions, m):
     probe = _StashProbe(stage, last=r == p - 1)
     x, y = _batch()
     with comm.meter() as meter:
-        losses = fn(probe, actions, list(x.chunk(m)), list(y.chunk(m)), stage.boundary_shape(ROWS // m, SEQ))
+        losses = fn(probe, list(x.chunk(m)), list(y.chunk(m)), stage.boundary_shape(ROWS // m, SEQ), budget)
     sends = [(e.op, e.nbytes) for e in meter.events if e.op != "recv"]
-    return {"losses": list(losses), "grads": _stage_grads(stage), "sends": sends,
+    return {"losses": list(losses), "grads": _stage_grads(stage), "sends": sends, "order": probe.order,
             "names": [k for k, _ in stage.named_parameters()], "alive": probe.alive, "held": probe.held}
 
 
@@ -383,29 +464,29 @@ def _torch_1f1b(m):
     return _stage_grads(stage)
 
 
-def _executor_on_ranks(fn, runs, with_torch):
-    """On every rank, in float64: two refused calls, then the student's executor on each (name, m),
+#: (m, budget): a loose budget (1F1B), a tight one, one at a time
+RUNS = [(8, 8), (4, 2), (4, 1)]
+
+
+def _executor_on_ranks(fn):
+    """On every rank, in float64: two refused calls, then the student's executor on each (m, budget),
     then torch's Schedule1F1B with the first run's m."""
-    from minitorch_dist.parallelism.pipeline import schedules as sch
-    p, r = dist.get_world_size(), dist.get_rank()
-    out = {"bad": [refusal(lambda bad=bad: fn(None, bad, [None] * 2, [None] * 2, (1,)))
-                   for bad in (["F0", "X0"], ["F9"])]}
+    out = {"bad": [refusal(lambda: fn(None, [None] * 2, [None] * 3, (1,), 2)),
+                   refusal(lambda: fn(None, [None] * 2, [None] * 2, (1,), 0))]}
     with float64():
-        for name, m in runs:
-            acts = [str(a) for a in sch.make_schedule(name, p, m)[r]]
-            out[name, m] = _student_step(fn, acts, m)
-        if with_torch:
-            out["torch"] = _torch_1f1b(runs[0][1])
+        for m, budget in RUNS:
+            out[m, budget] = _student_step(fn, m, budget)
+        out["torch"] = _torch_1f1b(RUNS[0][0])
     return out
 
 
 @pytest.fixture(scope="module")
 def executor_runs(ex, launches):
-    """`executor_runs(4)`: 1F1B with m = 8, GPipe with m = 4, and torch's Schedule1F1B with m = 8."""
-    return launches(_executor_on_ranks, ex.run_stage_actions, [("1f1b", 8), ("gpipe", 4)], True, timeout_s=90)
+    """`executor_runs(p)`: every RUN on p ranks, and torch's Schedule1F1B with m = 8."""
+    return launches(_executor_on_ranks, ex.run_stage_budgeted, timeout_s=90)
 
 
-EXECUTOR_CASES = [(4, "1f1b", 8), (4, "gpipe", 4)]
+EXECUTOR_CASES = [(p, m, b) for p in (2, 4) for m, b in RUNS]
 N_ROWS = ROWS * SEQ  # the longest reduction: a weight gradient's (or the mean loss's) sum over every token
 GPT_DEPTH = 6 * CFG.n_layer + 2  # chained reductions: 6 per block, the final LayerNorm and the head
 
@@ -416,10 +497,34 @@ def _bound(want):
     return model_bound(n=N_ROWS, depth=GPT_DEPTH, scale=max(1.0, scale))
 
 
-@pytest.mark.parametrize("p, name, m", EXECUTOR_CASES)
-def test_run_stage_actions_equals_one_process(executor_runs, p, name, m):
+@pytest.mark.parametrize("p, m, budget", EXECUTOR_CASES)
+def test_run_stage_budgeted_drops_each_microbatch_after_its_backward(executor_runs, p, m, budget):
+    """The budget is the point: rank r holds at most min(p − r, budget, m) microbatches."""
+    for r, out in enumerate(executor_runs(p)):
+        got = out[m, budget]
+        assert len(got["alive"]) == m, f"rank {r}: the stage ran {len(got['alive'])} forwards, expected {m}"
+        assert max(got["held"]) <= 1, \
+            f"rank {r}: at its forwards it still held {got['held']} microbatches whose backward " \
+            "had run; drop what a forward kept once its backward is done"
+        bound = min(p - r, budget, m)
+        assert max(got["alive"]) <= bound, \
+            f"rank {r}, budget {budget}: held {max(got['alive'])} microbatches at once; the limit is {bound}"
+
+
+@pytest.mark.parametrize("p, m, budget", EXECUTOR_CASES)
+def test_run_stage_budgeted_runs_the_order_its_budget_allows(executor_runs, p, m, budget):
+    """1F1B's order under the cap (the library's 1F1B of the last min(budget, p) stages), decided by
+    each rank alone."""
+    for r, out in enumerate(executor_runs(p)):
+        want = _last_stages_of_1f1b(p, m, budget, r)
+        assert out[m, budget]["order"] == want, \
+            f"rank {r} of {p}, m={m}, budget={budget}: ran {out[m, budget]['order']}, expected {want}"
+
+
+@pytest.mark.parametrize("p, m, budget", EXECUTOR_CASES)
+def test_run_stage_budgeted_equals_one_process(executor_runs, p, m, budget):
     ref_loss, ref = _one_process()
-    ranks = [out[name, m] for out in executor_runs(p)]
+    ranks = [out[m, budget] for out in executor_runs(p)]
     seen = [k for rk in ranks for k in rk["names"]]
     assert sorted(seen) == sorted(ref), "the stages together hold every parameter of the model, once"
     for r, rk in enumerate(ranks):
@@ -434,50 +539,33 @@ def test_run_stage_actions_equals_one_process(executor_runs, p, name, m):
     assert abs(mean - ref_loss) <= _bound(ref_loss), f"mean microbatch loss {mean}, {ref_loss}"
 
 
-def test_run_stage_actions_equals_pytorch_pipelining(executor_runs):
-    for r, out in enumerate(executor_runs(4)):
-        theirs, ours = out["torch"], out["1f1b", 8]["grads"]
+@pytest.mark.parametrize("p", [2, 4])
+def test_run_stage_budgeted_equals_pytorch_pipelining(executor_runs, p):
+    for r, out in enumerate(executor_runs(p)):
+        theirs, ours = out["torch"], out[RUNS[0]]["grads"]
         assert set(theirs) == set(ours), f"rank {r}"
         for k in theirs:
             close(ours[k], theirs[k], _bound(theirs[k]), f"rank {r}: {k} vs torch's Schedule1F1B")
 
 
-@pytest.mark.parametrize("p, name, m", EXECUTOR_CASES)
-def test_run_stage_actions_sends_activations_and_gradients_point_to_point(executor_runs, p, name, m):
+@pytest.mark.parametrize("p, m, budget", EXECUTOR_CASES)
+def test_run_stage_budgeted_sends_activations_and_gradients_point_to_point(executor_runs, p, m, budget):
     act = (ROWS // m) * SEQ * WIDTH * 8  # one microbatch's hidden states, float64 (the test's dtype)
     for r, out in enumerate(executor_runs(p)):
-        sends = out[name, m]["sends"]
+        sends = out[m, budget]["sends"]
         assert all(op == "send" for op, _ in sends), f"rank {r}: only point-to-point sends, got {set(sends)}"
         want = m * ((r < p - 1) + (r > 0))  # activations forward unless last, gradients back unless first
         assert len(sends) == want, f"rank {r}: {len(sends)} sends, expected {want}"
         assert all(nbytes == act for _, nbytes in sends), f"rank {r}: every message is one activation"
 
 
-@pytest.mark.parametrize("p, name, m", EXECUTOR_CASES)
-def test_run_stage_actions_drops_each_microbatch_after_its_backward(executor_runs, p, name, m):
-    """1F1B's point is its memory: rank r holds at most min(p − r, m) microbatches, GPipe all m."""
+@pytest.mark.parametrize("p", [2, 4])
+def test_run_stage_budgeted_rejects_bad_input(executor_runs, p):
     for r, out in enumerate(executor_runs(p)):
-        got = out[name, m]
-        assert len(got["alive"]) == m, f"rank {r}: the stage ran {len(got['alive'])} forwards, expected {m}"
-        assert max(got["held"]) <= 1, \
-            f"rank {r}, {name}: at its forwards it still held {got['held']} microbatches whose backward " \
-            "had run; drop what F i kept once B i is done"
-        bound = min(p - r, m) if name == "1f1b" else m
-        assert max(got["alive"]) <= bound, \
-            f"rank {r}, {name}: held {max(got['alive'])} microbatches at once; the schedule needs {bound}"
-    if name == "gpipe":  # the probe sees a stash: GPipe holds every microbatch before its first backward
-        assert max(executor_runs(p)[0][name, m]["alive"]) == m - 1
-
-
-def test_run_stage_actions_rejects_bad_input(executor_runs):
-    for p in (4,):
-        for r, out in enumerate(executor_runs(p)):
-            assert out["1f1b", 8]["grads"], "the valid call ran"
-            unknown, outside = out["bad"]
-            assert unknown is not None and "X0" in unknown, f"p={p} rank {r}: an unknown action is refused"
-            assert outside is not None and "outside" in outside, \
-                f"p={p} rank {r}: microbatch 9 of 2 is refused"
-
+        assert out[RUNS[0]]["grads"], "the valid call ran"
+        uneven, no_budget = out["bad"]
+        assert uneven is not None and "target" in uneven, f"p={p} rank {r}: 2 inputs, 3 targets refused"
+        assert no_budget is not None and "budget" in no_budget, f"p={p} rank {r}: a budget of 0 is refused"
 
 # --- 7. predict_pipeline_sends: the messages of a step ----------------------------------------------
 
@@ -504,8 +592,10 @@ def test_predict_pipeline_sends_one_rank_sends_nothing(ex):
 COUNT_M = 4
 
 
-def _count_library_sends():
-    """This rank's sends in a real 1F1B step and a real interleaved step (v = 2) of the chapter's executor."""
+def _count_library_sends(origin):
+    """This rank's sends in a real 1F1B step and a real interleaved step (v = 2) of the chapter's executor,
+    and the 1F1B step's timeline: a Timeline listening to the executor, one clock for all ranks
+    (CLOCK_MONOTONIC from the parent's ``origin``)."""
     from minitorch_dist.parallelism.pipeline import executor as X
     from minitorch_dist.parallelism.pipeline import schedules as sch
     p, out = dist.get_world_size(), {}
@@ -514,15 +604,17 @@ def _count_library_sends():
         cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=p * v, n_head=2, n_embd=WIDTH,
                         tie_embeddings=False)
         sched = sch.make_schedule(name, p, COUNT_M, v)
-        with comm.meter() as meter:
+        tl = Timeline(origin=origin)
+        with comm.meter() as meter, observe.watching(tl):
             X.run_schedule(sched, X.local_stages(GPT(cfg), sched), *_batch())
-        out[v] = {"messages": meter.calls["send"], "bytes": meter.bytes["send"]}
+        out[v] = {"messages": meter.calls["send"], "bytes": meter.bytes["send"], "events": list(tl.events)}
     return out
 
 
 @pytest.fixture(scope="module")
 def counted_sends():
-    return launch(_count_library_sends, 4, timeout_s=90)
+    """A real 1F1B step and a real interleaved step on 4 ranks: sends counted, the timeline recorded."""
+    return launch(_count_library_sends, 4, time.monotonic(), timeout_s=90)
 
 
 @pytest.mark.parametrize("v", [1, 2])

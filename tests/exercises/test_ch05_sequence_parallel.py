@@ -1,5 +1,6 @@
-"""Chapter 05 exercises, autograded: the attention merge, zigzag sharding, the Ulysses all-to-all, a layer's
-activations, ring attention forward and backward, and the bytes of context parallelism.
+"""Chapter 05 exercises, autograded: the attention merge of K blocks, striped sharding, the causal work of
+three layouts, the Ulysses all-to-all, a layer's activations, ring attention forward and backward on
+striped shards, and the bytes of context parallelism.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -8,24 +9,27 @@ expected value comes from an independent source: softmax attention over the full
 float64 (and its autograd gradients), index lists built position by position, the causal mask
 counted entry by entry, slices of the global tensor, PyTorch's ``F.scaled_dot_product_attention`` on
 the whole sequence (and its autograd gradients), the comm meter (which collectives ran, on how many
-ranks, how many bytes), the bytes of Ulysses and of the ring worked out by hand, and
-``costmodel.activation_memory_bytes`` (Korthikanti's formulas).
+ranks, how many bytes; and a meter around the measure exercise, so that its count comes from a run),
+the bytes of Ulysses and of the ring worked out by hand, and ``costmodel.activation_memory_bytes``
+(Korthikanti's formulas) over seeded random shapes.
 
-The merge, zigzag and activation-memory exercises are pure functions, tested in this process. The Ulysses,
-ring-attention and traffic exercises run on ranks: one launch on 2 ranks and one on 4 run every case,
-each a case of its own (``_support.run_cases``) so that an unfinished exercise fails only its own tests.
+The merge, striped-layout, causal-work and activation-memory exercises are pure functions, tested in
+this process. The Ulysses, ring-attention and traffic exercises run on ranks: one launch on 2 ranks
+and one on 4 run every case, each a case of its own (``_support.run_cases``) so that an unfinished
+exercise fails only its own tests.
 
 Tolerances (derived in tests/_support.py). Shards, positions, counts and bytes are exact. Attention and
 its merges run in float64 and are held to ``model_bound`` with n the longest reduction and depth the
 reductions chained: for the merge of partial attentions n = NK = 12 keys, MERGE_DEPTH = 6 (scores,
-the softmax's sum, P·V, then up to three merges), doubled for the gradients through it; for ring
+the softmax's sum, P·V, then up to three merges, nested), doubled for the gradients through it; for ring
 attention n = RS = 8 positions, RING_DEPTH = 12 (the same forward over t - 1 <= 3 merges, then a
 backward as deep). Each is scaled by the size of the values compared: ~1e-11 of them, where a merge
-that forgets to re-weight or a block attended twice is off by O(1). The large-logit merge runs in
-float32, one short chain, against the same merge of the same float32 partials in float64
-(``torch.logaddexp``): with m = max(lse_a, lse_b) exact, ``lse_x - m`` rounds by u|lse_x - m|, exp and
-log by 2u relative, the sum by u, ``m + log s`` by u|lse|; the weights ``exp(lse_x - lse)`` inherit
-the error of lse; the weighted sum rounds by a few u of Σ_x w_x|out_x| (:func:`_merge_bound`). A merge
+that forgets to re-weight or a block attended twice is off by O(1). The large-logit merge of K = 3
+blocks runs in float32, one short chain, against the same merge of the same float32 partials in
+float64 (``torch.logsumexp``): with m = max_i lse_i exact, ``lse_i - m`` rounds by u|lse_i - m|, exp
+and log by 2u relative, the sum of K weights by (K-1)u, ``m + log s`` by u|lse|; the weights inherit
+the error of lse; the weighted sum of K terms and its division round by (K+2)u of Σ_i w_i|out_i|
+(:func:`_merge_bound`). A merge
 without the max subtracted is inf or NaN there. Formulas (activation bytes, work ratios) are a few
 float64 operations: pytest.approx's default rel 1e-6 is far above their k·u; wire bytes are products
 of a few floats (rel 1e-9 >> 10 u).
@@ -104,16 +108,17 @@ def _model_bounds(ref_out, ref_lse, depth=MERGE_DEPTH, n=NK):
             model_bound(n=n, depth=depth, scale=_finite_scale(ref_lse)))
 
 
-def _merge_bound(out_a, lse_a, out_b, lse_b):
-    """How far the float32 merge of these partials can be from their merge in float64: (out, lse)."""
+def _merge_bound(outs, lses):
+    """How far the float32 merge of these K partials can be from their merge in float64: (out, lse)."""
     u = roundoff(torch.float32) + roundoff(torch.float64)  # the computation, and the reference's own
-    la, lb = lse_a.double(), lse_b.double()
-    m, lse = torch.maximum(la, lb), torch.logaddexp(la, lb)
-    exp_err = u * torch.maximum((la - m).abs(), (lb - m).abs()) + 2 * u  # exp(lse_x - m), relative
-    lse_err = exp_err + u + 2 * u * (lse - m).abs() + u * lse.abs()  # the sum, log, m + log s
-    weight_err = exp_err + lse_err + u * torch.maximum((la - lse).abs(), (lb - lse).abs()) + 2 * u
-    mass = sum((lx - lse).exp()[..., None] * ox.double().abs() for lx, ox in ((la, out_a), (lb, out_b)))
-    return (mass * (weight_err + 4 * u)[..., None]).max().item(), lse_err.max().item()
+    k = len(lses)
+    ls = torch.stack([x.double() for x in lses])
+    m, lse = ls.max(0).values, torch.logsumexp(ls, 0)
+    exp_err = u * (ls - m).abs().max(0).values + 2 * u  # exp(lse_i - m), relative
+    lse_err = exp_err + (k - 1) * u + 2 * u * (lse - m).abs() + u * lse.abs()  # the sum, log, m + log s
+    weight_err = exp_err + lse_err + u * (ls - lse).abs().max(0).values + 2 * u
+    mass = sum((lx - lse).exp()[..., None] * ox.double().abs() for lx, ox in zip(ls, outs))
+    return (mass * (weight_err + (k + 2) * u)[..., None]).max().item(), lse_err.max().item()
 
 
 def _check_merged(got, ref_out, ref_lse, what, bounds=None):
@@ -130,83 +135,92 @@ def _check_merged(got, ref_out, ref_lse, what, bounds=None):
     close(lse, ref_lse, lse_bound, f"{what}, lse")
 
 
+def _parts(q, k, v, key_sets, allowed=None):
+    """([out_i], [lse_i]) of attention over each key set."""
+    parts = [_attend(q, k, v, keys, allowed) for keys in key_sets]
+    return [o for o, _ in parts], [x for _, x in parts]
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_merge_partial_attention_matches_softmax_over_all_keys(ex, seed):
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5])
+def test_merge_partial_attention_matches_softmax_over_all_keys(ex, seed, blocks):
     q, k, v = _qkv(seed)
-    a, b = _split(NK, 2, seed)
-    out_a, lse_a = _attend(q, k, v, a)
-    out_b, lse_b = _attend(q, k, v, b)
+    sets = _split(NK, blocks, seed) if blocks > 1 else [list(range(NK))]
     ref_out, ref_lse = _attend(q, k, v, range(NK))
-    _check_merged(ex.merge_partial_attention(out_a, lse_a, out_b, lse_b), ref_out, ref_lse,
-                  f"keys split {a} | {b}")
+    _check_merged(ex.merge_partial_attention(*_parts(q, k, v, sets)), ref_out, ref_lse,
+                  f"keys split {' | '.join(map(str, sets))}")
 
 
-def test_merge_partial_attention_is_associative_and_commutative(ex):
+def test_merge_partial_attention_any_order_and_nested(ex):
     q, k, v = _qkv(10)
-    parts = [_attend(q, k, v, keys) for keys in _split(NK, 4, 10)]
+    outs, lses = _parts(q, k, v, _split(NK, 4, 10))
     ref_out, ref_lse = _attend(q, k, v, range(NK))
     m = ex.merge_partial_attention
-    (a, la), (b, lb), (c, lc), (d, ld) = parts
-    ring = m(*m(*m(a, la, b, lb), c, lc), d, ld)  # one block at a time, as ring attention does
-    tree = m(*m(a, la, b, lb), *m(c, lc, d, ld))  # pairwise, as tree attention does
-    reverse = m(*m(d, ld, c, lc), *m(b, lb, a, la))
-    _check_merged(ring, ref_out, ref_lse, "merged left to right (a ring)")
-    _check_merged(tree, ref_out, ref_lse, "merged as a tree ((a b)(c d))")
-    _check_merged(reverse, ref_out, ref_lse, "merged in reverse order ((d c)(b a))")
-    _check_merged(m(b, lb, a, la), *m(a, la, b, lb), "merge(b, a) vs merge(a, b)")
+    for order in ([3, 1, 0, 2], [2, 3, 1, 0]):
+        _check_merged(m([outs[i] for i in order], [lses[i] for i in order]), ref_out, ref_lse,
+                      f"blocks in the order {order}")
+    left, right = m(outs[:2], lses[:2]), m(outs[2:], lses[2:])  # a tree: merge results merged again
+    _check_merged(m([left[0], right[0]], [left[1], right[1]]), ref_out, ref_lse, "merged as ((a b)(c d))")
+    one = m(outs[:3], lses[:3])  # one block at a time, as a ring does
+    _check_merged(m([one[0], outs[3]], [one[1], lses[3]]), ref_out, ref_lse, "merged as ((a b c) d)")
 
 
 def test_merge_partial_attention_fully_masked_block(ex):
     q, k, v = _qkv(20, n_keys=S)  # causal self-attention: query i sees keys 0..i
     causal = torch.ones(S, S, dtype=torch.bool).tril()
-    early, late = list(range(2)), list(range(2, S))
-    out_e, lse_e = _attend(q, k, v, early, causal)
-    out_l, lse_l = _attend(q, k, v, late, causal)  # queries 0, 1 see none of these keys
+    sets = [[0, 1], [2, 3], [4]]  # query 0 sees only block 0; queries 0-1 see nothing of blocks 1 and 2
+    outs, lses = _parts(q, k, v, sets, causal)
     # the setting is as described
-    assert torch.isneginf(lse_l[..., :2]).all() and out_l[..., :2, :].isnan().all()
+    assert torch.isneginf(lses[1][..., :2]).all() and outs[1][..., :2, :].isnan().all()
+    assert torch.isneginf(lses[2][..., :4]).all() and outs[2][..., :4, :].isnan().all()
     ref_out, ref_lse = _attend(q, k, v, range(S), causal)
-    _check_merged(ex.merge_partial_attention(out_e, lse_e, out_l, lse_l), ref_out, ref_lse,
-                  "causal: keys 2.. are all in the future of queries 0 and 1 (lse -inf, out NaN)")
-    _check_merged(ex.merge_partial_attention(out_l, lse_l, out_e, lse_e), ref_out, ref_lse,
-                  "the same, masked block first")
+    for order in ([0, 1, 2], [2, 1, 0], [1, 2, 0]):
+        _check_merged(ex.merge_partial_attention([outs[i] for i in order], [lses[i] for i in order]),
+                      ref_out, ref_lse, f"causal blocks {order}: some rows of blocks 1 and 2 saw no key "
+                                        "(lse -inf, out NaN)")
 
     # a block no query sees at all: merging it changes nothing
     nothing = torch.zeros(S, S, dtype=torch.bool)
-    out_0, lse_0 = _attend(q, k, v, late, nothing)
-    _check_merged(ex.merge_partial_attention(out_e, lse_e, out_0, lse_0), out_e, lse_e,
+    out_0, lse_0 = _attend(q, k, v, [2, 3, 4], nothing)
+    out_e, lse_e = _attend(q, k, v, [0, 1], causal)
+    _check_merged(ex.merge_partial_attention([out_e, out_0], [lse_e, lse_0]), out_e, lse_e,
                   "merge with an empty block")
-    # two empty blocks: out 0, lse -inf, and still mergeable with a third
-    out, lse = ex.merge_partial_attention(out_0, lse_0, out_0.clone(), lse_0.clone())
-    assert not out.isnan().any() and (out == 0).all(), "a row empty in both blocks must get out = 0"
-    assert torch.isneginf(lse).all(), "a row empty in both blocks must get lse = -inf"
-    _check_merged(ex.merge_partial_attention(out, lse, out_e, lse_e), out_e, lse_e,
+    # empty blocks only: out 0, lse -inf, and still mergeable with another block
+    out, lse = ex.merge_partial_attention([out_0, out_0.clone(), out_0.clone()],
+                                          [lse_0, lse_0.clone(), lse_0])
+    assert not out.isnan().any() and (out == 0).all(), "a row empty in every block must get out = 0"
+    assert torch.isneginf(lse).all(), "a row empty in every block must get lse = -inf"
+    _check_merged(ex.merge_partial_attention([out, out_e], [lse, lse_e]), out_e, lse_e,
                   "an empty merge result merged with a block")
+    # and no NaN in the gradient through an empty block's rows
+    out_e = out_e.clone().requires_grad_()
+    got, _ = ex.merge_partial_attention([out_e, out_0], [lse_e, lse_0])
+    got.sum().backward()
+    assert not out_e.grad.isnan().any(), "NaN in the gradient: zero an empty block's rows before weighting"
 
 
 @pytest.mark.parametrize("scale", [200.0, 3000.0])
 def test_merge_partial_attention_large_logits_float32(ex, scale):
     q, k, v = _qkv(30, dtype=torch.float32, scale=scale)  # scores of hundreds to thousands: exp overflows
-    a, b = _split(NK, 2, 30)
-    out_a, lse_a = _attend(q, k, v, a)
-    out_b, lse_b = _attend(q, k, v, b)
+    outs, lses = _parts(q, k, v, _split(NK, 3, 30))
     # the reference: the same float32 partials merged in float64, by the definition
-    la, lb = lse_a.double(), lse_b.double()
-    ref_lse = torch.logaddexp(la, lb)
-    ref_out = sum((lx - ref_lse).exp()[..., None] * ox.double() for lx, ox in ((la, out_a), (lb, out_b)))
-    got = ex.merge_partial_attention(out_a, lse_a, out_b, lse_b)
-    assert got[0].dtype == torch.float32, f"out must keep out_a's dtype float32, got {got[0].dtype}"
+    ls = [x.double() for x in lses]
+    ref_lse = torch.logsumexp(torch.stack(ls), 0)
+    ref_out = sum((lx - ref_lse).exp()[..., None] * ox.double() for lx, ox in zip(ls, outs))
+    got = ex.merge_partial_attention(outs, lses)
+    assert got[0].dtype == torch.float32, f"out must keep outs[0]'s dtype float32, got {got[0].dtype}"
     _check_merged((got[0].double(), got[1].double()), ref_out, ref_lse,
-                  f"float32, scores scaled by {scale}: subtract max(lse_a, lse_b) before exp",
-                  bounds=_merge_bound(out_a, lse_a, out_b, lse_b))
+                  f"float32, scores scaled by {scale}: subtract the largest lse before exp",
+                  bounds=_merge_bound(outs, lses))
 
 
 def test_merge_partial_attention_gradients(ex):
     q, k, v = (x.requires_grad_() for x in _qkv(40))
-    a, b = _split(NK, 2, 40)
+    sets = _split(NK, 3, 40)
     g = torch.Generator().manual_seed(41)
     d_out = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
     d_lse = torch.randn(B, H, S, generator=g, dtype=torch.float64)
-    out, lse = ex.merge_partial_attention(*_attend(q, k, v, a), *_attend(q, k, v, b))
+    out, lse = ex.merge_partial_attention(*_parts(q, k, v, sets))
     got = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), (q, k, v))
     ref_out, ref_lse = _attend(q, k, v, range(NK))
     ref = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), (q, k, v))
@@ -216,21 +230,36 @@ def test_merge_partial_attention_gradients(ex):
 
 
 def test_merge_partial_attention_shapes_and_bad_input(ex):
-    out_a, lse_a = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7)
-    out, lse = ex.merge_partial_attention(out_a, lse_a, torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7))
+    outs = [torch.randn(2, 3, 7, 8) for _ in range(3)]
+    lses = [torch.randn(2, 3, 7) for _ in range(3)]
+    out, lse = ex.merge_partial_attention(outs, lses)
     assert tuple(out.shape) == (2, 3, 7, 8) and tuple(lse.shape) == (2, 3, 7), \
         f"got out {tuple(out.shape)}, lse {tuple(lse.shape)}; expected (B, H, S, d) and (B, H, S)"
-    with pytest.raises(ValueError, match="lse_b has shape"):
-        ex.merge_partial_attention(out_a, lse_a, out_a, lse_a[..., :1])
+    with pytest.raises(ValueError, match=r"lses\[1\] has shape"):
+        ex.merge_partial_attention(outs, [lses[0], lses[1][..., :1], lses[2]])
+    with pytest.raises(ValueError, match="one lse per partial output"):
+        ex.merge_partial_attention(outs, lses[:2])
 
 
-# --- 2. zigzag_rank_shard, zigzag_reassemble, causal_work ---------------------------------------------
+# --- 2. striped_rank_shard, striped_reassemble, causal_work ---------------------------------------------
+
+
+def _striped_index(seq, t, r):
+    """The positions rank r holds in the striped layout, listed one by one (an independent construction)."""
+    return [i for i in range(seq) if i % t == r]
 
 
 def _zigzag_index(seq, t, r):
-    """The positions rank r holds, listed one by one (an independent construction)."""
     c = seq // (2 * t)
     return [i for i in range(seq) if i // c == r] + [i for i in range(seq) if i // c == 2 * t - 1 - r]
+
+
+def _contiguous_index(seq, t, r):
+    c = seq // t
+    return [i for i in range(seq) if i // c == r]
+
+
+INDEX = {"striped": _striped_index, "zigzag": _zigzag_index, "contiguous": _contiguous_index}
 
 
 def _causal_pairs(rows):
@@ -242,64 +271,91 @@ def _causal_pairs(rows):
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("dim", [0, 1, -1])
-def test_zigzag_rank_shard_matches_index_construction(ex, t, dim):
-    seq = 4 * t
+def test_striped_rank_shard_matches_index_construction(ex, t, dim):
+    seq = 3 * t
     shape = [3, 5, 2]
     shape[dim] = seq
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(t))
     for r in range(t):
-        got = ex.zigzag_rank_shard(x, t, r, dim=dim)
-        want = x.index_select(dim, torch.tensor(_zigzag_index(seq, t, r)))
+        got = ex.striped_rank_shard(x, t, r, dim=dim)
+        want = x.index_select(dim, torch.tensor(_striped_index(seq, t, r)))
         assert torch.equal(got, want), \
-            f"t={t}, rank {r}, dim {dim}: expected positions {_zigzag_index(seq, t, r)}"
+            f"t={t}, rank {r}, dim {dim}: expected positions {_striped_index(seq, t, r)}"
 
 
-def test_zigzag_rank_shard_hand_worked(ex):
+def test_striped_rank_shard_hand_worked(ex):
     x = torch.arange(8)[None]  # (1, 8)
-    assert ex.zigzag_rank_shard(x, 2, 0).tolist() == [[0, 1, 6, 7]]
-    assert ex.zigzag_rank_shard(x, 2, 1).tolist() == [[2, 3, 4, 5]]
+    assert ex.striped_rank_shard(x, 2, 0).tolist() == [[0, 2, 4, 6]]
+    assert ex.striped_rank_shard(x, 2, 1).tolist() == [[1, 3, 5, 7]]
+    assert ex.striped_rank_shard(x, 4, 3).tolist() == [[3, 7]]
 
 
-def test_zigzag_rank_shard_rejects_indivisible_length(ex):
-    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 2\*t=8"):
-        ex.zigzag_rank_shard(torch.zeros(2, 30, 4), 4, 0)
-    with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2\*t=4"):
-        ex.zigzag_rank_shard(torch.zeros(6, 3), 2, 1, dim=0)
+def test_striped_rank_shard_rejects_indivisible_length(ex):
+    ex.striped_rank_shard(torch.zeros(2, 32, 4), 4, 0)  # a valid call first
+    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by t=4"):
+        ex.striped_rank_shard(torch.zeros(2, 30, 4), 4, 0)
+    with pytest.raises(ValueError, match=r"sequence length 7 is not divisible by t=2"):
+        ex.striped_rank_shard(torch.zeros(7, 3), 2, 1, dim=0)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4])
-def test_zigzag_reassemble_round_trip(ex, t):
-    x = torch.randn(2, 6 * t, 3, generator=torch.Generator().manual_seed(t))
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_striped_reassemble_round_trip(ex, t, dim):
+    shape = [4, 5, 3]
+    shape[dim] = 2 * t
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(t))
     # built independently
-    shards = [x.index_select(1, torch.tensor(_zigzag_index(6 * t, t, r))) for r in range(t)]
-    assert torch.equal(ex.zigzag_reassemble(shards), x), f"t={t}: unshard of the zigzag shards is not x"
-    y = torch.randn(6 * t, 5, generator=torch.Generator().manual_seed(t + 10))
-    got = ex.zigzag_reassemble([ex.zigzag_rank_shard(y, t, r, dim=0) for r in range(t)], dim=0)
-    assert torch.equal(got, y), f"t={t}, dim 0: unshard(shard(y)) != y"
+    shards = [x.index_select(dim, torch.tensor(_striped_index(2 * t, t, r))) for r in range(t)]
+    got = ex.striped_reassemble(shards, dim=dim)
+    assert torch.equal(got, x), f"t={t}, dim {dim}: the striped shards reassembled are not x"
 
 
-@pytest.mark.parametrize("seq,t", [(8, 2), (16, 4), (24, 3), (64, 8)])
-def test_causal_work_zigzag_is_balanced(ex, seq, t):
-    got = ex.causal_work(seq, t, "zigzag")
-    want = [_causal_pairs(_zigzag_index(seq, t, r)) for r in range(t)]
-    assert got == want, f"S={seq}, t={t}: got {got}, counted from the mask {want}"
-    assert all(isinstance(w, int) for w in got), f"return Python ints, got {[type(w).__name__ for w in got]}"
-    assert len(set(got)) == 1, f"zigzag should give every rank the same work, got {got}"
-    assert sum(got) == seq * (seq + 1) // 2
+def test_striped_reassemble_inverts_the_shard(ex):
+    y = torch.randn(12, 5, generator=torch.Generator().manual_seed(9))
+    for t in (2, 3, 4):
+        got = ex.striped_reassemble([ex.striped_rank_shard(y, t, r, dim=0) for r in range(t)], dim=0)
+        assert torch.equal(got, y), f"t={t}, dim 0: reassemble(shard(y)) != y"
 
 
-@pytest.mark.parametrize("seq,t", [(8, 2), (16, 4), (24, 3), (64, 8)])
-def test_causal_work_contiguous_is_unbalanced(ex, seq, t):
-    got = ex.causal_work(seq, t, "contiguous")
-    c = seq // t
-    want = [_causal_pairs(range(r * c, (r + 1) * c)) for r in range(t)]
-    assert got == want, f"S={seq}, t={t}: got {got}, counted from the mask {want}"
-    assert all(a < b for a, b in zip(got, got[1:])), f"later ranks do more causal work: {got}"
-    # the last rank's share over the first's: 1 + 2(t-1) c/(c+1), which tends to 2t-1 as S grows
-    assert got[-1] / got[0] == pytest.approx(1 + 2 * (t - 1) * c / (c + 1)), \
-        f"last/first = {got[-1] / got[0]:.2f}"
+def _causal_cases():
+    """Seeded random (seq_len, t) pairs that every layout cuts evenly, and hand-picked ones."""
+    g = torch.Generator().manual_seed(5)
+    cases = [(8, 2), (16, 4), (24, 3), (64, 8), (4, 1)]
+    for _ in range(8):
+        t = int(torch.randint(1, 7, (1,), generator=g))
+        cases.append((2 * t * int(torch.randint(1, 9, (1,), generator=g)), t))
+    return cases
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag", "contiguous"])
+def test_causal_work_counts_the_mask(ex, layout):
+    for seq, t in _causal_cases():
+        got = ex.causal_work(seq, t, layout)
+        want = [_causal_pairs(INDEX[layout](seq, t, r)) for r in range(t)]
+        assert got == want, f"{layout}, S={seq}, t={t}: got {got}, counted from the mask {want}"
+        assert all(isinstance(w, int) for w in got), \
+            f"return Python ints, got {[type(w).__name__ for w in got]}"
+        assert sum(got) == seq * (seq + 1) // 2
+
+
+def test_causal_work_hand_worked(ex):
+    # S = 8, t = 2. contiguous: 1+2+3+4 = 10 and 5+6+7+8 = 26; zigzag: {0,1,6,7} 18, {2,3,4,5} 18;
+    # striped: {0,2,4,6} 1+3+5+7 = 16, {1,3,5,7} 2+4+6+8 = 20
+    assert ex.causal_work(8, 2, "contiguous") == [10, 26]
+    assert ex.causal_work(8, 2, "zigzag") == [18, 18]
+    assert ex.causal_work(8, 2, "striped") == [16, 20]
     with pytest.raises(ValueError, match="layout"):
-        ex.causal_work(seq, t, "striped")
+        ex.causal_work(8, 2, "diagonal")
+
+
+@pytest.mark.parametrize("seq,t", [(16, 4), (24, 3), (64, 8)])
+def test_causal_work_balance(ex, seq, t):
+    zig, con, stripe = (ex.causal_work(seq, t, layout) for layout in ("zigzag", "contiguous", "striped"))
+    assert len(set(zig)) == 1, f"zigzag gives every rank the same work, got {zig}"
+    assert all(a < b for a, b in zip(con, con[1:])), f"under contiguous, later ranks do more: {con}"
+    # striped: each rank's queries are one position later than the previous rank's, S/t of them
+    assert [b - a for a, b in zip(stripe, stripe[1:])] == [seq // t] * (t - 1), \
+        f"striped: rank r + 1 scores S/t = {seq // t} pairs more than rank r, got {stripe}"
 
 
 # --- 3. ulysses_seq_to_heads, ulysses_heads_to_seq (on ranks) ----------------------------------
@@ -362,12 +418,12 @@ def _ring_data():
 def _ring(ex):
     r, t = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = _ring_data()
-    rows = slice(r * RS // t, (r + 1) * RS // t)
+    rows = torch.arange(r, RS, t)  # this rank's striped positions
     out = {}
     for causal in (False, True):
         qr, kr, vr = (x[..., rows, :].clone().requires_grad_() for x in (q, k, v))
         with comm.meter() as fwd:
-            y = ex.kv_ring_attention(qr, kr, vr, causal)
+            y = ex.striped_ring_attention(qr, kr, vr, causal)
         with comm.meter() as bwd:
             y.backward(dout[..., rows, :])
         out[causal] = {"y": y.detach(), "grads": [x.grad for x in (qr, kr, vr)],
@@ -388,14 +444,16 @@ def _traffic(ex):
     g = torch.Generator().manual_seed(80)
     rows = slice(r * TS // t, (r + 1) * TS // t)
     q, k, v = (torch.randn(TB, TH, TS, TD, generator=g)[..., rows, :] for _ in range(3))
-    got = ex.context_parallel_traffic(q, k, v)
+    with comm.meter() as around:  # the layers must run inside the call
+        got = ex.context_parallel_traffic(q, k, v)
     own = {}  # the test's own count of the same two layers
     for name, fn in (("ulysses", ulysses_attention), ("ring", ring_attention)):
         q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
         with comm.meter() as m:
             fn(q_, k_, v_).sum().backward()
         own[name] = m.total_wire_bytes
-    return {"got": got, "own": own}
+    return {"got": got, "own": own, "around": around.total_wire_bytes,
+            "ops": sorted({e.op for e in around.events})}
 
 
 def _all_on_ranks(impl):
@@ -508,7 +566,21 @@ def test_activation_bytes_per_layer_what_sp_shards(ex):
         assert sp[n] == pytest.approx(one[n] / t), f"with SP every saved tensor is split t ways, {n} is not"
 
 
-# --- 5. KVRingAttention ---------------------------------------------------------------------------
+def test_activation_bytes_per_layer_random_shapes(ex):
+    g = torch.Generator().manual_seed(11)
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+    for _ in range(40):
+        a, t = draw(1, 17), 2 ** draw(0, 4)
+        s, b, h = draw(1, 4097), draw(1, 9), a * draw(1, 129)
+        for sp in (False, True):
+            got = ex.activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=sp)
+            want = costmodel.activation_memory_bytes(s, b, h, a, layers=1, tp=t, sequence_parallel=sp)
+            assert sum(got.values()) == pytest.approx(want), \
+                f"s={s}, b={b}, h={h}, a={a}, t={t}, sequence_parallel={sp}: total {sum(got.values())}, " \
+                f"Korthikanti's {want}"
+
+
+# --- 5. StripedRingAttn ---------------------------------------------------------------------------
 
 
 def _sdpa(causal):
@@ -529,19 +601,20 @@ def _ring_close(got, want, where):
 
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("causal", [False, True])
-def test_KVRingAttention_matches_sdpa(ranks, t, causal):
+def test_StripedRingAttn_matches_sdpa(ranks, t, causal):
     y, grads = _sdpa(causal)
     for r, res in enumerate(_results(ranks, t, "ring")):
-        rows, what = slice(r * RS // t, (r + 1) * RS // t), f"rank {r} of {t}, causal={causal}"
+        rows, what = torch.arange(r, RS, t), f"rank {r} of {t}, causal={causal}"
         got = res[causal]
-        _ring_close(got["y"], y[..., rows, :], f"{what}, output")
+        assert not got["y"].isnan().any(), f"{what}: NaN in the output (a row that saw no key of a block)"
+        _ring_close(got["y"], y[..., rows, :], f"{what}, output at this rank's striped positions")
         for name, g, want in zip("qkv", got["grads"], grads):
             assert g is not None, f"{what}: no gradient for {name}"
-            _ring_close(g, want[..., rows, :], f"{what}, gradient of {name} (this rank's rows)")
+            _ring_close(g, want[..., rows, :], f"{what}, gradient of {name} (this rank's striped rows)")
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_KVRingAttention_passes_blocks_round_the_ring(ranks, t):
+def test_StripedRingAttn_passes_blocks_round_the_ring(ranks, t):
     block = RB * RH * (RS // t) * RD * 8  # one float64 shard of k (or v, dk, dv)
     for r, res in enumerate(_results(ranks, t, "ring")):
         for causal, got in res.items():
@@ -576,3 +649,7 @@ def test_context_parallel_traffic_prediction_and_count(ranks, t):
                 f"backward)"
             assert got["predicted"] == pytest.approx(got["measured"], rel=1e-9), \
                 f"{what}: prediction {got['predicted']} B and measurement {got['measured']} B disagree"
+        assert res["around"] == pytest.approx(res["own"]["ulysses"] + res["own"]["ring"], rel=1e-9), \
+            f"rank {r} of {t}: a meter around context_parallel_traffic counted {res['around']} B " \
+            f"({res['ops']}); running both layers forward and backward sends " \
+            f"{res['own']['ulysses'] + res['own']['ring']} B: measure by running them, not by the formula"

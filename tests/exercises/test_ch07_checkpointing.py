@@ -1,17 +1,19 @@
 """Chapter 07 exercises, autograded: the segment count, an RNG-preserving checkpoint, selective attention,
-a recompute policy for a GPT, predicting and metering what it keeps.
+Chen's recursive recompute policy for a GPT, predicting and metering what it keeps.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
-expected value comes from an independent source: a brute-force search over every segment count,
-``√n`` itself, the un-checkpointed forward and backward by autograd (same seed, same dropout),
-``F.scaled_dot_product_attention`` and ``torch.autograd.gradcheck``, a
-``saved_tensors_hooks`` counter that sees every tensor kept for backward, the plain GPT's gradients
-with the same dropout masks, forward hooks counting each block's runs, and ``MemoryMeter`` on plain
-and checkpointed GPTs (Chen's chain model calibrated here, a reference recompute policy). Each check that a
-test can fail is shown failing on a deliberately wrong variant (a checkpoint that does not
-restore the RNG, attention that keeps its scores).
+expected value comes from an independent source: a search over every segment count of
+``costmodel.checkpoint_saved_bytes`` (random chains, seeded, and hand-worked ones), the
+un-checkpointed forward and backward by autograd (same seed, same dropout),
+``F.scaled_dot_product_attention`` with a mask written out entry by entry and
+``torch.autograd.gradcheck``, a ``saved_tensors_hooks`` counter that sees every tensor kept for
+backward, the plain GPT's gradients with the same dropout masks, forward hooks counting each block's
+runs against the recursion written out (and ``costmodel.log_checkpoint_forwards``), and ``MemoryMeter``
+on plain and checkpointed GPTs (Chen's chain model calibrated here, the library's √n policy). Each
+check that a test can fail is shown failing on a plausible wrong design: the mutants in
+``solutions/mutants/ch07_checkpointing/`` (``python -m minitorch_dist.course.mutants --chapter ch07``).
 
 Nothing here needs ranks. Checks of bad input first make a valid call, so a stub fails them too.
 
@@ -21,7 +23,8 @@ own prediction) counts the blocks' inputs and activations only, not the few floa
 LayerNorm also keeps (its mean and rstd), far below 1 % of the total. Gradients of a checkpointed
 computation against the plain one run in float64, held to ``model_bound`` (n the longest reduction,
 depth the reductions chained, scaled by the values compared): a block (Linear, GeLU, Linear) n = 4D =
-64, BLOCK_DEPTH = 4 (two forward, two back), three stacked blocks 3 x 4; attention n = s = 12 keys,
+64, BLOCK_DEPTH = 4 (two forward, two back), n stacked blocks n x 4 (three checkpoints in a row, the
+recursion over n = 2..7 blocks); attention n = s = 12 keys (a window sums fewer: the bound holds),
 ATTN_DEPTH = 6 (scores, softmax, P·V, and back); the GPT n = 4·n_embd = 256 (its weight gradients sum
 B·T = 128 rows), GPT_DEPTH = 6 per layer + 2. Each is at most ~1e-9 of the values; a dropout
 mask drawn anew moves a gradient by O(1) of it, which the tests show on a checkpoint that forgets the RNG.
@@ -31,7 +34,9 @@ attention and its gradients elementwise, each within the componentwise first-ord
 :func:`_attention_f32_bound` of the exact one: the scores by γ_{d+1}·|Q||K|ᵀ/√d, the softmax by
 that error twice plus u|S - max| + 2u per exp, γ_n for its sum and u for its division; then P·V, dP
 = dO·Vᵀ, D = rowsum(dO∘O) (or of P∘dP), dS = P∘(dP - D), dQ, dK, dV by their sums (γ of their length)
-and by the errors they inherit. Bytes are counted for the fp32 model (the exercise's own unit).
+and by the errors they inherit, over the keys each query sees. The recursion's peak is exact to the
+byte (⌊log2 n⌋·b + L above the one-block model: the meter counts a block input the first LayerNorm
+saves once, as the calibration does). Bytes are counted for the fp32 model (the exercise's own unit).
 """
 import math
 
@@ -41,6 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minitorch_dist import costmodel
 from minitorch_dist.analysis.meters import MemoryMeter
 from minitorch_dist.memory.checkpointing import apply_recompute
 from minitorch_dist.models import GPT, GPTConfig, MarkovCorpus
@@ -77,31 +83,54 @@ class SavedTensors:
 
 
 def _peaks(n, layer, boundary):
-    """{k: peak saved bytes} for every k, written out independently: boundaries + the largest segment."""
-    out = {}
-    for k in range(1, n + 1):
-        largest = -(-n // k)  # ceil(n / k) layers
-        out[k] = k * boundary + largest * layer
-    return out
+    """{k: peak saved bytes} for every k, from the cost model (every segment checkpointed)."""
+    return {k: costmodel.checkpoint_saved_bytes(n, layer, boundary, k, checkpoint_last=True)
+            for k in range(1, n + 1)}
 
 
-CASES = [(1, 10, 10), (2, 10, 10), (10, 10, 10), (12, 7, 3), (30, 1, 9), (64, 40, 10), (100, 5, 5),
-         (97, 13, 2), (50, 3, 1000)]
+CASES = [(1, 10, 10), (2, 10, 10), (5, 1, 1), (7, 3, 2), (10, 10, 10), (12, 7, 3), (30, 1, 9),
+         (64, 40, 10), (97, 13, 2), (50, 3, 1000)]
+
+
+def _random_chains(count=40, seed=7):
+    """Random chains (n, L, b), seeded: uneven segments are the rule, not the exception."""
+    g = np.random.default_rng(seed)
+    return [(int(g.integers(1, 120)), int(g.integers(1, 5000)), int(g.integers(1, 5000)))
+            for _ in range(count)]
+
+
+def _least(peaks):
+    least = min(peaks.values())
+    return min(k for k, p in peaks.items() if p == least), least
 
 
 @pytest.mark.parametrize("n, layer, boundary", CASES)
-def test_choose_segments_brute_force_least_peak(ex, n, layer, boundary):
+def test_choose_segments_least_peak(ex, n, layer, boundary):
     peaks = _peaks(n, layer, boundary)
-    least = min(peaks.values())
-    expected = min(k for k, p in peaks.items() if p == least)
+    expected, least = _least(peaks)
     got = ex.choose_segments(n, layer, boundary)
     assert isinstance(got, int) and 1 <= got <= n, f"n={n}: got {got!r}; expected an int k in 1..{n}"
     assert got == expected, (f"n={n}, layer {layer} B, boundary {boundary} B: k={got} has peak "
                              f"{peaks.get(got)} B; the least peak is {least} B, first at k={expected}")
 
 
+def test_choose_segments_random_chains_against_the_cost_model(ex):
+    for n, layer, boundary in _random_chains():
+        peaks = _peaks(n, layer, boundary)
+        expected, least = _least(peaks)
+        got = ex.choose_segments(n, layer, boundary)
+        assert got == expected, (f"n={n}, L={layer} B, b={boundary} B: k={got} (peak {peaks.get(got)} B); "
+                                 f"the least peak is {least} B, first at k={expected}")
+        g = np.random.default_rng(n * 7919 + layer)
+        for budget in g.integers(least, max(peaks.values()) + 2, size=3):
+            want = min(k for k, p in peaks.items() if p <= budget)
+            got = ex.choose_segments(n, layer, boundary, budget_bytes=int(budget))
+            assert got == want, (f"n={n}, L={layer} B, b={boundary} B, budget {budget} B: k={got}; the "
+                                 f"fewest segments that fit are k={want} (peak {peaks[want]} B)")
+
+
 @pytest.mark.parametrize("n, layer, boundary", CASES)
-def test_choose_segments_brute_force_budget(ex, n, layer, boundary):
+def test_choose_segments_budget(ex, n, layer, boundary):
     peaks = _peaks(n, layer, boundary)
     for budget in sorted(set(peaks.values())) + [max(peaks.values()) + 1, 10 ** 9]:
         expected = min(k for k, p in peaks.items() if p <= budget)
@@ -111,27 +140,37 @@ def test_choose_segments_brute_force_budget(ex, n, layer, boundary):
                                  f"k={expected} (peak {peaks[expected]} B)")
 
 
+def test_choose_segments_hand_worked_uneven(ex):
+    # n = 5, L = b = 1. k = 2: segments [3, 2]; segment 1 back-propagated with its input: 1 + 3 = 4,
+    # segment 2 with both inputs: 2 + 2 = 4 -> 4. k = 3: [2, 2, 1] -> max(3, 4, 4) = 4. k = 1: 1 + 5 = 6.
+    # k = 4: [2, 1, 1, 1] -> max(3, 3, 4, 5) = 5. Least 4, first at k = 2 (the ceiling formula
+    # k·b + ⌈n/k⌉·L says 5 at k = 2, and would pick k = 2 or 3 on other grounds).
+    assert ex.choose_segments(5, 1, 1) == 2
+    assert ex.choose_segments(5, 1, 1, budget_bytes=4) == 2
+    assert ex.choose_segments(5, 1, 1, budget_bytes=5) == 2
+    # n = 64, L = 4000, b = 1000: k = 16 gives 16 000 + 4·4000 = 32 000, but k = 17 ([4]*13 + [3]*4)
+    # gives max(13 000 + 16 000, 17 000 + 12 000) = 29 000: the uneven split wins.
+    assert ex.choose_segments(64, 4000, 1000) == 17
+    # n = 7, L = 3, b = 2: k = 3 ([3, 2, 2]) -> max(2 + 9, 4 + 6, 6 + 6) = 12, the least; k = 2 -> 14
+    assert ex.choose_segments(7, 3, 2) == 3
+    assert ex.choose_segments(7, 3, 2, budget_bytes=14) == 2
+
+
 @pytest.mark.parametrize("n", [4, 16, 25, 64, 144, 400, 1024])
 def test_choose_segments_sqrt_n_for_equal_sizes(ex, n):
     root = math.isqrt(n)
-    assert root * root == n
-    assert ex.choose_segments(n, 1000, 1000) == root, \
-        f"n={n} equal layers and boundaries: expected k = √n = {root}"
-
-
-def test_choose_segments_sqrt_of_n_times_ratio(ex):
-    # peak ≈ b k + L n / k, least at k = √(n L / b): n=64, L = 4b -> k = 16
-    assert ex.choose_segments(64, 4000, 1000) == 16
-    # and the other way: boundaries 4x a layer -> k = √(64/4) = 4
-    assert ex.choose_segments(64, 1000, 4000) == 4
+    expected, _ = _least(_peaks(n, 1000, 1000))
+    assert ex.choose_segments(n, 1000, 1000) == expected, \
+        f"n={n} equal layers and boundaries: expected k = {expected}, the first of the flat bottom " \
+        f"around √n = {root}"
+    assert _peaks(n, 1, 1)[expected] == _peaks(n, 1, 1)[root] == 2 * root  # Chen's 2√n
 
 
 def test_choose_segments_grows_like_sqrt_n(ex):
     ks = {n: ex.choose_segments(n, 1, 1) for n in (100, 400, 1600)}
-    assert ks == {100: 10, 400: 20, 1600: 40}, f"k for n = 100, 400, 1600: {ks}; √n doubles when n quadruples"
-    # the peak itself, O(√n): 2√n for equal sizes
-    for n, k in ks.items():
-        assert _peaks(n, 1, 1)[k] == 2 * math.isqrt(n)
+    for n, k in ks.items():  # the peak itself, O(√n): at most 2√n for equal sizes
+        assert _peaks(n, 1, 1)[k] == min(_peaks(n, 1, 1).values()) <= 2 * math.isqrt(n), \
+            f"n={n}: k={k} does not give the least peak"
 
 
 def test_choose_segments_everything_fits_is_no_checkpointing(ex):
@@ -139,11 +178,12 @@ def test_choose_segments_everything_fits_is_no_checkpointing(ex):
 
 
 def test_choose_segments_impossible_budget(ex):
-    ex.choose_segments(16, 10, 10, budget_bytes=80)  # a valid call first: 4 * 10 + 4 * 10 fits
+    # n = 16, L = b = 10: k = 3 ([6, 5, 5]) -> max(10 + 60, 20 + 50, 30 + 50) = 80, the least (k = 4 too)
+    ex.choose_segments(16, 10, 10, budget_bytes=80)  # a valid call first: it fits
     with pytest.raises(ValueError, match="no number of segments fits") as info:
         ex.choose_segments(16, 10, 10, budget_bytes=79)
-    assert "80" in str(info.value) and "k = 4" in str(info.value), \
-        f"the error should name the least peak (80 bytes) and its k (k = 4): {info.value}"
+    assert "80" in str(info.value) and "k = 3" in str(info.value), \
+        f"the error should name the least peak (80 bytes) and its k (k = 3): {info.value}"
 
 
 def test_choose_segments_rejects_bad_input(ex):
@@ -324,6 +364,43 @@ def test_RNGCheckpoint_stacked_blocks(ex, f64):
     _assert_same_grads(got, ref, "three checkpointed blocks in a row", depth=3 * BLOCK_DEPTH)
 
 
+class Scaled(nn.Module):
+    """x · scale, a plain attribute: what a flag changed between forward and backward looks like."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale = nn.Linear(D, D), 1.0
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _dropout_off(block):
+    block.p = 0.0  # as block.eval() would do to nn.Dropout
+
+
+def _weight_changed(block):
+    with torch.no_grad():
+        block.fc1.weight.mul_(1.5)  # an optimizer step before backward, say
+
+
+def _scale_changed(module):
+    module.scale = 2.0
+
+
+@pytest.mark.parametrize("make, change", [(Block, _dropout_off), (lambda: Block(p=0.0), _weight_changed),
+                                          (Scaled, _scale_changed)],
+                         ids=["dropout_off", "weight_changed", "scale_changed"])
+def test_RNGCheckpoint_detects_a_recomputation_that_differs(ex, f64, make, change):
+    fn, x = make(), _x()
+    torch.manual_seed(0)
+    ex.rng_checkpoint(fn, x).sum().backward()  # unchanged: no error
+    y = ex.rng_checkpoint(fn, x)
+    change(fn)
+    with pytest.raises(RuntimeError, match="recomputation"):
+        y.sum().backward()
+
+
 def test_RNGCheckpoint_rejects_bad_input(ex, f64):
     block, x = Block(), _x()
     ex.rng_checkpoint(block, x).sum().backward()  # a valid call first
@@ -362,24 +439,52 @@ def _attn_bound(want, depth=ATTN_DEPTH):
     return _bound(want, depth, ATTN_N)
 
 
+def _seen(s, causal=True, window=None):
+    """The (s, s) mask of the keys each query sees, written out entry by entry."""
+    m = torch.zeros(s, s, dtype=torch.bool)
+    for i in range(s):
+        for j in range(s):
+            m[i, j] = (j <= i or not causal) and (window is None or abs(i - j) < window)
+    return m
+
+
+def _sdpa(causal=True, window=None):
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_seen(q.shape[-2], causal, window))
+    return attention
+
+
+WINDOWS = [None, 1, 3, SHAPE[-2] - 1]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dv", [None, 6])
-def test_SelectiveAttention_matches_sdpa(ex, causal, dv):
+def test_SelectiveAttention_matches_sdpa(ex, causal, dv, window):
     q, k, v = _qkv(seed=1, dv=dv)
-    out, grads = _grads(lambda *t: ex.selective_attention(*t, causal=causal), q, k, v)
-    out0, grads0 = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal), q, k, v)
-    close(out, out0, _attn_bound(out0), f"causal={causal}: output differs from SDPA")
+    out, grads = _grads(lambda *t: ex.selective_attention(*t, causal=causal, window=window), q, k, v)
+    out0, grads0 = _grads(_sdpa(causal, window), q, k, v)
+    what = f"causal={causal}, window={window}"
+    close(out, out0, _attn_bound(out0), f"{what}: output differs from SDPA with the same mask")
     for name, g, g0 in zip("qkv", grads, grads0):
-        close(g, g0, _attn_bound(g0), f"causal={causal}: d{name} differs from SDPA's")
+        close(g, g0, _attn_bound(g0), f"{what}: d{name} differs from SDPA's")
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_SelectiveAttention_gradcheck(ex, causal):
+@pytest.mark.parametrize("causal, window", [(True, None), (False, 2)])
+def test_SelectiveAttention_gradcheck(ex, causal, window):
     q, k, v = _qkv(seed=2, shape=(1, 2, 5, 3))
-    assert torch.autograd.gradcheck(lambda *t: ex.selective_attention(*t, causal=causal), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: ex.selective_attention(*t, causal=causal, window=window),
+                                    (q, k, v))
 
 
-def _attention_f32_bound(q, k, v, grad_out, causal=True):
+def test_SelectiveAttention_window_one_is_the_values(ex):
+    q, k, v = _qkv(seed=8)
+    for causal in (True, False):  # each query sees only its own key: softmax of one entry is exactly 1
+        out = ex.selective_attention(q, k, v, causal=causal, window=1)
+        assert torch.equal(out, v.detach()), f"causal={causal}, window=1: the output should be v itself"
+
+
+def _attention_f32_bound(q, k, v, grad_out, causal=True, window=None):
     """Elementwise bounds on |out|, |dq|, |dk|, |dv| of two float32 computations of attention apart:
     twice the first-order componentwise bound of one (the module docstring's account), in float64."""
     u, g = roundoff(torch.float32), (lambda m: gamma(m, torch.float32))
@@ -388,8 +493,7 @@ def _attention_f32_bound(q, k, v, grad_out, causal=True):
     c = d ** -0.5
     T = lambda t: t.transpose(-2, -1)
     s = c * q @ T(k)
-    allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
-    allowed = allowed.tril() if causal else allowed
+    allowed = _seen(s.shape[-2], causal, window)
     masked = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(masked, -1)
     e_s = g(d + 1) * c * q.abs() @ T(k.abs())  # the scores
@@ -420,17 +524,18 @@ def _within(got, want, bound, where):
         f"{where}: off by {err.flatten()[worst].item():.3g}, {bound.flatten()[worst].item():.3g} allowed"
 
 
-def test_SelectiveAttention_float32_and_unbatched(ex):
+@pytest.mark.parametrize("window", [None, 4])
+def test_SelectiveAttention_float32_and_unbatched(ex, window):
     q, k, v = _qkv(seed=3, dtype=torch.float32, shape=(10, 8))
-    out, grads = _grads(ex.selective_attention, q, k, v)
-    out0, grads0 = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v)
+    out, grads = _grads(lambda *t: ex.selective_attention(*t, window=window), q, k, v)
+    out0, grads0 = _grads(_sdpa(True, window), q, k, v)
     assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
     # the output gradient _grads drew (its seed 9)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
-    b_out, *b_grads = _attention_f32_bound(q, k, v, grad_out)
-    _within(out, out0, b_out, "float32 output vs SDPA's")
+    b_out, *b_grads = _attention_f32_bound(q, k, v, grad_out, window=window)
+    _within(out, out0, b_out, f"window={window}: float32 output vs SDPA's")
     for name, g, g0, b in zip("qkv", grads, grads0, b_grads):
-        _within(g, g0, b, f"float32 d{name} vs SDPA's")
+        _within(g, g0, b, f"window={window}: float32 d{name} vs SDPA's")
 
 
 def test_SelectiveAttention_keeps_no_s_by_s_tensor(ex):
@@ -445,7 +550,7 @@ def test_SelectiveAttention_keeps_no_s_by_s_tensor(ex):
         plain(q, k, v)
     assert any(sh[-2:] == (s, s) for sh in full.shapes), "sanity: plain attention keeps s x s tensors"
     with SavedTensors() as sel:
-        out = ex.selective_attention(q, k, v)
+        out = ex.selective_attention(q, k, v, window=3)
     square = [sh for sh in sel.shapes if sh[-2:] == (s, s)]
     assert not square, \
         f"selective attention kept s x s tensors {square}; keep only q, k, v (and maybe the output)"
@@ -486,9 +591,29 @@ def test_SelectiveAttention_rejects_bad_shapes(ex):
         ex.selective_attention(q, k, v[..., :-1, :])
     with pytest.raises(ValueError, match="at least 2-D"):
         ex.selective_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="window must be"):
+            ex.selective_attention(q, k, v, window=bad)
 
 
-# --- 4. SegmentedRecompute and 5. meter_recompute: a GPT --------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+def test_SelectiveAttention_no_gradient_outside_the_window(ex, causal):
+    s, w = SHAPE[-2], 3
+    q, k, v = _qkv(seed=11)
+    out = ex.selective_attention(q, k, v, causal=causal, window=w)
+    seen = _seen(s, causal, w)
+    for i in (0, s // 2, s - 1):
+        dq, dk, dv = torch.autograd.grad(out[..., i, :].sum(), (q, k, v), retain_graph=True)
+        for name, g in (("key", dk), ("value", dv)):
+            reached = g.abs().sum(dim=(0, 1, 3)) != 0
+            # (a query that sees one key only has a constant softmax: no gradient for that key)
+            expect = seen[i] if name == "value" or seen[i].sum() > 1 else torch.zeros_like(seen[i])
+            assert torch.equal(reached, expect), \
+                f"causal={causal}, window={w}: query {i}'s output has a gradient for the {name}s " \
+                f"{reached.nonzero().flatten().tolist()}; expected {expect.nonzero().flatten().tolist()}"
+
+
+# --- 4. RecursiveRecompute and 5. meter_recompute: a GPT ---------------------------------------------------
 
 GB_, GT_ = 4, 32  # batch and sequence: each block's input is 4 x 32 x 64 fp32 = 32 KiB
 
@@ -534,35 +659,68 @@ def chain():
     return {"L": layer, "b": GB_ * GT_ * GPTConfig.tiny().n_embd * 4, "rest": one - layer}
 
 
-def _bounds(n, k):
-    sizes = [len(a) for a in np.array_split(np.arange(n), k)]  # as equal as possible, longer first
-    return [0] + [int(v) for v in np.cumsum(sizes)]
+def _recursion_runs(n):
+    """Each block's forward runs under Chen's recursion, written out: the first ⌈n/2⌉ blocks run once in
+    the forward (inside the checkpoint) and then as the recursion of their recomputation; the last ⌊n/2⌋
+    are the recursion itself."""
+    if n == 1:
+        return [1]
+    return [1 + r for r in _recursion_runs((n + 1) // 2)] + _recursion_runs(n // 2)
 
 
-@pytest.mark.parametrize("n, k", [(1, 1), (4, 2), (5, 2), (7, 3), (10, 3), (10, 10), (12, 5)])
-def test_SegmentedRecompute_bounds(ex, n, k):
-    got = ex.SegmentedRecompute(_gpt(n), k).bounds()  # (construction only: no forward runs)
-    assert list(got) == _bounds(n, k), f"n={n}, k={k}: boundaries {got}; expected {_bounds(n, k)}"
+def _counting_blocks(n, p=0.5):
+    blocks = [Block(p=p, seed=s) for s in range(n)]
+    return blocks
 
 
-CONFIGS = [(4, None, False), (3, None, False), (3, 1, False), (4, 4, True)]  # (3, None): segments [2, 1]
+@pytest.mark.parametrize("n", range(1, 8))
+def test_RecursiveRecompute_block_runs_follow_the_recursion(ex, f64, n):
+    blocks, x = _counting_blocks(n), _x()
+    wrapped = ex.RecursiveRecompute(_gpt(1))
+    torch.manual_seed(3)
+    y = wrapped.run(blocks, x)
+    forward = [b.calls for b in blocks]
+    y.sum().backward()
+    runs, expected = [b.calls for b in blocks], _recursion_runs(n)
+    assert forward == [1] * n, f"n={n}: the forward ran the blocks {forward} times; once each"
+    assert runs == expected, f"n={n}: forward and backward ran the blocks {runs} times; Chen's recursion " \
+                             f"(the first ⌈n/2⌉ checkpointed, the rest recursed) runs them {expected} times"
+    assert sum(expected) == costmodel.log_checkpoint_forwards(n)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 7])
+def test_RecursiveRecompute_gradients_equal_plain_blocks_with_dropout(ex, f64, n):
+    blocks, x = nn.ModuleList(_counting_blocks(n)), _x()
+    wrapped = ex.RecursiveRecompute(_gpt(1))
+    ref = _run(blocks, lambda bs, t: _run_plain(bs, t), x, seed=21, between=True)
+    got = _run(blocks, lambda bs, t: wrapped.run(bs, t), x, seed=21, between=True)
+    _assert_same_grads(got, ref, f"{n} blocks, dropout 0.5", depth=n * BLOCK_DEPTH)
+
+
+def _run_plain(blocks, x):
+    for b in blocks:
+        x = b(x)
+    return x
+
+
+RR_NS = [3, 4, 5]
 
 
 @pytest.fixture(scope="module")
 def wrapped(ex):
-    """One seeded step of each configuration (n, segments, checkpoint_last) and of the plain GPTs, once:
-    in float32 (the bytes the chapter counts) and in float64 (the gradients compared), key + ("float64",)."""
-    ns = sorted({n for n, _, _ in CONFIGS})
-    out = {("plain", n): _step(_gpt(n)) for n in ns}
+    """One seeded step of each RecursiveRecompute GPT and of the plain GPTs, once: in float32 (the bytes
+    the chapter counts) and in float64 (the gradients compared), key + ("float64",)."""
+    out = {("plain", n): _step(_gpt(n)) for n in RR_NS}
     with float64():
-        out.update({("plain", n, "float64"): _step(_gpt(n)) for n in ns})
-    for n, k, last in CONFIGS:
+        out.update({("plain", n, "float64"): _step(_gpt(n)) for n in RR_NS})
+    for n in RR_NS + [8]:
         try:
-            out[n, k, last] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
-            with float64():
-                out[n, k, last, "float64"] = _step(ex.SegmentedRecompute(_gpt(n), k, checkpoint_last=last))
+            out[n] = _step(ex.RecursiveRecompute(_gpt(n)))
+            if n in RR_NS:
+                with float64():
+                    out[n, "float64"] = _step(ex.RecursiveRecompute(_gpt(n)))
         except Exception as e:  # raised again by each test that needs it
-            out[n, k, last] = out[n, k, last, "float64"] = e
+            out[n] = out[n, "float64"] = e
     return out
 
 
@@ -580,49 +738,37 @@ def _gpt_bound(want, n_layer):
     return model_bound(n=GPT_N, depth=6 * n_layer + 2, scale=max(1.0, want.abs().max().item()))
 
 
-@pytest.mark.parametrize("n, k, last", CONFIGS)
-def test_SegmentedRecompute_gradients_equal_plain_with_dropout(wrapped, n, k, last):
-    ref, got = wrapped["plain", n, "float64"], _got(wrapped, (n, k, last, "float64"))
-    what = f"n={n}, segments={k}, checkpoint_last={last}, dropout 0.1"
+@pytest.mark.parametrize("n", RR_NS)
+def test_RecursiveRecompute_gpt_gradients_equal_plain_with_dropout(wrapped, n):
+    ref, got = wrapped["plain", n, "float64"], _got(wrapped, (n, "float64"))
+    what = f"n={n}, dropout 0.1"
     close(got["loss"], ref["loss"], _gpt_bound(ref["loss"], n), f"{what}: the loss differs")
     for name, g in ref["grads"].items():
         close(got["grads"]["model." + name], g, _gpt_bound(g, n), f"{what}: {name}.grad differs from plain")
 
 
-@pytest.mark.parametrize("n, k, last", CONFIGS)
-def test_SegmentedRecompute_forward_runs(wrapped, n, k, last):
-    bounds = _bounds(n, k or round(math.sqrt(n)))
-    once = bounds[-2] if not last else n  # the blocks of the last segment run once unless it is checkpointed
-    expected = [2 if i < once else 1 for i in range(n)]
-    got = _got(wrapped, (n, k, last))["runs"]
-    assert got == expected, f"n={n}, segments={k}, checkpoint_last={last}: forward runs per block {got}; " \
-                            f"expected {expected} (a checkpointed block runs again in the backward)"
+@pytest.mark.parametrize("n", RR_NS)
+def test_RecursiveRecompute_gpt_forward_runs(wrapped, n):
+    got = _got(wrapped, n)["runs"]
+    assert got == _recursion_runs(n), f"n={n}: forward runs per block {got}; expected {_recursion_runs(n)}"
 
 
-def test_SegmentedRecompute_saved_bytes(wrapped, chain):
+@pytest.mark.parametrize("n", RR_NS + [8])
+def test_RecursiveRecompute_saved_bytes(wrapped, chain, n):
     L, b, rest = chain["L"], chain["b"], chain["rest"]
-    plain = wrapped["plain", 4]["peak"]
-    assert plain == rest + 4 * L, "sanity: without checkpointing a block keeps L"
-    # √4 = 2 equal segments, the last run normally: its L's and the rest at the end of the forward
-    sqrt = _got(wrapped, (4, None, False))["peak"]
-    assert sqrt == rest + 1 * b + 2 * L, \
-        f"√n segments of 4 blocks kept {sqrt:,} B at the peak; expected the first segment's input and the " \
-        f"last segment's activations, rest + b + 2L = {rest + b + 2 * L:,}"
-    # uneven segments: the same bytes as a reference policy
-    uneven = _got(wrapped, (3, None, False))["peak"]
-    library = _step(apply_recompute(_gpt(3), "sqrt", 2))["peak"]
-    assert uneven == library, \
-        f"segments [2, 1] of 3 blocks kept {uneven:,} B; a reference policy keeps {library:,}"
-    # every block checkpointed: n inputs and one block while it is recomputed
-    every = _got(wrapped, (4, 4, True))["peak"]
-    assert every == pytest.approx(4 * b + L, rel=0.01), \
-        f"every block checkpointed kept {every:,} B; Chen's n·b + L = {4 * b + L:,} (within 1%)"
-    assert every < sqrt < plain
+    got = _got(wrapped, n)["peak"]
+    # M(1) = L, M(n) = max(b + M(⌊n/2⌋), M(⌈n/2⌉)) = ⌊log2 n⌋·b + L, on top of the one-block model's rest
+    want = rest + int(math.floor(math.log2(n))) * b + L
+    assert got == want, f"n={n}: the recursion kept {got:,} B at the peak; Chen's M(n) = ⌊log2 n⌋·b + L " \
+                        f"on top of the rest gives {want:,} B"
+    if n == 8:
+        sqrt = _step(apply_recompute(_gpt(8), "sqrt", None))["peak"]
+        assert got < sqrt, f"n=8: the recursion kept {got:,} B, √n segments {sqrt:,} B"
 
 
-def test_SegmentedRecompute_under_no_grad_just_runs(ex, f64):
+def test_RecursiveRecompute_under_no_grad_just_runs(ex, f64):
     x, _ = _batch()
-    model = ex.SegmentedRecompute(_gpt(4)).eval()
+    model = ex.RecursiveRecompute(_gpt(4)).eval()
     meter = MemoryMeter(model)
     with torch.no_grad(), meter.track():
         logits, loss = model(x)
@@ -630,13 +776,16 @@ def test_SegmentedRecompute_under_no_grad_just_runs(ex, f64):
         ref, _ = _gpt(4).eval()(x)
     assert loss is None and meter.peak["activations"] == 0
     close(logits, ref, _gpt_bound(ref, 4), "eval logits differ from the plain model's")
+    blocks = _counting_blocks(3)
+    with torch.no_grad():
+        model.run(blocks, _x())
+    assert [b.calls for b in blocks] == [1, 1, 1], "under no_grad each block runs once"
 
 
-def test_SegmentedRecompute_rejects_bad_segments(ex):
-    ex.SegmentedRecompute(_gpt(4), 2).bounds()  # a valid call first
-    for bad in (0, 5, 2.0):
-        with pytest.raises(ValueError, match="segments must be an int"):
-            ex.SegmentedRecompute(_gpt(4), bad)
+def test_RecursiveRecompute_rejects_what_is_not_a_gpt(ex):
+    ex.RecursiveRecompute(_gpt(2))(_batch()[0])  # a valid call first
+    with pytest.raises(TypeError, match="wraps a minitorch_dist GPT"):
+        ex.RecursiveRecompute(nn.Linear(2, 2))
 
 
 MZ_CASES = [(4, 2), (2, 2)]
@@ -648,22 +797,31 @@ def metered(ex):
     x, y = _batch()
     out = {}
     for n, k in MZ_CASES:
+        built = []
+
+        def make(m, built=built):  # _gpt, recording each model built and counting its block forwards
+            model, runs = _gpt(m), [0]
+            for b in model.blocks:
+                b.register_forward_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+            built.append((model, runs))
+            return model
+
         torch.manual_seed(2)
-        got = ex.meter_recompute(_gpt, n, k, x, y)
-        out[n, k] = (got, _step(apply_recompute(_gpt(n), "sqrt", k)))
+        got = ex.meter_recompute(make, n, k, x, y)
+        out[n, k] = (got, _step(apply_recompute(_gpt(n), "sqrt", k)), built)
     return out
 
 
 @pytest.mark.parametrize("n, k", MZ_CASES)
 def test_meter_recompute_calibration(metered, chain, n, k):
-    got, _ = metered[n, k]
+    got, _, _ = metered[n, k]
     for key in ("L", "b", "rest"):
         assert got[key] == chain[key], f"{key} = {got[key]:,} B; the plain models give {chain[key]:,}"
 
 
 @pytest.mark.parametrize("n, k", MZ_CASES)
 def test_meter_recompute_prediction(metered, chain, n, k):
-    got, _ = metered[n, k]
+    got, _, _ = metered[n, k]
     L, b, rest = chain["L"], chain["b"], chain["rest"]
     q = n // k  # k equal segments; at the end of the forward: k - 1 inputs, the last segment, the rest
     peak = rest + max((k - 1) * b + q * L, max((j * b + q * L for j in range(1, k)), default=0))
@@ -676,7 +834,7 @@ def test_meter_recompute_prediction(metered, chain, n, k):
 
 @pytest.mark.parametrize("n, k", MZ_CASES)
 def test_meter_recompute_measured(metered, n, k):
-    got, ref = metered[n, k]
+    got, ref, _ = metered[n, k]
     assert got["measured"]["peak"] == ref["peak"], \
         f"n={n}, k={k}: measured peak {got['measured']['peak']:,} B; MemoryMeter here sees {ref['peak']:,}"
     assert got["measured"]["recomputed"] == sum(ref["runs"]) - n, \
@@ -684,6 +842,19 @@ def test_meter_recompute_measured(metered, n, k):
         f"counted {sum(ref['runs']) - n}"
     assert got["measured"]["peak"] == pytest.approx(got["predicted"]["peak"], rel=0.01), \
         f"n={n}, k={k}: prediction and measurement more than 1% apart"
+
+
+@pytest.mark.parametrize("n, k", MZ_CASES)
+def test_meter_recompute_measured_from_a_real_run(metered, n, k):
+    got, _, built = metered[n, k]
+    # the measurement: a model of n blocks, checkpointed ("sqrt", k segments), that ran forward and backward
+    ran = [(m, runs[0]) for m, runs in built if len(m.blocks) == n and getattr(m, "recompute_policy", None)
+           == "sqrt" and all(p.grad is not None for p in m.parameters())]
+    assert ran, f"n={n}, k={k}: no checkpointed model of {n} blocks ran a forward and backward through " \
+                "make_model; measure a real step, not a formula"
+    assert any(r == n + got["measured"]["recomputed"] for _, r in ran), \
+        f"n={n}, k={k}: the checkpointed model's blocks ran {[r for _, r in ran]} forwards; the measured " \
+        f"recomputation {got['measured']['recomputed']} does not come from that run"
 
 
 def test_meter_recompute_rejects_unequal_segments(ex, metered):

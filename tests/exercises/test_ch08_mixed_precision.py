@@ -155,6 +155,38 @@ def test_scaler_update_edge_cases(ex):
     assert ex.scaler_update(1.0, 0, True) == (0.5, 0)
 
 
+def test_scaler_update_floor_hand_worked(ex):
+    assert ex.scaler_update(8.0, 0, True, min_scale=2.0) == (4.0, 0), "above the floor: an ordinary backoff"
+    assert ex.scaler_update(3.0, 1, True, min_scale=2.0, growth_interval=3) == (2.0, 0), \
+        "3 x 0.5 = 1.5 is below the floor 2: the backoff stops at 2"
+    assert ex.scaler_update(2.0, 0, True, min_scale=2.0) == (2.0, 0), "at the floor: it stays"
+    assert ex.scaler_update(1.0, 0, True, min_scale=2.0) == (1.0, 0), \
+        "a scale already below the floor is not raised by an overflow"
+    assert ex.scaler_update(1.0, 0, False, min_scale=2.0, growth_interval=1) == (2.0, 0), \
+        "the floor does not change growth"
+    floor = torch.tensor(0.1, dtype=torch.float32).item()  # 0.1 is not an fp32 number: the floor is rounded
+    assert ex.scaler_update(0.15, 0, True, min_scale=0.1) == (floor, 0)
+
+
+@pytest.mark.parametrize("min_scale", [1.0, 100.0, 3.0e3])
+def test_scaler_update_random_sequences_with_a_floor(ex, min_scale):
+    g = torch.Generator().manual_seed(int(min_scale))
+    found = (torch.rand(300, generator=g) < 0.4).tolist()
+    floor = torch.tensor(min_scale, dtype=torch.float32).item()
+    scale, tracker, ref, got = 2.0 ** 10, 0, [], []
+    for f in found:  # GradScaler's kernel, its backoff clamped by hand
+        new, tracker = _kernel(scale, tracker, f, 3.0, 0.3, 2)
+        scale = min(scale, max(new, floor)) if f else new
+        ref.append((scale, tracker))
+    scale, tracker = 2.0 ** 10, 0
+    for f in found:
+        scale, tracker = ex.scaler_update(scale, tracker, f, 3.0, 0.3, 2, min_scale=min_scale)
+        got.append((scale, tracker))
+    assert got == ref, f"min_scale={min_scale}: first difference at step " \
+                       f"{next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)}"
+    assert min(s for s, _ in got) >= min(floor, 2.0 ** 10), "a backoff crossed the floor"
+
+
 def test_scaler_update_accepts_a_found_inf_tensor(ex):
     assert ex.scaler_update(8.0, 0, torch.tensor([1.0]), growth_interval=3) == (4.0, 0)
     assert ex.scaler_update(8.0, 2, torch.tensor([0.0]), growth_interval=3) == (16.0, 0)
@@ -174,6 +206,8 @@ def test_scaler_update_rejects_bad_input(ex):
         ex.scaler_update(8.0, 0, False, growth_interval=0)
     with pytest.raises(ValueError, match="growth_tracker"):
         ex.scaler_update(8.0, 3, False, growth_interval=3)
+    with pytest.raises(ValueError, match="min_scale"):
+        ex.scaler_update(8.0, 0, False, min_scale=-1.0)
 
 
 # --- 2. LossScaler ---------------------------------------------------------------------------------
@@ -247,6 +281,19 @@ def test_LossScaler_scale_and_defaults(ex):
     assert scaled.dtype == torch.float32 and scaled.item() == 0.75 * 2.0 ** 16
     scaled.backward()
     assert loss.grad.item() == 2.0 ** 16, "the backward of the scaled loss carries S"
+
+
+def test_LossScaler_keeps_its_floor(ex):
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ex.LossScaler(init_scale=8.0, min_scale=2.0)
+    for _ in range(4):  # four overflows in a row: 8 -> 4 -> 2 -> 2 -> 2
+        p.grad = torch.tensor([1.0, float("inf")])
+        s.step(opt)
+        s.update()
+    assert s.get_scale() == 2.0 and s.skipped_steps == 4, \
+        f"scale {s.get_scale()} after four overflows with min_scale 2; the backoff stops at the floor"
+    assert torch.equal(p.detach(), torch.ones(2)), "skipped steps leave the weights alone"
 
 
 def test_LossScaler_refuses_misuse(ex):
@@ -434,6 +481,30 @@ def test_count_lost_bf16_updates_predicts_and_counts(ex, one_thread, lr):
         assert got["measured"] < 0.3 * updated
 
 
+def test_count_lost_bf16_updates_leaves_zero_updates_out(ex, one_thread):
+    # a bf16 linear layer fed inputs whose last 4 features are 0: those weight columns get a zero gradient,
+    # so a zero update, which moves nothing and loses nothing
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(16, 8).to(torch.bfloat16)
+    x[:, 4:] = 0
+    y = torch.randn(16, 4)
+    mse = lambda m, x, y: ((m(x).float() - y) ** 2).mean()
+    ref = copy.deepcopy(model)
+    got = ex.count_lost_bf16_updates(model, x, y, 1e-3, loss_fn=mse)
+    mse(ref, x, y).backward()
+    before = [p.detach().clone() for p in ref.parameters()]
+    moved = [p.grad != 0 for p in ref.parameters()]
+    torch.optim.SGD(ref.parameters(), lr=1e-3).step()
+    updated = sum(m.sum().item() for m in moved)
+    measured = sum(((p.detach() == w) & m).sum().item() for p, w, m in zip(ref.parameters(), before, moved))
+    assert updated == 4 * 4 + 4, "sanity: half the weight columns have a zero gradient"
+    assert got["updated"] == updated, f"updated {got['updated']}; only the {updated} nonzero updates count"
+    assert got["measured"] == measured and got["predicted"] <= updated, \
+        f"measured {got['measured']} (expected {measured}), predicted {got['predicted']}: count only " \
+        "elements whose update is not zero"
+
+
 def test_count_lost_bf16_updates_rejects_bad_input(ex):
     torch.manual_seed(0)
     x, y = MarkovCorpus(32, seed=0).batch(0, 2, 8)
@@ -615,6 +686,19 @@ def test_kahan_bf16_update_single_steps(ex):
     assert torch.equal(c, torch.zeros(4, dtype=bf))
 
 
+def test_kahan_bf16_update_keeps_the_update_in_fp32(ex):
+    # w = 1 (ulp 2^-7), u = 2^-8 + 2^-20: just above half an ulp, by less than bf16 can hold beside 2^-8.
+    # In fp32, w + u = 1 + 2^-8 + 2^-20 rounds up to 1 + 2^-7 and the compensation is u - 2^-7 (negative);
+    # rounded to bf16 first, u becomes 2^-8, a tie, and the weight would stay at 1 (ties to even).
+    bf = torch.bfloat16
+    u = torch.tensor([2.0 ** -8 + 2.0 ** -20])
+    new_w, new_c = ex.kahan_bf16_update(torch.ones(1, dtype=bf), torch.zeros(1, dtype=bf), u)
+    assert new_w.item() == 1 + 2.0 ** -7, \
+        f"w + u should round up to 1 + 2^-7, got {new_w.item()}: keep u in fp32"
+    assert new_c.item() == torch.tensor(2.0 ** -8 + 2.0 ** -20 - 2.0 ** -7).to(bf).item(), \
+        f"the compensation should hold u - 2^-7, got {new_c.item()}"
+
+
 def test_kahan_bf16_update_tracks_the_exact_sum_of_tiny_updates(ex):
     u, steps = 1e-4, 3000  # 1e-4 is 1/78 of an ulp at 1.0
     w, c = torch.ones(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
@@ -684,7 +768,7 @@ def test_kahan_bf16_update_rejects_bad_input(ex):
 # Expected values: Python loops over the tiles (amax, 448 / amax, the cast of each element), the
 # float64 rounding of costmodel.round_to_format, and a tensor without the outlier.
 
-def _tiles_by_hand(x, tile):
+def _tiles_by_hand(x, tile, power_of_two=False):
     M, K = x.shape
     n = math.ceil(K / tile)
     scales = torch.empty(M, n)
@@ -693,22 +777,27 @@ def _tiles_by_hand(x, tile):
         for j in range(n):
             part = x[i, j * tile:(j + 1) * tile].float()
             amax = part.abs().max().item()
-            s = torch.tensor(448.0 / amax if amax > 0 else 1.0, dtype=torch.float32)
+            s = torch.tensor(448.0, dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32) \
+                if amax > 0 else torch.tensor(1.0)
+            if power_of_two:  # the largest power of two not above the fp32 quotient
+                mantissa, e = math.frexp(s.item())
+                s = torch.tensor(2.0 ** (e - 1), dtype=torch.float32)
             scales[i, j] = s
             q[i, j * tile:(j + 1) * tile] = (part * s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     return q, scales
 
 
+@pytest.mark.parametrize("power_of_two", [False, True])
 @pytest.mark.parametrize("shape, tile", [((5, 300), 128), ((3, 128), 128), ((4, 7), 3), ((2, 5), 8)])
-def test_quantize_tiles_1x128_equals_a_hand_computation(ex, shape, tile):
+def test_quantize_tiles_1x128_equals_a_hand_computation(ex, shape, tile, power_of_two):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
     x[-1, :] = 0.0  # an all-zero row: every tile of it gets scale 1
     before = x.clone()
-    q, scales = ex.quantize_tiles_1x128(x, tile)
+    q, scales = ex.quantize_tiles_1x128(x, tile, power_of_two=power_of_two)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
     assert scales.dtype == torch.float32 and scales.shape == (shape[0], math.ceil(shape[1] / tile))
-    want_q, want_s = _tiles_by_hand(x, tile)
+    want_q, want_s = _tiles_by_hand(x, tile, power_of_two)
     torch.testing.assert_close(scales, want_s, rtol=0, atol=0)
     assert torch.equal(q.float(), want_q)
     assert torch.equal(x, before), "x must not change"
@@ -728,6 +817,22 @@ def test_quantize_tiles_1x128_round_trip_and_default_tile(ex):
     assert torch.equal(q.double(), round_to_format((x * per).double().clamp(-448, 448), "fp8_e4m3"))
     err = (q.float() / per - x).abs()
     assert (err <= x.abs() * 2.0 ** -4 + 2.0 ** -10 / per).all()  # half an ulp, or the subnormal floor
+
+
+def test_quantize_tiles_1x128_power_of_two_scales(ex):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 256, generator=g) * torch.exp2(torch.randint(-6, 6, (8, 1), generator=g).float())
+    x[0, :128] = 448.0 / 3  # 448 / amax = 3 exactly: the scale is 2, and the tile's amax lands on 298.67
+    x[1, :128] = 7.0        # 448 / 7 = 64: already a power of two, kept
+    q, scales = ex.quantize_tiles_1x128(x, power_of_two=True)
+    mantissa, _ = torch.frexp(scales)
+    assert torch.all(mantissa == 0.5), f"scales {scales[mantissa != 0.5][:4].tolist()} are not powers of two"
+    assert scales[0, 0].item() == 2.0 and scales[1, 0].item() == 64.0
+    landed = (x.abs() * scales.repeat_interleave(128, dim=1)).view(8, 2, 128).amax(-1)
+    assert (landed > 224).all() and (landed <= 448).all(), "each tile's amax lands in (224, 448]"
+    # the scaling itself is exact: q / s is the E4M3 rounding of x * s, divided back with no error
+    _, plain = ex.quantize_tiles_1x128(x)
+    assert (scales <= plain).all() and (scales > plain / 2).all()
 
 
 def test_quantize_tiles_1x128_confines_an_outlier_to_its_tile(ex):
@@ -756,6 +861,8 @@ def test_quantize_tiles_1x128_rejects_bad_input(ex):
         ex.quantize_tiles_1x128(torch.ones(2, 4), 0)
     with pytest.raises(TypeError, match="floating-point"):
         ex.quantize_tiles_1x128(torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="power_of_two"):
+        ex.quantize_tiles_1x128(torch.ones(2, 4), 2, power_of_two=1)
 
 
 # --- 8. delayed_scaling_update ---------------------------------------------------------------------
@@ -816,12 +923,46 @@ def test_delayed_scaling_update_rejects_bad_input(ex):
     h, s = torch.tensor([1.0, 0.0]), torch.tensor(1.0)
     ex.delayed_scaling_update(h, s, 448.0)  # a valid call first
     with pytest.raises(ValueError, match="1-D"):
-        ex.delayed_scaling_update(torch.zeros(2, 2), s, 448.0)
+        ex.delayed_scaling_update(torch.zeros(2, 2, 2), s, 448.0)
     with pytest.raises(ValueError, match="0-dim"):
         ex.delayed_scaling_update(h, torch.ones(1), 448.0)
+    with pytest.raises(ValueError, match="one per column"):
+        ex.delayed_scaling_update(torch.zeros(3, 2), torch.ones(3), 448.0)
     with pytest.raises(ValueError, match="fp8_max"):
         ex.delayed_scaling_update(h, s, -1.0)
     with pytest.raises(ValueError, match="margin"):
         ex.delayed_scaling_update(h, s, 448.0, margin=-1)
     with pytest.raises(ValueError, match="algo"):
         ex.delayed_scaling_update(h, s, 448.0, algo="mean")
+
+
+def test_delayed_scaling_update_many_tensors_hand_worked(ex):
+    # L = 3 slots, T = 2 tensors: column 0 has amaxes 2, 8, 0; column 1 has 1, 0.5, 0
+    h = torch.tensor([[2.0, 1.0], [8.0, 0.5], [0.0, 0.0]])
+    s = torch.tensor([3.0, 5.0])
+    new_h, new_s = ex.delayed_scaling_update(h, s, 448.0)
+    assert new_s.shape == (2,) and new_s.tolist() == [56.0, 448.0], \
+        f"scales {new_s.tolist()}: each column's own max (8 and 1), not the max over all"
+    assert new_h.tolist() == [[0.0, 0.0], [0.0, 0.0], [2.0, 1.0]], \
+        f"window {new_h.tolist()}: each column slides along the slots (dim 0), slot 0 cleared"
+    assert ex.delayed_scaling_update(h, s, 448.0, algo="most_recent")[1].tolist() == [224.0, 448.0]
+    zero = torch.tensor([[0.0, 4.0], [0.0, 0.0]])  # column 0 has seen nothing: keeps its scale
+    assert ex.delayed_scaling_update(zero, s, 448.0)[1].tolist() == [3.0, 112.0]
+    assert h.tolist() == [[2.0, 1.0], [8.0, 0.5], [0.0, 0.0]] and s.tolist() == [3.0, 5.0]
+
+
+def test_delayed_scaling_update_many_tensors_equal_one_at_a_time(ex):
+    L, steps = 4, 12
+    g = torch.Generator().manual_seed(5)
+    amaxes = torch.exp2(torch.randint(-4, 6, (steps, 3), generator=g).float())
+    amaxes[2, 1] = 0.0
+    amaxes[7, 2] = math.inf
+    history, scale = torch.zeros(L, 3), torch.ones(3)
+    for step in range(steps):
+        history = history.clone()
+        history[0] = amaxes[step]
+        history, scale = ex.delayed_scaling_update(history, scale, 448.0, margin=1)
+        for t in range(3):
+            alone = _drive(ex, amaxes[: step + 1, t].tolist(), L, margin=1)[-1]
+            assert scale[t].item() == alone[0] and history[:, t].tolist() == alone[1], \
+                f"step {step}, tensor {t}: ({scale[t].item()}, {history[:, t].tolist()}); alone: {alone}"

@@ -68,8 +68,12 @@ def test_topk_with_error_feedback_sends_the_k_largest_of_the_corrected_gradient(
     g = torch.Generator().manual_seed(0)
     grad, residual = torch.randn(6, 7, generator=g), torch.randn(6, 7, generator=g)
     grad0, residual0 = grad.clone(), residual.clone()
-    values, indices, new_residual = ex.topk_with_error_feedback(grad, residual, 5)
+    velocity = torch.randn(6, 7, generator=g)
+    velocity0 = velocity.clone()
+    values, indices, new_residual, _ = ex.topk_with_error_feedback(grad, residual, 5)
+    ex.topk_with_error_feedback(grad, residual, 5, velocity, 0.9)
     assert torch.equal(grad, grad0) and torch.equal(residual, residual0), "inputs must not change"
+    assert torch.equal(velocity, velocity0), "inputs must not change"
     c = (grad + residual).flatten()
     want = sorted(range(c.numel()), key=lambda i: -abs(c[i].item()))[:5]  # no ties in random floats
     assert sorted(indices.tolist()) == sorted(want)
@@ -88,7 +92,7 @@ def test_topk_with_error_feedback_residual_carries_exactly_what_was_not_sent(ex)
     for step in range(40):
         grad = torch.randn(shape, generator=g)
         slack += torch.finfo(torch.float32).eps * (grad + residual).abs().double()  # >= 2x half an ulp
-        values, indices, new_residual = ex.topk_with_error_feedback(grad, residual, k)
+        values, indices, new_residual, _ = ex.topk_with_error_feedback(grad, residual, k)
         sent = _dense(values, indices, shape)
         # exact, bitwise: every entry of grad + residual is either sent or kept
         assert torch.equal(sent + new_residual, grad + residual), f"step {step}: sent + residual != corrected"
@@ -105,6 +109,41 @@ def test_topk_with_error_feedback_residual_carries_exactly_what_was_not_sent(ex)
         f"lost {gap.max().item():.2e} (rounding allows {slack.max().item():.2e})"
 
 
+def test_topk_with_error_feedback_momentum_correction_by_hand(ex):
+    # beta 0.5, k 1; numbers exact in binary. Step 1: u = g1, send entry 0 (1), keep [0, .5, -.25], mask u.
+    # Step 2: u = .5 [0, .5, -.25] + g2 = [.125, .375, -.875]; accumulated = residual + u = [.125, .875,
+    # -1.125]: send entry 2 (-1.125), keep [.125, .875, 0], velocity [.125, .375, 0] (entry 2 masked).
+    g1, g2 = torch.tensor([1.0, 0.5, -0.25]), torch.tensor([0.125, 0.125, -0.75])
+    v1, i1, r1, u1 = ex.topk_with_error_feedback(g1, torch.zeros(3), 1, None, 0.5)
+    assert i1.tolist() == [0] and v1.tolist() == [1.0]
+    assert r1.tolist() == [0.0, 0.5, -0.25] and u1.tolist() == [0.0, 0.5, -0.25], \
+        f"residual {r1.tolist()}, velocity {u1.tolist()}: the sent entry's velocity is masked to 0"
+    v2, i2, r2, u2 = ex.topk_with_error_feedback(g2, r1, 1, u1, 0.5)
+    assert i2.tolist() == [2] and v2.tolist() == [-1.125], \
+        f"sent {v2.tolist()} at {i2.tolist()}: the residual accumulates the velocity, not the gradient"
+    assert r2.tolist() == [0.125, 0.875, 0.0] and u2.tolist() == [0.125, 0.375, 0.0], \
+        f"residual {r2.tolist()}, velocity {u2.tolist()}"
+
+
+def test_topk_with_error_feedback_momentum_run_keeps_the_books(ex):
+    g = torch.Generator().manual_seed(3)
+    shape, k, beta = (8, 8), 5, 0.9
+    residual, velocity = torch.zeros(shape), None
+    for step in range(25):
+        grad = torch.randn(shape, generator=g)
+        u = grad if velocity is None else beta * velocity + grad
+        values, indices, new_residual, new_velocity = ex.topk_with_error_feedback(grad, residual, k, velocity,
+                                                                                  beta)
+        sent = _dense(values, indices, shape)
+        assert torch.equal(sent + new_residual, residual + u), f"step {step}: sent + residual != residual + u"
+        masked = torch.zeros(math.prod(shape), dtype=torch.bool)
+        masked[indices] = True
+        masked = masked.view(shape)
+        assert torch.equal(new_velocity[masked], torch.zeros(k)), f"step {step}: sent entries keep velocity"
+        assert torch.equal(new_velocity[~masked], u[~masked]), f"step {step}: unsent velocity is beta u + g"
+        residual, velocity = new_residual, new_velocity
+
+
 def test_topk_with_error_feedback_rejects_bad_input(ex):
     grad = torch.randn(4, 4)
     ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 3)  # a valid call first
@@ -114,6 +153,10 @@ def test_topk_with_error_feedback_rejects_bad_input(ex):
         ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 17)
     with pytest.raises(ValueError, match="k must be"):
         ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 0)
+    with pytest.raises(ValueError, match="velocity shape"):
+        ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 3, torch.zeros(16), 0.9)
+    with pytest.raises(ValueError, match="beta must be"):
+        ex.topk_with_error_feedback(grad, torch.zeros(4, 4), 3, None, 1.0)
 
 
 # --- 2. QSGD ------------------------------------------------------------------------------------------
@@ -165,6 +208,54 @@ def test_qsgd_quantize_is_unbiased(ex):
     assert ((nearest.double() - v.double()).abs() / se.clamp_min(1e-12)).max().item() > 4.5
 
 
+def test_qsgd_quantize_buckets_each_on_its_own_grid(ex):
+    s, d = 4, 16
+    v = torch.randn(5, 10, generator=torch.Generator().manual_seed(5))  # 50 entries: buckets 16, 16, 16, 2
+    v.view(-1)[16:32] = 0.0  # the second bucket is all zero
+    v.view(-1)[0] = 40.0  # an outlier in the first bucket only
+    norms, q = ex.qsgd_quantize(v, s, torch.Generator().manual_seed(6), bucket=d)
+    flat = v.reshape(-1)
+    want = torch.stack([torch.linalg.vector_norm(flat[i:i + d]) for i in range(0, 50, d)])
+    assert norms.shape == (4,) and q.shape == v.shape, f"norms {tuple(norms.shape)}: one per bucket of {d}"
+    for b in range(4):
+        close(norms[b], want[b], reorder_bound(d, want[b]), f"bucket {b}'s 2-norm")
+    qf = q.reshape(-1)
+    assert torch.equal(qf[16:32], torch.zeros(16, dtype=q.dtype)), "an all-zero bucket has levels 0"
+    for b in (0, 2, 3):
+        part = flat[b * d:(b + 1) * d]
+        a = (part.abs() / part.norm() * s).double()
+        lvl = qf[b * d:(b + 1) * d].abs().double()
+        assert bool(((lvl == a.floor()) | (lvl == a.floor() + 1)).all()), \
+            f"bucket {b}: a level is not a neighbour of |v_i| / ||bucket|| * s"
+    deq = ex.qsgd_dequantize(norms, q, s, bucket=d)
+    assert not torch.isnan(deq).any() and torch.equal(deq.reshape(-1)[16:32], torch.zeros(16))
+    per = want.repeat_interleave(d)[:50].view(5, 10)
+    close(deq, per * q.float() / s, reorder_bound(2, per * s), "norm of its bucket * q / s")
+
+
+def test_qsgd_dequantize_buckets_by_hand(ex):
+    norms, q = torch.tensor([6.0, 3.0]), torch.tensor([-3, 0, 1, 2, 3], dtype=torch.int8)
+    out = ex.qsgd_dequantize(norms, q, 3, bucket=4)  # buckets [-3, 0, 1, 2] (norm 6) and [3] (norm 3)
+    assert torch.equal(out, torch.tensor([-6.0, 0.0, 2.0, 4.0, 3.0])), f"got {out.tolist()}"
+    with pytest.raises(ValueError, match="norms for"):
+        ex.qsgd_dequantize(norms, q, 3, bucket=2)
+
+
+def test_qsgd_quantize_buckets_are_unbiased_with_a_smaller_variance(ex):
+    s, n, d, draws = 2, 64, 8, 3000
+    v = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(8)
+    samples = torch.stack([ex.qsgd_dequantize(*ex.qsgd_quantize(v, s, gen, bucket=d), s, bucket=d)
+                           for _ in range(draws)]).double()
+    mean, se = samples.mean(0), samples.std(0) / math.sqrt(draws)
+    z = ((mean - v.double()).abs() / se.clamp_min(1e-12)).max().item()
+    assert z < 4.5, f"the mean of {draws} bucketed quantisations is {z:.1f} standard errors from v: biased"
+    var = ((samples - v.double()) ** 2).sum(1).mean().item()
+    bound = sum(min(d / s ** 2, math.sqrt(d) / s) * v[i:i + d].double().square().sum().item()
+                for i in range(0, n, d))  # Lemma 3.1 for each bucket
+    assert var <= bound, f"variance {var:.3g} above the per-bucket bound {bound:.3g}"
+
+
 def test_qsgd_quantize_zero_vector_and_determinism(ex):
     norm, q = ex.qsgd_quantize(torch.zeros(10), 4, torch.Generator().manual_seed(0))
     assert norm.item() == 0 and torch.equal(ex.qsgd_dequantize(norm, q, 4), torch.zeros(10))
@@ -180,6 +271,8 @@ def test_qsgd_quantize_rejects_bad_input(ex):
         ex.qsgd_quantize(torch.randn(5), 0)
     with pytest.raises(TypeError, match="floating-point"):
         ex.qsgd_quantize(torch.arange(5), 2)
+    with pytest.raises(ValueError, match="bucket must be"):
+        ex.qsgd_quantize(torch.randn(5), 2, bucket=0)
 
 
 # --- 3. powersgd_step ------------------------------------------------------------------------------
@@ -556,6 +649,20 @@ def test_onebit_adam_step_freezes_v_and_sends_plus_or_minus_scale(ex):
                   f"step {step}: the parameters")
         p, m, v, e = p2, m2, v2, e2
     assert v_frozen.abs().sum() > 0, "sanity: warm-up filled v"
+
+
+def test_onebit_adam_step_sign_of_zero_is_plus(ex):
+    # after the warm-up, entries whose corrected momentum is exactly 0 still send +scale (one bit each)
+    param, v = torch.zeros(4), torch.ones(4)
+    grad = torch.tensor([4.0, 0.0, -2.0, 0.0])
+    zeros = torch.zeros(4)
+    _, m1, _, err, sent = ex.onebit_adam_step(param, grad, zeros, v, zeros, step=5, warmup_steps=2, lr=0.1,
+                                              betas=(0.5, 0.9))
+    # m' = 0.5 g = [2, 0, -1, 0]; scale = mean|m'| = 0.75; sent = [+, +, -, +] 0.75
+    assert torch.equal(m1, torch.tensor([2.0, 0.0, -1.0, 0.0]))
+    assert torch.equal(sent, torch.tensor([0.75, 0.75, -0.75, 0.75])), \
+        f"sent {sent.tolist()}: sign(0) is +1, so every entry sends ±scale"
+    assert torch.equal(err, torch.tensor([1.25, -0.75, -0.25, -0.75]))
 
 
 def test_onebit_adam_step_error_feedback_carries_exactly_the_residual(ex):

@@ -1,24 +1,30 @@
-"""Chapter 10 exercises, autograded: top-2 gating with capacity, the load-balancing loss, expert choice,
-auxiliary-loss-free balancing (biased selection, the bias update), expert-parallel dispatch and combine,
-the traffic and drops of an expert-parallel step predicted.
+"""Chapter 10 exercises, autograded: top-2 gating with batch-prioritised capacity, the load-balancing loss,
+expert choice, auxiliary-loss-free balancing (biased selection, the bias update), expert-parallel
+dispatch and combine with the experts dealt round-robin, the traffic and drops of an expert-parallel
+step predicted and measured.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Expected values
 come from independent sources: routing written as plain Python loops over tokens (slots handed
-out one by one, first choices before second); the aux loss summed term by term from its
+out one by one, first choices before second, each round most confident token first, on batches
+where that order differs from token order, from the order of the normalised gates and from that
+of the second gates); the library's ``load_balancing_loss``, ``biased_choice``, ``bias_update`` and
+``costmodel`` on seeded random inputs; the aux loss summed term by term from its
 definition, on hand-made router outputs whose value is known in closed form (α for a uniform
 router, α·N for a collapsed one) and its gradient α·N·f_i/T; each expert's top tokens found by
 sorting; the MoE output combined token by token against the einsum over GShard's tensors.
 
-The expert-parallel layer (exercise 5) runs on 2 and 4 ranks and is compared with the library's
-single-process ``MoELayer`` run on each rank's tokens alone: outputs, input gradients, each rank's
+The expert-parallel layer (exercise 5, experts dealt round-robin: rank r holds experts r, r + n, ...)
+runs on 2 and 4 ranks and is compared with the library's single-process ``MoELayer`` run on each
+rank's tokens alone: outputs, input gradients, each rank's
 experts' gradients (which must hold every rank's tokens) and the router's gradient summed over ranks,
 for four routings (Switch and top-2 with drops, expert choice, a skewed one with zero-row splits);
 its all-to-alls must move the kept rows and no more. The forecast (exercise 6) is compared with the
 binomial expectation summed term by term here and with the bytes the comm meter counts and the
-drops the library's expert-parallel layer reports over many random batches on the same ranks (one
-launch per world size serves both exercises).
+drops the library's expert-parallel layer reports over many random batches on the same ranks; the
+measurement (exercise 7) must equal, batch by batch and exactly, the same steps metered here (one
+launch per world size serves all three).
 
 Checks of bad input first make a valid call, so a stub fails them too.
 
@@ -50,8 +56,10 @@ import torch.nn.functional as F
 from minitorch_dist import costmodel as cm
 from minitorch_dist import launch
 from minitorch_dist.runtime import comm
+from minitorch_dist.sparsity.aux_free import bias_update, biased_choice
 from minitorch_dist.sparsity.expert_parallel import ExpertParallelMoE
 from minitorch_dist.sparsity.moe import ExpertChoiceRouter, MoELayer, SwitchRouter, Top2Router
+from minitorch_dist.sparsity.routers import load_balancing_loss
 
 from _support import case as _case
 from _support import close, float64, gamma, model_bound, refusal, reorder_bound, run_cases
@@ -67,10 +75,11 @@ def _logits(T, E, seed):
     return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-# --- 1. top2_gating_with_capacity ----------------------------------------------------------------------
+# --- 1. top2_gating_prioritized --------------------------------------------------------------------------
 
 def _top2_by_loops(logits, cf):
-    """GShard Algorithm 1 token by token: {(t, e): (slot, normalised gate)} of kept assignments."""
+    """Batch Prioritized top-2 routing token by token: {(t, e): (slot, normalised gate)} of kept
+    assignments. Priority: the token's largest probability, the earlier token first on a tie."""
     T, E = logits.shape
     C = math.ceil(cf * 2 * T / E - 1e-9)
     p = [[math.exp(v) for v in row] for row in logits.tolist()]
@@ -81,9 +90,10 @@ def _top2_by_loops(logits, cf):
         e2 = max((e for e in range(E) if e != e1), key=lambda e: (row[e], -e))
         s = row[e1] + row[e2]
         choice.append(((e1, row[e1] / s), (e2, row[e2] / s)))
+    order = sorted(range(T), key=lambda t: (-max(p[t]), t))
     fill, kept = [0] * E, {}
     for rank_of_choice in (0, 1):           # every first choice before any second choice
-        for t in range(T):
+        for t in order:                     # each round most confident token first
             e, g = choice[t][rank_of_choice]
             if fill[e] < C:
                 kept[(t, e)] = (fill[e], g)
@@ -91,13 +101,13 @@ def _top2_by_loops(logits, cf):
     return kept, C
 
 
-@pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (33, 8, 0.5), (10, 2, 1.25), (20, 5, 2.0)])
-def test_top2_gating_with_capacity_equals_token_by_token_routing(ex, T, E, cf):
-    logits = _logits(T, E, seed=T + E)
-    combine, dispatch, dropped = ex.top2_gating_with_capacity(logits, cf)
+def _check_top2(ex, logits, cf):
+    T, E = logits.shape
+    combine, dispatch, dropped = ex.top2_gating_prioritized(logits, cf)
     kept, C = _top2_by_loops(logits, cf)
     assert C == cm.moe_capacity(T, E, 2, cf)
     assert combine.shape == dispatch.shape == (T, E, C) and dispatch.dtype == torch.bool
+    assert combine.dtype == logits.dtype
     got = {(t, e): (c, combine[t, e, c].item()) for t, e, c in dispatch.nonzero().tolist()}
     assert set(got) == set(kept), "a different set of (token, expert) assignments was kept"
     for key, (slot, gate) in kept.items():
@@ -107,10 +117,65 @@ def test_top2_gating_with_capacity_equals_token_by_token_routing(ex, T, E, cf):
     assert dropped == 2 * T - len(kept)
 
 
-def test_top2_gating_with_capacity_drops_what_capacity_implies(ex):
+@pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (33, 8, 0.5), (10, 2, 1.25), (20, 5, 2.0)])
+def test_top2_gating_prioritized_equals_token_by_token_routing(ex, T, E, cf):
+    _check_top2(ex, _logits(T, E, seed=T + E), cf)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top2_gating_prioritized_on_random_batches_with_drops(ex, seed):
+    # peaked logits (x3): confidences spread widely, so priority order is far from token order,
+    # from the order of the normalised gates and from the order of the second gates
+    g = torch.Generator().manual_seed(100 + seed)
+    T, E = int(torch.randint(12, 40, (1,), generator=g)), int(torch.randint(3, 9, (1,), generator=g))
+    _check_top2(ex, 3 * _logits(T, E, seed=200 + seed), 0.5 + 0.25 * (seed % 3))
+
+
+def test_top2_gating_prioritized_serves_the_most_confident_token_first(ex):
+    # all tokens want expert 0 first, C = 1: the most confident token (here the last) gets the slot
+    logits = torch.tensor([[1.0, 0.5, 0.0, -9.0],
+                           [2.0, 0.5, 0.0, -9.0],
+                           [3.0, 0.5, 0.0, -9.0],
+                           [4.0, 0.5, 0.0, -9.0]], dtype=torch.float64)
+    _, dispatch, _ = ex.top2_gating_prioritized(logits, 0.5)   # C = ceil(0.5·8/4) = 1
+    assert dispatch[:, 0].any(-1).tolist() == [False, False, False, True], \
+        "slots go by priority (the largest router probability), not by token order"
+    # priority is the raw probability, not the renormalised gate: token 0 has p1 = 0.50 (gate 0.53),
+    # token 1 has p1 = 0.45 (gate 0.69); both want expert 0 first, C = 1: token 0 is served
+    logits = torch.tensor([[0.50, 0.45, 0.03, 0.02], [0.45, 0.20, 0.18, 0.17]], dtype=torch.float64).log()
+    _, dispatch, _ = ex.top2_gating_prioritized(logits, 1.0)   # C = ceil(1·4/4) = 1
+    assert dispatch[0, 0].any() and not dispatch[1, 0].any(), \
+        "priority is the token's largest router probability, not its renormalised gate"
+    _check_top2(ex, logits, 1.0)
+    # second choices keep the tokens' priority order, not the order of their own gates
+    logits = torch.tensor([[5.0, 4.9, -9.0],                   # very sure of 0, second 1 with a big gate
+                           [-9.0, 1.0, 6.0],                   # surer: first 2, second 1, small gate
+                           [0.0, -9.0, 6.5]], dtype=torch.float64)
+    _check_top2(ex, logits, 0.5)
+
+
+def test_top2_gating_prioritized_first_choices_have_priority(ex):
+    # every token prefers expert 0, then expert 1, all equally sure: the earlier token first
+    T, E = 8, 4
+    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]] * T)
+    combine, dispatch, dropped = ex.top2_gating_prioritized(logits, 1.0)
+    C = cm.moe_capacity(T, E, 2, 1.0)  # 4
+    assert dispatch[:, 0].any(-1).tolist() == [True] * C + [False] * (T - C)
+    assert dispatch[:, 1].any(-1).tolist() == [True] * C + [False] * (T - C)
+    assert dropped == 2 * (T - C)
+    # a token's second choice yields to a less confident token's first choice at the same expert
+    logits = torch.tensor([[0.0, 6.0, 4.0, 0.0],    # token 0, most sure: second choice expert 2
+                           [0.0, 0.0, 2.0, 1.0],    # token 1, least sure: first choice expert 2
+                           [5.0, 0.0, 4.0, 0.0],    # token 2: first choice expert 0, second 2
+                           [5.0, 4.0, 0.0, 0.0]])
+    _, dispatch, _ = ex.top2_gating_prioritized(logits, 0.5)  # C = 1
+    assert dispatch[1, 2].any() and not dispatch[0, 2].any() and not dispatch[2, 2].any()
+
+
+def test_top2_gating_prioritized_drops_what_capacity_implies(ex):
     T, E, cf = 64, 8, 0.75
     logits = _logits(T, E, seed=5)
-    _, dispatch, dropped = ex.top2_gating_with_capacity(logits, cf)
+    _, dispatch, dropped = ex.top2_gating_prioritized(logits, cf)
     top2 = logits.topk(2, dim=-1).indices
     loads = torch.bincount(top2.flatten(), minlength=E)       # what each expert was asked for
     assert dropped == cm.dropped_tokens(loads, cm.moe_capacity(T, E, 2, cf))
@@ -118,33 +183,14 @@ def test_top2_gating_with_capacity_drops_what_capacity_implies(ex):
     assert int(dispatch.sum(dim=0).max()) <= 1, "a slot of an expert's buffer holds one token at most"
 
 
-def test_top2_gating_with_capacity_first_choices_have_priority(ex):
-    # every token prefers expert 0, then expert 1: expert 0 fills up with the first C tokens'
-    # first choices; expert 1 has no first choices, so its C slots go to the earliest second choices
-    T, E = 8, 4
-    logits = torch.tensor([[3.0, 2.0, 0.0, 0.0]] * T)
-    combine, dispatch, dropped = ex.top2_gating_with_capacity(logits, 1.0)
-    C = cm.moe_capacity(T, E, 2, 1.0)  # 4
-    assert dispatch[:, 0].any(-1).tolist() == [True] * C + [False] * (T - C)
-    assert dispatch[:, 1].any(-1).tolist() == [True] * C + [False] * (T - C)
-    assert dropped == 2 * (T - C)
-    # a token's second choice yields to another token's first choice at the same expert
-    logits = torch.tensor([[0.0, 5.0, 4.0, 0.0],    # token 0: second choice expert 2
-                           [0.0, 0.0, 5.0, 4.0],    # token 1: first choice expert 2
-                           [5.0, 0.0, 4.0, 0.0],    # token 2: first choice expert 0, second 2
-                           [5.0, 4.0, 0.0, 0.0]])
-    _, dispatch, _ = ex.top2_gating_with_capacity(logits, 0.5)  # C = 1
-    assert dispatch[1, 2].any() and not dispatch[0, 2].any() and not dispatch[2, 2].any()
-
-
-def test_top2_gating_with_capacity_computes_the_moe_layer(ex):
+def test_top2_gating_prioritized_computes_the_moe_layer(ex):
     # the einsums over GShard's tensors equal the layer written token by token
     T, E, h, cf = 24, 6, 5, 1.0
     g = torch.Generator().manual_seed(7)
     x = torch.randn(T, h, generator=g, dtype=torch.float64)
     W = torch.randn(E, h, h, generator=g, dtype=torch.float64)
     logits = _logits(T, E, seed=8).requires_grad_(True)
-    combine, dispatch, _ = ex.top2_gating_with_capacity(logits, cf)
+    combine, dispatch, _ = ex.top2_gating_prioritized(logits, cf)
     expert_in = torch.einsum("tec,th->ech", dispatch.to(x.dtype), x)
     y = torch.einsum("tec,ech->th", combine, torch.tanh(torch.einsum("ech,ehk->eck", expert_in, W)))
     kept, _ = _top2_by_loops(logits.detach(), cf)
@@ -158,22 +204,22 @@ def test_top2_gating_with_capacity_computes_the_moe_layer(ex):
     assert logits.grad is not None and logits.grad.abs().sum() > 0
 
 
-def test_top2_gating_with_capacity_no_drops_with_enough_capacity(ex):
+def test_top2_gating_prioritized_no_drops_with_enough_capacity(ex):
     T, E = 30, 4
-    combine, dispatch, dropped = ex.top2_gating_with_capacity(_logits(T, E, 9), capacity_factor=E / 2)
+    combine, dispatch, dropped = ex.top2_gating_prioritized(_logits(T, E, 9), capacity_factor=E / 2)
     assert dropped == 0 and dispatch.sum().item() == 2 * T
     # two gates g_i = p_i / (p_1 + p_2): a sum and a division each, then their sum
     close(combine.sum(dim=(1, 2)), torch.ones(T, dtype=torch.float64), gamma(5, torch.float64), "gates' sum")
 
 
-def test_top2_gating_with_capacity_rejects_bad_input(ex):
-    ex.top2_gating_with_capacity(_logits(8, 4, 0), 1.0)  # a valid call first
+def test_top2_gating_prioritized_rejects_bad_input(ex):
+    ex.top2_gating_prioritized(_logits(8, 4, 0), 1.0)  # a valid call first
     with pytest.raises(ValueError, match=r"\[T, E\]"):
-        ex.top2_gating_with_capacity(torch.randn(2, 8, 4), 1.0)
+        ex.top2_gating_prioritized(torch.randn(2, 8, 4), 1.0)
     with pytest.raises(ValueError, match="at least 2 experts"):
-        ex.top2_gating_with_capacity(torch.randn(8, 1), 1.0)
+        ex.top2_gating_prioritized(torch.randn(8, 1), 1.0)
     with pytest.raises(ValueError, match="capacity_factor"):
-        ex.top2_gating_with_capacity(torch.randn(8, 4), 0.0)
+        ex.top2_gating_prioritized(torch.randn(8, 4), 0.0)
 
 
 # --- 2. switch_aux_loss --------------------------------------------------------------------------------
@@ -216,6 +262,20 @@ def test_switch_aux_loss_equals_the_definition_on_random_routers(ex, k):
     assert loss.item() == pytest.approx(_aux_by_definition(probs, index, alpha), rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_switch_aux_loss_equals_the_library_on_seeded_routers(ex, seed):
+    g = torch.Generator().manual_seed(300 + seed)
+    T, N = int(torch.randint(5, 50, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+    k, alpha = 1 + seed % min(N, 3), float(torch.rand(1, generator=g)) * 0.1
+    probs = torch.softmax(2 * _logits(T, N, seed=400 + seed), dim=-1)
+    index = probs.topk(k, dim=-1).indices
+    mask = F.one_hot(index, N).sum(1)              # [T, N] 0/1: the library's form for k experts
+    want = load_balancing_loss(probs, mask, N, alpha)
+    got = ex.switch_aux_loss(probs, index[:, 0] if k == 1 else index, alpha)
+    # both: N products summed, a mean over T, a few scalings (rel 1e-12 >> (N + T + 5)·u)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-300)
+
+
 def test_switch_aux_loss_gradient_pushes_probability_off_busy_experts(ex):
     T, N, alpha = 20, 5, 0.1
     probs = torch.softmax(_logits(T, N, seed=12), dim=-1).requires_grad_(True)
@@ -244,7 +304,8 @@ def test_switch_aux_loss_rejects_bad_input(ex):
 
 # --- 3. experts_choose_tokens --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (30, 4, 2.0), (10, 3, 1.0), (7, 2, 5.0)])
+@pytest.mark.parametrize("T,E,cf", [(16, 4, 1.0), (30, 4, 2.0), (10, 3, 1.0), (7, 2, 5.0), (25, 6, 1.7),
+                                    (40, 8, 0.6)])
 def test_experts_choose_tokens_each_expert_takes_its_top_k_tokens(ex, T, E, cf):
     logits = _logits(T, E, seed=T * E)
     gates, token_index = ex.experts_choose_tokens(logits, cf)
@@ -330,6 +391,20 @@ def test_aux_free_select_chooses_by_biased_score_and_weighs_by_score(ex, T, E, k
     assert plain.tolist() != experts.tolist(), "this bias must change some token's choice"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_aux_free_select_equals_the_library_on_seeded_scores(ex, seed):
+    g = torch.Generator().manual_seed(500 + seed)
+    T, E = int(torch.randint(4, 40, (1,), generator=g)), int(torch.randint(2, 10, (1,), generator=g))
+    k = 1 + int(torch.randint(0, E, (1,), generator=g))
+    logits = _logits(T, E, seed=600 + seed)
+    score = ("softmax", "sigmoid")[seed % 2]
+    bias = 0.3 * torch.randn(E, generator=g, dtype=torch.float64)
+    s, want_e, want_g = biased_choice(logits, bias, k, score)
+    experts, gates = ex.aux_free_select(s, bias, k)
+    assert experts.tolist() == want_e.tolist()
+    assert torch.equal(gates, want_g), "the same score gathered and renormalised: the same operations"
+
+
 def test_aux_free_select_the_bias_gets_no_gradient_and_changes_no_weight(ex):
     T, E = 12, 4
     logits = _logits(T, E, seed=21).requires_grad_(True)
@@ -358,6 +433,19 @@ def test_aux_free_bias_step_on_hand_made_loads(ex):
           reorder_bound(2, 0.1), "bias step from zero")
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_aux_free_bias_step_equals_the_library_on_seeded_loads(ex, seed):
+    g = torch.Generator().manual_seed(700 + seed)
+    E, T = int(torch.randint(2, 12, (1,), generator=g)), int(torch.randint(1, 60, (1,), generator=g))
+    k = 1 + seed % 2
+    index = torch.randint(0, E, (T, k), generator=g)
+    bias = torch.randn(E, generator=g, dtype=(torch.float64, torch.float32)[seed % 2])
+    load = torch.bincount(index.flatten(), minlength=E)
+    want = bias_update(bias, load, 0.01 * (seed + 1))
+    got = ex.aux_free_bias_step(bias, index if k > 1 else index[:, 0], 0.01 * (seed + 1))
+    assert got.dtype == bias.dtype and torch.equal(got, want), "b + γ·sign(mean − load): the same roundings"
+
+
 def test_aux_free_select_and_bias_step_balance_a_collapsed_router(ex):
     # scores that send every token to expert 0; the bias alone, step by step, spreads the load
     T, E, rate = 128, 4, 0.005
@@ -373,14 +461,18 @@ def test_aux_free_select_and_bias_step_balance_a_collapsed_router(ex):
     assert (late.max(1).values / (T / E)).mean() < 1.25    # balanced by the bias alone
 
 
-def test_aux_free_rejects_bad_input(ex):
+def test_aux_free_select_rejects_bad_input(ex):
     scores, bias = torch.rand(6, 4), torch.zeros(4)
-    experts, _ = ex.aux_free_select(scores, bias, 2)   # valid calls first
-    ex.aux_free_bias_step(bias, experts, 0.001)
+    ex.aux_free_select(scores, bias, 2)   # a valid call first
     with pytest.raises(ValueError, match=r"bias must hold one value per expert, shape \(4,\)"):
         ex.aux_free_select(scores, torch.zeros(3), 1)
     with pytest.raises(ValueError, match=r"k must be an int in \[1, E = 4\]"):
         ex.aux_free_select(scores, bias, 5)
+
+
+def test_aux_free_bias_step_rejects_bad_input(ex):
+    bias, experts = torch.zeros(4), torch.tensor([[0, 1], [2, 3], [0, 2]])
+    ex.aux_free_bias_step(bias, experts, 0.001)   # a valid call first
     with pytest.raises(ValueError, match=r"rate must be > 0 \(DeepSeek-V3 uses 0.001\)"):
         ex.aux_free_bias_step(bias, experts, 0.0)
     with pytest.raises(ValueError, match="outside"):
@@ -432,15 +524,23 @@ def _measure(n, r):
     """Exercise 6's measurement, with the library's expert-parallel layer: per batch, the all-to-all
     bytes the meter counts over a training step and the assignments this rank's capacity drops."""
     ep = ExpertParallelMoE(_uniform_layer(), broadcast_weights=False)
-    g = torch.Generator().manual_seed(1000 + r)
     nbytes, dropped = [], []
-    for _ in range(BATCHES):
-        x = torch.randn(T_M, H, generator=g, requires_grad=True)
+    for x in _batches(r):
         with comm.meter() as m:
             ep(x).sum().backward()
         nbytes.append(m.bytes["all_to_all"])
         dropped.append(ep.last_routing.dropped)
     return {"bytes": nbytes, "dropped": dropped}
+
+
+def _batches(r):
+    g = torch.Generator().manual_seed(1000 + r)
+    return [torch.randn(T_M, H, generator=g, requires_grad=True) for _ in range(BATCHES)]
+
+
+def _measure_by_exercise(ex, n, r):
+    """Exercise 7 on this rank: the same layer and batches as :func:`_measure`."""
+    return ex.ep_step_traffic(ExpertParallelMoE(_uniform_layer(), broadcast_weights=False), _batches(r))
 
 
 def _build(ex, n, r):
@@ -450,16 +550,15 @@ def _build(ex, n, r):
 
 
 def _build_routing(ex, n, r, case):
-    per = E // n
     layer = _layer(case)
     xs, Gs = _data(case, n)
     x = xs[r].clone().requires_grad_(True)
     with comm.meter() as fwd:
-        y = ex.ep_moe_forward(x, layer.router, layer.experts[r * per:(r + 1) * per])
+        y = ex.ep_moe_forward_strided(x, layer.router, layer.experts[r::n])
     (y * Gs[r]).sum().backward()
     return {"y": y.detach(), "dx": x.grad, "router": layer.router.w_gate.grad,
             "experts": [[None if p.grad is None else p.grad.clone() for p in e.parameters()]
-                        for e in layer.experts[r * per:(r + 1) * per]],
+                        for e in layer.experts[r::n]],
             "events": [(e.op, e.nbytes) for e in fwd.events],
             "counts": layer.router(xs[r]).counts.tolist()}
 
@@ -471,7 +570,7 @@ def _build_64(ex, n, r):
     cases = {case: (lambda case=case: _build_routing(ex, n, r, case)) for case in ROUTINGS}
     for name, args in (("width", (torch.randn(4, H + 1), layer.router, layer.experts[:per])),
                        ("experts", (torch.randn(4, H), layer.router, layer.experts[:per + 1]))):
-        cases["bad", name] = lambda args=args: refusal(lambda: ex.ep_moe_forward(*args))
+        cases["bad", name] = lambda args=args: refusal(lambda: ex.ep_moe_forward_strided(*args))
     return run_cases(cases)
 
 
@@ -480,7 +579,8 @@ def _rank_run(ex):
 
     n, r = dist.get_world_size(), dist.get_rank()
     measured = _measure(n, r)  # first: the library's layer, whatever exercise 5 does
-    return {"measure": measured, "build": _build(ex, n, r)}
+    step = run_cases({"step": lambda: _measure_by_exercise(ex, n, r)})
+    return {"measure": measured, "build": _build(ex, n, r), "step": step}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -525,33 +625,33 @@ def _ep_close(got, want, where):
     close(got, want, model_bound(n=EP_N, depth=EP_DEPTH, scale=max(1.0, want.abs().max().item())), where)
 
 
-# --- 5. ep_moe_forward -----------------------------------------------------------------------------------
+# --- 5. ep_moe_forward_strided ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", ROUTINGS)
-def test_ep_moe_forward_equals_one_process(ranks, case):
+def test_ep_moe_forward_strided_equals_one_process(ranks, case):
     n, results = ranks
     layer, ref = _reference(case, n)
-    per = E // n
     router_grad = 0
     for r in range(n):
         got = _built(results, r, case)
         _ep_close(got["y"], ref[r]["y"], f"{n} ranks, rank {r}, {case}: outputs differ")
         _ep_close(got["dx"], ref[r]["x"].grad, f"{n} ranks, rank {r}, {case}: input gradients differ")
         for i, grads in enumerate(got["experts"]):
-            want = [p.grad for p in layer.experts[r * per + i].parameters()]
+            want = [p.grad for p in layer.experts[r + i * n].parameters()]  # rank r holds r, r + n, ...
             for a, b in zip(grads, want):
                 a = torch.zeros_like(b) if a is None else a  # an expert with no rows: zero or None
-                _ep_close(a, b, f"{n} ranks, rank {r}, {case}: expert {r * per + i}'s gradient is not the "
+                _ep_close(a, b, f"{n} ranks, rank {r}, {case}: expert {r + i * n}'s gradient is not the "
                                 f"one every rank's tokens give")
         router_grad = router_grad + got["router"]
     _ep_close(router_grad, layer.router.w_gate.grad, f"{n} ranks, {case}: the router gradient, summed")
 
 
 @pytest.mark.parametrize("case", ROUTINGS)
-def test_ep_moe_forward_sends_the_kept_rows_out_and_back(ranks, case):
+def test_ep_moe_forward_strided_sends_the_kept_rows_out_and_back(ranks, case):
     n, results = ranks
-    S = cm.expert_parallel_send_matrix([_built(results, r, case)["counts"] for r in range(n)], n)
+    # S[i][j]: rows rank i sends to rank j, which owns experts j, j + n, ...
+    S = [[sum(_built(results, i, case)["counts"][j::n]) for j in range(n)] for i in range(n)]
     for r in range(n):
         events = _built(results, r, case)["events"]
         assert {op for op, _ in events} == {"all_to_all"}, \
@@ -563,7 +663,7 @@ def test_ep_moe_forward_sends_the_kept_rows_out_and_back(ranks, case):
             f"and back are {rows}, plus at most E int64 counts")
 
 
-def test_ep_moe_forward_rejects_bad_input(ranks):
+def test_ep_moe_forward_strided_rejects_bad_input(ranks):
     n, results = ranks
     _built(results, 0, "switch")  # a valid call first
     for r in range(n):
@@ -607,6 +707,23 @@ def test_ep_traffic_forecast_equals_the_definition(ex, T, h, E, n, cf, e):
     assert got["bytes"] == pytest.approx(nbytes, rel=1e-9), "the expected bytes the meter counts"
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_ep_traffic_forecast_equals_the_costmodel_on_seeded_configurations(ex, seed):
+    g = torch.Generator().manual_seed(800 + seed)
+    n = 2 ** int(torch.randint(0, 4, (1,), generator=g))
+    E = n * int(torch.randint(1, 5, (1,), generator=g))
+    T, h = int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 64, (1,), generator=g))
+    cf, e = 0.25 + 1.75 * float(torch.rand(1, generator=g)), (2, 4, 8)[seed % 3]
+    got = ex.ep_traffic_forecast(T, h, E, n, cf, e)
+    dropped = cm.expected_dropped_tokens(T, E, 1, cf)
+    want = (T - dropped) * cm.all_to_all_bytes_moe(1, h, n, bytes_per_element=e, include_self=True,
+                                                    backward=True) \
+        + cm.moe_counts_exchange_bytes(E, n, include_self=True)
+    assert got["capacity"] == cm.moe_capacity(T, E, 1, cf)
+    assert got["dropped"] == pytest.approx(dropped, rel=1e-9, abs=1e-9)
+    assert got["bytes"] == pytest.approx(want, rel=1e-9)
+
+
 def test_ep_traffic_forecast_matches_the_ranks(ex, ranks):
     n, results = ranks
     got = ex.ep_traffic_forecast(T_M, H, E, n, CF_M)
@@ -627,3 +744,40 @@ def test_ep_traffic_forecast_rejects_bad_input(ex):
         ex.ep_traffic_forecast(64, 8, 8, 2, 0.0)
     with pytest.raises(ValueError, match="tokens"):
         ex.ep_traffic_forecast(0, 8, 8, 2, 1.0)
+
+
+# --- 7. ep_step_traffic -----------------------------------------------------------------------------------
+
+
+def _stepped(results, r):
+    return _case(results[r]["step"], "step", r)
+
+
+def test_ep_step_traffic_measures_the_steps(ranks):
+    n, results = ranks
+    for r in range(n):
+        got, want = _stepped(results, r), results[r]["measure"]
+        assert len(got["bytes"]) == len(got["dropped"]) == BATCHES, "one measured value per batch"
+        assert [int(b) for b in got["bytes"]] == want["bytes"], (
+            f"{n} ranks, rank {r}: the all-to-all bytes of each step (forward and backward) as the comm "
+            f"meter counts them, batch by batch; got {got['bytes'][:4]}..., the meter saw "
+            f"{want['bytes'][:4]}...")
+        assert [int(d) for d in got["dropped"]] == want["dropped"], (
+            f"{n} ranks, rank {r}: the assignments this rank dropped, batch by batch")
+
+
+def test_ep_step_traffic_predicts_what_it_measures(ranks):
+    n, results = ranks
+    C, dropped, nbytes = _by_definition(T_M, H, E, n, CF_M, 4)
+    for r in range(n):
+        pred = _stepped(results, r)["predicted"]
+        assert pred["capacity"] == C
+        assert pred["dropped"] == pytest.approx(dropped, rel=1e-9)
+        assert pred["bytes"] == pytest.approx(nbytes, rel=1e-9), "the forecast for this layer and batch size"
+    for key in ("dropped", "bytes"):
+        samples = torch.tensor([float(v) for r in range(n) for v in _stepped(results, r)[key]],
+                               dtype=torch.float64)
+        mean, se = samples.mean().item(), samples.std().item() / math.sqrt(len(samples))
+        got = _stepped(results, 0)["predicted"][key]
+        assert abs(got - mean) <= 5 * se + 1e-9, (
+            f"{n} ranks: predicted {key} {got:.2f}; measured {mean:.2f} ± {se:.2f} over {len(samples)} steps")

@@ -1,5 +1,6 @@
 """Chapter 12 exercises, autograded: the rank grid, the memory-feasibility filter, microbatches for a
-bubble, a training step on a 2 x 2 grid of ranks, and a 3D step's bytes predicted then counted.
+bubble, training on a 2 x 2 grid of ranks whose replicas hold unequal shares of the batch, and a 3D
+step's bytes predicted, then measured.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -10,7 +11,9 @@ come from independent sources: the library's ``parallelism.mesh.RankGrid``, torc
 (ZeRO §5.1, Korthikanti et al. 2022 eq. 1 written out here) and a published configuration for
 the memory filter; exact brute force with ``fractions.Fraction`` and ``costmodel``'s bubble for
 the microbatch count; the single-process run (``models.train``) cut as chapter 04 cuts it for the
-2-D grid step; and the comm meter on the library's 3D step for the bytes.
+2-D grid step (a batch of 7 rows over 2 replicas: 4 and 3); ``costmodel`` on seeded random
+configurations and the comm meter on the library's 3D step for the bytes, the measurement exercise's
+numbers compared exactly with the same step metered here.
 
 One launch of 4 ranks, shared by a module fixture, runs the two exercises that need ranks (each a case
 of its own, ``_support.run_cases``, so an unfinished one fails only its own tests). Checks of bad input
@@ -22,7 +25,8 @@ abs 1e-6 of a byte where a part is 0). The 2 x 2 grid trains in float64 against 
 (``reference_run``): the same GPT's sums in other groupings, the longest N = 128 terms (a weight
 gradient over B·T = 128 tokens; 4h = 128 inputs of c_proj), GRID_DEPTH = 6 per layer + 2 chained:
 ``model_bound`` of the gradients' size, the weights after GRID_STEPS SGD steps (lr 0.1)
-``sgd_bound`` of it, a loss ``model_bound`` of itself; all below 1e-9 of the values, where a replica
+``sgd_bound`` of it, a loss (the replicas' losses weighted by their rows) ``model_bound`` of itself;
+all below 1e-9 of the values, where a replica
 whose gradient is not averaged, or a TP slice of the wrong heads, moves them by O(lr·|g|). The DP
 replicas are compared bitwise (one all-reduce's result on both). The 3D step's data-parallel bytes are
 the float32 model's: the meter also counts a one-byte flag per tensor (2·(dp-1)/dp·#tensors <= 52
@@ -396,6 +400,7 @@ def test_microbatches_for_bubble_rejects_bad_input(ex):
 
 GRID_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)  # chapter 12's 3D model
 GRID_STEPS, GRID_BATCH, GRID_SEQ = 2, 8, 16
+UNEVEN_BATCH = 7  # exercise 4's global batch: 4 rows on replica 0, 3 on replica 1
 #: the library's 3D steps whose bytes the meter counts: (dp, tp, pp, zero, microbatches) on 4 ranks
 TRAFFIC_RUNS = ((2, 1, 2, 2, 2), (2, 2, 1, 1, 2))
 
@@ -414,9 +419,9 @@ def _grid_step_64(ex):
     from minitorch_dist.parallelism.tensor_parallel import shard_dense_tensors
     from minitorch_dist.parallelism.three_d import reference_run
 
-    losses, params = ex.train_on_2d_grid(GRID_CFG, 2, 2, GRID_STEPS, GRID_BATCH, GRID_SEQ, lr=0.1)
+    losses, params = ex.train_on_2d_grid_uneven(GRID_CFG, 2, 2, GRID_STEPS, UNEVEN_BATCH, GRID_SEQ, lr=0.1)
     groups = init_groups(RankGrid(dist.get_world_size(), 2, 2, 1))
-    ref_losses, ref = reference_run(GRID_CFG, GRID_STEPS, GRID_BATCH, GRID_SEQ, lr=0.1)
+    ref_losses, ref = reference_run(GRID_CFG, GRID_STEPS, UNEVEN_BATCH, GRID_SEQ, lr=0.1)
     want = shard_dense_tensors(ref, GRID_CFG, groups.tp_group)
     return {"coords": tuple(groups.coords), "losses": [float(v) for v in losses], "ref_losses": ref_losses,
             "params": {k: v.detach().cpu() for k, v in params.items()}, "want": want}
@@ -436,9 +441,15 @@ def _traffic():
     return out
 
 
+def _measured(ex):
+    """Exercise 6 on this rank, for every configuration of TRAFFIC_RUNS."""
+    return [ex.measure_rank_traffic(GRID_CFG, dp, tp, pp, GRID_BATCH, GRID_SEQ, m, zero=zero)
+            for dp, tp, pp, zero, m in TRAFFIC_RUNS]
+
+
 def _on_ranks(impl):
     ex = load("ch12", impl)  # each rank imports the chapter by its path
-    return run_cases({"grid": lambda: _grid_step(ex), "traffic": _traffic})
+    return run_cases({"grid": lambda: _grid_step(ex), "traffic": _traffic, "measured": lambda: _measured(ex)})
 
 
 @pytest.fixture(scope="module")
@@ -452,7 +463,7 @@ def _part(ranks, part):
     return ranks.case(4, part)
 
 
-GRID_N = max(GRID_BATCH * GRID_SEQ, 4 * GRID_CFG.n_embd)  # a weight gradient's tokens; c_proj's inputs
+GRID_N = max(UNEVEN_BATCH * GRID_SEQ, 4 * GRID_CFG.n_embd)  # a weight gradient's tokens; c_proj's inputs
 GRID_DEPTH = 6 * GRID_CFG.n_layer + 2  # chained reductions: 6 per block, the final LayerNorm, the head
 
 
@@ -461,13 +472,13 @@ def _grid_bounds():
     """(weights, loss scale -> bound): the single process's gradients (float64, the run reference_run
     makes) give the gradients' bound; GRID_STEPS SGD steps carry it to the weights."""
     with float64():
-        ref = dense_run(lambda: GPT(GRID_CFG), GRID_STEPS + 1, GRID_BATCH, GRID_SEQ, seed=0, lr=0.1)
+        ref = dense_run(lambda: GPT(GRID_CFG), GRID_STEPS + 1, UNEVEN_BATCH, GRID_SEQ, seed=0, lr=0.1)
     scale = max(1.0, max(g.abs().max().item() for g in ref["grads"].values()))
     grad_err = model_bound(n=GRID_N, depth=GRID_DEPTH, scale=scale)
     return sgd_bound(steps=GRID_STEPS, lr=0.1, grad_err=grad_err)
 
 
-def test_train_on_2d_grid_equals_one_process(ranks):
+def test_train_on_2d_grid_uneven_equals_one_process(ranks):
     grid = _part(ranks, "grid")
     bound = _grid_bounds()
     for r, g in enumerate(grid):
@@ -477,17 +488,17 @@ def test_train_on_2d_grid_equals_one_process(ranks):
             assert got.shape == want.shape, f"rank {r} {k}: shape {tuple(got.shape)}, this rank's slice is " \
                                             f"{tuple(want.shape)}"
             close(got, want, bound, f"rank {r} {k}")
-    # the global loss of each step is the mean of the two replicas' (tp rank 0 of each)
+    # the global loss of each step is the replicas' losses weighted by their rows (4 and 3 of 7)
     by_dp = {g["coords"][0]: g["losses"] for g in grid if g["coords"][1] == 0}
     assert sorted(by_dp) == [0, 1]
-    mean = [(a + b) / 2 for a, b in zip(by_dp[0], by_dp[1])]
+    mean = [(4 * a + 3 * b) / UNEVEN_BATCH for a, b in zip(by_dp[0], by_dp[1])]
     assert len(mean) == GRID_STEPS
     for got, want in zip(mean, grid[0]["ref_losses"]):
         bound = model_bound(n=GRID_N, depth=GRID_DEPTH, scale=max(1.0, abs(want)))
         assert abs(got - want) <= bound, f"the replicas' mean loss {got} is not the single process's {want}"
 
 
-def test_train_on_2d_grid_keeps_replicas_identical(ranks):
+def test_train_on_2d_grid_uneven_keeps_replicas_identical(ranks):
     grid = {g["coords"]: g for g in _part(ranks, "grid")}
     for tp_rank in (0, 1):  # the two DP replicas of one TP slice: bitwise the same after the steps
         a, b = grid[(0, tp_rank, 0)]["params"], grid[(1, tp_rank, 0)]["params"]
@@ -497,12 +508,12 @@ def test_train_on_2d_grid_keeps_replicas_identical(ranks):
     assert same and all(torch.equal(grid[(0, 0, 0)]["params"][k], grid[(0, 1, 0)]["params"][k]) for k in same)
 
 
-def test_train_on_2d_grid_rejects_bad_input(ex, ranks):
+def test_train_on_2d_grid_uneven_rejects_bad_input(ex, ranks):
     _part(ranks, "grid")  # a valid call first (on the ranks)
     with pytest.raises(RuntimeError, match="runs on every rank"):
-        ex.train_on_2d_grid(GRID_CFG, 2, 2, 1, GRID_BATCH, GRID_SEQ)  # no process group here
+        ex.train_on_2d_grid_uneven(GRID_CFG, 2, 2, 1, UNEVEN_BATCH, GRID_SEQ)  # no process group here
     with pytest.raises(ValueError, match="dp must be a positive int"):
-        ex.train_on_2d_grid(GRID_CFG, 0, 2, 1, GRID_BATCH, GRID_SEQ)
+        ex.train_on_2d_grid_uneven(GRID_CFG, 0, 2, 1, UNEVEN_BATCH, GRID_SEQ)
 
 
 def test_predict_rank_traffic_matches_the_meter(ex, ranks):
@@ -519,6 +530,24 @@ def test_predict_rank_traffic_matches_the_meter(ex, ranks):
             assert pred["dp"] == pytest.approx(got["dp"], rel=0.01), \
                 f"{where}: predicted {pred['dp']:.0f} data-parallel bytes, the meter counted {got['dp']:.0f}"
             assert got["dp_ops"] == (["all_gather", "reduce_scatter"] if zero else ["all_reduce"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_predict_rank_traffic_equals_the_costmodel_on_seeded_configurations(ex, seed):
+    rng = random.Random(900 + seed)
+    cfg = GPTConfig(vocab_size=rng.choice([64, 128, 256]), block_size=rng.choice([16, 32]),
+                    n_layer=rng.choice([2, 4, 8]), n_head=4, n_embd=rng.choice([32, 64]))
+    dp, tp, pp = rng.choice([1, 2, 4]), rng.choice([1, 2, 4]), rng.choice([1, 2])
+    m, zero = rng.choice([1, 2, 4]), rng.choice([0, 1, 2])
+    batch, seq = dp * m * rng.choice([1, 2, 3]), rng.choice([8, 16])
+    for stage in range(pp):
+        got = ex.predict_rank_traffic(cfg, dp, tp, pp, batch, seq, m, zero=zero, stage=stage)
+        psi = costmodel.pipeline_stage_params(cfg, tp, pp)[stage]
+        z = costmodel.zero_stage_under_pipeline(zero, pp)
+        want = costmodel.zero_dp_bytes_per_step(psi, dp, z, m, bytes_per_element=4)
+        assert got["dp"] == pytest.approx(want, rel=1e-12, abs=1e-9)
+        msg = batch // (dp * m) * seq * cfg.n_embd * 4
+        assert got["pp"] == m * msg * ((stage < pp - 1) + (stage > 0))
 
 
 def test_predict_rank_traffic_by_hand(ex):
@@ -545,3 +574,37 @@ def test_predict_rank_traffic_rejects_bad_input(ex):
         ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 2, zero=3)
     with pytest.raises(ValueError, match="not divisible by dp \\* microbatches"):
         ex.predict_rank_traffic(GRID_CFG, 2, 1, 2, 8, 16, 3)
+
+
+def test_measure_rank_traffic_measures_the_step(ranks):
+    measured, want = _part(ranks, "measured"), _part(ranks, "traffic")
+    for i, (dp, tp, pp, zero, _) in enumerate(TRAFFIC_RUNS):
+        for r in range(4):
+            got, ref = measured[r][i], want[r][i]
+            where = f"rank {r} ({dp}x{tp}x{pp}, ZeRO-{zero})"
+            assert got["stage"] == ref["coords"][2], \
+                f"{where}: stage {got['stage']}, the rank is at {ref['coords']}"
+            assert got["measured"]["pp"] == ref["pp"], \
+                f"{where}: measured {got['measured']['pp']} pipeline bytes sent, the meter saw {ref['pp']}"
+            assert got["measured"]["dp"] == ref["dp"], (
+                f"{where}: measured {got['measured']['dp']} data-parallel wire bytes, the meter counted "
+                f"{ref['dp']}")
+
+
+def test_measure_rank_traffic_predicts_what_it_measures(ranks):
+    for i, (dp, tp, pp, zero, m) in enumerate(TRAFFIC_RUNS):
+        for r, runs in enumerate(_part(ranks, "measured")):
+            got = runs[i]
+            psi = costmodel.pipeline_stage_params(GRID_CFG, tp, pp)[got["stage"]]
+            z = costmodel.zero_stage_under_pipeline(zero, pp)
+            want = costmodel.zero_dp_bytes_per_step(psi, dp, z, m, bytes_per_element=4)
+            assert got["predicted"]["dp"] == pytest.approx(want, rel=1e-12), \
+                f"rank {r}: the prediction for its stage"
+            assert got["predicted"]["pp"] == got["measured"]["pp"]
+            assert got["predicted"]["dp"] == pytest.approx(got["measured"]["dp"], rel=0.01)
+
+
+def test_measure_rank_traffic_rejects_bad_input(ex, ranks):
+    _part(ranks, "measured")  # a valid call first (on the ranks)
+    with pytest.raises(RuntimeError, match="runs on every rank"):
+        ex.measure_rank_traffic(GRID_CFG, 2, 1, 2, GRID_BATCH, GRID_SEQ, 2)

@@ -1,7 +1,8 @@
-"""Wrong: reads what F i kept without dropping it (kept[i], not kept.pop(i)).
+"""Wrong: counts what it holds but never drops what a forward kept.
 
-The gradients are right, but the rank holds every microbatch's activations to the end of the step:
-GPipe's memory under a 1F1B schedule, the one thing 1F1B is for.
+The order is right (it counts microbatches in flight as next_f - next_b), and so are the gradients; but
+every microbatch's activations stay alive to the end of the step: GPipe's memory under a budget, the one
+thing the budget is for.
 """
 import torch
 import torch.distributed as dist
@@ -9,23 +10,23 @@ import torch.distributed as dist
 from minitorch_dist.runtime import comm
 
 
-def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[float]:
-    parsed = [_parse_action(a) for a in actions]
+def run_stage_budgeted(stage, inputs, targets, boundary_shape, budget: int) -> list[float]:
     inputs, targets = list(inputs), list(targets)
     if not inputs or len(inputs) != len(targets):
         raise ValueError(f"need one target per input microbatch, got {len(inputs)} inputs and "
                          f"{len(targets)} targets")
-    m = len(inputs)
-    bad = sorted({i for _, i in parsed if not 0 <= i < m})
-    if bad:
-        raise ValueError(f"actions name microbatches {bad}, outside 0..{m - 1}")
+    _check_positive("budget", budget, "the most microbatches a rank may hold; 1 runs one at a time")
     if not dist.is_initialized():
-        raise RuntimeError("run_stage_actions runs on ranks: call it inside launch(fn, p)")
+        raise RuntimeError("run_stage_budgeted runs on ranks: call it inside launch(fn, p)")
+    m = len(inputs)
     rank, p = dist.get_rank(), dist.get_world_size()
     first, last = rank == 0, rank == p - 1
+    limit = min(p - rank, budget)
     kept, sends, losses = {}, [], []
-    for kind, i in parsed:
-        if kind == "F":
+    next_f = next_b = 0
+    while next_b < m:
+        if next_f < m and next_f - next_b < limit:
+            i, next_f = next_f, next_f + 1
             if first:
                 x = inputs[i]
             else:
@@ -42,6 +43,7 @@ def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[f
                 sends.append((comm.isend(out, rank + 1), out))
             kept[i] = (x, y)
         else:
+            i, next_b = next_b, next_b + 1
             x, y = kept[i]
             if last:
                 y.backward()
@@ -52,6 +54,7 @@ def run_stage_actions(stage, actions, inputs, targets, boundary_shape) -> list[f
             if not first:
                 dx = x.grad.contiguous()
                 sends.append((comm.isend(dx, rank - 1), dx))
+            del x, y
     for work, _ in sends:
         work.wait()
     return losses

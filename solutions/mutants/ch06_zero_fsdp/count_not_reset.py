@@ -16,31 +16,26 @@ def zero2_reduce_scatter_hook(params: list[torch.nn.Parameter], group=None) -> t
     params = list(params)
     if not params:
         raise ValueError("zero2_reduce_scatter_hook needs at least one parameter")
-    if any(not p.requires_grad for p in params):
-        raise ValueError("every parameter must require grad: a frozen one never fires its hook, and the "
-                         "reduce-scatter would never run; leave frozen parameters out")
-    if len({(p.dtype, p.device) for p in params}) != 1:
-        raise ValueError("one flat gradient buffer holds one dtype on one device, got "
-                         f"{sorted({(str(p.dtype), str(p.device)) for p in params})}")
     n = dist.get_world_size(group)
-    numels = [p.numel() for p in params]
-    offsets = [sum(numels[:i]) for i in range(len(params))]
-    s = math.ceil(sum(numels) / n)
-    padded = n * s
+    chunks = [math.ceil(p.numel() / n) for p in params]
+    s = sum(chunks)
     grad_shard = torch.zeros(s, dtype=params[0].dtype, device=params[0].device)
+    starts = [sum(chunks[:i]) for i in range(len(params))]
     index = {id(p): i for i, p in enumerate(params)}
-    state = {"flat": None, "arrived": 0}
+    state = {"send": None, "arrived": 0}
 
-    def hook(p: torch.nn.Parameter) -> None:
-        if state["flat"] is None:  # the first gradient of this backward
-            state["flat"] = torch.zeros(padded, dtype=grad_shard.dtype, device=grad_shard.device)
+    def hook(p):
+        if state["send"] is None:
+            state["send"] = torch.zeros(n, s, dtype=grad_shard.dtype, device=grad_shard.device)
         i = index[id(p)]
-        state["flat"][offsets[i]:offsets[i] + numels[i]].copy_(p.grad.reshape(-1))
-        p.grad = None  # ZeRO-2: the full gradient is not kept
+        c = chunks[i]
+        padded = torch.zeros(n * c, dtype=p.grad.dtype)
+        padded[:p.numel()].copy_(p.grad.reshape(-1))
+        state["send"][:, starts[i]:starts[i] + c].copy_(padded.view(n, c))
+        p.grad = None
         state["arrived"] += 1
-        if state["arrived"] == len(params):  # the flat buffer is complete: one reduce-scatter
-            comm.reduce_scatter(grad_shard, state["flat"].div_(n), group=group)
-            state["flat"] = None
+        if state["arrived"] == len(params):  # never reset: only the first backward gets here
+            comm.reduce_scatter(grad_shard, state["send"].view(-1).div_(n), group=group)
+            state["send"] = None
 
-    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-    return grad_shard, handles
+    return grad_shard, [p.register_post_accumulate_grad_hook(hook) for p in params]

@@ -1,0 +1,27 @@
+"""Wrong: runs every micro-batch under no_sync(), the last one too.
+
+No gradient is ever communicated: each rank's gradient is the mean over its own rows.
+"""
+# ruff: noqa: B007 - a worked solution with one thing wrong, read top to bottom
+import contextlib
+
+from torch import nn
+
+
+def accumulate_gradients(model: nn.Module, loss_fn, micro_batches, no_sync: bool = True) -> float:
+
+    if len(micro_batches) == 0:
+        raise ValueError("need at least one micro-batch")
+    if no_sync and not hasattr(model, "no_sync"):
+        raise TypeError(f"{type(model).__name__} has no no_sync(); wrap the model in "
+                        "torch.nn.parallel.DistributedDataParallel (or pass no_sync=False)")
+    k = len(micro_batches)
+    rows = sum(len(inputs) for inputs, _ in micro_batches)
+    total = 0.0
+    for i, (inputs, targets) in enumerate(micro_batches):
+        skip_sync = no_sync
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            loss = loss_fn(model(inputs), targets)
+            (loss * (len(inputs) / rows)).backward()  # its rows' share of the mean over all rows
+        total += loss.item() * len(inputs)
+    return total / rows

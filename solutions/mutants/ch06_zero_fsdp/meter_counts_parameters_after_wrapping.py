@@ -1,0 +1,36 @@
+"""Wrong: counts Ψ on the wrapped model.
+
+For stages 0-2 the wrapper holds the same parameters and the count is right; under ZeRO-3 the
+wrapped model's parameters are this rank's shard, so Ψ and every prediction come out n times too
+small.
+"""
+import torch
+import torch.distributed as dist
+
+from minitorch_dist import costmodel
+from minitorch_dist.analysis.meters import MemoryMeter
+from minitorch_dist.runtime import comm
+
+
+def meter_zero_stage(make_model, stage: int, x: torch.Tensor, y: torch.Tensor, lr: float = 1e-3) -> dict:
+    n = dist.get_world_size()
+    model = make_model()
+    model, opt, inner = _zero_model(model, stage, lr)
+    psi = sum(p.numel() for p in model.parameters())
+    predicted = {"model_states": costmodel.zero_memory_bytes(psi, n, stage, k=8, param_bytes=4, grad_bytes=4),
+                 "wire": costmodel.zero_comm_bytes(psi, n, stage, bytes_per_element=4)}
+
+    def step(meter=None):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        states = MemoryMeter(model, inner).current() if meter else None
+        opt.step()
+        return states
+
+    step()
+    with comm.meter() as m:
+        states = step(meter=True)
+    measured = {k: states[k] for k in ("parameters", "gradients", "optimizer_state")}
+    measured["model_states"] = sum(measured.values())
+    measured["wire"] = m.total_wire_bytes
+    return {"predicted": predicted, "measured": measured}

@@ -1,0 +1,23 @@
+"""Wrong: stores a segment's sums only when it has rows; an empty segment's output is left as it was.
+
+Skipping work for an empty segment looks like a harmless shortcut; but the output buffer comes from
+``torch.empty``, so an expert that received no row gets whatever memory held, not a zero gradient.
+"""
+
+@triton.jit
+def segment_column_sum_kernel(a_ptr, offsets_ptr, out_ptr, N, a_row_stride, BLOCK_G: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = tl.program_id(1).to(tl.int64)
+    start = tl.load(offsets_ptr + seg)
+    end = tl.load(offsets_ptr + seg + 1)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for first in range(start, end, BLOCK_G):
+        rows = first + tl.arange(0, BLOCK_G)
+        mask = (rows[:, None] < end) & (cols[None, :] < N)
+        acc += tl.load(a_ptr + rows[:, None] * a_row_stride + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    nonempty = (cols * 0 + (end - start)) > 0  # the segment has rows (a block of flags)
+    tl.store(out_ptr + seg * N + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty),
+             mask=(cols < N) & nonempty)

@@ -1,0 +1,27 @@
+"""Wrong: backpropagates dy through the normalisation as if the weight were 1 (g = dy, not dy * w).
+
+The weight scales the output, so it is easy to see it only in dw; but the gradient reaching xhat is
+dy * w, and dx inherits it.
+"""
+
+@triton.jit
+def rmsnorm_backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, partial_dw_ptr, row_stride, M, N,
+                            rows_per_group, BLOCK: tl.constexpr):
+    group = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    first = group * rows_per_group
+    for row in range(first, tl.minimum(first + rows_per_group, M)):
+        offs = row * row_stride + cols
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = x * rstd
+        g = dy
+        c1 = tl.sum(xhat * g, axis=0) / N  # rstd's derivative: the only correction, no mean term
+        dx = (g - xhat * c1) * rstd
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * xhat
+    tl.store(partial_dw_ptr + group * N + cols, dw_acc, mask=mask)
