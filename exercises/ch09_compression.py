@@ -1,7 +1,8 @@
 # generated from solutions/ch09_compression.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 6a191f33e58af517 of the text below (once you change it, `make exercises` leaves it alone)
-"""Chapter 09 exercises: gradient compression — top-k with error feedback, QSGD, one PowerSGD step,
-PowerSGD with error feedback on ranks, the bytes each compressor sends, 1-bit Adam.
+# fingerprint 7ff0dd9d6903a7a1 of the text below (once you change it, `make exercises` leaves it alone)
+"""Chapter 09 exercises: gradient compression — top-k with error feedback, QSGD, a batched PowerSGD
+step by Cholesky QR, batched PowerSGD with error feedback on ranks, the bytes each compressor sends,
+1-bit Adam.
 
 Your exercises. Each ``raise NotImplementedError`` marks a part for you to write; the rest
 (imports, argument checks, helpers) is given. The first line of each exercise's docstring
@@ -21,14 +22,15 @@ themselves.
    buckets (Alistarh et al. 2017, "QSGD: Communication-Efficient SGD via Gradient Quantization and
    Encoding", §3.1): each ``|v_i| / ||v||`` is rounded to one of its two neighbouring levels
    ``l/s`` at random, with the probability that makes the result *unbiased*, ``E[Q(v)] = v``.
-3. :func:`powersgd_step`: one step of PowerSGD (Vogels et al. 2019, "PowerSGD: Practical Low-Rank
-   Gradient Compression for Distributed Optimization", Algorithm 1) on one matrix, without the
-   all-reduces: one power iteration ``P = M Q``, orthogonalise ``P``, ``Q = Mᵀ P``; the rank-r
-   approximation is ``P Qᵀ``. Warm-starting from the last ``Q`` makes successive steps a power
-   iteration that converges toward the best rank-r approximation (the truncated SVD).
-4. :class:`PowerSGDReducer`: the whole of PowerSGD as the gradient reduction of data-parallel
-   training (Vogels et al. 2019, Algorithms 1 and 2): warm-up all-reduces, then error feedback, a
-   warm-started Q, and the all-reduces of P and Q, with the 1-D tensors sent as they are.
+3. :func:`powersgd_step`: PowerSGD's power iteration (Vogels et al. 2019, "PowerSGD: Practical
+   Low-Rank Gradient Compression for Distributed Optimization", Algorithm 1) on a stack of
+   same-shape matrices at once, without the all-reduces, for ``iters`` rounds, orthogonalised by
+   Cholesky QR (``R = chol(PᵀP)``, ``P ← P R⁻¹``), whose breakdown on a rank-deficient ``M Q`` is
+   refused. Warm-started rounds converge toward the best rank-r approximation (the truncated SVD).
+4. :class:`PowerSGDReducer`: *batched* PowerSGD as the gradient reduction of data-parallel training
+   (Vogels et al. 2019, Algorithms 1 and 2), as torch's ``batched_powerSGD_hook``: warm-up
+   all-reduces, then the whole gradient list padded to one square matrix, with error feedback over
+   the padded matrix, a warm-started Q, and one all-reduce of P and one of Q.
 5. :func:`meter_compressed_step`: predict from the cost model the bytes a compressed reduction puts
    through each collective, then count them with the comm meter on the ranks.
 6. :func:`onebit_adam_step`: the idea of 1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication
@@ -39,7 +41,7 @@ themselves.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+import math
 
 import numpy as np
 import torch
@@ -165,48 +167,71 @@ def qsgd_dequantize(norm: torch.Tensor, q: torch.Tensor, levels: int,
     raise NotImplementedError("exercise: qsgd_dequantize — see chapters/09_compression.md")
 
 
-# --- 3. one PowerSGD step ------------------------------------------------------------------------
+# --- 3. a batched PowerSGD step, orthogonalised by Cholesky QR --------------------------------------
 
 
-def powersgd_step(M: torch.Tensor, Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kind: build · about 25 minutes
+def powersgd_step(M: torch.Tensor, Q: torch.Tensor, iters: int = 1,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kind: build · about 35 minutes
 
-    One step of PowerSGD on one matrix ``M`` (n x m), without the all-reduces: ``(P, Q_new, M_hat)``
-    (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
-    Optimization", Algorithm 1).
+    PowerSGD's power iteration on a stack of same-shape matrices at once, without the all-reduces,
+    orthogonalised by Cholesky QR: ``(P, Q_new, M_hat)`` (Vogels et al. 2019, "PowerSGD: Practical
+    Low-Rank Gradient Compression for Distributed Optimization", Algorithm 1, and §3 for repeating it
+    from a warm start).
 
-    From ``Q`` (m x r: the previous step's, a warm start, or a random start) one power-iteration step
-    gives a P (n x r) with orthonormal columns spanning ``M Q``, a new Q (m x r), and the rank-r
-    approximation ``M_hat = P Q_newᵀ``, the projection of M onto the span of P. Feeding ``Q_new`` back
-    step after step is subspace iteration, converging to the best rank-r approximation.
+    A model has many gradients of one shape (the layers of a transformer block), and their power
+    iterations are independent: one batched matmul serves them all. Each round, for every matrix
+    of the stack: ``P = M Q``; orthogonalise P by *Cholesky QR*: ``R = chol(PᵀP)``, upper triangular
+    with a positive diagonal, and ``P ← P R⁻¹`` (a triangular solve, never an inverse); then
+    ``Q = Mᵀ P``. ``iters`` rounds, each fed the last round's Q; the approximation is
+    ``M_hat = P Q_newᵀ = P Pᵀ M``. Cholesky QR costs two matmuls and an r x r factorisation instead
+    of a Householder QR of the tall P, but it squares P's condition number: the columns it returns
+    are orthonormal only to about ``κ(P)²·u`` (u the unit roundoff), and where PᵀP is not
+    numerically positive definite (M Q rank-deficient: a zero column, M zero) there is nothing to
+    factor.
 
-    Interface: returns tensors of ``M``'s dtype with ``Pᵀ P = I``; the shapes are checked.
-    Orthogonalise with ``torch.linalg.qr`` (reduced) or Gram-Schmidt.
+    Interface: ``M`` is (b, n, m), ``Q`` is (b, m, r) with ``1 <= r <= min(n, m)``, one floating dtype;
+    ``iters >= 1``. Returns P (b, n, r), Q_new (b, m, r) and M_hat (b, n, m), in M's dtype. When
+    Cholesky breaks down for any matrix of the stack in any round (``torch.linalg.cholesky_ex``
+    reports ``info != 0``), raise ``ValueError`` saying that PᵀP is "not positive definite" and
+    which matrices; an ill-conditioned but full-rank P is not refused. Inputs are not modified.
 
-    Properties the tests check: a rank-r matrix is reproduced in one step from a generic Q; P's columns
-    are orthonormal and ``M_hat = P Pᵀ M``; the error ``||M − M_hat||`` falls step by step toward the
-    truncated SVD's, within a derived float64 bound; bad input refused.
+    Properties the tests check, in float64: a rank-r matrix is reproduced from a generic Q in one
+    round; P's columns are orthonormal within Yamamoto et al.'s bound for Cholesky QR,
+    ``5·κ(P)²·u·(n r + r(r+1))``, on a well-conditioned and on an ill-conditioned (κ ~ 10⁴) P;
+    ``Pᵀ (M Q)`` is upper triangular with a positive diagonal (R itself, not a QR with columns of
+    either sign); ``Q_new = Mᵀ P``; more rounds are never worse toward the truncated SVD and converge
+    to it, and ``iters=k`` equals k warm-started calls; each matrix of the stack equals the stack of
+    that one matrix alone; float32 keeps its dtype; bad input refused, a rank-deficient M Q by the
+    ValueError above.
 
-    Reference: ``minitorch_dist/communication/powersgd.py`` (``PowerSGD.compress``: the same step inside
-    the compressor, warm-started per key; yours is the bare linear algebra).
+    Reference: ``minitorch_dist/communication/powersgd.py`` (``orthogonalise``: Gram-Schmidt for
+    r <= 2 or Householder QR; ``PowerSGD.compress``: one round on one matrix. Yours is batched, runs
+    ``iters`` rounds, and orthogonalises by Cholesky QR, with its breakdown refused).
     """
-    if M.dim() != 2 or Q.dim() != 2:
-        raise ValueError(f"M and Q must be matrices, got {M.dim()}-d and {Q.dim()}-d; reshape a "
-                         "conv gradient to (out_channels, -1) first")
-    if Q.shape[0] != M.shape[1]:
-        raise ValueError(f"Q has {Q.shape[0]} rows but M has {M.shape[1]} columns: "
+    if M.dim() != 3 or Q.dim() != 3:
+        raise ValueError(f"M and Q must be stacks of matrices, (b, n, m) and (b, m, r); got {M.dim()}-d and "
+                         f"{Q.dim()}-d (one matrix is M.unsqueeze(0))")
+    if Q.shape[0] != M.shape[0]:
+        raise ValueError(f"Q stacks {Q.shape[0]} matrices but M stacks {M.shape[0]}: one Q per matrix")
+    if Q.shape[1] != M.shape[2]:
+        raise ValueError(f"Q has {Q.shape[1]} rows but M has {M.shape[2]} columns: "
                          "Q must be m x r for M n x m")
-    if Q.shape[1] > min(M.shape):
-        raise ValueError(f"rank r = {Q.shape[1]} exceeds min(n, m) = {min(M.shape)}")
+    if not 1 <= Q.shape[2] <= min(M.shape[1:]):
+        raise ValueError(f"rank r = {Q.shape[2]} must be in [1, min(n, m) = {min(M.shape[1:])}]")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an int >= 1 (rounds of power iteration), got {iters!r}")
+    if not M.is_floating_point() or Q.dtype != M.dtype:
+        raise TypeError(f"M and Q must share one floating dtype, got {M.dtype} and {Q.dtype}")
     raise NotImplementedError("exercise: powersgd_step — see chapters/09_compression.md")
 
 
-# --- 4. PowerSGD with error feedback, on ranks ----------------------------------------------------
+# --- 4. batched PowerSGD with error feedback, on ranks ---------------------------------------------
 
 
 def _orthogonalise(m: torch.Tensor) -> torch.Tensor:
     """Orthonormalise the columns of ``m`` (n x r) in place and return it: Gram-Schmidt for r <= 2,
-    QR otherwise (what torch's ``powerSGD_hook`` does)."""
+    QR otherwise (what torch's PowerSGD hooks do)."""
     r = m.shape[-1]
     if r <= 2:
         for i in range(r):
@@ -221,7 +246,8 @@ def _orthogonalise(m: torch.Tensor) -> torch.Tensor:
 
 
 def _unflatten(buf: torch.Tensor, tensors) -> None:
-    """Copy consecutive pieces of the flat ``buf`` into ``tensors``, in order."""
+    """Copy consecutive pieces of the flat ``buf`` into ``tensors``, in order (entries of ``buf`` past
+    the tensors' total are left alone)."""
     off = 0
     for t in tensors:
         t.copy_(buf[off: off + t.numel()].view_as(t))
@@ -229,78 +255,79 @@ def _unflatten(buf: torch.Tensor, tensors) -> None:
 
 
 class PowerSGDReducer:
-    """Kind: build · about 90 minutes
+    """Kind: build · about 60 minutes
 
-    PowerSGD as the gradient reduction of data-parallel training (Vogels et al. 2019, Algorithm 1 for
-    the compression, Algorithm 2 for error feedback, §3 for the warm start), called on every rank
-    with the same list of gradients each step: ``reducer.reduce([p.grad for p in params])`` replaces
-    each gradient, in place, by the estimate of its mean over the ranks, and returns the list.
+    *Batched* PowerSGD as the gradient reduction of data-parallel training: the whole list of
+    gradients compressed as one square matrix, as torch's ``batched_powerSGD_hook`` does with a DDP
+    bucket (Vogels et al. 2019, Algorithm 1 for the compression, Algorithm 2 for error feedback, §3
+    for the warm start). Called on every rank with the same list of gradients each step:
+    ``reducer.reduce(grads)`` replaces each gradient, in place, by the estimate of its mean over the
+    ranks, and returns the list.
 
-    What it must do: the first ``start_iter`` calls are an exact mean (one flat all-reduce). After
-    that, the gradients that ``self.compresses(shape)`` (viewed as ``g.view(g.shape[0], -1)``) are
-    sent as the factors P and Q of a rank-r approximation, corrected by error feedback (each keeps
-    the residual of its last compression, keyed by its position in the list) and warm-started from
-    the last call's Q (the first Qs from ``self._fresh_qs``, given, as torch draws them); the other
-    tensors (1-D, small matrices) are all-reduced exactly. P is linear in M, so summing the ranks'
-    P is P of the summed M; Q must be averaged. Every collective goes through ``comm.all_reduce`` so
-    the comm meter sees it; ``self.iter`` counts the calls. ``_orthogonalise`` (Gram-Schmidt for
-    r <= 2, QR otherwise) and ``_unflatten`` are given.
+    What it must do: the first ``start_iter`` calls are an exact mean, one all-reduce of the N
+    gradient entries flattened in list order. After that, the flat gradients are padded with zeros
+    to ``side² `` entries, ``side = ⌈√N⌉``, and viewed row by row as a side x side matrix M; error
+    feedback adds the residual of the last compressed call over the *whole* padded matrix, padding
+    included; one power-iteration round on the ranks sends one P (side x rank, summed) and one Q
+    (side x rank, averaged); ``P Qᵀ``'s first N entries are written back into the gradients, and
+    what the rank had minus ``P Qᵀ`` is the new residual. Q is warm-started from the last call's
+    (the first from ``self._fresh_q``, given, drawn as torch draws it) and orthogonalised before
+    use, as is P after its all-reduce (``_orthogonalise``, given). Every collective goes through
+    ``comm.all_reduce`` so the comm meter sees it; ``self.iter`` counts the calls; ``self.error``
+    holds the residual (flat, side² entries; None before the first compressed call) and ``self.q``
+    the warm-start Q. A rank larger than side is refused (``ValueError`` naming the rank) on a call
+    that would compress.
 
-    Properties the tests check, on 2 ranks: the gradients equal, within a derived float64 bound, those
-    of torch's ``powerSGD_hook`` on one DDP bucket (ranks 1 and 3: Gram-Schmidt and QR) over several
-    steps, which fixes the order of the all-reduces (the exact tensors, then all the Ps in one
-    buffer, then all the Qs); the comm meter sees exactly those all-reduces with P's and Q's sizes;
-    the residual kept is what was not sent; training with it follows exact data parallelism.
+    Properties the tests check, in float64 on 2 ranks (ranks 1 and 3: Gram-Schmidt and QR) and 4
+    (rank 1): the gradients equal, within a derived bound, those of torch's ``batched_powerSGD_hook``
+    on one DDP bucket over several steps (the warm-up, then compressed steps); the comm meter sees
+    exactly one all-reduce of N entries per warm-up call and exactly two, P's and Q's, of side x
+    rank entries each, per compressed call; what was sent plus the new residual is what the rank had
+    (its gradient plus the old residual), over all side² entries; the ranks agree; training with it
+    follows exact data parallelism; a list of other shapes after the memory is set, mixed dtypes and
+    bad settings are refused.
 
-    Reference: ``minitorch_dist/communication/powersgd.py`` (``PowerSGD.reduce``: the library's version
-    of the same reduction, with options yours leaves out; torch's ``powerSGD_hook`` is the other).
+    Reference: ``minitorch_dist/communication/powersgd.py`` (``PowerSGD.reduce``: one P and Q per
+    matrix, the 1-D tensors sent exactly, residuals per tensor. Yours compresses everything as one
+    padded matrix, with one residual over the padded bucket).
     """
 
-    def __init__(self, rank: int = 1, start_iter: int = 2, seed: int = 0, min_compression_rate: float = 2):
+    def __init__(self, rank: int = 1, start_iter: int = 2, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be an int >= 1, got {rank!r}")
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
-        self.rank, self.start_iter, self.min_rate = rank, start_iter, min_compression_rate
+        self.rank, self.start_iter = rank, start_iter
         self.rng = np.random.RandomState(seed)  # torch's hook: PowerSGDState(random_seed=seed)
         self.iter = 0
-        self.error: dict[int, torch.Tensor] = {}  # position in the list -> residual of that matrix
-        self.qs: list[torch.Tensor] | None = None  # the warm-start Qs, one per compressed matrix
+        self.error: torch.Tensor | None = None  # residual of the padded matrix, flat (side² entries)
+        self.q: torch.Tensor | None = None  # the warm-start Q (side x rank)
+        self._shapes: list[tuple[int, ...]] | None = None  # the list the memory belongs to
 
-    def _r(self, shape) -> int:
-        return min(shape[0], int(np.prod(shape[1:])), self.rank)
-
-    def compresses(self, shape) -> bool:
-        """Is a tensor of this shape sent as P and Q? Matrices with (n + m) r * rate < n m."""
-        if len(shape) < 2:
-            return False
-        n, m = shape[0], int(np.prod(shape[1:]))
-        return (n + m) * self._r(shape) * self.min_rate < n * m
-
-    def _fresh_qs(self, matrices) -> list[torch.Tensor]:
-        """Random orthonormal starting Qs (m x r), drawn as torch's hook draws them: one seed from
-        ``self.rng``, then the Qs filled from N(0, 1) shape group by shape group, in order."""
-        groups = defaultdict(list)
-        for i, mat in enumerate(matrices):
-            groups[tuple(mat.shape)].append(i)
-        qs = [None] * len(matrices)
+    def _fresh_q(self, side: int, dtype: torch.dtype) -> torch.Tensor:
+        """A random starting Q (side x rank), not yet orthogonalised, drawn as torch's batched hook draws
+        it: one seed from ``self.rng``, then N(0, 1) on the CPU."""
         gen = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
-        for idx in groups.values():
-            for i in idx:
-                n, m = matrices[i].shape
-                q = torch.randn(1, m, self._r((n, m)), generator=gen, dtype=matrices[i].dtype)[0]
-                qs[i] = _orthogonalise(q).to(matrices[i].device)
-        return qs
+        return torch.randn(side, self.rank, generator=gen, dtype=dtype)
 
     @torch.no_grad()
     def reduce(self, grads, group=None) -> list[torch.Tensor]:
-        """Replace each gradient by the PowerSGD estimate of its mean over the ranks; return them."""
+        """Replace each gradient by the batched PowerSGD estimate of its mean over the ranks; return them."""
         if not dist.is_initialized():
             raise RuntimeError("PowerSGDReducer.reduce runs inside ranks: call it from a function started "
                                "with minitorch_dist.launch(fn, n)")
         grads = list(grads)
-        if any(g is None for g in grads):
-            raise ValueError("a gradient is None: pass only parameters that received one")
+        if not grads or any(g is None for g in grads):
+            raise ValueError("pass a non-empty list of gradients, none of them None")
+        if len({g.dtype for g in grads}) > 1:
+            raise ValueError(f"the gradients have dtypes {sorted({str(g.dtype) for g in grads})}: one bucket "
+                             "holds one dtype, so reduce each dtype's gradients with a reducer of its own")
+        shapes = [tuple(g.shape) for g in grads]
+        if self._shapes is not None and shapes != self._shapes:
+            raise ValueError(f"reduce got gradients of shapes {shapes}, but the residual and the warm-start "
+                             f"Q belong to {self._shapes}: pass the same list, in the same order, every step")
+        if self.iter >= self.start_iter:
+            self._shapes = shapes  # this call compresses: the memory belongs to this list from now on
         n_ranks = dist.get_world_size(group)
         raise NotImplementedError("exercise: PowerSGDReducer.reduce — see chapters/09_compression.md")
 

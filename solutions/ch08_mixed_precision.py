@@ -14,10 +14,13 @@ Nothing here needs ranks: number formats are a single-process matter.
    (never below ``min_scale``) and skip the step when a gradient overflowed, double it after
    ``growth_interval`` clean steps in a row.
 2. :class:`LossScaler`: the whole dynamic loss scaler, ``scale`` / ``unscale_`` / ``step`` /
-   ``update`` with ``torch.amp.GradScaler``'s semantics, its rule being exercise 1.
+   ``update`` with ``torch.amp.GradScaler``'s semantics, its rule being exercise 1, plus Megatron-LM's
+   *hysteresis*: the scale backs off only once ``hysteresis`` overflows have been seen since it last
+   grew (every overflowing step is still skipped).
 3. :func:`train_with_loss_scaling`: mixed-precision training (Micikevicius et al. 2018, §3.1-3.3): a
-   half model for forward and backward, fp32 master weights owned by the optimizer, a loss scaler
-   deciding which steps are applied.
+   half model for forward and backward, fp32 master weights owned by the optimizer, several
+   micro-batches per step summed in fp32, the true gradients clipped to a global norm between
+   ``unscale_`` and ``step``, a loss scaler deciding which steps are applied.
 4. :func:`count_lost_bf16_updates`: predict from bf16's bit layout how many elements of one SGD step
    round away in a pure-bf16 model, then take the step and count them.
 5. :func:`stochastic_round_to_bf16`: fp32 -> bf16 rounding that goes up or down at random, with the
@@ -135,45 +138,73 @@ def scaler_update(scale: float, growth_tracker: int, found_inf: bool, growth_fac
 
 
 class LossScaler:
-    """Kind: build · about 45 minutes
+    """Kind: build · about 50 minutes
 
     A dynamic loss scaler with ``torch.amp.GradScaler``'s four calls (Micikevicius et al. 2018,
-    §3.2), for one optimizer whose parameters hold fp32 (or bf16) gradients::
+    §3.2) and Megatron-LM's *hysteresis*, for one optimizer whose parameters hold fp32 (or bf16)
+    gradients::
 
         scaler.scale(loss).backward()   # every gradient comes out multiplied by S
         scaler.unscale_(optimizer)      # optional: gradients divided by S now (before clipping, say)
         scaler.step(optimizer)          # the optimizer's step, unless a gradient was inf or NaN
-        scaler.update()                 # the next S, by the rule of exercise 1
+        scaler.update()                 # the next S
 
-    Interface: ``scale(loss)`` returns ``loss * S`` (S an fp32 tensor on the loss's device);
+    GradScaler halves S at every overflow. In a long fp16 run an occasional lone overflow (a spike
+    in one batch) then costs a factor 2 of range that takes ``growth_interval`` clean steps to win
+    back. Megatron-LM's ``DynamicGradScaler`` tolerates a few: it keeps a *hysteresis counter*
+    ``h``, set to ``hysteresis`` at the start, and the rule of an iteration is
+
+    * an overflow (an inf or a NaN among the gradients): the step is skipped, the growth tracker
+      restarts at 0, and ``h`` drops by one, never below 0; if ``h`` is then 0, S backs off by
+      exercise 1's rule (``backoff_factor``, not below ``min_scale``);
+    * a clean iteration: the growth tracker counts it by exercise 1's rule; when it completes
+      ``growth_interval`` clean iterations (the tracker restarts at 0, S grows unless that would be
+      inf), ``h`` is restored to ``hysteresis``. A clean iteration does nothing else to ``h``.
+
+    So S backs off at the ``hysteresis``-th overflow since S last grew (clean iterations between the
+    overflows do not restore ``h``), and at *every* further overflow until S grows again.
+    ``hysteresis = 1`` is GradScaler exactly.
+
+    Interface: ``LossScaler(init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
+    hysteresis)``. ``scale(loss)`` returns ``loss * S`` (S an fp32 tensor on the loss's device);
     ``unscale_(optimizer)`` divides every ``.grad`` in place and returns whether any held an inf or a
     NaN *before* it; ``step(optimizer)`` returns ``optimizer.step()``'s value, or None for a skipped
-    step (the weights keep their values, ``skipped_steps`` grows by one); ``update()`` moves S and
-    ``growth_tracker`` by :func:`scaler_update` (with the scaler's ``min_scale``) and starts a fresh
-    iteration. The state is
-    ``self._scale`` (a Python float, an fp32 number), ``self.growth_tracker``, ``self.skipped_steps``
-    and the per-iteration flags ``self._found_inf`` (None until checked) and ``self._stepped``; the
-    misuse checks are given, and ``_grads_of(optimizer)`` (given) lists the gradients.
+    step (the weights keep their values, ``skipped_steps`` grows by one); ``update()`` moves S, the
+    growth tracker and ``h`` by the rule above and starts a fresh iteration. The state is
+    ``self._scale`` (a Python float, an fp32 number), ``self.growth_tracker``,
+    ``self.hysteresis_tracker`` (``h``), ``self.skipped_steps`` and the per-iteration flags
+    ``self._found_inf`` (None until checked) and ``self._stepped``; the argument and misuse checks are
+    given, and ``_grads_of(optimizer)`` (given) lists the gradients.
 
-    Properties the tests check: bit for bit the scales, gradients, weights and skipped steps of
-    ``torch.amp.GradScaler`` on a scripted run with overflows, NaNs and clipping between ``unscale_``
-    and ``step`` (1/S is computed as GradScaler does, in float64 and rounded once to fp32); a gradient
-    is divided once however the calls are mixed; an iteration's verdict does not leak into the next;
-    misuse raises.
+    Properties the tests check: with ``hysteresis = 1``, bit for bit the scales, growth trackers,
+    gradients, weights and skipped steps of ``torch.amp.GradScaler`` on a scripted run with
+    overflows, NaNs and clipping between ``unscale_`` and ``step`` (1/S is computed as GradScaler
+    does, in float64 and rounded once to fp32); with ``hysteresis = 2`` and ``3``, the scale, growth
+    tracker, ``h`` and skip of every iteration equal a hand-written schedule of clean and overflowing
+    iterations (overflows separated by clean ones, overflows in a row, a floor), and every
+    overflowing step leaves the weights alone; a gradient is divided once however the calls are
+    mixed; an iteration's verdict does not leak into the next; misuse raises.
 
-    Reference: ``minitorch_dist/memory/mixed_precision.py`` (``DynamicLossScaler``: the library's scaler,
-    keyed by optimizer with a tensor scale; yours keeps a float scale for one optimizer).
+    Reference: ``minitorch_dist/memory/mixed_precision.py`` (``DynamicLossScaler``: GradScaler's
+    rule, keyed by optimizer with a tensor scale; yours keeps a float scale for one optimizer and adds
+    the hysteresis of Megatron-LM's ``megatron/core/optimizer/grad_scaler.py``, which is not in the
+    library).
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 0.0):
+                 growth_interval: int = 2000, min_scale: float = 0.0, hysteresis: int = 1):
         if not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
             raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
         _check_factors(float(growth_factor), float(backoff_factor), growth_interval)
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1 (overflows tolerated before a backoff; 1 is "
+                             f"GradScaler), got {hysteresis!r}")
         self._scale = _fp32(float(init_scale))
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.min_scale = int(growth_interval), float(min_scale)
+        self.hysteresis = hysteresis
         self.growth_tracker = 0
+        self.hysteresis_tracker = hysteresis
         self.skipped_steps = 0
         self._found_inf: bool | None = None
         self._stepped = False
@@ -217,19 +248,26 @@ class LossScaler:
             self.unscale_(optimizer)
         self._stepped = True
         if self._found_inf:
-            self.skipped_steps += 1  # the weights stay: an overflowed step is lost, not harmful
+            self.skipped_steps += 1  # skipped whatever h says: the weights stay, the step is lost
             return None
         return optimizer.step()
         # END SOLUTION
 
     def update(self) -> None:
-        """The new S and growth tracker; the iteration's flags reset."""
+        """The new S, growth tracker and hysteresis counter; the iteration's flags reset."""
         if self._found_inf is None:
             raise RuntimeError("update() before any inf/NaN check; call step() (or unscale_()) first")
         # BEGIN SOLUTION
-        self._scale, self.growth_tracker = scaler_update(self._scale, self.growth_tracker, self._found_inf,
-                                                         self.growth_factor, self.backoff_factor,
-                                                         self.growth_interval, self.min_scale)
+        rule = (self.growth_factor, self.backoff_factor, self.growth_interval, self.min_scale)
+        if self._found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
+            if self.hysteresis_tracker == 0:  # out of tolerance: back off, at every overflow until S grows
+                self._scale, _ = scaler_update(self._scale, 0, True, *rule)
+        else:
+            self._scale, self.growth_tracker = scaler_update(self._scale, self.growth_tracker, False, *rule)
+            if self.growth_tracker == 0:  # an interval of clean iterations completed: tolerance restored
+                self.hysteresis_tracker = self.hysteresis
         self._found_inf, self._stepped = None, False
         # END SOLUTION
 
@@ -249,12 +287,25 @@ def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 # --- 3. mixed-precision training driven by a loss scaler -------------------------------------------
 
 
-def train_with_loss_scaling(model: nn.Module, batches, make_optimizer, scaler=None,
-                            dtype: torch.dtype = torch.float16, loss_fn=None) -> dict:
-    """Kind: build · about 45 minutes
+def _checked_steps(steps) -> list:
+    """``steps`` as a list, each entry checked to be a non-empty list of ``(x, y)`` micro-batches."""
+    steps = list(steps)
+    for i, step in enumerate(steps):
+        if not isinstance(step, list) or not step or not all(isinstance(mb, (tuple, list)) and len(mb) == 2
+                                                             for mb in step):
+            raise ValueError(f"steps[{i}] must be a non-empty list of (x, y) micro-batches, got "
+                             f"{type(step).__name__}; wrap a single batch as [(x, y)]")
+    return steps
 
-    Train ``model`` in mixed precision (Micikevicius et al. 2018, §3.1-3.3) on ``batches``, one
-    optimizer step per ``(x, y)`` batch, and return what happened.
+
+def train_with_loss_scaling(model: nn.Module, steps, make_optimizer, scaler=None,
+                            dtype: torch.dtype = torch.float16, loss_fn=None,
+                            max_norm: float | None = None) -> dict:
+    """Kind: build · about 50 minutes
+
+    Train ``model`` in mixed precision (Micikevicius et al. 2018, §3.1-3.3) with gradient
+    accumulation and gradient clipping: one optimizer step per entry of ``steps``, each a list of
+    ``(x, y)`` micro-batches, and return what happened.
 
     The arrangement is set up for you below: ``half``, a copy of the model in ``dtype`` (fp16 or bf16,
     its LayerNorms computing in fp32); ``masters``, fp32 copies of the *original* weights in the order
@@ -264,54 +315,86 @@ def train_with_loss_scaling(model: nn.Module, batches, make_optimizer, scaler=No
     ``scaler`` is anything with GradScaler's calls (your :class:`LossScaler`, or
     ``torch.amp.GradScaler("cpu")``), or None (bf16, or fp16 without loss scaling).
 
-    Return ``{"losses": [...], "applied": [...], "masters": masters, "half_model": half}``: each
-    step's unscaled loss (``loss.item()``) and whether its update was applied (always True without a
-    scaler; with one, a skipped step is the only thing that lowers the scale).
+    A step of k micro-batches minimises their mean loss: each micro-batch's backward starts from
+    ``loss / k`` (scaled by the scaler when there is one, ``scaler.scale(loss / k)``), and its half
+    gradients are added into the masters' fp32 gradients, in micro-batch order, before the next
+    micro-batch runs; they are never summed in half. With ``max_norm``, the step's true (unscaled)
+    gradient is clipped to that global 2-norm by ``torch.nn.utils.clip_grad_norm_(masters, max_norm)``
+    after ``scaler.unscale_(optimizer)`` and before ``scaler.step(optimizer)``. A step in which any
+    micro-batch overflowed is skipped as a whole (the scaler sees the sum, and inf or NaN survives
+    every later addition), however many micro-batches were clean.
 
-    Properties the tests check: the losses, applied flags, masters and half weights equal, bit for bit,
-    a reference loop driven by ``torch.amp.GradScaler`` (and by your scaler), including steps that
-    overflow; with gradients too small for fp16, the loss-scaled run learns what fp32 learns while the
-    unscaled one does not (and bf16 needs no scaler); the fp32 model is left as it was; bad input is
-    refused.
+    Return ``{"losses": [...], "applied": [...], "grad_norms": [...], "masters": masters,
+    "half_model": half}``, one entry per step: its loss, the mean of its micro-batches' ``loss.item()``
+    (``sum(...) / k`` in Python, in micro-batch order); whether its update was applied, the scaler's
+    verdict (always True without a scaler; with one, *not* whether the scale fell: with hysteresis an
+    overflowing step may leave it where it was); the total norm ``clip_grad_norm_`` returned, before
+    clipping, as a float (not finite for an overflowing step; None for every step without
+    ``max_norm``).
+
+    Properties the tests check: the losses, applied flags, norms, masters and half weights equal, bit
+    for bit, a reference loop driven by ``torch.amp.GradScaler`` (``unscale_``, ``clip_grad_norm_``,
+    ``step``, ``update``), driven by GradScaler and by your scaler, with steps that overflow and a clip
+    that binds; an overflow in the middle micro-batch only skips the step; a clip that does not bind
+    changes no bit, one that binds does; your scaler with hysteresis skips an overflowing step it
+    does not back off for; with gradients too small for fp16, the loss-scaled run learns what fp32
+    learns while the unscaled one does not (and bf16 needs no scaler); the fp32 model is left as it
+    was; bad input is refused.
 
     Reference: ``minitorch_dist/memory/mixed_precision.py`` (``MixedPrecisionTrainer``: the same
-    arrangement as a class over micro-batches; yours is one loop over batches, driven by any scaler).
+    arrangement as a class, with micro-batches, reporting a step as skipped from the scaler's own
+    counter; it does not clip and reports no norm. Yours clips between ``unscale_`` and ``step`` and
+    is driven by any scaler with GradScaler's calls).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "step", "update", "get_scale")):
-        raise TypeError("scaler must have GradScaler's scale/step/update/get_scale, got "
+    if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
+        raise TypeError("scaler must have GradScaler's scale/unscale_/step/update, got "
                         f"{type(scaler).__name__}")
+    if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < math.inf):
+        raise ValueError(f"max_norm must be None (no clipping) or a finite number > 0, got {max_norm!r}")
+    steps = _checked_steps(steps)
     loss_fn = loss_fn or fp32_cross_entropy
     half = half_precision_copy(model, dtype)
     half_params = list(half.parameters())
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
     optimizer = make_optimizer(masters)
-    losses, applied = [], []
+    losses, applied, grad_norms = [], [], []
     # BEGIN SOLUTION
-    for x, y in batches:
-        loss = loss_fn(half, x, y)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        for m, h in zip(masters, half_params):  # the half gradients, in fp32, on the masters
-            m.grad = None if h.grad is None else h.grad.float()
-            h.grad = None
+    for step in steps:
+        k, step_losses = len(step), []
+        for x, y in step:
+            loss = loss_fn(half, x, y)
+            part = loss / k
+            (scaler.scale(part) if scaler is not None else part).backward()
+            for m, h in zip(masters, half_params):  # fold into fp32 now: never summed in half
+                if h.grad is not None:
+                    g = h.grad.float()
+                    m.grad = g if m.grad is None else m.grad.add_(g)
+                    h.grad = None
+            step_losses.append(loss.item())
+        # the scaler's verdict: it looks at these (scaled, fp32) gradients for inf and NaN
+        finite = all(bool(torch.isfinite(m.grad).all()) for m in masters if m.grad is not None)
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the true gradients, before the clip reads them
+        norm = None if max_norm is None else float(torch.nn.utils.clip_grad_norm_(masters, max_norm))
         if scaler is None:
             optimizer.step()
-            applied.append(True)
         else:
-            before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            applied.append(scaler.get_scale() >= before)
         with torch.no_grad():
             for m, h in zip(masters, half_params):
                 h.copy_(m)  # the rounded master is what the next forward sees
                 m.grad = None
-        losses.append(loss.item())
+        losses.append(sum(step_losses) / k)
+        applied.append(finite or scaler is None)
+        grad_norms.append(norm)
     # END SOLUTION
-    return {"losses": losses, "applied": applied, "masters": masters, "half_model": half}
+    return {"losses": losses, "applied": applied, "grad_norms": grad_norms, "masters": masters,
+            "half_model": half}
 
 
 # --- 4. the updates bf16 loses: predicted, then counted ---------------------------------------------

@@ -6,10 +6,11 @@ Runs the stubs in ``exercises/`` once you have filled them in (or in a student's
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
 one (``python -m minitorch_dist grade`` runs the stubs). Every
 expected value comes from an independent source: ``torch.amp.GradScaler`` driven by real
-finite / inf / NaN gradients and its kernel ``torch._amp_update_scale_``; a hand-written
-mixed-precision loop around ``torch.amp.GradScaler``; fp32 training on the same batches; the
-neighbours of a bf16 weight read from its bits, and torch's own SGD step; bf16 neighbours and
-ulps computed in float64 from ``log2``; the sample mean of many roundings against its standard
+finite / inf / NaN gradients and its kernel ``torch._amp_update_scale_``; hand-written schedules of a
+hysteresis scaler's scale and counters; a hand-written mixed-precision loop (micro-batches summed in
+fp32, a clip between ``unscale_`` and ``step``) around ``torch.amp.GradScaler``; fp32 training on the
+same batches; the neighbours of a bf16 weight read from its bits, and torch's own SGD step; bf16
+neighbours and ulps computed in float64 from ``log2``; the sample mean of many roundings against its standard
 error; float64 running sums. Each statistical check is shown failing on a deliberately wrong
 variant (round-to-nearest, an uncompensated bf16 weight).
 
@@ -211,7 +212,8 @@ def test_scaler_update_rejects_bad_input(ex):
 
 
 # --- 2. LossScaler ---------------------------------------------------------------------------------
-# Expected values: torch.amp.GradScaler driven through the same script, on the same model and optimizer.
+# Expected values: torch.amp.GradScaler driven through the same script, on the same model and optimizer
+# (hysteresis 1); hand-written schedules of scale, growth tracker and hysteresis counter (hysteresis > 1).
 
 # per step: an ordinary gradient, an inf or a NaN planted in it, or a loss x 1e35 that is finite but
 # overflows fp32 once multiplied by the scale
@@ -261,7 +263,7 @@ def test_LossScaler_matches_GradScaler_on_a_scripted_run(ex, kw):
     want = _scaler_run(torch.amp.GradScaler("cpu", **kw), SCALER_SCRIPT)
     assert any(s for _, _, s, _ in want) and not all(s for _, _, s, _ in want), "sanity: some steps skipped"
     assert want[1][2], "sanity: the huge finite gradient overflows once scaled"
-    scaler = ex.LossScaler(**kw)
+    scaler = ex.LossScaler(**kw, hysteresis=1)
     got = _scaler_run(scaler, SCALER_SCRIPT)
     _assert_same_scaler_run(got, want)
     assert scaler.skipped_steps == sum(s for _, _, s, _ in want)
@@ -276,6 +278,8 @@ def test_LossScaler_unscales_once_before_clipping(ex):
 def test_LossScaler_scale_and_defaults(ex):
     s = ex.LossScaler()
     assert s.get_scale() == 2.0 ** 16 and s.growth_tracker == 0 and s.skipped_steps == 0
+    assert s.hysteresis_tracker == 1, "the default hysteresis is 1: GradScaler's rule"
+    assert ex.LossScaler(hysteresis=3).hysteresis_tracker == 3, "the counter starts full"
     loss = torch.tensor(0.75, requires_grad=True)
     scaled = s.scale(loss)
     assert scaled.dtype == torch.float32 and scaled.item() == 0.75 * 2.0 ** 16
@@ -296,6 +300,68 @@ def test_LossScaler_keeps_its_floor(ex):
     assert torch.equal(p.detach(), torch.ones(2)), "skipped steps leave the weights alone"
 
 
+# Hand-written schedules. Each entry: the iteration ("C" clean; an overflow planted as "F" inf, "N" NaN,
+# "H" a loss x 1e37 that overflows fp32 only once scaled) and, after its update(), (S, growth tracker, h).
+# Every overflow is skipped; every clean iteration is applied.
+HYSTERESIS_2 = [  # growth_interval 3, init 1024
+    ("F", 1024.0, 0, 1),  # absorbed: h 2 -> 1, S holds
+    ("C", 1024.0, 1, 1), ("C", 1024.0, 2, 1),  # clean iterations do not restore h
+    ("N", 512.0, 0, 0),   # the second overflow since S last grew: back off
+    ("H", 256.0, 0, 0),   # h is spent: every overflow backs off until S grows
+    ("C", 256.0, 1, 0), ("C", 256.0, 2, 0), ("C", 512.0, 0, 2),  # growth restores h
+    ("F", 512.0, 0, 1), ("C", 512.0, 1, 1), ("N", 256.0, 0, 0),
+    ("C", 256.0, 1, 0), ("C", 256.0, 2, 0), ("C", 512.0, 0, 2),
+    ("C", 512.0, 1, 2), ("H", 512.0, 0, 1),  # an absorbed overflow still restarts the growth tracker
+    ("C", 512.0, 1, 1), ("C", 512.0, 2, 1), ("C", 1024.0, 0, 2),
+]
+HYSTERESIS_3_FLOOR = [  # growth_interval 2, init 1024, min_scale 256
+    ("F", 1024.0, 0, 2), ("N", 1024.0, 0, 1), ("H", 512.0, 0, 0), ("F", 256.0, 0, 0),
+    ("F", 256.0, 0, 0),  # the floor holds
+    ("C", 256.0, 1, 0), ("C", 512.0, 0, 3),
+    ("N", 512.0, 0, 2), ("C", 512.0, 1, 2), ("F", 512.0, 0, 1), ("C", 512.0, 1, 1), ("C", 1024.0, 0, 3),
+]
+
+
+def _hysteresis_run(scaler, schedule):
+    """Drive ``scaler`` through ``schedule`` on p = (1, 1), loss sum(p), SGD lr 1/8; check every iteration.
+
+    S stays a power of two, so an unscaled clean gradient is exactly (1, 1) and a step moves p by exactly
+    1/8: a gradient divided twice (or not at all) shows in the bits. Odd iterations unscale before step.
+    """
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.125)
+    applied = 0
+    for i, (kind, scale, tracker, h) in enumerate(schedule):
+        opt.zero_grad()
+        scaler.scale(p.sum() * (1e37 if kind == "H" else 1.0)).backward()
+        if kind in ("F", "N"):
+            p.grad[1] = INF if kind == "F" else NAN
+        before = p.detach().clone()
+        if i % 2:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        state = (scaler.get_scale(), scaler.growth_tracker, scaler.hysteresis_tracker)
+        assert state == (scale, tracker, h), \
+            f"iteration {i} ({kind}): (S, growth tracker, h) = {state}, want {(scale, tracker, h)}"
+        if kind == "C":
+            applied += 1
+            assert p.grad.tolist() == [1.0, 1.0], f"iteration {i}: the gradient must be divided by S once"
+            assert p.detach().tolist() == [1.0 - applied / 8] * 2, f"iteration {i}: a clean step is applied"
+        else:
+            assert torch.equal(p.detach(), before), f"iteration {i}: an overflowing step must be skipped"
+    assert scaler.skipped_steps == sum(kind != "C" for kind, *_ in schedule)
+
+
+def test_LossScaler_hysteresis_follows_a_hand_written_schedule(ex):
+    _hysteresis_run(ex.LossScaler(init_scale=1024.0, growth_interval=3, hysteresis=2), HYSTERESIS_2)
+
+
+def test_LossScaler_hysteresis_with_a_floor(ex):
+    _hysteresis_run(ex.LossScaler(init_scale=1024.0, growth_interval=2, min_scale=256.0, hysteresis=3),
+                    HYSTERESIS_3_FLOOR)
+
+
 def test_LossScaler_refuses_misuse(ex):
     p = nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -310,11 +376,15 @@ def test_LossScaler_refuses_misuse(ex):
     s.update()
     with pytest.raises(RuntimeError, match="update"):
         s.update()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="hysteresis"):
+            ex.LossScaler(hysteresis=bad)
 
 
 # --- 3. train_with_loss_scaling --------------------------------------------------------------------
-# Expected values: a hand-written loop (half model, fp32 masters, torch.amp.GradScaler), and fp32
-# training of the same model on the same batches.
+# Expected values: a hand-written loop (half model, fp32 masters, micro-batches summed in fp32,
+# torch.amp.GradScaler's unscale_ / clip_grad_norm_ / step / update), and fp32 training of the same model
+# on the same batches.
 
 TINY = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
 TB, TT = 8, 16
@@ -324,34 +394,63 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=3e-3, eps=1e-30, weight_decay=0.0)
 
 
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 def _xent(model, x, y):
     logits, _ = model(x)
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def _reference_loop(model, batches, scaler):
-    """Micikevicius et al.'s loop written out around torch.amp.GradScaler."""
+def _mse(model, x, y):
+    return (model(x.to(model[0].weight.dtype)).float() - y).square().mean()
+
+
+def _reference_loop(model, steps, scaler, make_optimizer=_adamw, loss_fn=_xent, max_norm=None):
+    """Micikevicius et al.'s loop written out around torch.amp.GradScaler, with micro-batches and a clip."""
     half = copy.deepcopy(model).half()
     for m in half.modules():
         if type(m) is nn.LayerNorm:  # statistics in fp32, weights in half
             m.forward = (lambda ln: lambda x: F.layer_norm(x.float(), ln.normalized_shape, ln.weight.float(),
                                                            ln.bias.float(), ln.eps).to(x.dtype))(m)
     masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-    opt, losses, applied = _adamw(masters), [], []
-    for x, y in batches:
-        loss = _xent(half, x, y)
-        scaler.scale(loss).backward()
-        for m, h in zip(masters, half.parameters()):
-            m.grad, h.grad = h.grad.float(), None
+    opt, losses, applied, norms = make_optimizer(masters), [], [], []
+    for step in steps:
+        total = 0.0
+        for x, y in step:
+            loss = loss_fn(half, x, y)
+            scaler.scale(loss / len(step)).backward()
+            for m, h in zip(masters, half.parameters()):
+                m.grad = h.grad.float() if m.grad is None else m.grad + h.grad.float()
+                h.grad = None
+            total += loss.item()
         before = [m.detach().clone() for m in masters]
+        scaler.unscale_(opt)
+        norms.append(None if max_norm is None else torch.nn.utils.clip_grad_norm_(masters, max_norm).item())
         scaler.step(opt)
         scaler.update()
         applied.append(not all(torch.equal(a, m) for a, m in zip(before, masters)))
         with torch.no_grad():
             for m, h in zip(masters, half.parameters()):
                 h.copy_(m)
-        losses.append(loss.item())
-    return losses, applied, masters
+                m.grad = None
+        losses.append(total / len(step))
+    return {"losses": losses, "applied": applied, "grad_norms": norms, "masters": masters}
+
+
+def _assert_same_run(got, want, model):
+    assert got["losses"] == want["losses"], f"losses {got['losses']}\nreference {want['losses']}"
+    assert got["applied"] == want["applied"], f"applied {got['applied']}, reference {want['applied']}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], want["grad_norms"], strict=True)):
+        both_overflowed = None not in (a, b) and not math.isfinite(a) and not math.isfinite(b)
+        assert a == b or both_overflowed, f"step {step}: grad norm {a}, reference {b}"
+    for step_master, ref_master in zip(got["masters"], want["masters"], strict=True):
+        assert step_master.dtype == torch.float32 and torch.equal(step_master, ref_master), "masters differ"
+    for h, m in zip(got["half_model"].parameters(), got["masters"]):
+        assert h.dtype == torch.float16 and torch.equal(h, m.detach().half()), \
+            "the half model is the rounded master"
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the fp32 model must stay as it was"
 
 
 @pytest.fixture(scope="module")
@@ -367,28 +466,75 @@ def test_train_with_loss_scaling_equals_a_GradScaler_loop(ex, one_thread, scaler
     torch.manual_seed(1)
     model = GPT(TINY)
     data = MarkovCorpus(32, seed=0)
-    batches = [data.batch(s, TB, TT) for s in range(8)]
+    steps = [[data.batch(3 * s + j, 4, TT) for j in range(3)] for s in range(6)]  # 3 micro-batches a step
     kw = dict(init_scale=2.0 ** 24, growth_interval=2)  # 2^24 overflows fp16's gradients: steps are skipped
-    want = _reference_loop(model, batches, torch.amp.GradScaler("cpu", **kw))
-    assert not all(want[1]) and any(want[1]), "sanity: the reference skipped some steps and applied others"
+    want = _reference_loop(model, steps, torch.amp.GradScaler("cpu", **kw), max_norm=0.5)
+    assert not all(want["applied"]) and any(want["applied"]), "sanity: some steps skipped, others applied"
+    assert any(n > 0.5 for n in want["grad_norms"] if math.isfinite(n)), "sanity: the clip binds"
     use = torch.amp.GradScaler("cpu", **kw) if scaler == "GradScaler" else ex.LossScaler(**kw)
-    got = ex.train_with_loss_scaling(model, batches, _adamw, use, torch.float16, loss_fn=_xent)
-    assert got["losses"] == want[0], f"losses {got['losses']}\nreference {want[0]}"
-    assert got["applied"] == want[1], f"applied {got['applied']}, reference {want[1]}"
-    for step_master, ref_master in zip(got["masters"], want[2]):
-        assert step_master.dtype == torch.float32 and torch.equal(step_master, ref_master), "masters differ"
-    for h, m in zip(got["half_model"].parameters(), got["masters"]):
-        assert h.dtype == torch.float16 and torch.equal(h, m.detach().half()), \
-            "the half model is the rounded master"
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "the fp32 model must stay as it was"
+    got = ex.train_with_loss_scaling(model, steps, _adamw, use, torch.float16, loss_fn=_xent, max_norm=0.5)
+    _assert_same_run(got, want, model)
+
+
+def _mlp_steps(kinds):
+    """One step per string, one micro-batch per letter: "c" clean, "o" targets of 1e5 whose fp16 gradient
+    overflows at S = 2^10 (d loss / d output ~ 2e5 / 12 / 3 per element, times S: far above fp16's 65504)."""
+    g = torch.Generator().manual_seed(5)
+    return [[(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g) * (1e5 if c == "o" else 1.0))
+             for c in kind] for kind in kinds]
+
+
+def _mlp():
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def test_train_with_loss_scaling_skips_a_step_whose_middle_micro_batch_overflowed(ex, one_thread):
+    model, steps = _mlp(), _mlp_steps(["ccc", "coc", "ccc", "cco"])
+    kw = dict(init_scale=2.0 ** 10, growth_interval=100)
+    want = _reference_loop(model, steps, torch.amp.GradScaler("cpu", **kw), _sgd, _mse, max_norm=1.0)
+    assert want["applied"] == [True, False, True, False], "sanity: the reference skips steps 2 and 4"
+    got = ex.train_with_loss_scaling(model, steps, _sgd, torch.amp.GradScaler("cpu", **kw), torch.float16,
+                                     loss_fn=_mse, max_norm=1.0)
+    _assert_same_run(got, want, model)
+    # with hysteresis 2 the first overflow leaves S where it was: the step is skipped all the same
+    scaler = ex.LossScaler(**kw, hysteresis=2)
+    got = ex.train_with_loss_scaling(model, steps, _sgd, scaler, torch.float16, loss_fn=_mse, max_norm=1.0)
+    assert got["applied"] == [True, False, True, False], \
+        f"applied {got['applied']}: a step is skipped when the scaler finds an overflow, not when S falls"
+    assert scaler.get_scale() == 2.0 ** 9 and scaler.skipped_steps == 2
+    prefix = ex.train_with_loss_scaling(model, steps[:2], _sgd, ex.LossScaler(**kw, hysteresis=2),
+                                        torch.float16, loss_fn=_mse, max_norm=1.0)
+    want = _reference_loop(model, steps[:2], torch.amp.GradScaler("cpu", **kw), _sgd, _mse, max_norm=1.0)
+    _assert_same_run(prefix, want, model)
+
+
+def test_train_with_loss_scaling_clips_only_when_the_clip_binds(ex, one_thread):
+    model, steps = _mlp(), _mlp_steps(["cc", "cc", "cc"])
+    kw = dict(init_scale=2.0 ** 10, growth_interval=100)
+    run = lambda max_norm: ex.train_with_loss_scaling(model, steps, _sgd, torch.amp.GradScaler("cpu", **kw),
+                                                      torch.float16, loss_fn=_mse, max_norm=max_norm)
+    free, loose, tight = run(None), run(1e3), run(0.05)
+    assert free["grad_norms"] == [None] * 3
+    want = _reference_loop(model, steps, torch.amp.GradScaler("cpu", **kw), _sgd, _mse, max_norm=0.05)
+    assert min(want["grad_norms"]) > 0.05, "sanity: the clip binds at every step"
+    _assert_same_run(tight, want, model)
+    want_loose = _reference_loop(model, steps, torch.amp.GradScaler("cpu", **kw), _sgd, _mse, max_norm=1e3)
+    assert max(want_loose["grad_norms"]) < 1e3, "sanity: the loose clip never binds"
+    _assert_same_run(loose, want_loose, model)
+    for a, b in zip(free["masters"], loose["masters"], strict=True):
+        assert torch.equal(a, b), "a clip that does not bind must change no bit"
+    assert not all(torch.equal(a, c) for a, c in zip(free["masters"], tight["masters"])), \
+        "a clip that binds must change the update"
 
 
 def test_train_with_loss_scaling_learns_what_fp32_learns_from_tiny_gradients(ex, one_thread):
     # the loss x 1e-4 stands in for a network whose gradients are naturally tiny (median ~1e-7): most of
     # them are subnormal or zero in fp16. AdamW with eps ~ 0 does not notice the factor in fp32.
-    steps, mult = 40, 1e-4
+    n_steps, mult = 40, 1e-4
     data = MarkovCorpus(32, seed=0)
-    batches = [data.batch(s, TB, TT) for s in range(steps)]
+    batches = [data.batch(s, TB, TT) for s in range(n_steps)]
+    steps = [[b] for b in batches]
     small = lambda m, x, y: _xent(m, x, y) * mult
     torch.manual_seed(0)
     model = GPT(TINY)
@@ -404,9 +550,10 @@ def test_train_with_loss_scaling_learns_what_fp32_learns_from_tiny_gradients(ex,
     drop = lambda curve: (curve[0] - curve[-10:].mean()).item()
     assert drop(fp32) > 0.25, "sanity: fp32 learns"
     scaler = ex.LossScaler()
-    scaled = ex.train_with_loss_scaling(model, batches, _adamw, scaler, torch.float16, loss_fn=small)
-    raw = ex.train_with_loss_scaling(model, batches, _adamw, None, torch.float16, loss_fn=small)
-    bf16 = ex.train_with_loss_scaling(model, batches, _adamw, None, torch.bfloat16, loss_fn=small)
+    scaled = ex.train_with_loss_scaling(model, steps, _adamw, scaler, torch.float16, loss_fn=small)
+    raw = ex.train_with_loss_scaling(model, steps, _adamw, None, torch.float16, loss_fn=small)
+    bf16 = ex.train_with_loss_scaling(model, steps, _adamw, None, torch.bfloat16, loss_fn=small)
+    assert raw["applied"] == [True] * n_steps, "without a scaler every step is applied"
     scaled, raw, bf16 = (torch.tensor(r["losses"]) / mult for r in (scaled, raw, bf16))
     # following fp32: off by rounding noise, far less than what fp32 learns (1/100 of it); an unscaled
     # fp16 run loses most gradients to underflow and learns less than 0.4 of it
@@ -421,12 +568,18 @@ def test_train_with_loss_scaling_learns_what_fp32_learns_from_tiny_gradients(ex,
 def test_train_with_loss_scaling_rejects_bad_input(ex, one_thread):
     torch.manual_seed(0)
     model = GPT(TINY)
-    batches = [MarkovCorpus(32, seed=0).batch(0, 2, 8)]
-    ex.train_with_loss_scaling(model, batches, _adamw, None, torch.bfloat16)  # a valid call first
+    batch = MarkovCorpus(32, seed=0).batch(0, 2, 8)
+    ex.train_with_loss_scaling(model, [[batch]], _adamw, None, torch.bfloat16, max_norm=1.0)  # a valid call
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
-        ex.train_with_loss_scaling(model, batches, _adamw, None, torch.float32)
+        ex.train_with_loss_scaling(model, [[batch]], _adamw, None, torch.float32)
     with pytest.raises(TypeError, match="scaler"):
-        ex.train_with_loss_scaling(model, batches, _adamw, object())
+        ex.train_with_loss_scaling(model, [[batch]], _adamw, object())
+    for bad in (0.0, -1.0, INF, NAN):
+        with pytest.raises(ValueError, match="max_norm"):
+            ex.train_with_loss_scaling(model, [[batch]], _adamw, None, torch.bfloat16, max_norm=bad)
+    for bad in ([batch], [[]]):  # a step that is a bare (x, y), and an empty step
+        with pytest.raises(ValueError, match="micro-batches"):
+            ex.train_with_loss_scaling(model, bad, _adamw, None, torch.bfloat16)
 
 
 # --- 4. count_lost_bf16_updates --------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Chapter 09 exercises, autograded: top-k with error feedback, QSGD, one PowerSGD step, PowerSGD with
-error feedback on ranks, the bytes of a compressed step, 1-bit Adam.
+"""Chapter 09 exercises, autograded: top-k with error feedback, QSGD, a batched PowerSGD step by Cholesky
+QR, batched PowerSGD with error feedback on ranks, the bytes of a compressed step, 1-bit Adam.
 
 Runs the stubs in ``exercises/`` once you have filled them in (or in a student's copy of the
 course), the worked solutions while the stubs are untouched; ``MTD_IMPL=exercises|solutions`` forces
@@ -7,8 +7,8 @@ one (``python -m minitorch_dist grade`` runs the stubs). Expected values
 come from independent sources: sorting for the top-k set; the sample mean of many quantisations
 against its standard error and the paper's variance bound (QSGD Lemma 3.1); matrices built from a
 chosen SVD, so the best rank-r error (Eckart-Young) is known without calling an SVD routine; for
-PowerSGD on ranks, torch's own ``powerSGD_hook`` on a DDP model fed the same batches, and the exact
-all-reduce's training run; for the bytes of a step, the payload formulas written out in the test; for
+PowerSGD on ranks, torch's own ``batched_powerSGD_hook`` on a DDP model fed the same batches, and the
+exact all-reduce's training run; for the bytes of a step, the payload formulas written out in the test; for
 1-bit Adam, Adam without bias correction written out in the test, and a quadratic whose optimum is known.
 
 Exercises 4 and 5 run on 2 and 4 ranks, launched once per world size for the whole module, each case
@@ -20,20 +20,24 @@ exactly representable inputs are exact. Error feedback's books over many float32
 the float32 rounding of each step's sum (u of it, tallied step by step) plus the float64 rounding of
 the test's own running sums, γ_{steps+2} of their terms. A 2-norm in float32 is one sum of n squares
 and a square root: ``reorder_bound(n, ‖v‖)``; a dequantised level ``norm·q/s`` two roundings:
-``reorder_bound(2, value)``. PowerSGD's step is a short chain of float64 reductions (M·Q over m
-terms, orthonormalisation over n, Mᵀ·P, P·Qᵀ, the Frobenius norm), ``model_bound(n=max(n, m),
-depth=PSGD_DEPTH)`` of the values' size; Mᵀ·P of the student's own P is one matmul,
-``reorder_bound(n, |M|ᵀ|P|)``; after 25 power iterations the subspace's error is (σ_3/σ_2)^50 ~ 1e-24
-of it, so the error is the truncated SVD's up to the chain's rounding, relative to it. Against torch's
-``powerSGD_hook`` the reducer runs in float64 on DDP's regression MLP: gradients of a sum over 32 rows
-per rank (N = 64 with the widest layer's 48), 4 reductions chained through the model and 5 through the
-compression (P, its orthonormalisation, Q, P·Qᵀ, the residual), over PSGD_STEPS steps whose weights
-feed the next: ``model_bound(n=N, depth=PSGD_STEPS·9)``, below 1e-9 on gradients ~0.1, where an
-estimate that forgets its residual or its warm start is off by 1e-2. Training with it is judged against the
-exact all-reduce's run by what that run learns: PowerSGD must close all but 1/20 of the held-out
-error the exact run closes. The mechanism and the metered step count float32 bytes and stay float32:
-``sent + residual`` rebuilds what was given up to two roundings, u(|residual| + |kept|), and the mean
-of two ranks' 1-D tensors is one sum and an exact halving, ``reorder_bound(2, (|a| + |b|)/2)``.
+``reorder_bound(2, value)``. PowerSGD's batched step is a short chain of float64 reductions per matrix
+(M·Q over m terms, the Cholesky QR over n, Mᵀ·P, P·Qᵀ, the Frobenius norm), ``model_bound(n=max(n, m),
+depth=PSGD_DEPTH)`` of the values' size per round; Cholesky QR adds its loss of orthogonality, bounded by
+Yamamoto et al. 2015 (ETNA 44, §3) as 5κ(P)²u(nr + r(r+1)) with κ(P) taken of the test's own M·Q widened
+by both evaluations' rounding (``_cholqr_bound``); Mᵀ·P of the student's own P is one matmul,
+``reorder_bound(n, |M|ᵀ|P|)``; after 25 rounds the subspace's error is (σ_3/σ_2)^50 <= 1e-25 of it, so
+the error is the truncated SVD's up to the chain's rounding, relative to it. Against torch's
+``batched_powerSGD_hook`` the reducer runs in float64 on DDP's regression MLP: gradients of a sum over 32
+rows per rank (N = 64; the padded matrix's side is 49), 4 reductions chained through the model and 5
+through the compression (P, its orthonormalisation, Q, P·Qᵀ, the residual), over PSGD_STEPS steps whose
+weights feed the next: ``model_bound(n=N, depth=PSGD_STEPS·9)``, below 1e-9 on gradients ~0.1, where an
+estimate that forgets its residual (or the padding's), its warm start or Q's mean is off by 1e-2.
+Training with it (rank 4) is judged against the exact all-reduce's run by what that run learns: PowerSGD
+must close all but 1/20 of the held-out error the exact run closes. The mechanism and the metered step
+count float32 bytes and stay float32: ``sent + residual`` rebuilds what was given up to two roundings,
+u(|residual| + |kept|); what was sent has rank r up to the rounding of P·Qᵀ and of given − residual
+(derived where it is checked); the warm-up's mean of two ranks is one sum and an exact halving,
+``reorder_bound(2, (|a| + |b|)/2)``.
 1-bit Adam's warm-up is Adam written out in float64, ~10 operations a step on both sides:
 γ_{10·steps} of the values' size (``_chain_bound``); its compressed phase checks one float32 formula
 at a time, γ_k of its terms, the scale a mean of n = 50 magnitudes, ``reorder_bound(n + 1, scale)``.
@@ -51,7 +55,7 @@ from minitorch_dist.communication import FP16, QSGD, ErrorFeedback, PowerSGD, Ra
 from minitorch_dist.communication.compression import regression_task
 from minitorch_dist.runtime import comm
 
-from _support import case, close, float64, gamma, model_bound, reorder_bound, run_cases
+from _support import case, close, float64, gamma, model_bound, refusal, reorder_bound, run_cases
 
 pytestmark = pytest.mark.ch09
 
@@ -277,27 +281,23 @@ def test_qsgd_quantize_rejects_bad_input(ex):
 
 # --- 3. powersgd_step ------------------------------------------------------------------------------
 
+F64 = torch.float64
+U64 = 2.0 ** -53
+
+
 def _orthonormal(n, r, g):
-    return torch.linalg.qr(torch.randn(n, r, generator=g, dtype=torch.float64)).Q
+    return torch.linalg.qr(torch.randn(n, r, generator=g, dtype=F64)).Q
 
 
 def _with_spectrum(n, m, sigma, g):
     """U diag(sigma) V^T with random orthonormal U, V: its singular values are ``sigma``."""
     k = len(sigma)
-    s = torch.diag(torch.tensor(sigma, dtype=torch.float64))
+    s = torch.diag(torch.tensor(sigma, dtype=F64))
     return _orthonormal(n, k, g) @ s @ _orthonormal(m, k, g).T
 
 
-def test_powersgd_step_reproduces_a_rank_r_matrix_in_one_step(ex):
-    g = torch.Generator().manual_seed(5)
-    n, m, r = 30, 20, 3
-    M = _with_spectrum(n, m, [5.0, 2.0, 0.5], g)
-    Q = torch.randn(m, r, generator=g, dtype=torch.float64)  # a generic start is a good one
-    P, Q_new, M_hat = ex.powersgd_step(M, Q)
-    assert P.shape == (n, r) and Q_new.shape == (m, r) and M_hat.shape == (n, m)
-    close(P.T @ P, torch.eye(r, dtype=torch.float64), _psgd_bound(n, m, 1.0), "PᵀP")
-    close(Q_new, M.T @ P, reorder_bound(n, M.abs().T @ P.abs(), torch.float64), "Q_new = MᵀP")
-    close(M_hat, M, _psgd_bound(n, m, M.abs().max()), "the rank-3 matrix from one step")
+def _stack(n, m, spectra, g):
+    return torch.stack([_with_spectrum(n, m, sigma, g) for sigma in spectra])
 
 
 PSGD_DEPTH = 5  # M·Q, its orthonormalisation, Mᵀ·P, P·Qᵀ, the norm of M - P·Qᵀ
@@ -307,39 +307,152 @@ def _psgd_bound(n, m, scale):
     return model_bound(n=max(n, m), depth=PSGD_DEPTH, scale=scale)
 
 
-def test_powersgd_step_error_decreases_toward_the_best_rank_r_error(ex):
+def _cholqr_bound(M, Q):
+    """Per matrix of the stack: how far Cholesky QR's PᵀP may be from I, and κ(P).
+
+    Yamamoto, Nakatsukasa, Yanagisawa & Fukaya 2015 ("Roundoff error analysis of the CholeskyQR2
+    algorithm", ETNA 44, §3): for X (n x r) with δ = 8 κ(X) √(u (n r + r(r+1))) <= 1, Cholesky QR's
+    ``‖QᵀQ − I‖₂ <= (5/64) δ² = 5 κ(X)² u (n r + r(r+1))``. X is the computed M Q; κ is taken of the
+    test's own M Q, which differs from any evaluation of it by at most ε = 2 γ_m ‖|M||Q|‖_F, so
+    κ(X) <= (σ₁ + ε) / (σ_r − ε) (and the SVD's own error, γ_n σ₁, is added to ε). The test's PᵀP
+    adds γ_n of |P|ᵀ|P| <= 1 + the loss."""
+    _, n, m = M.shape
+    r = Q.shape[2]
+    X = M @ Q
+    sv = torch.linalg.svdvals(X)
+    eps = 2 * gamma(m, F64) * torch.linalg.matrix_norm(M.abs() @ Q.abs()) + gamma(n, F64) * sv[:, 0]
+    kappa = (sv[:, 0] + eps) / (sv[:, -1] - eps)
+    assert bool((sv[:, -1] > eps).all()), "sanity: M Q has full rank beyond its rounding"
+    delta = 8 * kappa * math.sqrt(U64 * (n * r + r * (r + 1)))
+    assert bool((delta <= 1).all()), f"sanity: the bound's assumption δ <= 1 holds, δ = {delta.tolist()}"
+    loss = 5 * kappa ** 2 * U64 * (n * r + r * (r + 1))
+    return loss + gamma(n, F64) * (1 + loss), kappa
+
+
+def _check_orthonormal(P, bound, where):
+    err = (P.mT @ P - torch.eye(P.shape[2], dtype=P.dtype)).abs().amax(dim=(1, 2))
+    assert bool((err <= bound).all()), \
+        f"{where}: max |PᵀP − I| per matrix {err.tolist()}, bound {bound.tolist()}"
+
+
+def test_powersgd_step_reproduces_a_rank_r_stack_in_one_round(ex):
+    g = torch.Generator().manual_seed(5)
+    n, m, r = 30, 20, 3
+    M = _stack(n, m, [[5.0, 2.0, 0.5], [1.0, 1.0, 1.0], [40.0, 3.0, 0.25]], g)
+    Q = torch.randn(3, m, r, generator=g, dtype=F64)  # a generic start is a good one
+    M0, Q0 = M.clone(), Q.clone()
+    P, Q_new, M_hat = ex.powersgd_step(M, Q)
+    assert torch.equal(M, M0) and torch.equal(Q, Q0), "the inputs are not modified"
+    assert P.shape == (3, n, r) and Q_new.shape == (3, m, r) and M_hat.shape == (3, n, m)
+    loss, _ = _cholqr_bound(M, Q)
+    _check_orthonormal(P, loss, "a well-conditioned M Q")
+    close(Q_new, M.mT @ P, reorder_bound(n, M.abs().mT @ P.abs(), F64), "Q_new = MᵀP")
+    for i in range(3):  # P Pᵀ M is M on its own range: the chain's rounding, and PᵀP's distance from I
+        scale = M[i].abs().max()
+        close(M_hat[i], M[i], _psgd_bound(n, m, scale) + 2 * loss[i].item() * torch.linalg.matrix_norm(M[i]),
+              f"matrix {i}: the rank-3 matrix from one round")
+
+
+def test_powersgd_step_orthogonalises_by_cholesky_qr(ex):
+    """P = X R⁻¹ with R = chol(XᵀX): Pᵀ X is R, upper triangular with a positive diagonal (a Householder
+    QR's R has diagonal entries of either sign); orthonormal within κ(X)² u, also for κ ~ 10⁴."""
+    g = torch.Generator().manual_seed(7)
+    n, m, r = 60, 40, 2
+    M = _stack(n, m, [[2.0] * 10 + [1.0] * 10] * 4, g)  # κ(M) = 2 on its range
+    Q = torch.randn(4, m, r, generator=g, dtype=F64)
+    # matrices 2 and 3: two columns of Q nearly parallel, so κ(M Q) ~ 10⁴ (κ² u ~ 1e-8 > u)
+    Q[2:, :, 1] = Q[2:, :, 0] + 1e-4 * torch.randn(2, m, generator=g, dtype=F64)
+    loss, kappa = _cholqr_bound(M, Q)
+    assert kappa[:2].max() < 50 and kappa[2:].min() > 3e3, f"sanity: κ(M Q) = {kappa.tolist()}"
+    P, Q_new, M_hat = ex.powersgd_step(M, Q)  # an ill-conditioned, full-rank P is not refused
+    _check_orthonormal(P, loss, "Cholesky QR, κ(P) from 1 to 10⁴")
+    X = M @ Q
+    R = P.mT @ X
+    diag = R.diagonal(dim1=1, dim2=2)
+    assert bool((diag > 0).all()), f"R = Pᵀ M Q has a positive diagonal (Cholesky's R): {diag.tolist()}"
+    # Pᵀ X = (I + E) R + Pᵀ(rounding of X) + the test's product: below the diagonal at most
+    # (‖E‖ + 3 γ_m) ‖|M||Q|‖_F, E = PᵀP − I
+    lower = R.tril(-1).abs().amax(dim=(1, 2))
+    allowed = (loss + 3 * gamma(max(n, m), F64)) * torch.linalg.matrix_norm(M.abs() @ Q.abs())
+    assert bool((lower <= allowed).all()), \
+        f"Pᵀ M Q is upper triangular: {lower.tolist()} vs {allowed.tolist()}"
+
+
+def test_powersgd_step_more_rounds_are_never_worse(ex):
     g = torch.Generator().manual_seed(6)
     n, m, r = 40, 25, 2
-    sigma = [10.0, 6.0, 2.0, 1.5, 1.0, 0.5, 0.25]
-    M = _with_spectrum(n, m, sigma, g)
-    best = math.sqrt(sum(s * s for s in sigma[r:]))  # Eckart-Young: the tail of the spectrum
-    # the chain's rounding, relative to the best error (‖M‖_F of magnitude against it)
-    rel = _psgd_bound(n, m, math.sqrt(sum(s * s for s in sigma)) / best)
-    Q = torch.randn(m, r, generator=g, dtype=torch.float64)
+    spectra = [[10.0, 6.0, 2.0, 1.5, 1.0, 0.5, 0.25], [3.0, 2.5, 0.8, 0.7, 0.1]]
+    M = _stack(n, m, spectra, g)
+    # Eckart-Young: the best rank-r error is the tail of the spectrum
+    best = torch.tensor([math.sqrt(sum(s * s for s in sig[r:])) for sig in spectra], dtype=F64)
+    full = torch.tensor([math.sqrt(sum(s * s for s in sig)) for sig in spectra], dtype=F64)
+    # the chain's rounding relative to the best error (‖M‖_F of magnitude against it), a few rounds deep;
+    # every round's M Q is well-conditioned here (σ₁/σ₂ <= 2 after the first), so Cholesky QR's loss is
+    # a few u, inside the chain's allowance
+    rel = model_bound(n=max(n, m), depth=3 * PSGD_DEPTH, scale=full / best)
+    Q = torch.randn(2, m, r, generator=g, dtype=F64)
     errors = []
-    for _ in range(25):
-        P, Q, M_hat = ex.powersgd_step(M, Q)  # warm start: feed Q_new back
-        errors.append(torch.linalg.matrix_norm(M - M_hat).item())
-    assert all(e >= best * (1 - rel) for e in errors), "no rank-r matrix beats the truncated SVD"
-    assert errors[0] > best * 1.01, \
-        f"sanity: one step from a random start is not optimal ({errors[0]} vs {best})"
-    # (σ_3/σ_2)^(2·25) ~ 1e-24: converged, up to rounding
-    assert errors[-1] <= best * (1 + rel), f"after 25 power iterations: {errors[-1]}, best {best}"
-    assert errors[4] < errors[0] and errors[-1] < errors[4]
-    # single precision works too, with M's dtype kept
-    P, Q32, M_hat = ex.powersgd_step(M.float(), torch.randn(m, r, generator=g))
-    assert M_hat.dtype == torch.float32
+    for k in (1, 2, 3, 4, 6, 9, 13, 25):
+        *_, M_hat = ex.powersgd_step(M, Q, iters=k)
+        errors.append(torch.linalg.matrix_norm(M - M_hat))
+    errors = torch.stack(errors)  # (rounds, matrices)
+    assert bool((errors >= best * (1 - rel)).all()), "no rank-r matrix beats the truncated SVD"
+    assert bool((errors[0] > best * 1.01).all()), f"sanity: one round is not optimal ({errors[0]} vs {best})"
+    # subspace iteration on M Mᵀ (positive semi-definite): the captured energy never falls (for r = 1 the
+    # moment inequality μ₀μ₃ >= μ₁μ₂), so the error never rises, up to rounding
+    assert bool((errors[1:] <= errors[:-1] + best * rel).all()), f"an extra round made it worse: {errors}"
+    # (σ₃/σ₂)^(2·25) <= (0.8/2.5)^50 ~ 1e-25: converged, up to rounding
+    assert bool((errors[-1] <= best * (1 + rel)).all()), f"after 25 rounds: {errors[-1]}, best {best}"
+    # iters = 3 is three warm-started calls of one round
+    P3, Q3, M3 = ex.powersgd_step(M, Q, iters=3)
+    P, Qc = None, Q
+    for _ in range(3):
+        P, Qc, M_hat = ex.powersgd_step(M, Qc)
+    bound = model_bound(n=max(n, m), depth=3 * PSGD_DEPTH, scale=full.max())
+    for got, want, what in ((P3, P, "P"), (Q3, Qc, "Q_new"), (M3, M_hat, "M_hat")):
+        close(got, want, bound, f"iters=3 against three chained rounds: {what}")
+
+
+def test_powersgd_step_each_matrix_as_if_alone(ex):
+    g = torch.Generator().manual_seed(8)
+    n, m, r = 12, 9, 3
+    spectra = [[9.0, 4.0, 2.0, 1.0], [1.0, 0.9, 0.8, 0.1], [100.0, 10.0, 1.0], [0.5, 0.4, 0.3, 0.2, 0.1]]
+    M = _stack(n, m, spectra, g)
+    Q = torch.randn(4, m, r, generator=g, dtype=F64)
+    stacked = ex.powersgd_step(M, Q, iters=2)
+    for i in range(4):
+        alone = ex.powersgd_step(M[i:i + 1], Q[i:i + 1], iters=2)
+        for got, want, what in zip(stacked, alone, ("P", "Q_new", "M_hat")):
+            close(got[i], want[0], model_bound(n=max(n, m), depth=2 * PSGD_DEPTH, scale=spectra[i][0]),
+                  f"matrix {i} of the stack against it alone: {what}")
+    P32, Q32, M32 = ex.powersgd_step(M.float(), Q.float())
+    assert P32.dtype == Q32.dtype == M32.dtype == torch.float32, "float32 in, float32 out"
 
 
 def test_powersgd_step_rejects_bad_input(ex):
-    M = torch.randn(6, 5)
-    ex.powersgd_step(M, torch.randn(5, 2))  # a valid call first
-    with pytest.raises(ValueError, match="rows"):
-        ex.powersgd_step(M, torch.randn(6, 2))
-    with pytest.raises(ValueError, match="matrices"):
-        ex.powersgd_step(torch.randn(2, 3, 4), torch.randn(4, 2))
-    with pytest.raises(ValueError, match="exceeds"):
-        ex.powersgd_step(M, torch.randn(5, 6))
+    g = torch.Generator().manual_seed(9)
+    M = torch.randn(3, 6, 5, generator=g, dtype=F64)
+    Q = torch.randn(3, 5, 2, generator=g, dtype=F64)
+    ex.powersgd_step(M, Q, iters=2)  # a valid call first
+    for bad in (lambda: ex.powersgd_step(M[0], Q[0]),  # one matrix, no stack
+                lambda: ex.powersgd_step(M, Q[:2]),  # two Qs for three matrices
+                lambda: ex.powersgd_step(M, torch.randn(3, 6, 2, dtype=F64)),  # Q's rows are not M's columns
+                lambda: ex.powersgd_step(M, torch.randn(3, 5, 6, dtype=F64)),  # r > min(n, m)
+                lambda: ex.powersgd_step(M, Q, iters=0)):
+        with pytest.raises(ValueError):
+            bad()
+    # rank-deficient M Q: Cholesky breaks down. Matrix 1's last column is zero and Q's second column
+    # picks exactly it, so P's second column is exactly 0; matrix 2 of another stack is all zeros.
+    M1, Q1 = M.clone(), Q.clone()
+    M1[1, :, -1] = 0
+    Q1[1, :, 1] = 0
+    Q1[1, -1, 1] = 1
+    with pytest.raises(ValueError, match="not positive definite"):
+        ex.powersgd_step(M1, Q1)
+    M2 = M.clone()
+    M2[2] = 0
+    with pytest.raises(ValueError, match="not positive definite"):
+        ex.powersgd_step(M2, Q, iters=3)
 
 
 # --- 4 and 5 on ranks: one launch per world size for the module ------------------------------------
@@ -348,6 +461,8 @@ TIMEOUT_S = 90
 PSGD_STEPS = 6
 TRAIN_STEPS = 60
 METER_SHAPES = [(16, 12), (12,), (8, 20), (3,)]
+METER_N = sum(math.prod(s) for s in METER_SHAPES)  # 367 entries
+METER_SIDE = 20  # ⌈√367⌉: 400 entries, 33 of them padding
 
 
 def _grads_of(model):
@@ -355,22 +470,29 @@ def _grads_of(model):
 
 
 def _vs_torch_hook(ex, rank):
-    """Per step: max |our gradient - DDP+powerSGD_hook's gradient| and max |gradient|, same model, same
-    batches, in float64."""
-    with float64():
-        return _vs_torch_hook_64(ex, rank)
-
-
-def _vs_torch_hook_64(ex, rank):
+    """Per step: max |our gradient - DDP+batched_powerSGD_hook's gradient| and max |gradient|, same model,
+    same batches, in float64."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+    orthogonalize = ph._orthogonalize
+    # torch's batched hook hands its 2-D P and Q to an _orthogonalize that takes only a stack (b, n, r)
+    # (it raises AssertionError since the per-tensor hook was batched): the same function, on a stack of one
+    ph._orthogonalize = lambda m, epsilon=0: orthogonalize(m.unsqueeze(0) if m.dim() == 2 else m, epsilon)
+    try:
+        with float64():
+            return _vs_torch_hook_64(ex, rank, ph)
+    finally:
+        ph._orthogonalize = orthogonalize
+
+
+def _vs_torch_hook_64(ex, rank, ph):
     from torch.nn.parallel import DistributedDataParallel as DDP
     r, n = dist.get_rank(), dist.get_world_size()
     ours, data = regression_task(0, d_in=32, d_hidden=48, d_out=16)
     ref, _ = regression_task(0, d_in=32, d_hidden=48, d_out=16)
-    ddp = DDP(ref, bucket_cap_mb=100)  # one bucket: the reducer sees all the gradients at once
+    ddp = DDP(ref, bucket_cap_mb=100)  # one bucket: the hook sees all the gradients as one flat tensor
     state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
                              use_error_feedback=True, warm_start=True, random_seed=3)
-    ddp.register_comm_hook(state, ph.powerSGD_hook)
+    ddp.register_comm_hook(state, ph.batched_powerSGD_hook)
     reducer = ex.PowerSGDReducer(rank=rank, start_iter=2, seed=3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
     diffs = []
@@ -389,7 +511,8 @@ def _vs_torch_hook_64(ex, rank):
 
 
 def _mechanism(ex):
-    """One warm-up and one compressed step on known shapes: bytes metered, and error feedback's books."""
+    """One warm-up and two compressed steps on known shapes: the collectives metered, and error feedback's
+    books."""
     r = dist.get_rank()
     reducer = ex.PowerSGDReducer(rank=2, start_iter=1, seed=0)
     out = []
@@ -397,12 +520,31 @@ def _mechanism(ex):
         g = torch.Generator().manual_seed(100 * r + step)
         grads = [torch.randn(s, generator=g) for s in METER_SHAPES]
         local = [t.clone() for t in grads]
-        before = {i: e.clone() for i, e in reducer.error.items()}
+        before = None if reducer.error is None else reducer.error.clone()
         with comm.meter() as m:
-            reducer.reduce(grads)
-        after = {i: e.clone() for i, e in reducer.error.items()}
-        out.append({"summary": m.summary(), "local": local, "grads": [t.clone() for t in grads],
-                    "error_before": before, "error_after": after})
+            back = reducer.reduce(grads)
+        after = None if reducer.error is None else reducer.error.clone()
+        out.append({"calls": [(e.op, e.nbytes) for e in m.events], "local": local, "back": back is not None
+                    and all(a is b for a, b in zip(back, grads)), "grads": [t.clone() for t in grads],
+                    "error_before": before, "error_after": after,
+                    "q": None if reducer.q is None else tuple(reducer.q.shape), "iter": reducer.iter})
+    return out
+
+
+def _refusals(ex):
+    """What the reducer refuses, on every rank alike (before any collective)."""
+    out = {}
+    reducer = ex.PowerSGDReducer(rank=1, start_iter=1)
+    grads = [torch.randn(4, 3), torch.randn(3)]
+    reducer.reduce(grads)
+    reducer.reduce(grads)  # compressed: the residual and Q now belong to this list
+    out["other list"] = refusal(lambda: reducer.reduce([torch.randn(3), torch.randn(4, 3)]))
+    out["mixed dtypes"] = refusal(lambda: ex.PowerSGDReducer(start_iter=0).reduce(
+        [torch.zeros(4, 4), torch.zeros(4, dtype=torch.float64)]))
+    out["rank 5 > side 4"] = refusal(lambda: ex.PowerSGDReducer(rank=5, start_iter=0).reduce(
+        [torch.randn(10)]))
+    out["rank 4 = side 4 runs"] = refusal(lambda: ex.PowerSGDReducer(rank=4, start_iter=0).reduce(
+        [torch.randn(10, generator=torch.Generator().manual_seed(0))]))
     return out
 
 
@@ -411,7 +553,7 @@ def _train(ex, reduce_with):
     r, n = dist.get_rank(), dist.get_world_size()
     model, data = regression_task(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    reducer = ex.PowerSGDReducer(rank=2) if reduce_with == "powersgd" else None
+    reducer = ex.PowerSGDReducer(rank=4) if reduce_with == "powersgd" else None
     x, y = data(10**6, 1024)
     with torch.no_grad():
         initial = torch.nn.functional.mse_loss(model(x), y).item()
@@ -427,6 +569,7 @@ def _train(ex, reduce_with):
         else:
             reducer.reduce(_grads_of(model))
         opt.step()
+    x, y = data(10**6, 1024)
     with torch.no_grad():
         final = torch.nn.functional.mse_loss(model(x), y).item()
     return final, [p.detach().clone() for p in model.parameters()], initial
@@ -453,9 +596,9 @@ def _meter(ex):
 
 
 def _on_ranks(ex):
-    cases = {"meter": lambda: _meter(ex)}
+    cases = {"meter": lambda: _meter(ex), ("vs_torch", 1): lambda: _vs_torch_hook(ex, 1)}
     if dist.get_world_size() == 2:
-        cases.update({("vs_torch", rank): (lambda rank=rank: _vs_torch_hook(ex, rank)) for rank in (1, 3)})
+        cases.update({("vs_torch", 3): lambda: _vs_torch_hook(ex, 3), "refusals": lambda: _refusals(ex)})
         cases.update({"mechanism": lambda: _mechanism(ex), "train_exact": lambda: _train(ex, "exact"),
                       "train_powersgd": lambda: _train(ex, "powersgd")})
     return run_cases(cases)
@@ -475,56 +618,77 @@ def _results(ranks, n, key):
 # --- 4. PowerSGDReducer ----------------------------------------------------------------------------
 
 
-PSGD_N = 64  # the longest reduction: 32 rows per rank on 2 ranks (the widest layer has 48)
+PSGD_N = 64  # the longest reduction: 32 rows per rank on 2 ranks; the padded matrix's side is ⌈√2368⌉ = 49
 MODEL_DEPTH = 4  # two layers forward, one back, a weight gradient's sum over rows
 
 
-@pytest.mark.parametrize("rank", [1, 3])  # Gram-Schmidt (r <= 2) and QR (r > 2)
-def test_PowerSGDReducer_equals_torch_powerSGD_hook(ranks, rank):
-    for r, diffs in enumerate(_results(ranks, 2, ("vs_torch", rank))):
-        # two exact warm-up steps, then compressed ones; torch keeps error memory for the 1-D tensors
-        # too, which changes the mean only by rounding. Each step's weights feed the next one's gradient.
+@pytest.mark.parametrize("n, rank", [(2, 1), (2, 3), (4, 1)])  # Gram-Schmidt (r <= 2) and QR (r > 2)
+def test_PowerSGDReducer_equals_torch_batched_powerSGD_hook(ranks, n, rank):
+    for r, diffs in enumerate(_results(ranks, n, ("vs_torch", rank))):
+        # two exact warm-up steps, then compressed ones. Each step's weights feed the next one's gradient.
         depth = PSGD_STEPS * (MODEL_DEPTH + PSGD_DEPTH)
         for step, (diff, size) in enumerate(diffs):
             bound = model_bound(n=PSGD_N, depth=depth, scale=max(1.0, size))
-            assert diff <= bound, (f"rank {r}, PowerSGD rank {rank}, step {step}: our gradients are "
-                                   f"{diff:.3g} from torch's powerSGD_hook's (bound {bound:.3g})")
+            assert diff <= bound, (f"{n} ranks, rank {r}, PowerSGD rank {rank}, step {step}: our gradients "
+                                   f"are {diff:.3g} from torch's batched_powerSGD_hook's (bound {bound:.3g})")
 
 
-def test_PowerSGDReducer_sends_P_and_Q_and_keeps_the_residual(ex, ranks):
+def _padded(flat, side):
+    out = torch.zeros(side * side, dtype=flat.dtype)
+    out[: flat.numel()] = flat
+    return out
+
+
+def test_PowerSGDReducer_sends_one_P_and_one_Q_and_keeps_the_residual(ranks):
     per_rank = _results(ranks, 2, "mechanism")
-    big = [s for s in METER_SHAPES if len(s) == 2]
-    small = [s for s in METER_SHAPES if len(s) == 1]
-    compressed = 4 * (sum(s[0] + s[1] for s in big) * 2 + sum(s[0] for s in small))  # rank 2: P, Q, the rest
+    side, rank, N = METER_SIDE, 2, METER_N
     for r, steps in enumerate(per_rank):
-        warm, first, second = (st["summary"] for st in steps)
-        assert set(warm) == {"all_reduce"} and warm["all_reduce"]["bytes"] == 4 * sum(
-            math.prod(s) for s in METER_SHAPES), f"rank {r}: the warm-up step all-reduces everything: {warm}"
-        for summ in (first, second):
-            assert set(summ) == {"all_reduce"}, f"rank {r}: only all-reduces, got {summ}"
-            assert summ["all_reduce"]["calls"] == 3, f"rank {r}: the rest, all Ps, all Qs: {summ}"
-            sent = summ["all_reduce"]["bytes"]
-            assert sent == compressed, \
-                f"rank {r}: a compressed step sends P, Q and the 1-D tensors: {sent} B, not {compressed} B"
-        for st in steps[1:]:  # error feedback: what was sent plus the new residual is what was given
-            for i, s in enumerate(METER_SHAPES):
-                if len(s) == 1:
-                    continue
-                given = st["local"][i] + st["error_before"].get(i, torch.zeros(s))
-                kept = st["grads"][i] + st["error_after"][i]
-                # residual = given - sent, then sent + residual: one rounding each
-                bound = gamma(2, torch.float32) * (st["error_after"][i].abs() + kept.abs()).max().item()
-                close(kept, given, bound, f"rank {r}: sent + residual of tensor {i}")
-    # the ranks agree on the estimate, and the 1-D tensors are the exact mean
+        assert all(st["back"] for st in steps), f"rank {r}: reduce returns the gradients it was given"
+        assert [st["iter"] for st in steps] == [1, 2, 3], f"rank {r}: self.iter counts the calls"
+        assert steps[0]["calls"] == [("all_reduce", 4 * N)], \
+            f"rank {r}: the warm-up is one all-reduce of the {N} entries, unpadded: {steps[0]['calls']}"
+        assert steps[0]["error_after"] is None, f"rank {r}: no residual before the first compressed step"
+        for st in steps[1:]:
+            assert st["calls"] == [("all_reduce", 4 * side * rank)] * 2, \
+                f"rank {r}: a compressed step all-reduces one P and one Q of {side} x {rank}: {st['calls']}"
+            assert st["q"] == (side, rank), f"rank {r}: the warm-start Q is side x rank, got {st['q']}"
+            err = st["error_after"]
+            assert err is not None and err.shape == (side * side,), (f"rank {r}: the residual covers the "
+                f"padded matrix, {side}² entries, got {None if err is None else tuple(err.shape)}")
+            given = _padded(torch.cat([t.reshape(-1) for t in st["local"]]), side)
+            if st["error_before"] is not None:
+                given = given + st["error_before"]
+            sent = given - err  # what this rank's gradients became, padding included
+            kept = torch.cat([t.reshape(-1) for t in st["grads"]])
+            # residual = given - estimate, then estimate + residual: one rounding each
+            close(kept + err[:N], given[:N], gamma(2, torch.float32) * (err.abs() + given.abs()).max().item(),
+                  f"rank {r}: what was sent plus the residual is what was given")
+            # what was sent is P Qᵀ over the whole padded matrix: rank 2. Its third singular value is at most
+            # the rounding of P Qᵀ (γ_r √side ‖P Qᵀ‖_F: P's rows have norm <= 1) plus that of given − residual
+            # (2u(|given| + |sent|)); both doubled for P's orthonormality in float32
+            u32 = 2.0 ** -24
+            sv = torch.linalg.svdvals(sent.double().view(side, side))
+            allowed = 2 * (gamma(rank, torch.float32) * math.sqrt(side) * sv.norm().item()
+                           + 2 * u32 * torch.linalg.vector_norm(given.abs() + sent.abs()).item())
+            assert sv[rank] <= allowed, (f"rank {r}: what was sent, padding included, has rank {rank}: "
+                                         f"σ_3 = {sv[rank]:.3g} (allowed {allowed:.3g}), σ_1 = {sv[0]:.3g}")
     (a, b) = per_rank
-    for st_a, st_b in zip(a, b):
-        for i, s in enumerate(METER_SHAPES):
-            torch.testing.assert_close(st_a["grads"][i], st_b["grads"][i], rtol=0, atol=0)
-            if len(s) == 1:
-                a_, b_ = st_a["local"][i], st_b["local"][i]
-                close(st_a["grads"][i], (a_ + b_) / 2, reorder_bound(2, (a_.abs() + b_.abs()) / 2),
-                      f"the mean of the ranks' tensor {i}")
-    # and bad settings are refused, by name (after the valid runs above)
+    for st_a, st_b in zip(a, b):  # the ranks agree on the estimate
+        for x, y in zip(st_a["grads"], st_b["grads"]):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    for i in range(len(METER_SHAPES)):  # the warm-up is the exact mean
+        x, y = a[0]["local"][i], b[0]["local"][i]
+        close(a[0]["grads"][i], (x + y) / 2, reorder_bound(2, (x.abs() + y.abs()) / 2),
+              f"the warm-up's mean of tensor {i}")
+
+
+def test_PowerSGDReducer_refuses_what_it_cannot_compress(ex, ranks):
+    for r, got in enumerate(_results(ranks, 2, "refusals")):
+        assert got["other list"] is not None, f"rank {r}: another list after the memory is set is refused"
+        assert got["mixed dtypes"] is not None, f"rank {r}: gradients of two dtypes are refused"
+        assert got["rank 5 > side 4"] is not None and "rank" in got["rank 5 > side 4"], \
+            f"rank {r}: rank 5 on 10 entries (side 4) is refused, naming the rank: {got['rank 5 > side 4']!r}"
+        assert got["rank 4 = side 4 runs"] is None, f"rank {r}: rank 4 on side 4 is allowed"
     with pytest.raises(ValueError, match="rank"):
         ex.PowerSGDReducer(rank=0)
     with pytest.raises(ValueError, match="start_iter"):

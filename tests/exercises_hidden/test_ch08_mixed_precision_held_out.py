@@ -1,14 +1,19 @@
 """Chapter 08, held-out: the scaler's floor with factors and intervals the visible tests do not use,
-power-of-two tile scales on other tiles, the delayed-scaling update over five tensors with
-``most_recent``, and Kahan updates on negative weights.
+a loss scaler with hysteresis 4 and factors 4 and 1/4, training whose *first* micro-batch overflows (with
+two micro-batches a step, a clip, and a hysteresis that holds the scale), power-of-two tile scales on
+other tiles, the delayed-scaling update over five tensors with ``most_recent``, and Kahan updates on
+negative weights.
 
 Expected values as in the visible tests: GradScaler's own update kernel (clamped by hand for the floor),
-tiles computed one by one, each tensor's window driven alone. All comparisons are exact.
+a hand-written schedule of scales and counters, a loop written around ``torch.amp.GradScaler``, tiles
+computed one by one, each tensor's window driven alone. All comparisons are exact.
 """
+import copy
 import math
 
 import pytest
 import torch
+from torch import nn
 
 pytestmark = pytest.mark.ch08
 
@@ -71,3 +76,87 @@ def test_kahan_bf16_update_held_out_negative_weights(ex):
         w, c = ex.kahan_bf16_update(w, c, torch.tensor([-1e-4]))
     # the exact sum is -2.1; bf16's ulp at 2 is 2^-6: within one ulp
     assert abs(w.double().item() - (-2.1)) <= 2.0 ** -6
+
+
+# after each iteration's update(): (S, growth tracker, hysteresis counter); "C" clean, the others overflow
+HYSTERESIS_4 = [  # init 2^12, growth x4, backoff x1/4, growth_interval 2
+    ("F", 4096.0, 0, 3), ("C", 4096.0, 1, 3), ("N", 4096.0, 0, 2), ("C", 4096.0, 1, 2), ("F", 4096.0, 0, 1),
+    ("C", 4096.0, 1, 1), ("N", 1024.0, 0, 0), ("F", 256.0, 0, 0), ("C", 256.0, 1, 0), ("C", 1024.0, 0, 4),
+    ("F", 1024.0, 0, 3), ("C", 1024.0, 1, 3), ("C", 4096.0, 0, 4),
+]
+
+
+def test_LossScaler_held_out_hysteresis_four(ex):
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.25)
+    scaler = ex.LossScaler(init_scale=4096.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=2,
+                           hysteresis=4)
+    applied = 0
+    for i, (kind, scale, tracker, h) in enumerate(HYSTERESIS_4):
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        if kind != "C":
+            p.grad[0] = float("inf") if kind == "F" else float("nan")
+        if i % 3 == 0:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        state = (scaler.get_scale(), scaler.growth_tracker, scaler.hysteresis_tracker)
+        assert state == (scale, tracker, h), f"iteration {i} ({kind}): {state}, want {(scale, tracker, h)}"
+        applied += kind == "C"
+        assert p.detach().tolist() == [1.0 - applied / 4] * 3, f"iteration {i}: skipped or applied wrongly"
+
+
+def _mse(model, x, y):
+    return (model(x.to(model[0].weight.dtype)).float() - y).square().mean()
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.5)
+
+
+def _reference(model, steps, scaler, max_norm):
+    half = copy.deepcopy(model).half()
+    masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    opt, applied, norms = _sgd(masters), [], []
+    for step in steps:
+        for x, y in step:
+            scaler.scale(_mse(half, x, y) / len(step)).backward()
+            for m, h in zip(masters, half.parameters()):
+                m.grad = h.grad.float() if m.grad is None else m.grad + h.grad.float()
+                h.grad = None
+        before = [m.detach().clone() for m in masters]
+        scaler.unscale_(opt)
+        norms.append(torch.nn.utils.clip_grad_norm_(masters, max_norm).item())
+        scaler.step(opt)
+        scaler.update()
+        applied.append(not all(torch.equal(a, m) for a, m in zip(before, masters)))
+        with torch.no_grad():
+            for m, h in zip(masters, half.parameters()):
+                h.copy_(m)
+                m.grad = None
+    return applied, norms, masters
+
+
+def test_train_with_loss_scaling_held_out_first_micro_batch_overflows(ex):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(11)
+    steps = [[(torch.randn(3, 5, generator=g), torch.randn(3, 2, generator=g) * (1e5 if c == "o" else 1.0))
+              for c in kind] for kind in ("oc", "cc", "co", "cc")]
+    kw = dict(init_scale=2.0 ** 11, growth_interval=50)
+    applied, norms, masters = _reference(model, steps, torch.amp.GradScaler("cpu", **kw), 0.3)
+    assert applied == [False, True, False, True], "sanity: the overflowing steps are skipped"
+    got = ex.train_with_loss_scaling(model, steps, _sgd, torch.amp.GradScaler("cpu", **kw), loss_fn=_mse,
+                                     max_norm=0.3)
+    assert got["applied"] == applied
+    assert [n for n in got["grad_norms"] if math.isfinite(n)] == [n for n in norms if math.isfinite(n)]
+    assert all(torch.equal(a, b) for a, b in zip(got["masters"], masters, strict=True))
+    # hysteresis 3 holds S through both overflows: the steps are skipped all the same
+    scaler = ex.LossScaler(**kw, hysteresis=3)
+    got = ex.train_with_loss_scaling(model, steps, _sgd, scaler, loss_fn=_mse, max_norm=0.3)
+    assert got["applied"] == applied and scaler.get_scale() == 2.0 ** 11 and scaler.hysteresis_tracker == 1
+    first = ex.train_with_loss_scaling(model, steps[:1], _sgd, ex.LossScaler(**kw, hysteresis=3),
+                                       loss_fn=_mse)
+    assert all(torch.equal(m, p) for m, p in zip(first["masters"], model.parameters(), strict=True)), \
+        "a skipped first step leaves the masters at the model's weights"

@@ -1,8 +1,10 @@
-"""Wrong: draws fresh random Qs at every compressed step instead of warm-starting from the last ones.
+"""Wrong: draws a fresh random Q at every compressed step instead of warm-starting from the last one.
 
-One power-iteration step from a random start is still a rank-r approximation; but the paper's warm
-start (§3) is what turns successive steps into subspace iteration, and torch's hook reuses its Qs.
+One round from a random start is still a rank-r approximation; but the paper's warm start (§3) is what
+turns successive steps into subspace iteration, and torch's batched hook reuses its Q.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -13,52 +15,50 @@ class PowerSGDReducer(PowerSGDReducer):
 
     @torch.no_grad()
     def reduce(self, grads, group=None) -> list[torch.Tensor]:
-        """Replace each gradient by the PowerSGD estimate of its mean over the ranks; return them."""
         if not dist.is_initialized():
             raise RuntimeError("PowerSGDReducer.reduce runs inside ranks: call it from a function started "
                                "with minitorch_dist.launch(fn, n)")
         grads = list(grads)
-        if any(g is None for g in grads):
-            raise ValueError("a gradient is None: pass only parameters that received one")
+        if not grads or any(g is None for g in grads):
+            raise ValueError("pass a non-empty list of gradients, none of them None")
+        if len({g.dtype for g in grads}) > 1:
+            raise ValueError(f"the gradients have dtypes {sorted({str(g.dtype) for g in grads})}: one bucket "
+                             "holds one dtype, so reduce each dtype's gradients with a reducer of its own")
+        shapes = [tuple(g.shape) for g in grads]
+        if self._shapes is not None and shapes != self._shapes:
+            raise ValueError(f"reduce got gradients of shapes {shapes}, but the residual and the warm-start "
+                             f"Q belong to {self._shapes}: pass the same list, in the same order, every step")
+        if self.iter >= self.start_iter:
+            self._shapes = shapes  # this call compresses: the memory belongs to this list from now on
         n_ranks = dist.get_world_size(group)
-        if self.iter < self.start_iter:  # warm-up: the exact mean, one buffer
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.iter < self.start_iter:  # warm-up: the exact mean of the N entries
             self.iter += 1
-            buf = torch.cat([g.reshape(-1) for g in grads]).div_(n_ranks)
-            comm.all_reduce(buf, group=group)
-            _unflatten(buf, grads)
+            comm.all_reduce(flat.div_(n_ranks), group=group)
+            _unflatten(flat, grads)
             return grads
-        big = [i for i, g in enumerate(grads) if self.compresses(g.shape)]
-        small = [i for i, g in enumerate(grads) if not self.compresses(g.shape)]
-        ms = []
-        for i in big:
-            mat = grads[i].view(grads[i].shape[0], -1)
-            if i in self.error:
-                mat += self.error[i]  # error feedback: what earlier steps did not send
-            self.error[i] = mat.clone()  # becomes (M + e) - M^ below
-            ms.append(mat)
-        if True:
-            self.qs = self._fresh_qs(ms)
-        else:
-            for q in self.qs:
-                _orthogonalise(q)  # warm start: last step's Q
-        if small:  # 1-D and incompressible tensors: all-reduced as they are
-            buf = torch.cat([grads[i].reshape(-1) for i in small])
-            comm.all_reduce(buf, group=group)
-            _unflatten(buf.div_(n_ranks), [grads[i] for i in small])
-        if ms:
-            ps = [m @ q for m, q in zip(ms, self.qs)]
-            p_buf = torch.cat([p.reshape(-1) for p in ps])
-            comm.all_reduce(p_buf, group=group)  # sum_k M_k Q = (sum_k M_k) Q
-            _unflatten(p_buf, ps)
-            for p in ps:
-                _orthogonalise(p)
-            qs = [m.t() @ p for m, p in zip(ms, ps)]
-            q_buf = torch.cat([q.reshape(-1) for q in qs])
-            comm.all_reduce(q_buf, group=group)
-            _unflatten(q_buf.div_(n_ranks), qs)
-            for i, m, p, q in zip(big, ms, ps, qs):
-                m.copy_(p @ q.t())  # the rank-r estimate of the mean, written into the gradient
-                self.error[i] -= m
-            self.qs = qs
+        n = flat.numel()
+        side = math.isqrt(n - 1) + 1  # ⌈√N⌉, exactly
+        if self.rank > side:
+            raise ValueError(f"rank {self.rank} exceeds the side {side} of the {n} gradient entries padded "
+                             "to a square: use a smaller rank")
+        buf = flat.new_zeros(side * side)
+        buf[:n] = flat
+        if self.error is not None:
+            buf += self.error  # error feedback, padding included
+        given = buf.clone()
+        M = buf.view(side, side)
+        self.q = self._fresh_q(side, buf.dtype).to(buf.device)
+        _orthogonalise(self.q)  # warm start: the last call's Q, orthogonalised
+        p = M @ self.q
+        comm.all_reduce(p, group=group)  # sum_k M_k Q = (sum_k M_k) Q
+        _orthogonalise(p)
+        q = M.t() @ p
+        comm.all_reduce(q, group=group)
+        q.div_(n_ranks)
+        M.copy_(p @ q.t())  # the rank-r estimate of the mean
+        self.error = given - buf  # what this rank had and did not send
+        self.q = q
         self.iter += 1
+        _unflatten(buf, grads)
         return grads
