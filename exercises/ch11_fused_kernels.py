@@ -1,5 +1,5 @@
 # generated from solutions/ch11_fused_kernels.py by `make exercises`: fill in each NotImplementedError
-# fingerprint 60fac99ab9a9adee of the text below (once you change it, `make exercises` leaves it alone)
+# fingerprint 7e37cccc1c567a93 of the text below (once you change it, `make exercises` leaves it alone)
 """Chapter 11 exercises: fused kernels in Triton — bias + GeLU, online log-softmax, RMSNorm backward
 reductions, FlashAttention's forward with a sliding window; and the bytes a softmax moves, eager and
 fused, predicted and measured.
@@ -289,7 +289,8 @@ def attention_window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale, 
     Interface: element ``[s, c]`` of this pair's q is at ``q_ptr + bh * stride_bh_q + s * stride_s_q
     + c`` (likewise k, v with ``stride_*_k``, the output with ``stride_*_o``); the row log-sum-exp of
     the scaled visible scores goes to ``lse_ptr + bh * Sq + s`` (fp32). ``scale`` multiplies
-    ``q·kᵀ``. Keep all statistics in fp32 (``tl.dot`` of fp32 tiles, ``tl.trans`` transposes);
+    ``q·kᵀ``. Keep all statistics in fp32 (``tl.dot`` of fp32 tiles with ``input_precision="ieee"``: on a
+    GPU its default is TF32, 10 mantissa bits; ``tl.trans`` transposes);
     store only the rows below ``Sq`` (``Sq <= Sk``).
 
     Properties the tests check: outputs and log-sum-exp against attention with the window's mask in

@@ -203,21 +203,28 @@ def zb_h1_from_1f1b(stages: list[list[str]]) -> list[list[str]]:
     nobody needs until the optimizer step. A microbatch's activations stay stashed until its W has
     run. Assume:
 
-    - every stage keeps its 1F1B order of F's and B's, and runs W i at some point after B i;
-    - the memory the devices must have is 1F1B's peak, stage 0's p microbatches, and no stage may
-      hold more than that;
-    - within that, each W runs as late as it can, the oldest pending first.
+    - every stage keeps its 1F1B order of F's and B's;
+    - each stage defers its W's by a fixed lag of its own, d microbatches: W i runs right after
+      B i+d, and the W's left at the end run there, oldest first;
+    - the memory the devices must have is 1F1B's peak, stage 0's p microbatches; no stage may ever
+      hold more than that, whatever the number of microbatches m (so a stage's lag depends on p
+      and its place in the pipe, not on m);
+    - within that, each lag is as long as it can be.
 
-    Derive from these where each stage's W's go. (Why it pays: the time a stage would have spent
-    waiting for the stage after it is filled with W's; ``costmodel.zb_h1_idle_time`` is the idle
-    that results, a third of 1F1B's when t_F = t_B = t_W.)
+    Derive from these each stage's lag, and so where its W's go. (Why it pays: the time a stage
+    would have spent waiting for the stage after it is filled with W's; ``costmodel.zb_h1_idle_time``
+    is the idle that results, a third of 1F1B's when t_F = t_B = t_W.)
 
     ``stages`` is a 1F1B schedule (one list of ``"F<i>"`` / ``"B<i>"`` strings per stage);
     p = ``len(stages)``. Return the ZB-H1 lists, ``"W<i>"`` added for every ``"B<i>"``.
 
     **What the tests check.** Hand-worked cases; the library's ``zb_h1``; F and B kept in order,
-    each W after its B; in the simulator, no deadlock, the idle per stage of the paper,
-    ``(p-1)(t_F + t_B - t_W)``, for several durations, and 1F1B's peak stash.
+    each W after its B; in the simulator, no deadlock, the idle per stage of
+    ``costmodel.zb_h1_idle_time`` for several durations, and 1F1B's peak stash. Then over seeded
+    random inputs: 50 sizes (p, m), fewer microbatches than stages included, against the library's
+    ``zb_h1`` (for m < p, which it refuses, its schedule of p microbatches with those from m on
+    left out) and every stage's peak stash against ``costmodel.pipeline_stashed_microbatches``; 50
+    random sizes and durations (t_W <= t_F, t_B) against ``costmodel.zb_h1_idle_time``.
     """
     if not stages:
         raise ValueError("need at least one stage list")
@@ -247,15 +254,27 @@ def v_stage(p: int, rank: int, chunk: int) -> int:
     """Kind: derive · about 10 minutes
 
     The virtual stage that ``chunk`` (0 or 1) of ``rank`` holds when ``p`` ranks hold a
-    ``2p``-stage model in a V (ZB-V, Qi et al. 2024 §6; DualPipeV).
+    ``2p``-stage model, two stages (its chunks) per rank, placed in a V (ZB-V, Qi et al. 2024 §6;
+    DualPipeV).
 
-    Assume a microbatch's forward goes *down* the ranks on their chunk 0 and comes back *up* on
-    their chunk 1, consecutive stages on the same or neighbouring ranks, so that the last stage
-    sits next to the first, on rank 0. (Megatron's interleaving loops instead: rank p-1 hands
-    stage p-1's output to rank 0.)
+    Assume:
 
-    Return the virtual stage, an int in ``0 .. 2p-1``. The tests check hand-worked cases, the
-    library's V placement, every stage held once, and the neighbour property.
+    - virtual stage 0 (the embedding) is chunk 0 of rank 0;
+    - a microbatch's forward runs through the chunks 0 of all p ranks before it reaches any chunk 1;
+    - consecutive stages sit on the same rank or on neighbouring ranks (a hand-over is at most
+      one hop);
+    - the last stage (the loss) sits on the same rank as the first, so the tied embedding's two
+      uses share a device.
+
+    Megatron's interleaving keeps the first two assumptions and loops instead: its rank p-1 hands
+    its output to rank 0, p-1 hops away. Derive where the V puts each chunk.
+
+    Return the virtual stage, an int in ``0 .. 2p-1``. Bad arguments raise ``ValueError``
+    (scaffolded).
+
+    **What the tests check.** Hand-worked cases; the library's V placement (the ZB-V schedule's
+    ``virtual_stage``) for several p and for 50 seeded random (p, rank, chunk) with p up to 24, and
+    its inverse (``placement``) for 50 random stages; every stage held once; the hand-overs.
     """
     _check_pm(p, 1)
     if not (isinstance(rank, int) and 0 <= rank < p and chunk in (0, 1)):

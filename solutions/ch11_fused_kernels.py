@@ -351,7 +351,8 @@ def attention_window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale, 
     Interface: element ``[s, c]`` of this pair's q is at ``q_ptr + bh * stride_bh_q + s * stride_s_q
     + c`` (likewise k, v with ``stride_*_k``, the output with ``stride_*_o``); the row log-sum-exp of
     the scaled visible scores goes to ``lse_ptr + bh * Sq + s`` (fp32). ``scale`` multiplies
-    ``q·kᵀ``. Keep all statistics in fp32 (``tl.dot`` of fp32 tiles, ``tl.trans`` transposes);
+    ``q·kᵀ``. Keep all statistics in fp32 (``tl.dot`` of fp32 tiles with ``input_precision="ieee"``: on a
+    GPU its default is TF32, 10 mantissa bits; ``tl.trans`` transposes);
     store only the rows below ``Sq`` (``Sq <= Sk``).
 
     Properties the tests check: outputs and log-sum-exp against attention with the window's mask in
@@ -382,7 +383,7 @@ def attention_window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale, 
         kv_off = bh * stride_bh_k + keys[:, None] * stride_s_k + cols[None, :]
         k = tl.load(k_ptr + kv_off, mask=keys[:, None] < Sk, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_off, mask=keys[:, None] < Sk, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # fp32, not a GPU's TF32
         visible = (keys[None, :] < Sk) & (keys[None, :] <= rows[:, None]) \
             & (keys[None, :] > rows[:, None] - window)
         s = tl.where(visible, s, -float("inf"))
@@ -391,7 +392,7 @@ def attention_window_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Sq, Sk, scale, 
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = alpha * l + tl.sum(p, axis=1)
-        acc = alpha[:, None] * acc + tl.dot(p, v)
+        acc = alpha[:, None] * acc + tl.dot(p, v, input_precision="ieee")
         m = m_new
     o = acc / l[:, None]
     tl.store(o_ptr + bh * stride_bh_o + rows[:, None] * stride_s_o + cols[None, :],

@@ -292,6 +292,39 @@ def test_zb_h1_from_1f1b_stays_in_the_memory_of_1f1b(ex, p, m):
             == costmodel.pipeline_stashed_microbatches("1f1b", p, m, 0))
 
 
+def test_zb_h1_from_1f1b_on_random_sizes_matches_the_library_and_the_cost_models_stash(ex):
+    # 50 seeded (p, m), m < p included. The library's zb_h1 refuses m < p; a stage's lag does not
+    # depend on m, so there the expected lists are its schedule of p microbatches with microbatches
+    # m.. left out. Everywhere, no deadlock and every stage's peak stash the cost model's
+    # pipeline_stashed_microbatches("zb-h1", ...), min(p, m) on every stage (lists and counts: exact)
+    rng = random.Random(304)
+    for _ in range(50):
+        p = rng.randint(1, 8)
+        m = rng.randint(1, 3 * p)
+        zb = ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(p, m)))
+        library = [[str(a) for a in acts if a.mb < m] for acts in schedules.zb_h1(p, max(p, m)).stages]
+        assert zb == library, f"p={p}, m={m}: not the library's ZB-H1" + (" of p, cut to m" if m < p else "")
+        sim = simulate(_as_schedule("zb-h1", zb, m))  # raises on a deadlock
+        expected = [costmodel.pipeline_stashed_microbatches("zb-h1", p, m, r) for r in range(p)]
+        assert list(sim.peak_stashed) == expected, f"p={p}, m={m}: peak stash per stage"
+
+
+def test_zb_h1_from_1f1b_idles_as_the_cost_model_says_on_random_durations(ex):
+    # 50 seeded (p, m >= p) and durations in the formula's regime t_W <= min(t_F, t_B); the idle is a
+    # difference of sums of at most a few hundred float64 durations (module docstring: rel 1e-6)
+    rng = random.Random(305)
+    for _ in range(50):
+        p = rng.randint(2, 7)
+        m = rng.randint(p, 3 * p)
+        t_f, t_b = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+        t_w = rng.uniform(0.1, min(t_f, t_b))
+        zb = ex.zb_h1_from_1f1b(_strings(schedules.one_f_one_b(p, m)))
+        sim = simulate(_as_schedule("zb-h1", zb, m), t_f=t_f, t_b=t_b, t_w=t_w)
+        expected = costmodel.zb_h1_idle_time(p, t_f, t_b, t_w)
+        assert sim.idle == pytest.approx([expected] * p), \
+            f"p={p}, m={m}, t=({t_f:.3f}, {t_b:.3f}, {t_w:.3f}): idle {sim.idle}, model {expected}"
+
+
 # --- 5. v_stage and zbv_actions_any_m ----------------------------------------------------------------
 
 V_SIZES = [(1, 1), (1, 3), (2, 3), (2, 4), (3, 5), (3, 9), (4, 7), (4, 8), (4, 13), (5, 12)]
@@ -313,6 +346,20 @@ def test_v_stage_matches_the_library_and_covers_every_stage_once(ex, p):
     rank_of = {s: r for (r, _), s in got.items()}
     assert all(abs(rank_of[s] - rank_of[s + 1]) <= 1 for s in range(2 * p - 1))
     assert rank_of[p - 1] == rank_of[p] == p - 1 and rank_of[0] == rank_of[2 * p - 1] == 0
+
+
+def test_v_stage_matches_the_library_on_random_placements(ex):
+    # 50 seeded (p, rank, chunk) against the library's V (its ZB-V schedule's virtual_stage), and 50
+    # seeded stages through its inverse, placement: ints, exact
+    rng = random.Random(306)
+    v_of = functools.lru_cache(maxsize=None)(lambda p: schedules.zb_v(p, 2 * p - 1))
+    for _ in range(50):
+        p = rng.randint(1, 24)
+        rank, chunk = rng.randrange(p), rng.randrange(2)
+        want = v_of(p).virtual_stage(rank, chunk)
+        assert ex.v_stage(p, rank, chunk) == want, f"p={p}, rank={rank}, chunk={chunk}: the V has {want}"
+        s = rng.randrange(2 * p)
+        assert ex.v_stage(p, *v_of(p).placement(s)) == s, f"p={p}: stage {s} is not where the V puts it"
 
 
 def test_zbv_actions_any_m_hand_worked(ex):
