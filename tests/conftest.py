@@ -36,11 +36,9 @@ def pytest_report_header(config):
 #: Files whose tests hold wall-clock time to a prediction or a limit (a measured step against the cost
 #: model, a timeout that must fire in time): marked ``serial``, so ``make test`` runs them alone on the
 #: machine after the rest has run two at a time (``pytest -n 2``), where another test's ranks would
-#: steal their cores.
-SERIAL_FILES = {"test_predict.py", "test_headlines.py", "test_grade.py", "test_models.py", "test_dryrun.py",
-                "test_pipeline_measured.py", "test_parameter_server.py", "test_hogwild.py", "test_cli.py",
-                "test_meters.py", "test_meta_standin.py", "test_step_time.py", "test_course.py",
-                "test_launch_failures.py", "test_launch_limits.py"}
+#: steal their cores. A single timed test in another file carries ``@pytest.mark.serial`` itself.
+SERIAL_FILES = {"test_predict.py", "test_grade.py", "test_pipeline_measured.py", "test_parameter_server.py",
+                "test_hogwild.py", "test_step_time.py", "test_launch_failures.py", "test_launch_limits.py"}
 
 
 #: Files whose tests compare floating-point results that another CPU rounds differently: equal to one

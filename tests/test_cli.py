@@ -195,6 +195,7 @@ def test_plan_says_how_far_memory_is_from_fitting(capsys):
             "(--sequence-parallel), more GPUs." in out), out
 
 
+@pytest.mark.serial  # held to wall-clock time
 @pytest.mark.timeout(30)
 def test_schedule_refuses_more_than_it_can_simulate_in_seconds(capsys):
     start = time.monotonic()
@@ -207,6 +208,7 @@ def test_schedule_refuses_more_than_it_can_simulate_in_seconds(capsys):
     assert "costmodel.pipeline_bubble_fraction: 0.111" in out.err  # the formula still answers
 
 
+@pytest.mark.serial  # held to wall-clock time
 @pytest.mark.timeout(60)
 def test_schedule_at_the_limit_runs_in_seconds_and_leaves_out_a_wide_chart(capsys):
     """The naive schedule is the simulator's worst case (one stage busy at a time); at the limit it
@@ -251,6 +253,7 @@ def _dryrun_175b(*extra):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.serial  # held to wall-clock time
 @pytest.mark.parametrize("argv, message", [
     (_dryrun_175b("--json", "/nonexistent/dir/x.json"),
      "--json /nonexistent/dir/x.json: the folder /nonexistent/dir does not exist; create it first"),

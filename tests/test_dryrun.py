@@ -259,6 +259,7 @@ def test_bad_input_on_the_command_line():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.serial  # held to wall-clock time
 def test_a_model_deeper_than_the_limit_is_refused_at_once():
     """100000 layers would take hours (the run grows faster than the layers): refused before any work."""
     t0 = time.perf_counter()
@@ -270,6 +271,7 @@ def test_a_model_deeper_than_the_limit_is_refused_at_once():
     assert time.perf_counter() - t0 < 30  # the interpreter and torch's import, no step
 
 
+@pytest.mark.serial  # held to wall-clock time
 @pytest.mark.slow
 def test_gpt3_175b_on_1024_ranks_under_a_minute(tmp_path):
     t0 = time.perf_counter()

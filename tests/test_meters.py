@@ -264,6 +264,7 @@ def test_cuda_peak_is_reported_and_covers_the_counted_bytes():
 
 
 # --- Timer ----------------------------------------------------------------------------------------
+@pytest.mark.serial  # held to wall-clock time
 def test_timer_measures_a_sleep():
     with Timer() as t:
         time.sleep(0.05)

@@ -316,6 +316,7 @@ def test_batch_errors_name_the_fix():
         MarkovCorpus(vocab_size=4, successors=5)
 
 
+@pytest.mark.serial  # held to wall-clock time
 def test_batch_is_fast_and_sample_is_a_valid_chain():
     c = MarkovCorpus()
     c.batch(0, 64, 64)
@@ -337,6 +338,7 @@ def test_batch_is_fast_and_sample_is_a_valid_chain():
 GAP, BUDGET_S = 0.1, 60.0
 
 
+@pytest.mark.serial  # held to wall-clock time
 @pytest.mark.slow
 def test_tiny_gpt_reaches_the_entropy_floor():
     threads = torch.get_num_threads()

@@ -6,9 +6,12 @@ Why bitwise and not a tolerance: moving measurement code out of a technique, or 
 buffers, must not change one floating-point operation; any change in order shows up as a different
 SHA-256 of the parameters' bytes. Bitwise equality only holds on the machine that recorded the
 digests, though: another CPU, another MKL code path (``MKL_CBWR``) or another torch rounds
-differently. So the file records the machine (:func:`machine`) and the test runs only where it
-matches, and says why it skipped elsewhere. Re-record with ``python tests/test_technique_digests.py``
-when a change is *meant* to change the arithmetic (say so in the commit).
+differently -- and one CPU model name covers machines with and without AVX-512, whose kernels round
+differently. So the file keeps one record per machine (:func:`machine`: the CPU's name, the vector
+instructions its kernels use (AVX2 or AVX-512), the MKL path asked for, torch's version); the test runs
+where a record matches and says why it skipped elsewhere. Record this machine with ``python
+tests/test_technique_digests.py`` (a change *meant* to change the arithmetic re-records every machine it
+can reach and drops the others; say so in the commit).
 """
 from __future__ import annotations
 
@@ -33,11 +36,13 @@ CASES = [(t, 2) for t in T.TECHNIQUES] + [("3d", 4), ("tp", 4), ("zero3", 4)]
 
 
 def machine() -> dict:
-    """What decides the rounding: the CPU model, the MKL code path asked for, torch's version."""
+    """What decides the rounding: the CPU model and its vector instructions, the MKL code path asked for,
+    torch's version."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
         else platform.processor()
-    return {"cpu": cpu, "mkl_cbwr": os.environ.get("MKL_CBWR", ""), "torch": torch.__version__,
+    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR", ""), "torch": torch.__version__,
             "threads": os.environ.get("MTD_THREADS", "1")}
 
 
@@ -58,16 +63,18 @@ def digests(technique: str, world: int, steps: int = STEPS) -> list[str]:
     return launch(_digest_rank, world, technique, world, steps, timeout_s=300)
 
 
-def _recorded() -> dict:
-    return json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
+def _records() -> list[dict]:
+    """Every machine's record: ``{"machine": ..., "steps": ..., "digests": {"ddp@2": [...], ...}}``."""
+    return json.loads(DIGESTS.read_text())["records"] if DIGESTS.exists() else []
 
 
 @pytest.mark.parametrize("technique, world", CASES, ids=[f"{t}@{n}" for t, n in CASES])
 def test_parameters_are_bitwise_the_recorded_ones(technique, world):
-    rec = _recorded()
-    if rec.get("machine") != machine():
-        pytest.skip(f"digests were recorded on {rec.get('machine')}; this machine ({machine()}) rounds "
-                    f"differently, so only the tolerance tests apply here")
+    here = machine()
+    rec = next((r for r in _records() if r["machine"] == here), None)
+    if rec is None:
+        pytest.skip(f"no digests recorded on a machine like this one ({here}), which rounds differently "
+                    f"from {[r['machine'] for r in _records()]}: only the tolerance tests apply here")
     assert digests(technique, world) == rec["digests"][f"{technique}@{world}"]
 
 
@@ -78,7 +85,8 @@ def test_a_changed_operation_changes_the_digest():
 
 
 if __name__ == "__main__":
-    out = {"machine": machine(), "steps": STEPS,
-           "digests": {f"{t}@{n}": digests(t, n) for t, n in CASES}}
-    DIGESTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"recorded {len(CASES)} digests in {DIGESTS}", file=sys.stderr)
+    mine = {"machine": machine(), "steps": STEPS, "digests": {f"{t}@{n}": digests(t, n) for t, n in CASES}}
+    others = [r for r in _records() if r["machine"] != mine["machine"]]
+    DIGESTS.write_text(json.dumps({"records": others + [mine]}, indent=1) + "\n")
+    print(f"recorded {len(CASES)} digests for this machine in {DIGESTS} "
+          f"({len(others)} other machine(s) kept)", file=sys.stderr)

@@ -91,9 +91,16 @@ def _check_redefinition(name: str, mine: ast.AST, theirs: ast.AST, where: str) -
                               f"the exercise is: match the signature")
 
 
-def read_mutant(ch: registry.Chapter, path: Path) -> Mutant:
+def _solution_defs(ch: registry.Chapter) -> tuple[dict, dict[str, ast.AST]]:
+    """Chapter ``ch``'s exercises (name -> kind) and its solutions' top-level definitions: what each
+    mutant is checked against, parsed once per chapter."""
+    return chapter_exercises(ch), _defs(ast.parse(ch.solutions.read_text(encoding="utf-8")))
+
+
+def read_mutant(ch: registry.Chapter, path: Path, solution: tuple | None = None) -> Mutant:
     """Parse and check the mutant at ``path`` against chapter ``ch``'s solutions (see the module
-    docstring); raises :class:`MutantError` naming the file and what to fix."""
+    docstring); raises :class:`MutantError` naming the file and what to fix. ``solution``: what
+    :func:`_solution_defs` returns, when the caller checks many mutants of one chapter."""
     where = ch.rel(path)
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -103,12 +110,11 @@ def read_mutant(ch: registry.Chapter, path: Path) -> Mutant:
     if not doc.startswith("Wrong:") or len(doc.splitlines()[0]) <= len("Wrong: "):
         raise MutantError(f'{where}: opens with a docstring whose first line says what it gets wrong: '
                           f'"""Wrong: ..."""')
-    exercises = chapter_exercises(ch)
-    solution = _defs(ast.parse(ch.solutions.read_text(encoding="utf-8")))
+    exercises, defs = solution or _solution_defs(ch)
     redefined = []
     for name, node in _defs(tree).items():
         if name in exercises:
-            _check_redefinition(name, node, solution[name], where)
+            _check_redefinition(name, node, defs[name], where)
             redefined.append(name)
         elif not name.startswith("_"):
             raise MutantError(f"{where}: defines {name}, which is not an exercise of {ch.tag} "
@@ -121,7 +127,10 @@ def read_mutant(ch: registry.Chapter, path: Path) -> Mutant:
 def chapter_mutants(ch: registry.Chapter) -> list[Mutant]:
     """Every mutant of chapter ``ch``, checked, in name order."""
     folder = mutants_dir(ch)
-    return [read_mutant(ch, p) for p in sorted(folder.glob("*.py"))] if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    solution = _solution_defs(ch)
+    return [read_mutant(ch, p, solution) for p in sorted(folder.glob("*.py"))]
 
 
 def load_mutant(chapter_key, path: str | os.PathLike) -> ModuleType:
@@ -162,9 +171,13 @@ class Verdict:
 
 
 def _pytest_args(ch: registry.Chapter, m: Mutant) -> list[str]:
-    """The chapter's exercise tests of the exercises ``m`` redefines, up to the first failure."""
-    return [str(ch.exercise_tests), "-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbval", "-rfE",
-            "-k", " or ".join(m.exercises)]
+    """The chapter's exercise tests of the exercises ``m`` redefines, up to the first failure. A verdict
+    needs only pass or fail, so each run leaves out what costs a second and says nothing here:
+    rewriting the asserts (``--assert=plain``: a failure still names its test), a plugin the tests
+    never use (anyio's), and the full garbage collection pytest runs at exit to find unraisable
+    exceptions (the fork ends with ``os._exit``)."""
+    return [str(ch.exercise_tests), "-x", "-q", "-p", "no:cacheprovider", "-p", "no:nbval", "-p", "no:anyio",
+            "-p", "no:unraisableexception", "--assert=plain", "-rfE", "-k", " or ".join(m.exercises)]
 
 
 def _child(ch: registry.Chapter, m: Mutant, log: str) -> None:
@@ -307,10 +320,10 @@ def check(chapters: list[registry.Chapter], jobs: int = 2, timeout: float = 300,
         if not folder.is_dir():
             none.append(ch.tag)
             continue
-        good = []
+        good, solution = [], _solution_defs(ch)
         for path in sorted(folder.glob("*.py")):
             try:
-                good.append(read_mutant(ch, path))
+                good.append(read_mutant(ch, path, solution))
             except MutantError as e:
                 bad.append(Verdict(ch.tag, path.name, "?", "error", 0.0, str(e)))
         todo += [(ch, m) for m in good]
