@@ -1,6 +1,7 @@
 """What every exercise states (minitorch_dist.course.statements): its kind and time on the docstring's
-first line, and for a build or measure exercise the library file to read beside it. Each missing or
-broken part is a problem that names the fix; the real course states everything."""
+first line, for a build or measure exercise the library file to read beside it, and the same kind and
+time in its entry of the chapter's Exercises section. Each missing or broken part is a problem that
+names the fix; the real course states everything."""
 from __future__ import annotations
 
 import ast
@@ -81,6 +82,74 @@ def test_each_missing_part_is_a_problem_naming_the_fix(fake, change, problem):
 def test_every_course_exercise_states_its_kind_time_and_reference():
     chapters = [ch for ch in registry.CHAPTERS if ch.solutions.exists() or ch.exercises.exists()]
     assert [p for ch in chapters for p in st.statement_problems(ch)] == []
+
+
+# --- the chapter's Exercises section states the same kind and time ---------------------------------
+PROSE = textwrap.dedent("""\
+    # Fake
+
+    ## Exercises
+
+    In `exercises/ch98_fake.py`.
+
+    1. **Build** `make(x)` · about 45 minutes — make it.
+
+       <details><summary>Hint 1</summary>Return x.</details>
+
+    2. **Derive** `derive(x)` · about 20 minutes — derive it.
+
+    ## Reading list
+
+    A book.
+    """)
+
+
+@pytest.mark.parametrize("entries", [
+    "1. **Build** `make(x)` · about 45 minutes, and **Derive** `derive(x)` · about 20 minutes — both.",
+    "1. **Build** `make` / `make_it(x,\n   y)` → `(a,\n   b)` · about\n   45 minutes: it.\n"
+    "2. **Derive** `derive(x)`\n   · about 20 minutes — it.",
+])
+def test_an_exercises_section_that_states_the_docstrings_kind_and_time_has_no_problem(fake, entries):
+    fake.solutions.write_text(GOOD)
+    fake.prose.parent.mkdir()
+    fake.prose.write_text(PROSE, encoding="utf-8")
+    assert st.prose_problems(fake) == []
+    start, end = PROSE.index("1. **Build**"), PROSE.index("\n\n## Reading")
+    fake.prose.write_text(PROSE[:start] + entries + PROSE[end:], encoding="utf-8")
+    assert st.prose_problems(fake) == []
+
+
+@pytest.mark.parametrize("change, problem", [
+    (("about 45 minutes", "about 40 minutes"),
+     "make states about 40 minutes in its Exercises entry, its docstring about 45: make them agree"),
+    (("**Derive** `derive", "**Build** `derive"),
+     "derive is **Build** in its Exercises entry, its docstring says derive: make it **Derive**"),
+    (("2. **Derive** `derive(x)` · about 20 minutes — derive it.\n", ""), "derive has no entry in the"),
+    (("**Derive** `derive(x)` · about 20 minutes —", "`derive(x)` (derive, about 20 minutes) —"),
+     "derive has no entry in the Exercises section: write '**Derive** `derive(...)` · about 20 minutes'"),
+    (("`make(x)` · about 45", "`make_it(x)` · about 45"), "make has no entry"),
+    (("`make(x)` · about 45 minutes", "`make(x)`, 45 minutes"), "make's Exercises entry states no time"),
+    (("2. **Derive**", "## Reading list\n\n2. **Derive**"), "derive has no entry"),
+    (("## Exercises", "## Problems"), "no '## Exercises' section"),
+])
+def test_each_disagreement_of_the_exercises_section_is_a_problem_naming_the_fix(fake, change, problem):
+    fake.solutions.write_text(GOOD)
+    fake.prose.parent.mkdir()
+    fake.prose.write_text(PROSE.replace(*change), encoding="utf-8")
+    found = st.prose_problems(fake)
+    assert len(found) == 1 and found[0].startswith(f"chapters/98_fake.md: {problem}"), found
+
+
+def test_every_chapters_exercises_section_states_its_exercises_kind_and_time():
+    chapters = [ch for ch in registry.CHAPTERS if ch.solutions.exists() or ch.exercises.exists()]
+    assert [p for ch in chapters for p in st.prose_problems(ch)] == []
+
+
+def test_the_command_line_check_fails_on_a_problem_of_the_exercises_section(monkeypatch, capsys):
+    assert st.main(["--chapter", "ch00"]) == 0
+    monkeypatch.setattr(st, "prose_problems", lambda ch: [f"{ch.rel(ch.prose)}: bruck_all_gather states ..."])
+    assert st.main(["--chapter", "ch00"]) == 1
+    assert "chapters/00_foundations.md: bruck_all_gather states ..." in capsys.readouterr().err
 
 
 # --- README's hours follow the exercises ------------------------------------------------------------

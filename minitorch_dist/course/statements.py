@@ -13,8 +13,15 @@ for a variant the file does not contain, so copying it does not pass)::
         Reference: minitorch_dist/parallelism/data_parallel.py (buckets in a fixed order).
         \"\"\"
 
+The chapter's "Exercises" section lists each exercise with the same kind and time, in the words of
+that first line, before its summary and collapsed hints (an entry that covers two exercises states
+each)::
+
+    2. **Build** `ordered_bucket_hooks(model, cap_bytes, group)` · about 60 minutes — buckets ...
+
 ``python -m minitorch_dist.course.statements`` (part of ``make check-exercises``) lists every
-exercise that states less, and prints each chapter's exercise minutes (the README's hours use them).
+exercise that states less, or whose entry says otherwise, and prints each chapter's exercise minutes
+(the README's hours use them).
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from dataclasses import dataclass
 from . import registry
 from .exercises import KINDS, exercise_nodes
 
-__all__ = ["Statement", "statement", "chapter_statements", "statement_problems", "main"]
+__all__ = ["Statement", "statement", "chapter_statements", "statement_problems", "exercises_section",
+           "prose_problems", "main"]
 
 _FIRST = re.compile(r"Kind:\s*(\w+)\s*·\s*about\s+(\d+)\s+minutes\.?")
 _REFERENCE = re.compile(r"^\s*Reference:\s*`{0,2}(minitorch_dist/[\w/]+\.py)", re.MULTILINE)
@@ -73,11 +81,58 @@ def statement_problems(chapter) -> list[str]:
     return out
 
 
+def exercises_section(text: str) -> str | None:
+    """The "## Exercises" section of a chapter's prose, up to the next heading of its level or above
+    (None when it has none)."""
+    m = re.search(r"^## Exercises[ \t]*$", text, re.MULTILINE)
+    if m is None:
+        return None
+    end = re.compile(r"^#{1,2} ", re.MULTILINE).search(text, m.end())
+    return text[m.end():end.start() if end else len(text)]
+
+
+def _entry(name: str) -> re.Pattern[str]:
+    """``**Kind** `name(args)``` (then maybe ``/ `alias(args)``` or ``→ `(returns)```) and its time."""
+    return re.compile(r"\*\*(\w+)\*\*\s+`" + re.escape(name) + r"(?!\w)[^`]*`(?:\s*(?:/|→)\s*`[^`]*`)*"
+                      r"(?:\s*·\s*about\s+(\d+)\s+minutes\b)?")
+
+
+def prose_problems(chapter) -> list[str]:
+    """Every exercise of ``chapter`` whose entry in the prose's Exercises section is missing, or states
+    no time, or another kind or time than the docstring's first line (the docstring is the reference)."""
+    ch = registry.chapter(chapter)
+    where = ch.rel(ch.prose)
+    sts = chapter_statements(ch)
+    if not sts:
+        return []
+    section = exercises_section(ch.prose.read_text(encoding="utf-8")) if ch.prose.is_file() else None
+    if section is None:
+        return [f"{where}: no '## Exercises' section to list the chapter's exercises"]
+    out = []
+    for name, st in sts.items():
+        want = f"'**{(st.kind or 'build').capitalize()}** `{name}(...)` · about {st.minutes or 'N'} minutes'"
+        m = _entry(name).search(section)
+        if m is None:
+            out.append(f"{where}: {name} has no entry in the Exercises section: write {want}")
+            continue
+        kind, minutes = m.group(1), m.group(2)
+        if st.kind in KINDS and kind != st.kind.capitalize():
+            out.append(f"{where}: {name} is **{kind}** in its Exercises entry, its docstring says "
+                       f"{st.kind}: make it **{st.kind.capitalize()}**")
+        if minutes is None:
+            out.append(f"{where}: {name}'s Exercises entry states no time: write {want}")
+        elif st.minutes is not None and int(minutes) != st.minutes:
+            out.append(f"{where}: {name} states about {minutes} minutes in its Exercises entry, its "
+                       f"docstring about {st.minutes}: make them agree")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..runtime.tables import format_table
 
     p = argparse.ArgumentParser(prog="python -m minitorch_dist.course.statements",
-                                description="Check that every exercise states its kind, time and reference.")
+                                description="Check that every exercise states its kind, time and reference, "
+                                            "and that its chapter's Exercises entry states the same.")
     p.add_argument("--chapter", help="comma-separated chapters; default: every chapter with solutions")
     args = p.parse_args(argv)
     try:
@@ -92,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         by_kind = {k: sum(s.kind == k for s in sts.values()) for k in KINDS}
         minutes = sum(s.minutes or 0 for s in sts.values())
         rows.append([ch.tag, *by_kind.values(), minutes, f"{minutes / 60:.1f}"])
-        problems += statement_problems(ch)
+        problems += statement_problems(ch) + prose_problems(ch)
     print(format_table(rows, ["chapter", *KINDS, "minutes", "hours"], align="lrrrrr"))
     for line in problems:
         print(line, file=sys.stderr)
