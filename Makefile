@@ -7,6 +7,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300
+# What setup installs; CI installs only what the tests need (EXTRAS=test: no JupyterLab).
+EXTRAS ?= test,lab
+# pytest caches its rewritten test modules as bytecode; where the environment turns bytecode off
+# (PYTHONDONTWRITEBYTECODE), every collection rewrites all of them again (seconds per pass).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 .PHONY: setup tour lint test test-fast test-portability lab notebooks exercises check-exercises grade student-repo figures gpu-report clean
 # A student's copy of the course has no solutions/: there `make test` leaves tests/exercises to `make grade`.
@@ -16,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,lab]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 setup: $(STAMP)                      ## create .venv and install everything
@@ -31,20 +36,21 @@ lint: $(STAMP)                       ## ruff over the repository, mypy over runt
 test: $(STAMP)                       ## lint, then the whole suite: library, exercises, notebooks (smoke sizes)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not serial" $(NBVAL) tests notebooks $(NO_SOLUTIONS)
-	MTD_SMOKE=1 $(BIN)/python -m pytest -m serial tests $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "not serial" $(NBVAL) tests notebooks $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(PYTEST) -m serial $$($(BIN)/python tests/_passes.py serial)
 
 # Another MKL code path than the run's own: COMPATIBLE, or AVX2 where the whole run already uses COMPATIBLE.
 OTHER_MKL := $(if $(filter COMPATIBLE,$(MKL_CBWR)),AVX2,COMPATIBLE)
 
 test-portability: $(STAMP)           ## the numerics tests again, with MKL on another code path (other float rounding)
-	MKL_CBWR=$(OTHER_MKL) MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "numerics and not serial" tests $(NO_SOLUTIONS)
+	MKL_CBWR=$(OTHER_MKL) MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "numerics and not serial" \
+	  $$($(BIN)/python tests/_passes.py numerics)
 
 test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	MTD_SMOKE=1 $(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not serial" tests $(NO_SOLUTIONS)
-	MTD_SMOKE=1 $(BIN)/python -m pytest -m "not slow and serial" tests $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "not slow and not serial" tests $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(PYTEST) -m "not slow and serial" $$($(BIN)/python tests/_passes.py serial)
 
 lab: $(STAMP)                        ## JupyterLab on the notebooks
 	$(if $(wildcard solutions),,@echo "The cells that answer a *Predict first* prompt have no output here: write your prediction, then run them.")

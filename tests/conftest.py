@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from _passes import NUMERICS_FILES, SERIAL_FILES  # which files the serial and numerics passes run
 
 
 @pytest.fixture(autouse=True)
@@ -31,31 +32,6 @@ def pytest_report_header(config):
     mine = f", except your filled-in stubs of {', '.join(yours)}" if yours else ""
     return (f"exercise tests load: the worked solutions in solutions/{mine} "
             f"(MTD_IMPL=exercises|solutions forces one)")
-
-
-#: Files whose tests hold wall-clock time to a prediction or a limit (a measured step against the cost
-#: model, a timeout that must fire in time): marked ``serial``, so ``make test`` runs them alone on the
-#: machine after the rest has run two at a time (``pytest -n 2``), where another test's ranks would
-#: steal their cores. A single timed test in another file carries ``@pytest.mark.serial`` itself.
-SERIAL_FILES = {"test_predict.py", "test_grade.py", "test_pipeline_measured.py", "test_parameter_server.py",
-                "test_hogwild.py", "test_step_time.py", "test_launch_failures.py", "test_launch_limits.py"}
-
-
-#: Files whose tests compare floating-point results that another CPU rounds differently: equal to one
-#: process or to torch, resilience, compression, kernels, figures. Marked ``numerics``; ``.ci/run`` runs
-#: them once more under another MKL code path (``make test-portability``), so a bound tuned to one CPU's
-#: rounding turns CI red on the machine that wrote it. Files whose comparisons are bitwise by design, and
-#: the exercise tests (the same library code), are left to the main run: the pass stays near 2 minutes.
-NUMERICS_FILES = {
-    "test_data_parallel.py", "test_fsdp.py", "test_fsdp_prefetch.py", "test_zero.py",
-    "test_sharded_optimizer.py", "test_tensor_parallel.py", "test_tensor_parallel_vocab.py",
-    "test_megatron_sp.py", "test_ulysses.py", "test_ring_attention.py", "test_llama.py",
-    "test_llama_parallel.py", "test_three_d.py", "test_three_d_llama.py", "test_pipeline.py",
-    "test_pipeline_v.py", "test_pipeline_llama.py", "test_expert_parallel.py", "test_moe.py",
-    "test_moe_gpt.py", "test_moe_modern.py", "test_mixed_precision.py", "test_fp8.py", "test_fp8_linear.py",
-    "test_compression.py", "test_activation_compression.py", "test_resilience.py", "test_kernels.py",
-    "test_attention_tiled.py", "test_figures.py", "test_scaler_sharded.py",
-}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,43 @@
+"""Which test files each pass of ``make test`` runs, in one place: ``tests/conftest.py`` marks their tests
+(``serial``, ``numerics``) and ``make`` passes the files themselves, so a pass that runs a few files does
+not collect (import and assert-rewrite) all of them. ``python tests/_passes.py serial|numerics`` prints
+a pass's files. No imports beyond the standard library: ``make`` runs this before each pass."""
+import os
+import sys
+from pathlib import Path
+
+#: Files whose tests hold wall-clock time to a prediction or a limit (a measured step against the cost
+#: model, a timeout that must fire in time): marked ``serial``, so ``make test`` runs them alone on the
+#: machine after the rest has run two at a time (``pytest -n 2``), where another test's ranks would
+#: steal their cores. A single timed test in another file carries ``@pytest.mark.serial`` itself.
+SERIAL_FILES = {"test_predict.py", "test_grade.py", "test_pipeline_measured.py", "test_parameter_server.py",
+                "test_hogwild.py", "test_step_time.py", "test_launch_failures.py", "test_launch_limits.py"}
+
+
+#: Files whose tests compare floating-point results that another CPU rounds differently: equal to one
+#: process or to torch, resilience, compression, kernels, figures. Marked ``numerics``; ``.ci/run`` runs
+#: them once more under another MKL code path (``make test-portability``), so a bound tuned to one CPU's
+#: rounding turns CI red on the machine that wrote it. Files whose comparisons are bitwise by design, and
+#: the exercise tests (the same library code), are left to the main run: the pass stays near 2 minutes.
+NUMERICS_FILES = {
+    "test_data_parallel.py", "test_fsdp.py", "test_fsdp_prefetch.py", "test_zero.py",
+    "test_sharded_optimizer.py", "test_tensor_parallel.py", "test_tensor_parallel_vocab.py",
+    "test_megatron_sp.py", "test_ulysses.py", "test_ring_attention.py", "test_llama.py",
+    "test_llama_parallel.py", "test_three_d.py", "test_three_d_llama.py", "test_pipeline.py",
+    "test_pipeline_v.py", "test_pipeline_llama.py", "test_expert_parallel.py", "test_moe.py",
+    "test_moe_gpt.py", "test_moe_modern.py", "test_mixed_precision.py", "test_fp8.py", "test_fp8_linear.py",
+    "test_compression.py", "test_activation_compression.py", "test_resilience.py", "test_kernels.py",
+    "test_attention_tiled.py", "test_figures.py", "test_scaler_sharded.py",
+}
+
+#: Files outside :data:`SERIAL_FILES` with a test held to wall-clock time (marked
+#: ``@pytest.mark.serial`` itself): the serial pass collects them too.
+TIMED_TESTS_IN = {"test_cli.py", "test_dryrun.py", "test_models.py", "test_meters.py"}
+
+PASSES = {"serial": SERIAL_FILES | TIMED_TESTS_IN, "numerics": NUMERICS_FILES}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in PASSES:
+        sys.exit(f"usage: python tests/_passes.py {'|'.join(PASSES)}")
+    here = Path(__file__).parent
+    print(" ".join(os.path.relpath(here / name) for name in sorted(PASSES[sys.argv[1]])))
