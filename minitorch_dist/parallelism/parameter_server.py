@@ -294,10 +294,11 @@ def _worker(cfg: PSConfig, problem: LeastSquares) -> dict:
 
 class _Clock:
     """Observer on one rank: when each of its pulls was asked and answered, when each push reached
-    it; seconds since the common start (CLOCK_MONOTONIC is shared by the processes of one host)."""
+    it; seconds since ``t0``, one origin for every rank (CLOCK_MONOTONIC is shared by the processes of
+    one host: stamps of two ranks compare, which per-rank origins, a barrier's exit apart, would not)."""
 
-    def __init__(self):
-        self.t0 = time.monotonic()
+    def __init__(self, t0: float):
+        self.t0 = t0
         self.pulls: list[tuple[float, float]] = []  # (asked, answered) per pull, in order
         self.pushes: list[float] = []               # applied at, per push, in order
 
@@ -324,10 +325,10 @@ class _Clock:
         return out
 
 
-def _ps_main(cfg: PSConfig, problem_kwargs: dict):
+def _ps_main(cfg: PSConfig, problem_kwargs: dict, t0: float):
     problem = LeastSquares(**problem_kwargs)
     dist.barrier()                        # a common start
-    with observe.watching(_Clock()) as clock:
+    with observe.watching(_Clock(t0)) as clock:
         out = _server(cfg, problem) if dist.get_rank() < cfg.n_servers else _worker(cfg, problem)
     return clock.stamp(out)
 
@@ -374,9 +375,10 @@ def run_parameter_server(mode="bsp", staleness=None, n_servers=2, n_workers=2, c
     key_ranges(n_params, n_servers)       # validate before starting processes
     problem = LeastSquares(**pk)
     t = time.monotonic()
-    out = launch(_ps_main, n_servers + n_workers, cfg, pk, timeout_s=timeout_s)
+    out = launch(_ps_main, n_servers + n_workers, cfg, pk, t, timeout_s=timeout_s)
     wall = time.monotonic() - t
     servers, workers_ = out[:n_servers], out[n_servers:]
+    _from_the_first_pull(servers, workers_)
     params = torch.cat([s["params"] for s in servers])
     n_push = sum(len(s["pushes"]) for s in servers) / n_servers
     run_s = max(wl["time"][-1] for wl in workers_)
@@ -385,6 +387,17 @@ def run_parameter_server(mode="bsp", staleness=None, n_servers=2, n_workers=2, c
                 loss_opt=problem.loss_opt, x_opt=problem.x_opt, workers=workers_, servers=servers,
                 staleness=[st for s in servers for st in s["staleness"]], wall_s=wall, run_s=run_s,
                 pushes_per_s=n_push / run_s)
+
+
+def _from_the_first_pull(servers: list, workers: list) -> None:
+    """Every stamp moved, in place, to seconds since the first pull any worker asked for: one axis for
+    all ranks, starting when the run does (not when the launch did)."""
+    start = min(wl["time"][0] - wl["wait"][0] for wl in workers)
+    for wl in workers:
+        wl["time"] = [t - start for t in wl["time"]]
+    for srv in servers:
+        for push in srv["pushes"]:
+            push["time"] -= start
 
 
 def synchronous_sgd(problem: LeastSquares, clocks: int, lr: float) -> torch.Tensor:

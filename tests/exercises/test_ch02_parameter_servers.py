@@ -674,7 +674,7 @@ def _metered_ps_and_ring():
     cfg = PSConfig("bsp", 0, 1, 3, TRAFFIC_CLOCKS, 0.1, {}, {})
     problem = dict(n_params=TRAFFIC_KEYS, n_rows=240, n_workers=3, batch_size=16, noise=0.1, seed=0)
     with comm.meter() as m:
-        _ps_main(cfg, problem)
+        _ps_main(cfg, problem, time.monotonic())
     workers = dist.new_group([1, 2, 3])
     ring = 0
     if dist.get_rank() >= 1:
