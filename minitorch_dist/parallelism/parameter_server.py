@@ -293,9 +293,8 @@ def _worker(cfg: PSConfig, problem: LeastSquares) -> dict:
 
 
 class _Clock:
-    """Observer on one rank: when each of its pulls was asked and answered, when each push reached
-    it; seconds since ``t0``, one origin for every rank (CLOCK_MONOTONIC is shared by the processes of
-    one host: stamps of two ranks compare, which per-rank origins, a barrier's exit apart, would not)."""
+    """Observer on one rank: when each of its pulls was asked and answered, when each push reached it;
+    seconds since ``t0``, one origin for all ranks (CLOCK_MONOTONIC is shared by a host's processes)."""
 
     def __init__(self, t0: float):
         self.t0 = t0
@@ -390,14 +389,12 @@ def run_parameter_server(mode="bsp", staleness=None, n_servers=2, n_workers=2, c
 
 
 def _from_the_first_pull(servers: list, workers: list) -> None:
-    """Every stamp moved, in place, to seconds since the first pull any worker asked for: one axis for
-    all ranks, starting when the run does (not when the launch did)."""
+    """Every stamp moved, in place, to seconds since the first pull any worker asked for."""
     start = min(wl["time"][0] - wl["wait"][0] for wl in workers)
     for wl in workers:
         wl["time"] = [t - start for t in wl["time"]]
-    for srv in servers:
-        for push in srv["pushes"]:
-            push["time"] -= start
+    for push in (p for srv in servers for p in srv["pushes"]):
+        push["time"] -= start
 
 
 def synchronous_sgd(problem: LeastSquares, clocks: int, lr: float) -> torch.Tensor:
