@@ -100,3 +100,44 @@ def step_parts():
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.45, -0.28), frameon=False)
     ax.set_title("GPT-3 175B, batch 1536, 1024 A100s: the planner's parts of a step", fontsize=9)
     return fig
+
+
+
+#: the cheatsheet's decision, top to bottom: (question, the answer that adds a technique, what it adds)
+DECISIONS = (
+    ("Do the model states (16 B/param)\nfit on one device?", "no",
+     "shard them over dp:\nZeRO-1 → 2 → 3 / FSDP (06)"),
+    ("Do one microbatch's\nactivations fit?", "no",
+     "recompute (07); SP with TP,\nCP for long sequences (05)"),
+    ("Does ZeRO-3's all-gather hide\nbehind compute at this scale?", "no",
+     "add tensor parallelism\ninside a node, t ≤ 8 (04)"),
+    ("Does one node's share\nof the model fit?", "no", "add pipeline stages\nacross nodes (03)"),
+    ("Is it a mixture\nof experts?", "yes", "add expert parallelism\nfor the experts (10)"),
+)
+
+
+@figure("ch12_which_technique")
+def which_technique():
+    """The cheatsheet's flowchart: start from data parallelism; each question asks whether something
+    fits, and each answer that says it does not adds the cheapest technique that makes it fit."""
+    fig, ax = plt.subplots(figsize=(8, 6.2))
+    grey = {"arrowstyle": "->", "color": "#555"}
+    start = {"boxstyle": "round,pad=0.4", "facecolor": "#E8F4EA", "edgecolor": "#55A868"}
+    ask = {"boxstyle": "round,pad=0.4", "facecolor": "#EAF0F8", "edgecolor": "#4C72B0"}
+    add = {"boxstyle": "round,pad=0.4", "facecolor": "#FDF0E6", "edgecolor": "#DD8452"}
+    top = len(DECISIONS) + 1
+    ax.text(0, top, "Start: data parallelism over every rank,\naccumulation for the batch you want (01)",
+            ha="center", va="center", fontsize=8, bbox=start)
+    for i, (question, answer, action) in enumerate(DECISIONS):
+        y = top - 1 - i
+        ax.annotate("", xy=(0, y + 0.32), xytext=(0, y + 0.68), arrowprops=grey)
+        ax.text(0, y, question, ha="center", va="center", fontsize=8, bbox=ask)
+        ax.annotate("", xy=(1.35, y), xytext=(0.95, y), arrowprops=grey)
+        ax.text(1.15, y + 0.08, answer, ha="center", va="bottom", fontsize=7, color="#555")
+        ax.text(2.1, y, action, ha="center", va="center", fontsize=8, bbox=add)
+    ax.text(0.9, 0.3, "Always: mixed precision (08), fused kernels (11), a checkpoint interval (13).\n"
+            "Then let the planner (12) price every combination with the same formulas.",
+            ha="center", va="center", fontsize=8)
+    ax.set_xlim(-1.2, 3.0), ax.set_ylim(-0.1, top + 0.6), ax.axis("off")
+    ax.set_title("Which technique, when: a question down, the technique it adds to the right", fontsize=10)
+    return fig
