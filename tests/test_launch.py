@@ -60,6 +60,17 @@ def test_rank_prints_are_shown_in_rank_order(capsys):
     assert capsys.readouterr().out.splitlines() == [f"[rank {r}] I am rank {r}" for r in range(3)]
 
 
+def test_the_profilers_start_and_stop_marks_are_not_echoed(tmp_path, capsys):
+    """torch's profiler prints a timestamped mark at each start and stop: noise in a notebook."""
+    from minitorch_dist.runtime.launch import _echo_outputs
+    (tmp_path / "rank0.err").write_text(
+        "USDT:2026-12-07 12:50:09 32025:32025 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+        "STAGE:2026-12-07 22:06:30 8420:8420 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n"
+        "a warning the rank printed\n")
+    _echo_outputs(str(tmp_path), 1)
+    assert capsys.readouterr().err.splitlines() == ["[rank 0] a warning the rank printed"]
+
+
 def _raise_on_rank_1():
     if mtd.rank() == 1:
         raise ValueError("rank one is unhappy")

@@ -58,6 +58,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import shutil
 import signal
 import sys
@@ -202,8 +203,14 @@ def _kill(procs: list[mp.process.BaseProcess], mark: str) -> None:
     descendants.kill_marked(mark)
 
 
+#: the marks torch's profiler (Kineto) prints to stderr at each start and stop: a timestamp and a pid,
+#: noise in a notebook's output
+_PROFILER_MARK = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
+
+
 def _echo_outputs(outdir: str, n: int) -> None:
-    """Show what each rank printed, rank by rank, each line prefixed ``[rank r]``."""
+    """Show what each rank printed, rank by rank, each line prefixed ``[rank r]`` (the profiler's
+    start and stop marks left out)."""
     for suffix, stream in ((".out", sys.stdout), (".err", sys.stderr)):
         for r in range(n):
             path = os.path.join(outdir, f"rank{r}{suffix}")
@@ -211,7 +218,8 @@ def _echo_outputs(outdir: str, n: int) -> None:
                 with open(path) as f:
                     text = f.read()
                 for line in text.splitlines():
-                    stream.write(f"[rank {r}] {line}\n")
+                    if not _PROFILER_MARK.match(line):
+                        stream.write(f"[rank {r}] {line}\n")
     sys.stdout.flush()
 
 
