@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from minitorch_dist.course import exercises as ex
-from minitorch_dist.course import grade, registry, tour
+from minitorch_dist.course import grade, readability, registry, tour
 from minitorch_dist.course.registry import CHAPTERS, PROSE_SECTIONS, REPO_ROOT, Chapter
 from minitorch_dist.course.student_repo import prediction_answers
 
@@ -49,7 +49,23 @@ def notebook_problems(ch: Chapter, student_copy: bool = False) -> list[str]:
                 for i, c in enumerate(code) if c.get("execution_count") is None]
     if not any(c.get("outputs") for c in code):
         problems.append(f"{where} is committed without outputs (run `make notebooks`)")
+    counts = [c.get("execution_count") for c in code]
+    if None not in counts and counts != sorted(counts):
+        problems.append(f"{where} was not run top to bottom (execution counts {counts}): "
+                        "run `make notebooks`")
+    noise = [i for i, c in enumerate(code) for o in c.get("outputs", []) if PROFILER_NOISE.search(_text(o))]
+    if noise:
+        problems.append(f"{where}: code cells {sorted(set(noise))} print the profiler's start/stop marks")
     return problems
+
+
+#: the profiler's timestamped start/stop marks (torch's Kineto), noise in a committed output
+PROFILER_NOISE = re.compile(r"^(\[rank \d+\] )?(USDT|STAGE):\S+ \S+ \d+:\d+ ", re.M)
+
+
+def _text(output: dict) -> str:
+    text = output.get("text", "")
+    return "".join(text) if isinstance(text, list) else text
 
 
 def marker_problems(ch: Chapter) -> list[str]:
@@ -129,6 +145,10 @@ def textbook_problems(ch: Chapter) -> list[str]:
     low = text.lower()
     problems += [f"{where} says {w!r}: a lab report's word; say what the learner needs instead"
                  for w in REPORT_WORDS if w in low]
+    problems += readability.reading(text).problems(where)
+    pitfalls = len(re.findall(r"^#+ [^\n]*Pitfalls", text, re.M))
+    if pitfalls != 1:
+        problems.append(f"{where} has {pitfalls} Pitfalls headings: one Pitfalls section per chapter")
     return problems
 
 
@@ -220,13 +240,13 @@ def test_written_chapter_solutions_define_every_exercise(ch):
 
 DESIGN_SLUGS = ("00_foundations 01_data_parallel 02_parameter_servers 03_pipeline 04_tensor_parallel "
                 "05_sequence_parallel 06_zero_fsdp 07_checkpointing 08_mixed_precision 09_compression "
-                "10_moe 11_fused_kernels 12_putting_it_together 13_resilience").split()
+                "10_moe 11_fused_kernels 12_putting_it_together 13_resilience 14_measuring").split()
 
 
-def test_registry_has_the_fourteen_chapters_in_order():
+def test_registry_has_the_fourteen_chapters_in_order():  # and the appendix, 14
     assert [c.slug for c in CHAPTERS] == DESIGN_SLUGS
-    assert [c.number for c in CHAPTERS] == list(range(14))
-    assert len({c.tag for c in CHAPTERS}) == len({c.stem for c in CHAPTERS}) == 14
+    assert [c.number for c in CHAPTERS] == list(range(15))
+    assert len({c.tag for c in CHAPTERS}) == len({c.stem for c in CHAPTERS}) == 15
     for c in CHAPTERS:
         assert c.modules and all(m.startswith("minitorch_dist.") for m in c.modules)
         assert c.headline is None or re.fullmatch(r"[\w.]+:[\w.]+", c.headline), c.headline
@@ -254,8 +274,8 @@ def test_chapter_lookup(key):
 
 
 def test_unknown_chapter_lists_valid_keys():
-    with pytest.raises(KeyError, match=r"no chapter 'ch14'.*ch00, ch01.*ch13"):
-        registry.chapter("ch14")
+    with pytest.raises(KeyError, match=r"no chapter 'ch15'.*ch00, ch01.*ch14"):
+        registry.chapter("ch15")
 
 
 def test_chapter_markers_declared_in_pyproject():
@@ -561,6 +581,13 @@ def test_checks_pass_on_a_complete_chapter(fake):
     (lambda ch: ch.module_files[0].unlink(), "module fakepkg.fakemod missing"),
     (lambda ch: ch.prose.write_text(PROSE.replace("Pitfalls", "Gotchas")),
      "no heading containing 'Pitfalls'"),
+    (lambda ch: ch.prose.write_text(PROSE.replace("## Worked", "## Pitfalls, again\n\ntext\n\n## Worked")),
+     "2 Pitfalls headings"),
+    (lambda ch: ch.prose.write_text(PROSE.replace("## Worked", "word " * 4600 + ".\n\n## Worked")),
+     "words of prose, over 4500"),
+    (lambda ch: ch.prose.write_text(PROSE.replace("## Worked", ("a long sentence " * 15 + ". ") * 20
+                                                  + "\n\n## Worked")),
+     "sentences average"),
     (lambda ch: ch.prose.write_text(PROSE.replace("## Reading", "Reading")),
      "no heading containing 'Reading'"),
     (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"execution_count": 1',
@@ -569,6 +596,12 @@ def test_checks_pass_on_a_complete_chapter(fake):
     (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace('"outputs": [{', '"x": [{').replace(
         '"metadata": {}, "source": ["print', '"outputs": [], "metadata": {}, "source": ["print')),
      "without outputs"),
+    (lambda ch: ch.notebook.write_text(json.dumps(dict(NOTEBOOK, cells=NOTEBOOK["cells"] + [
+        dict(NOTEBOOK["cells"][1], execution_count=c) for c in (3, 2)]))), "not run top to bottom"),
+    (lambda ch: ch.notebook.write_text(json.dumps(NOTEBOOK).replace(
+        '"text": ["1\\n"]',
+        '"text": ["[rank 0] USDT:2026-12-07 12:50:09 1:1 Sync.cpp:52] profiler_start\\n"]')),
+     "profiler's start/stop marks"),
     (lambda ch: ch.exercise_tests.write_text(EXERCISE_TESTS.replace("pytest.mark.ch98", "pytest.mark.slow")),
      "marked pytest.mark.ch98"),
     (lambda ch: ch.exercises.write_text(ex.stub_text(ch).replace(
@@ -785,3 +818,20 @@ def test_a_student_copy_has_no_solutions_and_tests_the_stubs(tmp_path):
         make_student_repo(dest)
     with pytest.raises(ValueError, match="inside the course"):
         make_student_repo(REPO_ROOT / "tmp-student-copy")
+
+
+# --- links between the chapters, the cheatsheet and the code ---------------------------------------
+
+MD_LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def test_every_relative_link_in_the_chapters_resolves():
+    """A chapter's links to other chapters, the cheatsheet, notebooks and code lead to files that exist."""
+    broken = []
+    for md in sorted((REPO_ROOT / "chapters").glob("*.md")):
+        text = re.sub(r"^```.*?^```", "", md.read_text(encoding="utf-8"), flags=re.M | re.S)
+        text = re.sub(r"`[^`\n]*`", "", text)
+        for target in MD_LINK.findall(text):
+            if "://" not in target and not target.startswith("mailto:") and not (md.parent / target).exists():
+                broken.append(f"{md.name} -> {target}")
+    assert broken == [], broken

@@ -253,3 +253,12 @@ def test_the_command_line_resolves_each_run_once():
     assert _runs(Namespace(technique="pp-1f1b", size="10x", world=4)) == [(T.TECHNIQUE["pp-1f1b"], "10x")]
     with pytest.raises(ValueError, match="n_layer 2 is not divisible by pp"):
         _runs(Namespace(technique="pp-1f1b", size="tiny", world=4))
+
+
+def test_a_ratio_summary_gives_the_spread_and_the_sign():
+    from minitorch_dist.analysis.predict import ratio_summary
+
+    assert ratio_summary([0.95, 0.70, 0.80, 1.30]) == \
+        "4 runs: ratios 0.70 to 1.30, median 0.88; below 1: 3 of 4; within 25%: 2 of 4"
+    with pytest.raises(ValueError, match="at least one"):
+        ratio_summary([])

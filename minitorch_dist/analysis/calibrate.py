@@ -1,4 +1,4 @@
-"""Chapter 00 — calibrate: measure this machine once, so that every time is predicted before it is measured.
+"""Chapter 14 — calibrate: measure this machine once, so that every time is predicted before it is measured.
 
 ``python -m minitorch_dist calibrate [--world N] [--out PATH]`` runs N ranks (one thread each, all of
 them busy at once, as in a real step) and measures what :mod:`.costmodel.step_time` needs:

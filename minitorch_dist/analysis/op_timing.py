@@ -1,4 +1,4 @@
-"""Chapter 00 — timing one op, or one short function, on this rank: the clock ``calibrate`` reads.
+"""Chapter 14 — timing one op, or one short function, on this rank: the clock ``calibrate`` reads.
 
 * :func:`median_seconds`: a function's median time over repetitions on the rank's device
   (:func:`..runtime.timing.seconds`, the course's one clock), each after a barrier when ranks run

@@ -1,4 +1,4 @@
-"""Chapter 00 — what one rank's step asks of the machine: every op with its FLOPs and bytes, every collective.
+"""Chapter 14 — what one rank's step asks of the machine: every op with its FLOPs and bytes, every collective.
 
 To predict a step's time before running it, first write down its *work*. :class:`WorkloadRecorder`
 is a ``TorchDispatchMode``: while it is active, every ATen op the rank runs -- in the forward, inside

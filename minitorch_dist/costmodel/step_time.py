@@ -1,4 +1,4 @@
-"""Chapter 00 — step time from a machine profile: each op's seconds, each collective's, the ranks replayed.
+"""Chapter 14 — step time from a machine profile: each op's seconds, each collective's, the ranks replayed.
 
 A training step's time is predicted in three layers, each a formula fed only by a machine profile
 (:mod:`..profiles`: calibrated here or shipped with citations), never by a free efficiency:

@@ -171,6 +171,8 @@ CHAPTERS: tuple[Chapter, ...] = (
             headline=_HL + "ch12_putting_it_together:headline"),
     Chapter(13, "13_resilience", "Saving, resharding and surviving failures",
             (_M + "resilience",), written=True, headline=_HL + "ch13_resilience:headline"),
+    Chapter(14, "14_measuring", "Appendix — measuring time on the machine you have",
+            (_M + "analysis.predict", _M + "costmodel.step_time", _M + "runtime.timing"), written=True),
 )
 
 

@@ -167,6 +167,7 @@ def main(args) -> int:
             return 2
         for ch in chosen:
             if not (ch.written and ch.headline):
-                print(f"skipping {ch.tag}: not written yet", file=sys.stderr)
+                why = "no headline experiment" if ch.written else "not written yet"
+                print(f"skipping {ch.tag}: {why}", file=sys.stderr)
         chapters = [ch for ch in chosen if ch.written]
     return run(chapters, smoke=args.smoke or env_smoke())

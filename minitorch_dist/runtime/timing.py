@@ -1,4 +1,4 @@
-"""Chapter 00 — the one clock of the course: how long a function takes on its device, after a
+"""Chapter 14 — the one clock of the course: how long a function takes on its device, after a
 warm-up, as the median (or another statistic) of several runs.
 
 A GPU runs asynchronously: the host queues kernels and returns at once, so a clock read right

@@ -1,4 +1,4 @@
-"""Chapter 00 — machine profiles: the measured (or cited) numbers every time prediction starts from.
+"""Chapter 14 — machine profiles: the measured (or cited) numbers every time prediction starts from.
 
 A time prediction is only as good as the machine description it is fed. The course never uses a free
 "efficiency" knob: every rate comes from a *profile*, either measured here by
