@@ -13,7 +13,7 @@ EXTRAS ?= test,lab
 # (PYTHONDONTWRITEBYTECODE), every collection rewrites all of them again (seconds per pass).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
-.PHONY: setup tour lint test test-fast test-portability lab notebooks exercises check-exercises grade student-repo figures gpu-report clean
+.PHONY: setup tour lint book test test-fast test-portability lab notebooks exercises check-exercises grade student-repo figures gpu-report clean
 # A student's copy of the course has no solutions/: there `make test` leaves tests/exercises to `make grade`.
 NO_SOLUTIONS := $(if $(wildcard solutions),,--ignore=tests/exercises)
 
@@ -82,5 +82,14 @@ figures: $(STAMP)                    ## redraw the chapters' figures into chapte
 gpu-report: $(STAMP)                 ## GPU numbers: gpu tests, calibration, busbw, DDP/FSDP vs torch, kernels, GEMMs, MFU
 	$(BIN)/python -m minitorch_dist.analysis.gpu_report
 
+BOOK_STAMP := $(VENV)/.book-installed
+
+$(BOOK_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[book]"
+	touch $(BOOK_STAMP)
+
+book: $(BOOK_STAMP)                  ## the book as a website in build/book: chapters, notebooks (committed outputs), figures, source
+	$(BIN)/python -m minitorch_dist.course.book --out build/book
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build/book build/book-src
