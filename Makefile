@@ -36,7 +36,7 @@ lint: $(STAMP)                       ## ruff over the repository, mypy over runt
 test: $(STAMP)                       ## lint, then the whole suite: library, exercises, notebooks (smoke sizes)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "not serial" $(NBVAL) tests notebooks $(NO_SOLUTIONS)
+	MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "not serial" $(NBVAL) notebooks tests $(NO_SOLUTIONS)
 	MTD_SMOKE=1 $(PYTEST) -m serial $$($(BIN)/python tests/_passes.py serial)
 
 # Another MKL code path than the run's own: COMPATIBLE, or AVX2 where the whole run already uses COMPATIBLE.

@@ -106,7 +106,15 @@ def v_schedules():
     def title(name, sim):
         return (f"{name}: bubble {sim.bubble_fraction:.1%}, idle per rank {max(sim.idle):g} t_F, "
                 f"stash {max(sim.peak_stashed):g} microbatches per rank")
-    fig = _gantts([("zbv", p, m, 2), ("dualpipev", p, m, 2)], (9, 3.4), title)
+    fig = _gantts([("zbv", p, m, 2), ("dualpipev", p, m, 2)], (9, 3.6), title)
+    zbv = simulate(make_schedule("zbv", p, m), t_f=1, t_b=1, t_w=1)
+    top = fig.axes[0]
+    for e in zbv.events:  # each half-unit block with its microbatch: too narrow for the Gantt's own labels
+        top.text((e.t_start + e.t_end) / 2, e.rank, e.name[1:], ha="center", va="center", fontsize=4.5)
+    for ax in fig.axes:  # a V puts two chunks on each rank: the rows are ranks, not stages
+        ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    top.set_title(top.get_title() + " (labels: microbatch; .1 its second chunk, run back up the ranks)",
+                  fontsize=8.5, loc="left")
     sched = make_schedule("dualpipev", p, m)
     sim = simulate(sched, t_f=1, t_b=1, t_w=1)
     ax = fig.axes[1]

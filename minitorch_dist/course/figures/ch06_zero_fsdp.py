@@ -77,7 +77,8 @@ def memory_vs_ranks():
 def _zero3_schedule(units: int, prefetch: bool, ag=0.6, fwd=1.0, bwd=2.0, rs=0.6):
     """One ZeRO-3 step of a chain of ``units`` on two lanes, compute and communication (each one thing at a
     time): ``[(lane, start, duration, label)]``. Without prefetch a unit's all-gather starts when it is
-    needed; with it, the next unit's all-gather is issued as soon as the current unit starts computing."""
+    needed; with it, the next unit's all-gather is issued as soon as the current unit starts computing. The
+    last unit's backward follows its own forward, so it runs on the weights still gathered (no all-gather)."""
     rows, comm_free, compute_free = [], 0.0, 0.0
 
     def gather(label, not_before):
@@ -92,7 +93,10 @@ def _zero3_schedule(units: int, prefetch: bool, ag=0.6, fwd=1.0, bwd=2.0, rs=0.6
     for i, (kind, u) in enumerate(order):
         start = max(compute_free, ready[(kind, u)])
         nxt = order[i + 1] if i + 1 < len(order) else None
-        if nxt is not None and prefetch:
+        kept = nxt is not None and nxt[1] == u  # the last unit's backward follows its forward: still gathered
+        if kept:
+            ready[nxt] = 0.0
+        if nxt is not None and prefetch and not kept:
             ready[nxt] = gather(f"AG {nxt[1]}", start)
         dur = fwd if kind == "F" else bwd
         rows.append(("compute", start, dur, f"{kind} {u}"))
@@ -101,7 +105,7 @@ def _zero3_schedule(units: int, prefetch: bool, ag=0.6, fwd=1.0, bwd=2.0, rs=0.6
             start_rs = max(comm_free, compute_free)
             rows.append(("comm", start_rs, rs, f"RS {u}"))
             comm_free = start_rs + rs
-        if nxt is not None and not prefetch:
+        if nxt is not None and not prefetch and not kept:
             ready[nxt] = gather(f"AG {nxt[1]}", compute_free)
     return rows
 
