@@ -135,8 +135,8 @@ def test_estimate_rejects_unknown_optimizer(capsys):
 
 @pytest.mark.parametrize("cmd, flag", [("grade", "--chapter"), ("tour", "--chapters")])
 def test_unknown_chapter_exits_2(cmd, flag, capsys):
-    assert main([cmd, flag, "ch14"]) == 2
-    assert "no chapter 'ch14'" in capsys.readouterr().err
+    assert main([cmd, flag, "ch15"]) == 2
+    assert "no chapter 'ch15'" in capsys.readouterr().err
 
 
 # --- bad numbers, impossible plans and oversized schedules: clear errors, never a hang or a table of nan ---
