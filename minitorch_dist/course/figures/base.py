@@ -96,3 +96,25 @@ def same_drawing(a: str, b: str, resolution: float = RESOLUTION) -> str | None:
         if i % 2 == 1 and abs(float(x) - float(y)) > resolution:
             return f"a number differs by more than {resolution}: {x} against {y} (after {ta[i - 1][-60:]!r})"
     return None
+
+
+def holdings(ax, ranks: list[str], rows: list[tuple[str, list[tuple[str, float]]]], moves: list[str] = ()):
+    """Draw who holds what: one column per rank, one row per tensor; each cell's text says which part the
+    rank holds and its bar how much of the whole (1.0: all of it); ``moves`` are the collectives, written
+    under the grid, top to bottom in the order they run."""
+    colors = ("#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52")
+    for i, (name, cells) in enumerate(rows):
+        y = len(rows) - 1 - i
+        ax.text(-0.15, y, name, ha="right", va="center", fontsize=8)
+        for j, (text, share) in enumerate(cells):
+            ax.add_patch(plt.Rectangle((j + 0.05, y - 0.38), 0.9, 0.76, facecolor="white", edgecolor="#999"))
+            ax.add_patch(plt.Rectangle((j + 0.05, y - 0.38), 0.9 * share, 0.76, facecolor=colors[i % 5],
+                                       alpha=0.35, edgecolor="none"))
+            ax.text(j + 0.5, y, text, ha="center", va="center", fontsize=7.5)
+    for j, rank in enumerate(ranks):
+        ax.text(j + 0.5, len(rows) - 0.35, rank, ha="center", va="bottom", fontsize=8, weight="bold")
+    for k, move in enumerate(moves):
+        ax.text(len(ranks) / 2, -0.85 - 0.4 * k, move, ha="center", va="center", fontsize=8)
+    ax.set_xlim(-2.4, len(ranks) + 0.1), ax.set_ylim(-0.75 - 0.4 * len(moves), len(rows) + 0.1)
+    ax.axis("off")
+    return ax

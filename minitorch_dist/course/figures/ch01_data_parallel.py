@@ -96,3 +96,23 @@ def bucket_cap():
                  f"({len(sizes)} gradient tensors)", fontsize=9)
     ax.legend(fontsize=7, loc="center right")
     return fig
+
+
+@figure("ch01_who_holds_what")
+def who_holds_what():
+    """DDP on 4 ranks in chapter 00's notation: every rank the whole model and optimizer, its own quarter
+    of the batch, a gradient that is a partial sum until the all-reduce."""
+    from .base import holdings
+
+    n = 4
+    fig, ax = plt.subplots(figsize=(8.5, 3.0))
+    holdings(ax, [f"rank {r}" for r in range(n)], [
+        ("weights W[D, F]", [("whole", 1.0)] * n),
+        ("optimizer state", [("whole", 1.0)] * n),
+        ("batch X[B_dp, S, D]", [(f"part {r} of B", 1 / n) for r in range(n)]),
+        ("gradient after backward", [("partial, {U_dp}", 1.0)] * n),
+        ("gradient after all-reduce", [("G[D, F]: equal", 1.0)] * n),
+    ], ["all-reduce over dp, bucket by bucket during backward: G{U_dp} → G[D, F] on every rank",
+        "then every rank takes the same optimizer step on the same weights"])
+    ax.set_title("Data parallelism: who holds what, and what moves (bar: share of the whole)", fontsize=10)
+    return fig
