@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ... import costmodel
-from .base import figure
+from .base import figure, holdings
 
 GiB = 2**30
 GPT3 = {"seq": 2048, "hidden": 12288, "heads": 96, "layers": 96, "vocab": 51200}
@@ -121,4 +121,25 @@ def attention_share():
     ax.set_xlabel("sequence length s (one sequence, b = 1)"), ax.set_ylabel("GiB per layer (16-bit)")
     ax.set_title("A GPT-3 layer (h = 12288, a = 96): the share of the attention scores")
     ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+@figure("ch07_who_holds_what")
+def who_holds_what():
+    """Activation checkpointing of a 16-layer chain in 4 segments, the same on every rank: each segment
+    keeps its input X[B, S, D] and the RNG state, drops the activations inside it in the forward, and
+    recomputes them in the backward, last segment first; what moves is recomputation, no collective."""
+    k = 4
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
+    holdings(ax, [f"layers {4 * s + 1}–{4 * s + 4}" for s in range(k)], [
+        ("segment input X[B, S, D]", [("kept", 1.0)] * k),
+        ("RNG state, before forward", [("saved", 1.0)] * k),
+        ("activations inside, forward", [("dropped", 0.0)] * k),
+        ("inside, backward of segment 4", [("not yet", 0.0)] * (k - 1) + [("recomputed", 1.0)]),
+        ("inside, backward of segment 1", [("recomputed", 1.0)] + [("freed", 0.0)] * (k - 1)),
+    ], ["no collective: the backward re-runs each segment's forward from its kept X, last segment first,",
+        "with the RNG state restored (the same dropout masks), then back-propagates it and frees it",
+        "peak: k kept inputs + one segment's activations, k·b + (n/k)·L; price: one more forward"])
+    ax.set_title("Checkpointing 16 layers in 4 segments, on every rank alike: what is kept, what is "
+                 "recomputed (bar: share held)", fontsize=10)
     return fig

@@ -11,7 +11,7 @@ from matplotlib.patches import Rectangle
 
 from ... import costmodel
 from ...memory.mixed_precision import DynamicLossScaler
-from .base import figure
+from .base import figure, holdings
 
 PART_COLORS = {"sign": "#C44E52", "exponent": "#4C72B0", "mantissa": "#55A868"}
 
@@ -109,4 +109,32 @@ def loss_scale():
     ax.set_title(f"Dynamic loss scaling (growth every {interval} clean steps, halve on overflow; "
                  f"fp16 max {fp16_max:g})", fontsize=9)
     ax.legend(fontsize=7.5, loc="lower right")
+    return fig
+
+
+@figure("ch08_who_holds_what")
+def who_holds_what():
+    """What one data-parallel rank holds, and in which dtype, under the three recipes of the chapter
+    (MixedPrecisionTrainer in fp16 and in bf16; bf16 autocast with FP8Linear): the fp32 masters and Adam
+    moments, the 16-bit working copy, the gradients, the scales; what moves is casts and the gradient
+    all-reduce, in the gradient's dtype."""
+    fig, ax = plt.subplots(figsize=(9.0, 3.6))
+    holdings(ax, ["fp16 trainer", "bf16 trainer", "fp8 Linears (autocast)"], [
+        ("master weights W[D, F]", [("fp32, 4 B", 1.0)] * 2 + [("fp32: parameters", 1.0)]),
+        ("working weights W[D, F]", [("fp16 copy, 2 B", 0.5), ("bf16 copy, 2 B", 0.5),
+                                     ("E4M3 per GEMM, 1 B", 0.25)]),
+        ("saved activations", [("fp16, 2 B", 0.5), ("bf16, 2 B", 0.5), ("x in E4M3, 1 B", 0.25)]),
+        ("gradient G[D, F]{U_dp}", [("fp16, times S, 2 B", 0.5), ("bf16, 2 B", 0.5), ("fp32, 4 B", 1.0)]),
+        ("master gradient G[D, F]", [("fp32, divided by S", 1.0), ("fp32, 4 B", 1.0),
+                                     ("G itself, fp32", 1.0)]),
+        ("Adam m, v", [("fp32, 4 + 4 B", 1.0)] * 3),
+        ("scales (fp32)", [("S, 2¹⁶ at start", 1.0), ("none needed", 0.0),
+                          ("448/amax a tensor", 1.0)]),
+    ], ["casts: after each step the fp32 masters are rounded into the 16-bit copy; "
+        "fp8: x, W → E4M3, dy → E5M2 per GEMM",
+        "all-reduce over dp in the gradient's dtype: G{U_dp} → G[D, F], "
+        "2 B an element in fp16 or bf16, 4 in fp32",
+        "then fold into fp32, divide by S, skip the step on inf or NaN, step the fp32 masters"])
+    ax.set_title("Mixed precision on one rank: which dtype holds what, and what moves "
+                 "(bar: bytes per element, of fp32's 4)", fontsize=10)
     return fig

@@ -10,7 +10,7 @@ import torch
 
 from ... import costmodel
 from ...communication import ErrorFeedback, PowerSGD, TopK
-from .base import figure
+from .base import figure, holdings
 
 #: the gradient of 24 GPT layers of width 4096 (qkv, proj, fc, fc-proj weights), as in the chapter
 WIDTH, LAYERS = 4096, 24
@@ -108,4 +108,27 @@ def powersgd_warm_start():
     ax.set_xlabel("step (one power iteration each)"), ax.set_ylabel("‖M − M̂‖ / ‖M‖")
     ax.set_title(f"Rank-{r} PowerSGD on one {n} × {m} matrix whose spectrum is known", fontsize=9)
     ax.legend(fontsize=7)
+    return fig
+
+
+@figure("ch09_who_holds_what")
+def who_holds_what():
+    """Rank-r PowerSGD with error feedback on 4 ranks, for one gradient matrix M[n, m] (here n = m = 64,
+    r = 4): each rank keeps its own M and error memory e, computes P[n, r] and Q[m, r] from them, and
+    only P and Q are all-reduced; every rank ends with the same rank-r approximation of the mean."""
+    n_ranks, m, r = 4, 64, 4
+    fig, ax = plt.subplots(figsize=(9.5, 3.4))
+    holdings(ax, [f"rank {k}" for k in range(n_ranks)], [
+        ("gradient M[n, m]{U_dp}", [(f"M_{k}: own samples", 1.0) for k in range(n_ranks)]),
+        ("error memory e[n, m]", [(f"e_{k}: own, kept", 1.0) for k in range(n_ranks)]),
+        ("Q[m, r] (warm start)", [("last step's Q", r / m)] * n_ranks),
+        ("P[n, r]{U_dp} → P[n, r], sum", [(f"(M_{k} + e_{k}) Q", r / m) for k in range(n_ranks)]),
+        ("Q[m, r]{U_dp} → Q[m, r], mean", [(f"(M_{k} + e_{k})ᵀ P", r / m) for k in range(n_ranks)]),
+        ("M̂[n, m] = P Qᵀ", [("equal everywhere", 1.0)] * n_ranks),
+        ("new e[n, m]", [(f"M_{k} + e_{k} − M̂", 1.0) for k in range(n_ranks)]),
+    ], ["all-reduce over dp of P[n, r]{U_dp} (a sum), then every rank orthogonalises P the same way",
+        "all-reduce over dp of Q[m, r]{U_dp}, divided by 4: (n + m)·r numbers a matrix instead of n·m",
+        "M and e never move; biases and norms (1-D) are all-reduced whole, in a third all-reduce"])
+    ax.set_title("PowerSGD on 4 ranks: who holds what, and what moves (bar: size, of M's n·m; n = m = 64, "
+                 "r = 4)", fontsize=10)
     return fig

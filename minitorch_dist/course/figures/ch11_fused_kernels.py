@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ... import costmodel
-from .base import figure
+from .base import figure, holdings
 
 
 @figure("ch11_roofline")
@@ -113,4 +113,28 @@ def online_softmax():
     a2.set_title(r"$d$ rescaled by $\exp(m_{j-1} - m_j)$ when the max grows", fontsize=9)
     a2.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
+    return fig
+
+
+@figure("ch11_who_holds_what")
+def who_holds_what():
+    """One attention head where each tensor lives: in HBM for standard attention, in HBM and on chip
+    (SRAM and registers, one program) for FlashAttention with tiles of N/4 rows; the N × N scores S and
+    probabilities P reach HBM only in the standard version. What moves is tiles, HBM to chip and back."""
+    fig, ax = plt.subplots(figsize=(9.5, 3.4))
+    holdings(ax, ["HBM: standard", "HBM: FlashAttention", "SRAM: one program"], [
+        ("Q[N, d]", [("whole", 1.0), ("whole", 1.0), ("Q_i: N/4 rows", 0.25)]),
+        ("K[N, d], V[N, d]", [("whole", 1.0), ("whole", 1.0), ("K_j, V_j: one tile", 0.25)]),
+        ("S = QKᵀ[N, N]", [("whole: written, read", 1.0), ("never written", 0.0),
+                           ("S_ij: one tile", 1 / 16)]),
+        ("P = softmax(S)[N, N]", [("kept for backward", 1.0), ("never written", 0.0),
+                                  ("P̃_ij: one tile", 1 / 16)]),
+        ("running max m, sum ℓ [N]", [("none", 0.0), ("L = m + log ℓ, saved", 1.0),
+                                       ("m, ℓ of Q_i's rows", 0.25)]),
+        ("O[N, d]", [("whole", 1.0), ("whole, written once", 1.0), ("Õ_i, ÷ ℓ at the end", 0.25)]),
+    ], ["standard: S and P go to HBM and back, two N × N matrices a head; autograd keeps P",
+        "FlashAttention: Q_i is loaded once, K_j and V_j stream past it, O_i and L_i are written once",
+        "its backward recomputes P_ij = exp(S_ij − L_i) tile by tile instead of reading P"])
+    ax.set_title("Attention, one head: which memory holds what, and what moves "
+                 "(bar: share of the whole tensor)", fontsize=10)
     return fig

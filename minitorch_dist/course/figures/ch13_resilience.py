@@ -7,7 +7,7 @@ from matplotlib.patches import Rectangle
 
 from ... import costmodel
 from ...resilience.placement import Placement
-from .base import figure
+from .base import figure, holdings
 
 RANK_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
 
@@ -107,4 +107,31 @@ def interval():
     ax.set_title(f"Llama 3 405B: M = {M / 3600:.2f} h, C = {C:.1f} s ({nbytes / 1e12:.1f} TB at "
                  f"{costmodel.LLAMA3_STORAGE_BYTES_PER_S / 1e12:g} TB/s), R = {R / 60:g} min")
     ax.legend(fontsize=7)
+    return fig
+
+
+@figure("ch13_who_holds_what")
+def who_holds_what():
+    """Resharding a checkpoint: FSDP on 4 ranks holds each tensor as a quarter of its flattened elements;
+    the checkpoint holds every piece once, with a metadata file of shapes, dtypes, placements and
+    SHA-256s; TP on 2 ranks loads W_in[D, F_tp], half of F each, by gathering its own positions."""
+    before, after = 4, 2
+    fig, ax = plt.subplots(figsize=(11.0, 3.8))
+    quarters = [(f"flat part {r}", 1 / before) for r in range(before)]
+    holdings(ax, [f"FSDP rank {r}" for r in range(before)] + ["checkpoint"]
+             + [f"TP rank {r}" for r in range(after)], [
+        ("W_in[D, F]", [("W_in[D_dp, F]", 1 / before)] * before + [("all 4 parts", 1.0)]
+         + [("W_in[D, F_tp]", 1 / after)] * after),
+        ("Adam m, v of W_in", quarters + [("all 4 parts", 1.0)]
+         + [(f"F_tp half {r}", 1 / after) for r in range(after)]),
+        ("LayerNorm w[D]", quarters + [("all 4 parts", 1.0)] + [("whole", 1.0)] * after),
+        ("step, RNG state", [("whole, equal", 1.0)] * before + [("written once", 1.0)]
+         + [("whole, equal", 1.0)] * after),
+        ("metadata", [("its own pieces", 1 / before)] * before + [("shapes, dtypes,\nplacements, SHA", 1.0)]
+         + [("read whole", 1.0)] * after),
+    ], ["save: the ranks swap their piece lists (all_gather_object); each distinct piece is written once,",
+        "by its least-loaded holder, into that rank's file; rank 0 writes the metadata and commits",
+        "load on 2 ranks: dense[positions(saved piece)] = saved values, then local = dense[positions(mine)]"])
+    ax.set_title("Resharding a checkpoint from FSDP on 4 ranks to TP on 2: who holds what "
+                 "(bar: share of the whole)", fontsize=10)
     return fig
