@@ -38,6 +38,7 @@ test: $(STAMP)                       ## lint, then the whole suite: library, exe
 	$(BIN)/mypy
 	MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "not serial" $(NBVAL) notebooks tests $(NO_SOLUTIONS)
 	MTD_SMOKE=1 $(PYTEST) -m serial $$($(BIN)/python tests/_passes.py serial)
+	MTD_SMOKE=1 $(PYTEST) -n 2 --dist load -m serial $$($(BIN)/python tests/_passes.py deadlines)
 
 # Another MKL code path than the run's own: COMPATIBLE, or AVX2 where the whole run already uses COMPATIBLE.
 OTHER_MKL := $(if $(filter COMPATIBLE,$(MKL_CBWR)),AVX2,COMPATIBLE)
@@ -51,6 +52,7 @@ test-fast: $(STAMP)                  ## lint, then library and exercises only, w
 	$(BIN)/mypy
 	MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "not slow and not serial" tests $(NO_SOLUTIONS)
 	MTD_SMOKE=1 $(PYTEST) -m "not slow and serial" $$($(BIN)/python tests/_passes.py serial)
+	MTD_SMOKE=1 $(PYTEST) -n 2 --dist load -m "not slow and serial" $$($(BIN)/python tests/_passes.py deadlines)
 
 lab: $(STAMP)                        ## JupyterLab on the notebooks
 	$(if $(wildcard solutions),,@echo "The cells that answer a *Predict first* prompt have no output here: write your prediction, then run them.")

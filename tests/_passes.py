@@ -1,17 +1,22 @@
 """Which test files each pass of ``make test`` runs, in one place: ``tests/conftest.py`` marks their tests
 (``serial``, ``numerics``) and ``make`` passes the files themselves, so a pass that runs a few files does
-not collect (import and assert-rewrite) all of them. ``python tests/_passes.py serial|numerics`` prints
-a pass's files. No imports beyond the standard library: ``make`` runs this before each pass."""
+not collect (import and assert-rewrite) all of them. ``python tests/_passes.py serial|deadlines|numerics``
+prints a pass's files. No imports beyond the standard library: ``make`` runs this before each pass."""
 import os
 import sys
 from pathlib import Path
 
-#: Files whose tests hold wall-clock time to a prediction or a limit (a measured step against the cost
-#: model, a timeout that must fire in time): marked ``serial``, so ``make test`` runs them alone on the
-#: machine after the rest has run two at a time (``pytest -n 2``), where another test's ranks would
-#: steal their cores. A single timed test in another file carries ``@pytest.mark.serial`` itself.
-SERIAL_FILES = {"test_predict.py", "test_grade.py", "test_pipeline_measured.py", "test_parameter_server.py",
-                "test_hogwild.py", "test_step_time.py", "test_launch_failures.py", "test_launch_limits.py"}
+#: Files whose tests hold a measured time to a prediction (a step against the cost model, a model that
+#: must train in seconds): marked ``serial``, so ``make test`` runs them alone on the machine after the
+#: rest has run two at a time (``pytest -n 2``), where another test's ranks would steal their cores.
+SERIAL_FILES = {"test_predict.py", "test_pipeline_measured.py", "test_step_time.py"}
+
+#: Files whose tests hold a deadline with room to spare (a timeout that must fire, a crash reported, the
+#: processes gone within seconds): marked ``serial`` too, but run two at a time in a pass of their own
+#: (``python tests/_passes.py deadlines``): they wait more than they compute, and a neighbour that also
+#: mostly waits cannot make a deadline miss, while the main pass's busy ranks could.
+DEADLINE_FILES = {"test_grade.py", "test_parameter_server.py", "test_hogwild.py", "test_launch_failures.py",
+                  "test_launch_limits.py"}
 
 
 #: Files whose tests compare floating-point results that another CPU rounds differently: equal to one
@@ -30,11 +35,13 @@ NUMERICS_FILES = {
     "test_attention_tiled.py", "test_figures.py", "test_scaler_sharded.py",
 }
 
-#: Files outside :data:`SERIAL_FILES` with a test held to wall-clock time (marked
-#: ``@pytest.mark.serial`` itself): the serial pass collects them too.
-TIMED_TESTS_IN = {"test_cli.py", "test_dryrun.py", "test_models.py", "test_meters.py"}
+#: Files outside the two sets above with a test held to wall-clock time (marked ``@pytest.mark.serial``
+#: itself): a measured time in the serial pass, a deadline in the deadlines pass.
+TIMED_TESTS_IN = {"test_dryrun.py", "test_models.py"}
+DEADLINE_TESTS_IN = {"test_cli.py", "test_meters.py"}
 
-PASSES = {"serial": SERIAL_FILES | TIMED_TESTS_IN, "numerics": NUMERICS_FILES}
+PASSES = {"serial": SERIAL_FILES | TIMED_TESTS_IN, "deadlines": DEADLINE_FILES | DEADLINE_TESTS_IN,
+          "numerics": NUMERICS_FILES}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PASSES:

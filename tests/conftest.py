@@ -1,7 +1,8 @@
 """Suite-wide rules: `gpu` tests skip with a reason where there is no CUDA GPU; every test starts
 from the same random state (torch, Python's `random`, NumPy seeded with 0), so a test that draws
 unseeded numbers still sees the same ones whatever ran before it or alone; tests timed against a
-prediction or a limit are marked ``serial`` (run alone by ``make test``); tests whose floating-point
+prediction or a limit are marked ``serial`` (``make test`` runs them after the rest: alone, or two
+at a time where they hold a deadline with room to spare); tests whose floating-point
 results depend on the CPU's rounding are marked ``numerics`` (run again under another MKL code path by
 ``.ci/run``); and the report's header
 says which implementation the exercise tests load (your stubs or the worked solutions)."""
@@ -11,7 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from _passes import NUMERICS_FILES, SERIAL_FILES  # which files the serial and numerics passes run
+from _passes import DEADLINE_FILES, NUMERICS_FILES, SERIAL_FILES  # which files each pass runs
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SERIAL_FILES:
+        if item.path.name in SERIAL_FILES | DEADLINE_FILES:
             item.add_marker(pytest.mark.serial)
         if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)
