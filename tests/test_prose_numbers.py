@@ -18,7 +18,8 @@ NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(?![\w])")
 #: chapter tag -> {number: where it comes from}: computed in the prose from printed numbers or formulas
 DERIVED: dict[str, dict[str, str]] = {
     "ch02": {"0.010": "1 - exp(-omega^2/d) at omega = 10, d = 10,000 (the collision chance, in words)",
-             "1.9": "the sparse throughput at 2 processes over 1, both printed"},
+             "1.6": "the sparse lock-free throughput at 2 processes over 1, both printed",
+             "1.9": "the dense lock-free throughput at 2 processes over 1, both printed"},
     "ch07": {"1,280": "the saved bytes of every-block checkpointing (printed) minus n·b + L"},
     "ch09": {"12.5": "the 50x smaller payload over the all-gather's n/2 = 4"},
     "ch13": {"7.2": "the 7,209,216 parameters the notebook prints, in millions"},

@@ -167,9 +167,9 @@ def hogwild_conflicts():
         ax.plot(omegas, [costmodel.hogwild_conflict_probability(int(w), d, p) for w in omegas], c=c,
                 label=f"p = {p} processes")
         ax.plot(omegas, np.minimum((p - 1) * omegas**2 / d, 1.0), c=c, ls=":", lw=1)
-    ax.axvline(100, c="k", alpha=0.25)
-    at = costmodel.hogwild_conflict_probability(100, d, 2)
-    ax.annotate(f"the notebook's sparse problem:\nω = 100, p = 2: {at:.3f}", xy=(100, at), xytext=(2.5, 0.62),
+    ax.axvline(10, c="k", alpha=0.25)
+    at = costmodel.hogwild_conflict_probability(10, d, 2)
+    ax.annotate(f"the notebook's sparse problem:\nω = 10, p = 2: {at:.3f}", xy=(10, at), xytext=(130, 0.3),
                 fontsize=7.5, arrowprops={"arrowstyle": "->", "alpha": 0.5})
     ax.set_xscale("log"), ax.set_xlabel("support size ω (coordinates an update touches)")
     ax.set_ylabel("P(conflict)")
