@@ -43,8 +43,8 @@ test: $(STAMP)                       ## lint, then the whole suite: library, exe
 # Another MKL code path than the run's own: COMPATIBLE, or AVX2 where the whole run already uses COMPATIBLE.
 OTHER_MKL := $(if $(filter COMPATIBLE,$(MKL_CBWR)),AVX2,COMPATIBLE)
 
-test-portability: $(STAMP)           ## the numerics tests again, with MKL on another code path (other float rounding)
-	MKL_CBWR=$(OTHER_MKL) MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "numerics and not serial" \
+test-portability: $(STAMP)           ## the numerics tests again (world size 2), with MKL on another code path (other float rounding)
+	MKL_CBWR=$(OTHER_MKL) MTD_SMOKE=1 $(PYTEST) -n 2 --dist loadfile -m "numerics and not serial and not wide" \
 	  $$($(BIN)/python tests/_passes.py numerics)
 
 test-fast: $(STAMP)                  ## lint, then library and exercises only, without slow tests

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from _passes import DEADLINE_FILES, NUMERICS_FILES, SERIAL_FILES  # which files each pass runs
+from _passes import DEADLINE_FILES, NUMERICS_FILES, SERIAL_FILES, WORLD_PARAM  # which files each pass runs
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +41,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)
+        world = getattr(item, "callspec", None) and item.callspec.params.get(WORLD_PARAM.get(item.path.name))
+        if isinstance(world, int) and world > 2:
+            item.add_marker(pytest.mark.wide)  # the portability pass leaves it to the main pass
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")

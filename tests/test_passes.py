@@ -4,7 +4,15 @@ every file a pass names exists."""
 import re
 from pathlib import Path
 
-from _passes import DEADLINE_FILES, DEADLINE_TESTS_IN, NUMERICS_FILES, PASSES, SERIAL_FILES, TIMED_TESTS_IN
+from _passes import (
+    DEADLINE_FILES,
+    DEADLINE_TESTS_IN,
+    NUMERICS_FILES,
+    PASSES,
+    SERIAL_FILES,
+    TIMED_TESTS_IN,
+    WORLD_PARAM,
+)
 
 HERE = Path(__file__).parent
 
@@ -24,3 +32,12 @@ def test_every_file_a_pass_names_exists():
 
 def test_a_file_is_in_one_late_pass():
     assert not PASSES["serial"] & PASSES["deadlines"], "a file's serial tests run in one pass, not two"
+
+
+def test_the_world_size_parameter_is_one_each_file_parametrizes():
+    """A renamed parameter would silently put the 4-rank runs back into the portability pass (or, named
+    after another parameter, leave out the wrong tests)."""
+    assert set(WORLD_PARAM) <= NUMERICS_FILES
+    for name, param in WORLD_PARAM.items():
+        text = (HERE / name).read_text()
+        assert re.search(rf'parametrize\("{param}"', text), f"{name} parametrizes no {param!r}"
