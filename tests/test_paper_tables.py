@@ -151,3 +151,19 @@ def test_table1_rows_fit_in_80_gb_with_full_recomputation(measured):
     one_t = rows[1]
     assert (one_t["dp"], one_t["tp"], one_t["pp"]) == (6, 8, 64)
     assert one_t["peak"] > 35e9  # 2 layers' fp16 weights, grads and fp32 Adam state alone: 35 GB
+
+
+def test_narayanan_rows_come_back_in_row_order_from_several_interpreters(monkeypatch):
+    import minitorch_dist.analysis.paper_tables as pt
+
+    calls = []
+
+    def fake(kind, jobs, timeout):
+        calls.append([j["index"] for j in jobs])
+        return [{"row": j["index"]} for j in jobs]
+
+    monkeypatch.setattr(pt, "_in_subprocess", fake)
+    assert [r["row"] for r in narayanan_table1_measured(rows=[0, 3, 5, 9, 2], processes=2)] == [0, 3, 5, 9, 2]
+    assert sorted(calls) == [[0, 5, 2], [3, 9]]
+    with pytest.raises(ValueError, match="at least 1 interpreter"):
+        narayanan_table1_measured(processes=0)
