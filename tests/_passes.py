@@ -13,8 +13,9 @@ SERIAL_FILES = {"test_predict.py", "test_pipeline_measured.py", "test_step_time.
 
 #: Files whose tests hold a deadline with room to spare (a timeout that must fire, a crash reported, the
 #: processes gone within seconds): marked ``serial`` too, but run two at a time in a pass of their own
-#: (``python tests/_passes.py deadlines``): they wait more than they compute, and a neighbour that also
-#: mostly waits cannot make a deadline miss, while the main pass's busy ranks could.
+#: (``python tests/_passes.py deadlines``): they wait more than they compute, and their deadlines have
+#: room for one such neighbour (two at a time passed every run here; four at a time, one missed), not
+#: for the main pass's busy ranks.
 DEADLINE_FILES = {"test_grade.py", "test_parameter_server.py", "test_hogwild.py", "test_launch_failures.py",
                   "test_launch_limits.py"}
 
@@ -37,9 +38,9 @@ NUMERICS_FILES = {
 
 #: Numerics files whose tests run at world sizes 2 and 4, and the parameter that is the world size. The
 #: main pass runs both sizes; the portability pass only 2 (``conftest`` marks the rest ``wide``). The
-#: bounds are one formula in the number of ranks, so a bound tuned to one CPU's rounding shows at world
-#: size 2 under another MKL path as well; leaving the 4-rank runs (4 ranks on 2 cores: two thirds of
-#: these files' time) keeps the pass near 2 minutes.
+#: bounds are one formula in the number of ranks, so a bound tuned to one CPU's rounding should show at
+#: world size 2 under another MKL path too; leaving out the 4-rank runs (4 ranks on 2 cores: two thirds
+#: of these files' time) keeps the pass near 2 minutes.
 WORLD_PARAM = {"test_data_parallel.py": "n", "test_fsdp.py": "n", "test_fsdp_prefetch.py": "n",
                "test_zero.py": "n", "test_sharded_optimizer.py": "n", "test_scaler_sharded.py": "n",
                "test_pipeline.py": "p"}

@@ -41,8 +41,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)
-        world = getattr(item, "callspec", None) and item.callspec.params.get(WORLD_PARAM.get(item.path.name))
-        if isinstance(world, int) and world > 2:
+        param, callspec = WORLD_PARAM.get(item.path.name), getattr(item, "callspec", None)
+        if param and callspec and callspec.params.get(param, 2) > 2:
             item.add_marker(pytest.mark.wide)  # the portability pass leaves it to the main pass
     if torch.cuda.is_available():
         return

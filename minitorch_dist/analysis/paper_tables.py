@@ -298,9 +298,9 @@ def narayanan_row_measured(index: int, gpu: str = "a100") -> dict:
 
 
 def narayanan_table1_measured(rows=None, gpu: str = "a100", timeout: float = 300, processes: int = 2) -> list:
-    """:func:`narayanan_row_measured` for the given row indices (default: all), in the row order, each in
-    a fresh interpreter of ``processes`` run at once (a dry run keeps one core busy; every other row goes
-    to the next interpreter, so the large rows at the end are shared)."""
+    """:func:`narayanan_row_measured` for the given row indices (default: all), returned in that order.
+    The rows are dealt out to ``processes`` fresh interpreters that run at once (a dry run keeps one core
+    busy): row k goes to interpreter k mod ``processes``, so the large rows at the end are shared."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .planner_presets import NARAYANAN_TABLE1
